@@ -1,0 +1,28 @@
+// _kvcm_cpu: exports the CPU FFI handlers as capsules for jax.ffi.register_ffi_target.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* KvcmWriteKvCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KvcmPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KvcmRaggedPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
+}
+
+template <typename Fn>
+static nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+NB_MODULE(_kvcm_cpu, m) {
+  m.doc() = "jax_kvcm CPU custom-call handlers (XLA FFI).";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["kvcm_write_kv"] = Capsule(KvcmWriteKvCpu);
+    d["kvcm_paged_attention"] = Capsule(KvcmPagedAttentionCpu);
+    d["kvcm_ragged_paged_attention"] = Capsule(KvcmRaggedPagedAttentionCpu);
+    return d;
+  }, "Handler capsules by FFI target name.");
+}

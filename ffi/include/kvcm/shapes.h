@@ -1,0 +1,157 @@
+// Shape and argument checks shared by the CPU and CUDA handlers.
+//
+// Page-table convention (spelled out once, used by every op):
+//   cache     [num_pages, page_size, num_kv_heads, head_dim]            (or [num_layers, ...] first)
+//   flat slot = page * page_size + offset;  token i of sequence b lives in page
+//               page_table[b, i / page_size] at offset i % page_size.
+//   page 0 is the null page: page-table padding points there and is never read for valid tokens.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace kvcm {
+
+namespace ffi = xla::ffi;
+
+enum class DType { kF32, kBF16, kF16 };
+
+inline std::string DimsToString(ffi::Span<const int64_t> dims) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < dims.size(); ++i) s << (i ? ", " : "") << dims[i];
+  s << "]";
+  return s.str();
+}
+
+inline std::optional<DType> ToDType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return DType::kF32;
+    case ffi::DataType::BF16: return DType::kBF16;
+    case ffi::DataType::F16: return DType::kF16;
+    default: return std::nullopt;
+  }
+}
+
+inline ffi::Error Invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+// The same, for functions returning ffi::ErrorOr<T>.
+inline ffi::Unexpected<ffi::Error> Fail(const std::string& msg) {
+  return ffi::Unexpected<ffi::Error>(Invalid(msg));
+}
+
+// Geometry of a K/V cache pair. Strides are in elements.
+struct CacheShape {
+  int64_t num_layers = 1;  // 1 when the cache has no layer axis
+  int64_t num_pages = 0;
+  int64_t page_size = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  DType dtype = DType::kF32;
+
+  int64_t token_stride() const { return num_kv_heads * head_dim; }
+  int64_t page_stride() const { return page_size * token_stride(); }
+  int64_t layer_stride() const { return num_pages * page_stride(); }
+  int64_t num_slots() const { return num_pages * page_size; }
+};
+
+inline ffi::ErrorOr<CacheShape> ParseCaches(const ffi::AnyBuffer& k_cache,
+                                            const ffi::AnyBuffer& v_cache) {
+  auto kd = k_cache.dimensions();
+  auto vd = v_cache.dimensions();
+  if (kd.size() != 4 && kd.size() != 5)
+    return Fail("k_cache must have rank 4 [num_pages, page_size, num_kv_heads, head_dim] or 5 "
+                   "[num_layers, ...], got shape " + DimsToString(kd));
+  if (vd.size() != kd.size())
+    return Fail("v_cache shape " + DimsToString(vd) + " must equal k_cache shape " +
+                   DimsToString(kd));
+  for (size_t i = 0; i < kd.size(); ++i)
+    if (kd[i] != vd[i])
+      return Fail("v_cache shape " + DimsToString(vd) + " must equal k_cache shape " +
+                     DimsToString(kd));
+  auto dt = ToDType(k_cache.element_type());
+  if (!dt) return Fail("k_cache dtype must be float32, bfloat16 or float16");
+  if (v_cache.element_type() != k_cache.element_type())
+    return Fail("v_cache dtype must equal k_cache dtype");
+  CacheShape c;
+  size_t o = kd.size() == 5 ? 1 : 0;
+  c.num_layers = o ? kd[0] : 1;
+  c.num_pages = kd[o];
+  c.page_size = kd[o + 1];
+  c.num_kv_heads = kd[o + 2];
+  c.head_dim = kd[o + 3];
+  c.dtype = *dt;
+  if (c.num_layers < 1 || c.num_pages < 1 || c.page_size < 1 || c.num_kv_heads < 1 ||
+      c.head_dim < 1)
+    return Fail("k_cache has an empty dimension: " + DimsToString(kd));
+  return c;
+}
+
+// Shared shape checks for paged_attention (query_start == nullptr) and ragged_paged_attention.
+struct AttentionShape {
+  CacheShape cache;
+  int64_t num_queries = 0;  // B for decode, T for ragged
+  int64_t num_heads = 0;
+  int64_t batch = 0;        // number of sequences
+  int64_t max_pages = 0;    // page_table width
+  int64_t group() const { return num_heads / cache.num_kv_heads; }
+};
+
+inline ffi::ErrorOr<AttentionShape> ParseAttention(const ffi::AnyBuffer& q,
+                                                   const ffi::AnyBuffer& k_cache,
+                                                   const ffi::AnyBuffer& v_cache,
+                                                   const ffi::AnyBuffer& page_table,
+                                                   const ffi::AnyBuffer& seq_lens,
+                                                   const ffi::AnyBuffer* query_start,
+                                                   const ffi::AnyBuffer& layer,
+                                                   const ffi::AnyBuffer& out) {
+  auto cache = ParseCaches(k_cache, v_cache);
+  if (cache.has_error()) return ffi::Unexpected<ffi::Error>(cache.error());
+  AttentionShape s;
+  s.cache = *cache;
+  auto qd = q.dimensions();
+  if (qd.size() != 3) return Fail("q must have rank 3, got shape " + DimsToString(qd));
+  if (q.element_type() != k_cache.element_type())
+    return Fail("q dtype must equal the cache dtype");
+  s.num_queries = qd[0];
+  s.num_heads = qd[1];
+  if (qd[2] != s.cache.head_dim)
+    return Fail("q head_dim " + std::to_string(qd[2]) + " must equal the cache head_dim " +
+                   std::to_string(s.cache.head_dim));
+  if (s.num_heads < 1 || s.num_heads % s.cache.num_kv_heads != 0)
+    return Fail("q num_heads " + std::to_string(s.num_heads) +
+                   " must be a positive multiple of num_kv_heads " +
+                   std::to_string(s.cache.num_kv_heads));
+  auto pt = page_table.dimensions();
+  if (pt.size() != 2 || page_table.element_type() != ffi::DataType::S32)
+    return Fail("page_table must be int32 [batch, max_pages], got shape " + DimsToString(pt));
+  s.batch = pt[0];
+  s.max_pages = pt[1];
+  auto sl = seq_lens.dimensions();
+  if (sl.size() != 1 || sl[0] != s.batch || seq_lens.element_type() != ffi::DataType::S32)
+    return Fail("seq_lens must be int32 [batch] with batch=" + std::to_string(s.batch) +
+                   ", got shape " + DimsToString(sl));
+  if (query_start == nullptr) {
+    if (s.num_queries != s.batch)
+      return Fail("q batch " + std::to_string(s.num_queries) + " must equal page_table batch " +
+                     std::to_string(s.batch));
+  } else {
+    auto qs = query_start->dimensions();
+    if (qs.size() != 1 || qs[0] != s.batch + 1 ||
+        query_start->element_type() != ffi::DataType::S32)
+      return Fail("query_start must be int32 [batch + 1] with batch=" +
+                     std::to_string(s.batch) + ", got shape " + DimsToString(qs));
+  }
+  if (layer.dimensions().size() != 0 || layer.element_type() != ffi::DataType::S32)
+    return Fail("layer must be an int32 scalar");
+  auto od = out.dimensions();
+  if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] ||
+      out.element_type() != q.element_type())
+    return Fail("out must have the shape and dtype of q");
+  return s;
+}
+
+}  // namespace kvcm

@@ -1,0 +1,131 @@
+"""Argument checks run in Python before tracing: errors name the argument."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _shape(x: Any, name: str) -> tuple[int, ...]:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def check_int32(x: Any, name: str, rank: int) -> tuple[int, ...]:
+    shape = _shape(x, name)
+    if jnp.dtype(x.dtype) != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {shape}")
+    return shape
+
+
+def check_caches(k_cache: Any, v_cache: Any) -> tuple[int, ...]:
+    """Returns the cache shape ([L,] num_pages, page_size, num_kv_heads, head_dim)."""
+    shape = _shape(k_cache, "k_cache")
+    if len(shape) not in (4, 5):
+        raise ValueError(
+            "k_cache must have rank 4 [num_pages, page_size, num_kv_heads, head_dim] or 5 "
+            f"[num_layers, num_pages, page_size, num_kv_heads, head_dim], got shape {shape}"
+        )
+    if jnp.dtype(k_cache.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"k_cache dtype must be float32, bfloat16 or float16, got {k_cache.dtype}")
+    if _shape(v_cache, "v_cache") != shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {shape}")
+    if jnp.dtype(v_cache.dtype) != jnp.dtype(k_cache.dtype):
+        raise TypeError(f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}")
+    if min(shape) < 1:
+        raise ValueError(f"k_cache has an empty dimension: {shape}")
+    return shape
+
+
+def layer_operand(layer: Any, cache_shape: tuple[int, ...]) -> jax.Array:
+    """The int32 scalar operand for `layer` (0 when the cache has no layer axis)."""
+    if len(cache_shape) == 4:
+        if layer is not None:
+            raise ValueError("layer must be None when k_cache has no layer axis (rank 4)")
+        return jnp.zeros((), jnp.int32)
+    if layer is None:
+        raise ValueError(f"layer is required when k_cache has a layer axis (shape {cache_shape})")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= int(layer) < cache_shape[0]:
+            raise ValueError(f"layer {int(layer)} is outside [0, {cache_shape[0]})")
+        return jnp.asarray(layer, jnp.int32)
+    shape = _shape(layer, "layer")
+    if shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise TypeError(f"layer must be an integer scalar, got {layer.dtype}{list(shape)}")
+    return jnp.asarray(layer, jnp.int32)
+
+
+def attention_attrs(scale: float | None, sliding_window: int | None, soft_cap: float | None,
+                    head_dim: int) -> dict[str, Any]:
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0
+                                 or not math.isfinite(soft_cap)):
+        raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+    return dict(
+        scale=np.float32(scale),
+        sliding_window=np.int32(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
+
+
+def check_attention(q: Any, k_cache: Any, v_cache: Any, page_table: Any, seq_lens: Any,
+                    query_start: Any | None) -> tuple[int, ...]:
+    """Checks the attention operands; returns the cache shape."""
+    cache_shape = check_caches(k_cache, v_cache)
+    num_kv_heads, head_dim = cache_shape[-2], cache_shape[-1]
+    q_shape = _shape(q, "q")
+    what = "[T, num_heads, head_dim]" if query_start is not None else "[batch, num_heads, head_dim]"
+    if len(q_shape) != 3:
+        raise ValueError(f"q must have rank 3 {what}, got shape {q_shape}")
+    if jnp.dtype(q.dtype) != jnp.dtype(k_cache.dtype):
+        raise TypeError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
+    if q_shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q_shape[2]} must equal the cache head_dim {head_dim}")
+    if q_shape[1] < 1 or q_shape[1] % num_kv_heads:
+        raise ValueError(
+            f"q num_heads {q_shape[1]} must be a positive multiple of num_kv_heads {num_kv_heads}")
+    batch, _ = check_int32(page_table, "page_table", 2)
+    (n,) = check_int32(seq_lens, "seq_lens", 1)
+    if n != batch:
+        raise ValueError(f"seq_lens shape {tuple(seq_lens.shape)} must be [batch] = [{batch}]")
+    if query_start is None:
+        if q_shape[0] != batch:
+            raise ValueError(f"q batch {q_shape[0]} must equal page_table batch {batch}")
+    else:
+        (m,) = check_int32(query_start, "query_start", 1)
+        if m != batch + 1:
+            raise ValueError(
+                f"query_start shape {tuple(query_start.shape)} must be [batch + 1] = [{batch + 1}]")
+    return cache_shape
+
+
+def check_write(k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any) -> tuple[int, ...]:
+    cache_shape = check_caches(k_cache, v_cache)
+    want = ("T",) + tuple(cache_shape[-2:])
+    k_shape = _shape(k, "k")
+    if len(k_shape) != 3 or k_shape[1:] != cache_shape[-2:]:
+        raise ValueError(f"k must have shape [T, num_kv_heads, head_dim] = {list(want)}, got {k_shape}")
+    if _shape(v, "v") != k_shape:
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {k_shape}")
+    for name, x in (("k", k), ("v", v)):
+        if jnp.dtype(x.dtype) != jnp.dtype(k_cache.dtype):
+            raise TypeError(f"{name} dtype {x.dtype} must equal the cache dtype {k_cache.dtype}")
+    (t,) = check_int32(slot_mapping, "slot_mapping", 1)
+    if t != k_shape[0]:
+        raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} must be [T] = [{k_shape[0]}]")
+    return cache_shape
