@@ -9,25 +9,10 @@ ffi::Error WriteKvCpuImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::A
                           ffi::AnyBuffer v, ffi::AnyBuffer slot_mapping,
                           ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> k_out,
                           ffi::Result<ffi::AnyBuffer> v_out) {
-  auto cache = ParseCaches(k_cache, v_cache);
+  auto cache = ParseWriteKv(k_cache, v_cache, k, v, slot_mapping, layer);
   if (cache.has_error()) return cache.error();
   const CacheShape& c = *cache;
-  auto kd = k.dimensions();
-  if (kd.size() != 3 || kd[1] != c.num_kv_heads || kd[2] != c.head_dim)
-    return Invalid("k must have shape [T, num_kv_heads, head_dim] = [T, " +
-                   std::to_string(c.num_kv_heads) + ", " + std::to_string(c.head_dim) +
-                   "], got " + DimsToString(kd));
-  auto vd = v.dimensions();
-  if (vd.size() != 3 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
-    return Invalid("v shape " + DimsToString(vd) + " must equal k shape " + DimsToString(kd));
-  if (k.element_type() != k_cache.element_type() || v.element_type() != k_cache.element_type())
-    return Invalid("k and v dtype must equal the cache dtype");
-  const int64_t num_tokens = kd[0];
-  if (slot_mapping.element_type() != ffi::DataType::S32 || slot_mapping.dimensions().size() != 1 ||
-      slot_mapping.element_count() != size_t(num_tokens))
-    return Invalid("slot_mapping must be int32 [T] with T=" + std::to_string(num_tokens));
-  if (layer.element_type() != ffi::DataType::S32 || layer.dimensions().size() != 0)
-    return Invalid("layer must be an int32 scalar");
+  const int64_t num_tokens = k.dimensions()[0];
   const int32_t layer_index = *static_cast<const int32_t*>(layer.untyped_data());
   if (layer_index < 0 || layer_index >= c.num_layers)
     return Invalid("layer " + std::to_string(layer_index) + " is outside [0, " +

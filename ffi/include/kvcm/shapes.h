@@ -14,6 +14,12 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__CUDACC__)
+#define KVCM_HD __host__ __device__
+#else
+#define KVCM_HD
+#endif
+
 namespace kvcm {
 
 namespace ffi = xla::ffi;
@@ -52,10 +58,10 @@ struct CacheShape {
   int64_t head_dim = 0;
   DType dtype = DType::kF32;
 
-  int64_t token_stride() const { return num_kv_heads * head_dim; }
-  int64_t page_stride() const { return page_size * token_stride(); }
-  int64_t layer_stride() const { return num_pages * page_stride(); }
-  int64_t num_slots() const { return num_pages * page_size; }
+  KVCM_HD int64_t token_stride() const { return num_kv_heads * head_dim; }
+  KVCM_HD int64_t page_stride() const { return page_size * token_stride(); }
+  KVCM_HD int64_t layer_stride() const { return num_pages * page_stride(); }
+  KVCM_HD int64_t num_slots() const { return num_pages * page_size; }
 };
 
 inline ffi::ErrorOr<CacheShape> ParseCaches(const ffi::AnyBuffer& k_cache,
@@ -97,7 +103,7 @@ struct AttentionShape {
   int64_t num_heads = 0;
   int64_t batch = 0;        // number of sequences
   int64_t max_pages = 0;    // page_table width
-  int64_t group() const { return num_heads / cache.num_kv_heads; }
+  KVCM_HD int64_t group() const { return num_heads / cache.num_kv_heads; }
 };
 
 inline ffi::ErrorOr<AttentionShape> ParseAttention(const ffi::AnyBuffer& q,
@@ -152,6 +158,33 @@ inline ffi::ErrorOr<AttentionShape> ParseAttention(const ffi::AnyBuffer& q,
       out.element_type() != q.element_type())
     return Fail("out must have the shape and dtype of q");
   return s;
+}
+
+// Shape checks for write_kv; returns the cache geometry.
+inline ffi::ErrorOr<CacheShape> ParseWriteKv(const ffi::AnyBuffer& k_cache,
+                                             const ffi::AnyBuffer& v_cache, const ffi::AnyBuffer& k,
+                                             const ffi::AnyBuffer& v,
+                                             const ffi::AnyBuffer& slot_mapping,
+                                             const ffi::AnyBuffer& layer) {
+  auto cache = ParseCaches(k_cache, v_cache);
+  if (cache.has_error()) return ffi::Unexpected<ffi::Error>(cache.error());
+  const CacheShape& c = *cache;
+  auto kd = k.dimensions();
+  if (kd.size() != 3 || kd[1] != c.num_kv_heads || kd[2] != c.head_dim)
+    return Fail("k must have shape [T, num_kv_heads, head_dim] = [T, " +
+                std::to_string(c.num_kv_heads) + ", " + std::to_string(c.head_dim) + "], got " +
+                DimsToString(kd));
+  auto vd = v.dimensions();
+  if (vd.size() != 3 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
+    return Fail("v shape " + DimsToString(vd) + " must equal k shape " + DimsToString(kd));
+  if (k.element_type() != k_cache.element_type() || v.element_type() != k_cache.element_type())
+    return Fail("k and v dtype must equal the cache dtype");
+  if (slot_mapping.element_type() != ffi::DataType::S32 || slot_mapping.dimensions().size() != 1 ||
+      slot_mapping.dimensions()[0] != kd[0])
+    return Fail("slot_mapping must be int32 [T] with T=" + std::to_string(kd[0]));
+  if (layer.element_type() != ffi::DataType::S32 || layer.dimensions().size() != 0)
+    return Fail("layer must be an int32 scalar");
+  return c;
 }
 
 }  // namespace kvcm

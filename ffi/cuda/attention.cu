@@ -1,0 +1,105 @@
+// CUDA handlers for paged_attention and ragged_paged_attention: parse, pick a kernel, launch.
+#include "kvcm/cuda/attention.cuh"
+
+namespace kvcm::cuda {
+namespace {
+
+ffi::ErrorOr<AttentionArgs> MakeArgs(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                                     ffi::AnyBuffer v_cache, ffi::AnyBuffer page_table,
+                                     ffi::AnyBuffer seq_lens, const ffi::AnyBuffer* query_start,
+                                     ffi::AnyBuffer layer, ffi::AnyBuffer out, float scale,
+                                     int32_t window, float soft_cap) {
+  auto shape = ParseAttention(q, k_cache, v_cache, page_table, seq_lens, query_start, layer, out);
+  if (shape.has_error()) return ffi::Unexpected<ffi::Error>(shape.error());
+  AttentionArgs a;
+  a.q = q.untyped_data();
+  a.k_cache = k_cache.untyped_data();
+  a.v_cache = v_cache.untyped_data();
+  a.out = out.untyped_data();
+  a.page_table = static_cast<const int32_t*>(page_table.untyped_data());
+  a.seq_lens = static_cast<const int32_t*>(seq_lens.untyped_data());
+  a.query_start = query_start ? static_cast<const int32_t*>(query_start->untyped_data()) : nullptr;
+  a.layer = static_cast<const int32_t*>(layer.untyped_data());
+  a.shape = *shape;
+  a.scale = scale;
+  a.window = window;
+  a.soft_cap = soft_cap;
+  a.error_word = DeviceErrorWord();
+  return a;
+}
+
+ffi::Error Run(cudaStream_t stream, ffi::ScratchAllocator& scratch, const AttentionArgs& a,
+               const char* op) {
+  if (a.shape.num_queries == 0) return ffi::Error::Success();
+  ffi::Error err = ffi::Error::Success();
+  if (a.query_start == nullptr) {
+    err = PagedDecodeSupports(a) ? LaunchPagedDecode(stream, a, scratch)
+                                 : LaunchSimpleAttention(stream, a);
+  } else {
+    err = RaggedPrefillSupports(a) ? LaunchRaggedPrefill(stream, a, scratch)
+                                   : LaunchSimpleAttention(stream, a);
+  }
+  if (err.failure()) return err;
+  if (CheckIndicesEnabled()) return FinishChecked(stream, op);
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                  ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                  ffi::AnyBuffer page_table, ffi::AnyBuffer seq_lens,
+                                  ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> out,
+                                  float scale, int32_t sliding_window, float soft_cap) {
+  auto a = MakeArgs(q, k_cache, v_cache, page_table, seq_lens, nullptr, layer, *out, scale,
+                    sliding_window, soft_cap);
+  if (a.has_error()) return a.error();
+  return Run(stream, scratch, *a, "paged_attention");
+}
+
+ffi::Error RaggedPagedAttentionCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                        ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                                        ffi::AnyBuffer v_cache, ffi::AnyBuffer page_table,
+                                        ffi::AnyBuffer seq_lens, ffi::AnyBuffer query_start,
+                                        ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> out,
+                                        float scale, int32_t sliding_window, float soft_cap) {
+  auto a = MakeArgs(q, k_cache, v_cache, page_table, seq_lens, &query_start, layer, *out, scale,
+                    sliding_window, soft_cap);
+  if (a.has_error()) return a.error();
+  return Run(stream, scratch, *a, "ragged_paged_attention");
+}
+
+}  // namespace
+}  // namespace kvcm::cuda
+
+namespace xffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCuda, kvcm::cuda::PagedAttentionCudaImpl,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xffi::ScratchAllocator>()
+                                  .Arg<xffi::AnyBuffer>()  // q [B, H, D]
+                                  .Arg<xffi::AnyBuffer>()  // k_cache
+                                  .Arg<xffi::AnyBuffer>()  // v_cache
+                                  .Arg<xffi::AnyBuffer>()  // page_table [B, P]
+                                  .Arg<xffi::AnyBuffer>()  // seq_lens [B]
+                                  .Arg<xffi::AnyBuffer>()  // layer []
+                                  .Ret<xffi::AnyBuffer>()  // out [B, H, D]
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCuda,
+                              kvcm::cuda::RaggedPagedAttentionCudaImpl,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xffi::ScratchAllocator>()
+                                  .Arg<xffi::AnyBuffer>()  // q [T, H, D]
+                                  .Arg<xffi::AnyBuffer>()  // k_cache
+                                  .Arg<xffi::AnyBuffer>()  // v_cache
+                                  .Arg<xffi::AnyBuffer>()  // page_table [B, P]
+                                  .Arg<xffi::AnyBuffer>()  // seq_lens [B]
+                                  .Arg<xffi::AnyBuffer>()  // query_start [B + 1]
+                                  .Arg<xffi::AnyBuffer>()  // layer []
+                                  .Ret<xffi::AnyBuffer>()  // out [T, H, D]
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));

@@ -1,0 +1,28 @@
+// _kvcm_cuda: exports the CUDA FFI handlers as capsules for jax.ffi.register_ffi_target.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* KvcmWriteKvCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KvcmPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KvcmRaggedPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
+}
+
+template <typename Fn>
+static nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+NB_MODULE(_kvcm_cuda, m) {
+  m.doc() = "jax_kvcm CUDA custom-call handlers (XLA FFI).";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["kvcm_write_kv"] = Capsule(KvcmWriteKvCuda);
+    d["kvcm_paged_attention"] = Capsule(KvcmPagedAttentionCuda);
+    d["kvcm_ragged_paged_attention"] = Capsule(KvcmRaggedPagedAttentionCuda);
+    return d;
+  }, "Handler capsules by FFI target name.");
+}

@@ -1,0 +1,317 @@
+// Split-KV paged decode attention on tensor cores (bf16 / f16).
+//
+// Grid (num_splits, num_kv_heads, batch). A CTA owns one sequence, one kv head and one range of
+// 16-token tiles; its G = H / Hkv query heads form the rows of one m16 tile (rows >= G are zero).
+// Each warp streams its own tiles (w, w + kWarps, ...) through a private kStages-deep cp.async
+// ring, keeps its own online-softmax state, and the warps merge through shared memory at the end.
+// With num_splits > 1 the CTA writes an unnormalized partial (o, max, sum) and a combine kernel
+// reduces the splits.
+#include <algorithm>
+
+#include "kvcm/cuda/attention.cuh"
+#include "kvcm/cuda/mma.cuh"
+
+namespace kvcm::cuda {
+namespace {
+
+constexpr int kTile = 16;  // tokens per tile
+constexpr int kWarps = 4;
+
+template <int D>
+constexpr int DecodeStages() { return D <= 128 ? 3 : 2; }
+
+template <int D>
+constexpr int DecodeSmemBytes() {
+  return kWarps * DecodeStages<D>() * 2 * kTile * D * 2;
+}
+
+struct DecodeParams {
+  AttentionArgs a;
+  LogitTransform logit;
+  int page_shift;
+  int num_splits;
+  float* part_o;   // [num_splits, B, H, D] (num_splits > 1)
+  float* part_ml;  // [num_splits, B, H, 2]
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodeParams p) {
+  constexpr int kChunks = D / 8;
+  constexpr int kStages = DecodeStages<D>();
+  constexpr int kTileElems = kTile * D;
+  const AttentionArgs& a = p.a;
+  const AttentionShape& s = a.shape;
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int G = int(s.group());
+  const int P = int(s.cache.page_size);
+
+  extern __shared__ uint4 smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  __shared__ int cta_bad;
+  if (threadIdx.x == 0) cta_bad = 0;
+  __syncthreads();
+
+  int len = a.seq_lens[b];
+  int li = *a.layer;
+  uint32_t bits = 0;
+  if (len < 0 || len > s.max_pages * P) { bits |= kBadSeqLen; len = 0; }
+  if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; len = 0; }
+  const int lo = a.window > 0 ? max(0, len - a.window) : 0;
+  const int tile_lo = lo / kTile, tile_hi = (len + kTile - 1) / kTile;
+  const int per_split = (max(tile_hi - tile_lo, 0) + p.num_splits - 1) / p.num_splits;
+  const int my_lo = tile_lo + split * per_split;
+  const int my_hi = min(tile_hi, my_lo + per_split);
+  const int my_count = my_hi - my_lo > warp ? (my_hi - my_lo - warp + kWarps - 1) / kWarps : 0;
+
+  // Q rows kvh*G + r for r < G as A fragments, one per 16-wide k step.
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+  const T* qb = static_cast<const T*>(a.q) + (int64_t(b) * s.num_heads + int64_t(kvh) * G) * D;
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int col = kk * 16 + c0;
+    qf[kk][0] = r0 < G ? *reinterpret_cast<const uint32_t*>(qb + r0 * D + col) : 0u;
+    qf[kk][1] = r0 + 8 < G ? *reinterpret_cast<const uint32_t*>(qb + (r0 + 8) * D + col) : 0u;
+    qf[kk][2] = r0 < G ? *reinterpret_cast<const uint32_t*>(qb + r0 * D + col + 8) : 0u;
+    qf[kk][3] = r0 + 8 < G ? *reinterpret_cast<const uint32_t*>(qb + (r0 + 8) * D + col + 8) : 0u;
+  }
+
+  const int64_t layer_off = int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D;
+  const T* kbase = static_cast<const T*>(a.k_cache) + layer_off;
+  const T* vbase = static_cast<const T*>(a.v_cache) + layer_off;
+  const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
+  const int64_t token_stride = s.cache.token_stride();
+  T* wsmem = smem + warp * kStages * 2 * kTileElems;
+
+  auto load_tile = [&](int it, int stage) {
+    const int tile = my_lo + warp + it * kWarps;
+    T* ks = wsmem + stage * 2 * kTileElems;
+    T* vs = ks + kTileElems;
+#pragma unroll
+    for (int i = lane; i < kTile * kChunks; i += 32) {
+      const int row = i / kChunks, ch = i % kChunks;
+      const int pos = tile * kTile + row;
+      bool valid = pos >= lo && pos < len;
+      int64_t off = 0;
+      if (valid) {
+        const int page = pages[pos >> p.page_shift];
+        if (page < 0 || page >= s.cache.num_pages) {
+          bits |= kBadPage;
+          valid = false;
+        } else {
+          off = (int64_t(page) * P + (pos & (P - 1))) * token_stride + ch * 8;
+        }
+      }
+      const int so = SwizzledOffset<kChunks>(row, ch);
+      CpAsync16(SmemAddr(ks + so), kbase + off, valid);
+      CpAsync16(SmemAddr(vs + so), vbase + off, valid);
+    }
+  };
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < my_count) load_tile(st, st);
+    CpAsyncCommit();
+  }
+  for (int it = 0; it < my_count; ++it) {
+    CpAsyncWait<kStages - 2>();
+    __syncwarp();
+    if (it + kStages - 1 < my_count) load_tile(it + kStages - 1, (it + kStages - 1) % kStages);
+    CpAsyncCommit();
+
+    const T* ks = wsmem + (it % kStages) * 2 * kTileElems;
+    const T* vs = ks + kTileElems;
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t r[4];
+      const int row = (lane & 7) + ((lane >> 4) << 3);
+      LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
+      Mma<T>::mma(sc[0], qf[kk], r[0], r[1]);
+      Mma<T>::mma(sc[1], qf[kk], r[2], r[3]);
+    }
+    const int tile_pos = (my_lo + warp + it * kWarps) * kTile;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int pos = tile_pos + nt * 8 + c0 + (j & 1);
+        sc[nt][j] = (pos >= lo && pos < len) ? p.logit(sc[nt][j]) : -INFINITY;
+      }
+    OnlineSoftmax<2, D / 8>(sc, o, m, l);
+    const uint32_t pa[4] = {Mma<T>::pack(sc[0][0], sc[0][1]), Mma<T>::pack(sc[0][2], sc[0][3]),
+                            Mma<T>::pack(sc[1][0], sc[1][1]), Mma<T>::pack(sc[1][2], sc[1][3])};
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      uint32_t r[4];
+      const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
+      LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
+      Mma<T>::mma(o[n], pa, r[0], r[1]);
+      Mma<T>::mma(o[n + 1], pa, r[2], r[3]);
+    }
+  }
+  CpAsyncWait<0>();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  if (bits) {
+    atomicOr(&cta_bad, 1);
+    RaiseError(a.error_word, bits);
+  }
+  __syncthreads();  // all warps are done with the ring: reuse it for the merge
+
+  float* mo = reinterpret_cast<float*>(smem);  // [kWarps][G][D]
+  float* mm = mo + kWarps * G * D;             // [kWarps][G]
+  float* ml = mm + kWarps * G;                 // [kWarps][G]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + 8 * h;
+    if (row < G) {
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        mo[(warp * G + row) * D + n * 8 + c0] = o[n][2 * h];
+        mo[(warp * G + row) * D + n * 8 + c0 + 1] = o[n][2 * h + 1];
+      }
+      if (lane % 4 == 0) {
+        mm[warp * G + row] = m[h];
+        ml[warp * G + row] = l[h];
+      }
+    }
+  }
+  __syncthreads();
+  const bool bad = cta_bad != 0;
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    const int row = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, mm[w * G + row]);
+    float num = 0.f, den = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = FastExp2(mm[w * G + row] - mx);
+        num += f * mo[(w * G + row) * D + d];
+        den += f * ml[w * G + row];
+      }
+    }
+    if (bad) num = NAN;
+    const int64_t head = int64_t(b) * s.num_heads + int64_t(kvh) * G + row;
+    if (p.num_splits == 1) {
+      static_cast<T*>(a.out)[head * D + d] = DTypeTraits<T>::from_float(den > 0.f ? num / den : (bad ? NAN : 0.f));
+    } else {
+      const int64_t ph = int64_t(split) * s.batch * s.num_heads + head;
+      p.part_o[ph * D + d] = num;
+      if (d == 0) {
+        p.part_ml[ph * 2] = mx;
+        p.part_ml[ph * 2 + 1] = den;
+      }
+    }
+  }
+}
+
+// Merges the splits of each (b, h): out = sum_i 2^(m_i - M) o_i / sum_i 2^(m_i - M) l_i.
+template <typename T>
+__global__ void CombineSplitsKernel(const float* __restrict__ part_o,
+                                    const float* __restrict__ part_ml, T* __restrict__ out,
+                                    int num_splits, int64_t num_rows, int D) {
+  const int64_t row = blockIdx.x;
+  float mx = -INFINITY;
+  for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, part_ml[(i * num_rows + row) * 2]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float num = 0.f, den = 0.f;
+    if (mx != -INFINITY) {
+      for (int i = 0; i < num_splits; ++i) {
+        const int64_t pr = i * num_rows + row;
+        const float f = FastExp2(part_ml[pr * 2] - mx);
+        num += f * part_o[pr * D + d];
+        den += f * part_ml[pr * 2 + 1];
+      }
+    }
+    const bool nan = num != num;
+    out[row * D + d] = DTypeTraits<T>::from_float(nan ? NAN : (den > 0.f ? num / den : 0.f));
+  }
+}
+
+template <typename T, int D>
+ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAllocator& scratch) {
+  const AttentionShape& s = a.shape;
+  constexpr int smem = DecodeSmemBytes<D>();
+  static bool configured = false;  // NOTE: per-template, set on the first launch
+  if (!configured) {
+    if (cudaFuncSetAttribute(PagedDecodeKernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem) != cudaSuccess)
+      return LaunchError("paged_attention: cudaFuncSetAttribute");
+    configured = true;
+  }
+  int per_sm = 1;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, PagedDecodeKernel<T, D>, kWarps * 32, smem);
+  const int64_t base = s.batch * s.cache.num_kv_heads;
+  const int64_t slots = int64_t(NumSMs()) * std::max(per_sm, 1);
+  int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
+  if (a.window > 0) max_tiles = std::min<int64_t>(max_tiles, (a.window + kTile - 1) / kTile + 1);
+  // One wave of CTAs when the batch alone cannot fill the GPU; at least 2 tiles per warp.
+  int64_t splits = base < slots ? slots / base : 1;
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, max_tiles / (2 * kWarps)));
+
+  DecodeParams p;
+  p.a = a;
+  const float log2e = 1.4426950408889634f;
+  p.logit = LogitTransform{a.scale * log2e, a.scale, a.soft_cap, a.soft_cap * log2e};
+  p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
+  p.num_splits = int(splits);
+  p.part_o = nullptr;
+  p.part_ml = nullptr;
+  const int64_t rows = s.batch * s.num_heads;
+  if (splits > 1) {
+    auto po = scratch.Allocate(size_t(splits * rows * D) * sizeof(float), 256);
+    auto pm = scratch.Allocate(size_t(splits * rows * 2) * sizeof(float), 256);
+    if (!po || !pm) return ffi::Error::Internal("paged_attention: scratch allocation failed");
+    p.part_o = static_cast<float*>(*po);
+    p.part_ml = static_cast<float*>(*pm);
+  }
+  dim3 grid(unsigned(splits), unsigned(s.cache.num_kv_heads), unsigned(s.batch));
+  PagedDecodeKernel<T, D><<<grid, kWarps * 32, smem, stream>>>(p);
+  if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
+  if (splits > 1) {
+    CombineSplitsKernel<T><<<unsigned(rows), 128, 0, stream>>>(
+        p.part_o, p.part_ml, static_cast<T*>(a.out), int(splits), rows, D);
+    return LaunchError("paged_attention (combine kernel)");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAllocator& scratch) {
+  switch (a.shape.cache.head_dim) {
+    case 64: return Launch<T, 64>(stream, a, scratch);
+    case 128: return Launch<T, 128>(stream, a, scratch);
+    case 256: return Launch<T, 256>(stream, a, scratch);
+  }
+  return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
+}
+
+}  // namespace
+
+bool PagedDecodeSupports(const AttentionArgs& a) {
+  const AttentionShape& s = a.shape;
+  const int64_t D = s.cache.head_dim, P = s.cache.page_size;
+  return (s.cache.dtype == DType::kBF16 || s.cache.dtype == DType::kF16) &&
+         (D == 64 || D == 128 || D == 256) && P > 0 && (P & (P - 1)) == 0 && s.group() <= 16 &&
+         s.batch <= 65535 && s.cache.num_kv_heads <= 65535;
+}
+
+ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a,
+                             ffi::ScratchAllocator& scratch) {
+  if (a.shape.cache.dtype == DType::kBF16) return DispatchDim<__nv_bfloat16>(stream, a, scratch);
+  return DispatchDim<__half>(stream, a, scratch);
+}
+
+}  // namespace kvcm::cuda

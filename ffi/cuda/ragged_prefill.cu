@@ -1,0 +1,329 @@
+// Ragged (prefill / mixed) paged attention on tensor cores, FlashAttention-2 style.
+//
+// Rows: the G = H / Hkv query heads that share a kv head are packed with the query tokens, row
+// r of sequence b = (token r / G, head r % G), so one K/V tile serves G heads. A CTA owns 64 rows
+// (16 per warp) of one sequence and one kv head and streams 64-token K/V tiles (32 for D = 256)
+// through a shared kStages-deep cp.async ring; warps keep their own online-softmax state.
+// A schedule kernel turns query_start into per-sequence tile offsets first (one CTA per tile,
+// heaviest tiles of each sequence first), and a fill kernel zeroes the padding rows of q.
+#include <cub/block/block_scan.cuh>
+
+#include "kvcm/cuda/attention.cuh"
+#include "kvcm/cuda/mma.cuh"
+
+namespace kvcm::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kRows = 16 * kWarps;  // query rows per CTA
+constexpr int kScheduleThreads = 1024;
+
+template <int D> constexpr int KvTile() { return D <= 128 ? 64 : 32; }
+template <int D> constexpr int Stages() { return 2; }
+template <int D> constexpr int SmemBytes() { return Stages<D>() * 2 * KvTile<D>() * D * 2; }
+
+// tile_offsets[b] = sum over b' < b of ceil(num_queries(b') * G / kRows); invalid sequences
+// (bad query_start or seq_lens) get no tiles and raise error bits.
+__global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets) {
+  using Scan = cub::BlockScan<int32_t, kScheduleThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  __shared__ int32_t carry;
+  const AttentionShape& s = a.shape;
+  const int G = int(s.group());
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < s.batch; base += kScheduleThreads) {
+    const int64_t b = base + threadIdx.x;
+    int32_t tiles = 0;
+    if (b < s.batch) {
+      const int32_t q0 = a.query_start[b], q1 = a.query_start[b + 1], len = a.seq_lens[b];
+      uint32_t bits = 0;
+      if (q0 < 0 || q1 < q0 || q1 > s.num_queries || q1 - q0 > len) bits |= kBadQueryStart;
+      if (len < 0 || len > s.max_pages * s.cache.page_size) bits |= kBadSeqLen;
+      if (bits) RaiseError(a.error_word, bits);
+      else tiles = int32_t((int64_t(q1 - q0) * G + kRows - 1) / kRows);
+    }
+    int32_t excl, total;
+    Scan(temp).ExclusiveSum(tiles, excl, total);
+    if (b < s.batch) tile_offsets[b] = carry + excl;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) tile_offsets[s.batch] = carry;
+}
+
+// Zeroes rows outside [query_start[0], query_start[B]) (NaN if query_start itself is invalid).
+template <typename T>
+__global__ void FillPaddingKernel(AttentionArgs a) {
+  const AttentionShape& s = a.shape;
+  const int64_t row = blockIdx.x;
+  const int32_t first = a.query_start[0], last = a.query_start[s.batch];
+  const bool broken = first < 0 || last > s.num_queries || first > last;
+  if (!broken && row >= first && row < last) return;
+  if (broken && threadIdx.x == 0) RaiseError(a.error_word, kBadQueryStart);
+  T* out = static_cast<T*>(a.out) + row * s.num_heads * s.cache.head_dim;
+  const T v = DTypeTraits<T>::from_float(broken ? NAN : 0.f);
+  for (int64_t i = threadIdx.x; i < s.num_heads * s.cache.head_dim; i += blockDim.x) out[i] = v;
+}
+
+struct PrefillParams {
+  AttentionArgs a;
+  LogitTransform logit;
+  int page_shift;
+  const int32_t* tile_offsets;  // [B + 1]
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const PrefillParams p) {
+  constexpr int kChunks = D / 8;
+  constexpr int kKv = KvTile<D>();
+  constexpr int kStages = Stages<D>();
+  constexpr int kTileElems = kKv * D;
+  constexpr int kNt = kKv / 8;  // logit n-tiles per K/V tile
+  const AttentionArgs& a = p.a;
+  const AttentionShape& s = a.shape;
+  const int kvh = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int G = int(s.group());
+  const int P = int(s.cache.page_size);
+
+  // Find this CTA's sequence: largest b with tile_offsets[b] <= blockIdx.x.
+  const int32_t cta = blockIdx.x;
+  if (cta >= p.tile_offsets[s.batch]) return;
+  int lo_b = 0, hi_b = int(s.batch);
+  while (hi_b - lo_b > 1) {
+    const int mid = (lo_b + hi_b) / 2;
+    if (p.tile_offsets[mid] <= cta) lo_b = mid; else hi_b = mid;
+  }
+  const int b = lo_b;
+  const int num_tiles = p.tile_offsets[b + 1] - p.tile_offsets[b];
+  const int tile = num_tiles - 1 - (cta - p.tile_offsets[b]);  // heaviest (last) tiles first
+  const int q_begin = a.query_start[b];
+  const int nq = a.query_start[b + 1] - q_begin;
+  const int len = a.seq_lens[b];
+  const int num_rows = nq * G;
+  const int row0 = tile * kRows;
+  const int pos0 = len - nq;  // position of the sequence's first query token
+
+  extern __shared__ uint4 smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  __shared__ int cta_bad;
+  if (threadIdx.x == 0) cta_bad = 0;
+
+  int li = *a.layer;
+  uint32_t bits = 0;
+  if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; }
+
+  // This warp's two fragment rows and their query positions.
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+  int qpos[2];
+  bool row_valid[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + warp * 16 + r0 + 8 * h;
+    row_valid[h] = row < num_rows;
+    qpos[h] = pos0 + min(row, num_rows - 1) / G;
+  }
+  // Q fragments straight from global memory (read once per CTA).
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + warp * 16 + r0 + 8 * h;
+    const T* qr = static_cast<const T*>(a.q) +
+                  ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qf[kk][h] = row_valid[h] ? *reinterpret_cast<const uint32_t*>(qr + kk * 16 + c0) : 0u;
+      qf[kk][2 + h] = row_valid[h] ? *reinterpret_cast<const uint32_t*>(qr + kk * 16 + c0 + 8) : 0u;
+    }
+  }
+
+  // K/V range of the whole CTA: [key_lo, key_hi).
+  const int last_row = min(row0 + kRows, num_rows) - 1;
+  const int q_first = pos0 + row0 / G, q_last = pos0 + last_row / G;
+  const int key_lo = a.window > 0 ? max(0, q_first - a.window + 1) : 0;
+  const int key_hi = q_last + 1;
+  const int t_lo = key_lo / kKv, t_hi = (key_hi + kKv - 1) / kKv;
+
+  const int64_t layer_off = int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D;
+  const T* kbase = static_cast<const T*>(a.k_cache) + layer_off;
+  const T* vbase = static_cast<const T*>(a.v_cache) + layer_off;
+  const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
+  const int64_t token_stride = s.cache.token_stride();
+
+  auto load_tile = [&](int t, int stage) {
+    T* ks = smem + stage * 2 * kTileElems;
+    T* vs = ks + kTileElems;
+#pragma unroll
+    for (int i = threadIdx.x; i < kKv * kChunks; i += kWarps * 32) {
+      const int row = i / kChunks, ch = i % kChunks;
+      const int pos = t * kKv + row;
+      bool valid = pos >= key_lo && pos < key_hi;
+      int64_t off = 0;
+      if (valid) {
+        const int page = pages[pos >> p.page_shift];
+        if (page < 0 || page >= s.cache.num_pages) {
+          bits |= kBadPage;
+          valid = false;
+        } else {
+          off = (int64_t(page) * P + (pos & (P - 1))) * token_stride + ch * 8;
+        }
+      }
+      const int so = SwizzledOffset<kChunks>(row, ch);
+      CpAsync16(SmemAddr(ks + so), kbase + off, valid);
+      CpAsync16(SmemAddr(vs + so), vbase + off, valid);
+    }
+  };
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  // Rows of this warp: keys beyond warp_q_hi or at/below warp_q_lo - W are masked.
+  const int warp_first_row = min(row0 + warp * 16, num_rows - 1);
+  const int warp_last_row = min(row0 + warp * 16 + 15, num_rows - 1);
+  const int warp_q_lo = pos0 + warp_first_row / G, warp_q_hi = pos0 + warp_last_row / G;
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (t_lo + st < t_hi) load_tile(t_lo + st, st);
+    CpAsyncCommit();
+  }
+  for (int t = t_lo; t < t_hi; ++t) {
+    const int it = t - t_lo;
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();
+    if (t + kStages - 1 < t_hi) load_tile(t + kStages - 1, (it + kStages - 1) % kStages);
+    CpAsyncCommit();
+
+    const int key0 = t * kKv;
+    // Skip tiles entirely outside this warp's causal / window band.
+    if (key0 > warp_q_hi || (a.window > 0 && key0 + kKv - 1 <= warp_q_lo - a.window)) continue;
+    const T* ks = smem + (it % kStages) * 2 * kTileElems;
+    const T* vs = ks + kTileElems;
+    float sc[kNt][4];
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int nt = 0; nt < kNt; nt += 2) {
+        uint32_t r[4];
+        const int row = nt * 8 + (lane & 7) + ((lane >> 4) << 3);
+        LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
+        Mma<T>::mma(sc[nt], qf[kk], r[0], r[1]);
+        Mma<T>::mma(sc[nt + 1], qf[kk], r[2], r[3]);
+      }
+    }
+    const bool needs_mask =
+        key0 + kKv - 1 > warp_q_lo || (a.window > 0 && key0 <= warp_q_hi - a.window);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float x = p.logit(sc[nt][j]);
+        if (needs_mask) {
+          const int key = key0 + nt * 8 + c0 + (j & 1);
+          const int qp = qpos[j >> 1];
+          if (key > qp || (a.window > 0 && key <= qp - a.window)) x = -INFINITY;
+        }
+        sc[nt][j] = x;
+      }
+    OnlineSoftmax<kNt, D / 8>(sc, o, m, l);
+#pragma unroll
+    for (int ks16 = 0; ks16 < kKv / 16; ++ks16) {
+      const uint32_t pa[4] = {
+          Mma<T>::pack(sc[2 * ks16][0], sc[2 * ks16][1]), Mma<T>::pack(sc[2 * ks16][2], sc[2 * ks16][3]),
+          Mma<T>::pack(sc[2 * ks16 + 1][0], sc[2 * ks16 + 1][1]),
+          Mma<T>::pack(sc[2 * ks16 + 1][2], sc[2 * ks16 + 1][3])};
+#pragma unroll
+      for (int n = 0; n < D / 8; n += 2) {
+        uint32_t r[4];
+        const int row = ks16 * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
+        Mma<T>::mma(o[n], pa, r[0], r[1]);
+        Mma<T>::mma(o[n + 1], pa, r[2], r[3]);
+      }
+    }
+  }
+  CpAsyncWait<0>();
+  if (bits) {
+    atomicOr(&cta_bad, 1);
+    RaiseError(a.error_word, bits);
+  }
+  __syncthreads();
+  const bool bad = cta_bad != 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    const int row = row0 + warp * 16 + r0 + 8 * h;
+    if (!row_valid[h]) continue;
+    const float inv = bad ? NAN : (l[h] > 0.f ? 1.f / l[h] : 0.f);
+    T* out = static_cast<T*>(a.out) +
+             ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + n * 8 + c0) =
+          Mma<T>::pack(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+  }
+}
+
+template <typename T, int D>
+ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAllocator& scratch) {
+  const AttentionShape& s = a.shape;
+  constexpr int smem = SmemBytes<D>();
+  static bool configured = false;  // NOTE: per-template, set on the first launch
+  if (!configured) {
+    if (cudaFuncSetAttribute(RaggedPrefillKernel<T, D>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+      return LaunchError("ragged_paged_attention: cudaFuncSetAttribute");
+    configured = true;
+  }
+  auto offsets = scratch.Allocate(size_t(s.batch + 1) * sizeof(int32_t), 256);
+  if (!offsets) return ffi::Error::Internal("ragged_paged_attention: scratch allocation failed");
+  PrefillParams p;
+  p.a = a;
+  const float log2e = 1.4426950408889634f;
+  p.logit = LogitTransform{a.scale * log2e, a.scale, a.soft_cap, a.soft_cap * log2e};
+  p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
+  p.tile_offsets = static_cast<const int32_t*>(*offsets);
+
+  FillPaddingKernel<T><<<unsigned(s.num_queries), 128, 0, stream>>>(a);
+  ScheduleKernel<<<1, kScheduleThreads, 0, stream>>>(a, static_cast<int32_t*>(*offsets));
+  if (auto err = LaunchError("ragged_paged_attention (schedule)"); err.failure()) return err;
+  // Upper bound on the number of tiles: sum_b ceil(n_b G / kRows) <= T G / kRows + B.
+  const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;
+  dim3 grid(unsigned(max_tiles), unsigned(s.cache.num_kv_heads));
+  RaggedPrefillKernel<T, D><<<grid, kWarps * 32, smem, stream>>>(p);
+  return LaunchError("ragged_paged_attention (prefill kernel)");
+}
+
+template <typename T>
+ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAllocator& scratch) {
+  switch (a.shape.cache.head_dim) {
+    case 64: return Launch<T, 64>(stream, a, scratch);
+    case 128: return Launch<T, 128>(stream, a, scratch);
+    case 256: return Launch<T, 256>(stream, a, scratch);
+  }
+  return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported head_dim");
+}
+
+}  // namespace
+
+bool RaggedPrefillSupports(const AttentionArgs& a) {
+  const AttentionShape& s = a.shape;
+  const int64_t D = s.cache.head_dim, P = s.cache.page_size;
+  return (s.cache.dtype == DType::kBF16 || s.cache.dtype == DType::kF16) &&
+         (D == 64 || D == 128 || D == 256) && P > 0 && (P & (P - 1)) == 0 &&
+         s.cache.num_kv_heads <= 65535 && s.num_queries * s.group() < (int64_t(1) << 30);
+}
+
+ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a,
+                               ffi::ScratchAllocator& scratch) {
+  if (a.shape.cache.dtype == DType::kBF16) return DispatchDim<__nv_bfloat16>(stream, a, scratch);
+  return DispatchDim<__half>(stream, a, scratch);
+}
+
+}  // namespace kvcm::cuda

@@ -1,0 +1,92 @@
+// CUDA write_kv: one warp per token copies its K and V rows (16-byte vectors) into the slot.
+#include "kvcm/cuda/common.cuh"
+
+namespace kvcm::cuda {
+namespace {
+
+// validate_only: check the indices and raise error bits, write nothing (checked mode, pass 1).
+__global__ void WriteKvKernel(char* __restrict__ k_cache, char* __restrict__ v_cache,
+                              const char* __restrict__ k, const char* __restrict__ v,
+                              const int32_t* __restrict__ slot_mapping,
+                              const int32_t* __restrict__ layer, int64_t num_tokens,
+                              int64_t num_layers, int64_t num_slots, int64_t row_bytes,
+                              int64_t layer_bytes, uint32_t* error_word, bool validate_only) {
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= num_tokens) return;
+  const int32_t li = *layer;
+  if (li < 0 || li >= num_layers) {
+    if (lane == 0) RaiseError(error_word, kBadLayer);
+    return;
+  }
+  const int32_t slot = slot_mapping[warp];
+  if (slot < 0) return;  // padding
+  if (slot >= num_slots) {
+    if (lane == 0) RaiseError(error_word, kBadSlot);
+    return;
+  }
+  if (validate_only) return;
+  const int64_t dst = li * layer_bytes + int64_t(slot) * row_bytes;
+  const int64_t src = warp * row_bytes;
+  if (row_bytes % 16 == 0) {
+    for (int64_t i = lane * 16; i < row_bytes; i += 32 * 16) {
+      *reinterpret_cast<uint4*>(k_cache + dst + i) = *reinterpret_cast<const uint4*>(k + src + i);
+      *reinterpret_cast<uint4*>(v_cache + dst + i) = *reinterpret_cast<const uint4*>(v + src + i);
+    }
+  } else {
+    for (int64_t i = lane * 2; i < row_bytes; i += 32 * 2) {  // 2-byte elements at least
+      *reinterpret_cast<uint16_t*>(k_cache + dst + i) = *reinterpret_cast<const uint16_t*>(k + src + i);
+      *reinterpret_cast<uint16_t*>(v_cache + dst + i) = *reinterpret_cast<const uint16_t*>(v + src + i);
+    }
+  }
+}
+
+ffi::Error WriteKvCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer slot_mapping,
+                           ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> k_out,
+                           ffi::Result<ffi::AnyBuffer> v_out) {
+  auto cache = ParseWriteKv(k_cache, v_cache, k, v, slot_mapping, layer);
+  if (cache.has_error()) return cache.error();
+  const CacheShape& c = *cache;
+  const int64_t num_tokens = k.dimensions()[0];
+  if (num_tokens == 0) return ffi::Error::Success();
+  const int64_t elem = ffi::ByteWidth(k_cache.element_type());
+  const int64_t row_bytes = c.token_stride() * elem;
+  const bool checked = CheckIndicesEnabled();
+  uint32_t* error_word = DeviceErrorWord();
+  const int threads = 256;
+  const int64_t blocks = (num_tokens * 32 + threads - 1) / threads;
+  auto launch = [&](bool validate_only) {
+    WriteKvKernel<<<blocks, threads, 0, stream>>>(
+        static_cast<char*>(k_out->untyped_data()), static_cast<char*>(v_out->untyped_data()),
+        static_cast<const char*>(k.untyped_data()), static_cast<const char*>(v.untyped_data()),
+        static_cast<const int32_t*>(slot_mapping.untyped_data()),
+        static_cast<const int32_t*>(layer.untyped_data()), num_tokens, c.num_layers,
+        c.num_slots(), row_bytes, c.layer_stride() * elem, error_word, validate_only);
+  };
+  if (checked) {  // validate first so that a refused call writes nothing
+    launch(true);
+    if (auto err = LaunchError("write_kv"); err.failure()) return err;
+    if (auto err = FinishChecked(stream, "write_kv"); err.failure()) return err;
+  }
+  launch(false);
+  return LaunchError("write_kv");
+}
+
+}  // namespace
+}  // namespace kvcm::cuda
+
+namespace xffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmWriteKvCuda, kvcm::cuda::WriteKvCudaImpl,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()  // k_cache
+                                  .Arg<xffi::AnyBuffer>()  // v_cache
+                                  .Arg<xffi::AnyBuffer>()  // k
+                                  .Arg<xffi::AnyBuffer>()  // v
+                                  .Arg<xffi::AnyBuffer>()  // slot_mapping
+                                  .Arg<xffi::AnyBuffer>()  // layer
+                                  .Ret<xffi::AnyBuffer>()  // k_cache (aliased)
+                                  .Ret<xffi::AnyBuffer>()  // v_cache (aliased)
+);

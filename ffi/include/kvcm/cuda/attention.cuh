@@ -1,0 +1,38 @@
+// Launch interface shared by the CUDA attention kernels (decode, ragged prefill, simple fallback).
+#pragma once
+
+#include "kvcm/cuda/common.cuh"
+
+namespace kvcm::cuda {
+
+struct AttentionArgs {
+  const void* q = nullptr;        // [num_queries, num_heads, head_dim]
+  const void* k_cache = nullptr;  // [L?, num_pages, page_size, num_kv_heads, head_dim]
+  const void* v_cache = nullptr;
+  void* out = nullptr;            // like q
+  const int32_t* page_table = nullptr;   // [batch, max_pages]
+  const int32_t* seq_lens = nullptr;     // [batch]
+  const int32_t* query_start = nullptr;  // [batch + 1]; nullptr for decode
+  const int32_t* layer = nullptr;        // scalar
+  AttentionShape shape;
+  float scale = 1.f;
+  int32_t window = 0;     // <= 0: none
+  float soft_cap = 0.f;   // <= 0: none
+  uint32_t* error_word = nullptr;
+};
+
+// CUDA-core kernel: any dtype, any head_dim, decode or ragged. Correct everywhere, not fast.
+ffi::Error LaunchSimpleAttention(cudaStream_t stream, const AttentionArgs& a);
+
+// Tensor-core split-KV decode (bf16/f16, head_dim 64/128/256, power-of-two page size, GQA group
+// <= 16). Returns false from *Supports when the shape needs the simple kernel instead.
+bool PagedDecodeSupports(const AttentionArgs& a);
+ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a,
+                             ffi::ScratchAllocator& scratch);
+
+// Tensor-core ragged prefill (FlashAttention-2 style, GQA heads packed into rows).
+bool RaggedPrefillSupports(const AttentionArgs& a);
+ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a,
+                               ffi::ScratchAllocator& scratch);
+
+}  // namespace kvcm::cuda

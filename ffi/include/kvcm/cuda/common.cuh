@@ -1,0 +1,61 @@
+// Device-side helpers shared by the CUDA handlers: dtype traits, error flags, index guards.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kvcm/shapes.h"
+
+namespace kvcm::cuda {
+
+// Bits OR-ed into the per-device error word by kernels that met a bad index. The kernels never
+// access memory out of bounds: they skip the write or poison the output row with NaN instead.
+enum ErrorBits : uint32_t {
+  kBadPage = 1u << 0,        // page_table entry outside [0, num_pages)
+  kBadSlot = 1u << 1,        // slot_mapping entry >= num_pages * page_size
+  kBadLayer = 1u << 2,       // layer outside [0, num_layers)
+  kBadSeqLen = 1u << 3,      // seq_lens outside [0, max_pages * page_size]
+  kBadQueryStart = 1u << 4,  // query_start not non-decreasing within [0, T] or > seq_lens
+};
+
+// Per-device error word (cudaMalloc'd once). Handlers pass it to kernels.
+uint32_t* DeviceErrorWord();
+
+// True when JAX_KVCM_CHECK_INDICES=1: handlers then synchronize after their kernels and turn
+// error bits into an ffi::Error naming the argument (slower; for debugging and tests).
+bool CheckIndicesEnabled();
+
+// In checked mode: waits for `stream`, reads and clears the error word, returns the error.
+ffi::Error FinishChecked(cudaStream_t stream, const char* op);
+
+inline ffi::Error LaunchError(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+int NumSMs();
+
+template <typename T> struct DTypeTraits;
+template <> struct DTypeTraits<float> {
+  static __device__ __forceinline__ float to_float(float x) { return x; }
+  static __device__ __forceinline__ float from_float(float x) { return x; }
+};
+template <> struct DTypeTraits<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct DTypeTraits<__half> {
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+__device__ __forceinline__ void RaiseError(uint32_t* word, uint32_t bits) {
+  if (word) atomicOr(word, bits);
+}
+
+}  // namespace kvcm::cuda

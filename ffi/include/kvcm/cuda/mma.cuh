@@ -1,0 +1,137 @@
+// Warp-level tensor-core and async-copy primitives (sm_80+ instructions, used on Hopper).
+//
+// Fragment layouts follow PTX's mma.m16n8k16 (row.col): lane l owns rows l/4 and l/4+8 and
+// columns 2*(l%4)+{0,1} (+8) of the A and C tiles. K/V tiles in shared memory are stored as
+// [rows][D/8 chunks of 16 bytes] with chunk c of row r at position c ^ (r & 7): ldmatrix then
+// reads eight rows at the same logical chunk from eight different bank groups.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace kvcm::cuda {
+
+template <typename T> struct Mma;
+
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte global->shared copy; when !valid the destination is zero-filled and src is not read.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float FastTanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][kChunks] tile.
+template <int kChunks>
+__device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
+  return (row * kChunks + (chunk ^ (row & 7))) * 8;
+}
+
+// Logit transform shared by the tensor-core kernels: scale, optional soft cap, then log2(e) so
+// that softmax uses exp2.
+struct LogitTransform {
+  float scale_log2;  // scale * log2(e), used when there is no soft cap
+  float scale;
+  float soft_cap;    // <= 0: none
+  float cap_log2;    // soft_cap * log2(e)
+  __device__ __forceinline__ float operator()(float dot) const {
+    if (soft_cap > 0.f) return cap_log2 * FastTanh(dot * scale / soft_cap);
+    return dot * scale_log2;
+  }
+};
+
+// Online-softmax update for one warp's 16-row tile of NT n-tiles of logits (log2 domain, already
+// masked with -inf). Rescales the output accumulator o[NO][4]; turns s into probabilities.
+template <int NT, int NO>
+__device__ __forceinline__ void OnlineSoftmax(float (&s)[NT][4], float (&o)[NO][4], float (&m)[2],
+                                              float (&l)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[h], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = FastExp2(m[h] - base);
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][2 * h] = FastExp2(s[nt][2 * h] - base);
+      s[nt][2 * h + 1] = FastExp2(s[nt][2 * h + 1] - base);
+      sum += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    l[h] = l[h] * alpha + sum;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      o[n][2 * h] *= alpha;
+      o[n][2 * h + 1] *= alpha;
+    }
+    m[h] = m_new;
+  }
+}
+
+}  // namespace kvcm::cuda
