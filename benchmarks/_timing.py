@@ -1,0 +1,78 @@
+"""Timing helpers shared by the benchmarks (JAX: wall clock around a dispatch loop; torch: events).
+
+JAX: the callable (already compiled by the caller) is dispatched ``iters`` times back to back and
+the loop is closed with ``block_until_ready`` on the last output, so the host only waits once and
+per-call dispatch overlaps with device work; a sample is the loop time / ``iters``; the result is
+the median of ``repeats`` samples. ``iters`` is chosen so one sample lasts about ``target_s``.
+
+torch: ``triton.testing.do_bench(fn, return_mode="median")`` when triton is importable (it flushes
+L2 between calls and times each call with CUDA events), else a CUDA-event loop like the JAX one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def time_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int = 3,
+             repeats: int = 7, target_s: float = 0.05, min_iters: int = 3,
+             max_iters: int = 200) -> dict[str, Any]:
+    """Median per-call time of ``fn`` in ms, rotating over ``arg_sets`` (one tuple of args each)."""
+    import jax
+
+    n = len(arg_sets)
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % n]))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[0]))
+    est = time.perf_counter() - t0  # an overestimate (includes one host sync); fine for sizing
+    iters = int(min(max_iters, max(min_iters, round(target_s / max(est, 1e-7)))))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*arg_sets[i % n])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / iters * 1e3)
+        del out
+    return {"ms": statistics.median(samples), "samples_ms": samples, "iters": iters,
+            "method": "jax wall-clock loop + block_until_ready"}
+
+
+def time_torch(fn: Callable[[], Any], *, warmup_ms: int = 25, rep_ms: int = 100,
+               repeats: int = 7) -> dict[str, Any]:
+    """Median per-call time of a CUDA torch callable in ms."""
+    import torch
+
+    try:
+        from triton.testing import do_bench
+    except Exception:  # noqa: BLE001 - triton missing or broken: fall back to events
+        do_bench = None
+    if do_bench is not None:
+        ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        return {"ms": float(ms), "method": "triton.testing.do_bench median"}
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    est_ms = max(start.elapsed_time(end), 1e-4)
+    iters = int(min(200, max(3, round(rep_ms / repeats / est_ms))))
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return {"ms": statistics.median(samples), "samples_ms": samples, "iters": iters,
+            "method": "cuda event loop median"}

@@ -1,0 +1,722 @@
+#!/usr/bin/env python
+"""Paged attention benchmark: jax_kvcm custom calls vs pure JAX, Pallas, torch SDPA and cuDNN.
+
+Run on the GPU machine (after `pip install .` of jax_kvcm with its CUDA extension), from anywhere
+except a directory that shadows the installed package with an unbuilt `jax_kvcm/`:
+
+    python benchmarks/attention.py [--json results.json]
+    JAX_PLATFORMS=cpu python benchmarks/attention.py --quick        # CPU smoke test, tiny shapes
+
+Decode (one query token per sequence; all sequences at length S; H=32, Hkv=8, D=128, page 16,
+bf16; random page table = random permutation of pages 1..B*S/16, page 0 is the null page):
+  ours        jax_kvcm.paged_attention under jax.jit
+  jax-gather  pure JAX: gather the pages to [B, S, Hkv, D], bf16 GQA einsums with f32 softmax
+  pallas      jax.experimental.pallas.ops.gpu.paged_attention (Triton; deprecated in jax 0.11).
+              Its caches are [Hkv, pages, page, D] and it applies NO logit scale, so it gets
+              q * 1/sqrt(D) (bf16) and a copy of our cache in its layout (pages 1.. only, block
+              tables = ours - 1), both made once outside the timed region. Timed at its defaults;
+              "pallas[tuned]" appears when one of a few other splits is >5% faster and correct
+  torch-sdpa  torch scaled_dot_product_attention(q [B,H,1,D], k/v [B,Hkv,S,D], enable_gqa=True)
+              on a dense contiguous cache holding the same values: the cost of no paging. The
+              default dispatch is timed; each forced backend's time is in the note/JSON, and
+              "torch-sdpa[x]" appears when a forced backend is >5% faster than the default
+  copy (torch) dst.copy_(src) of K+V bytes (do_bench): the DRAM bandwidth ceiling
+  copy (jax)  jit(jnp.copy) of the same bytes with the JAX timing loop: if it matches the torch
+              copy, the two timing methods agree
+
+Decode columns: ms = median time per call; KV TB/s = (K bytes + V bytes attended) / t, for the
+copies the bytes copied / t (the read-only rate of a kernel as slow as the copy); copy r+w TB/s =
+2 * bytes copied / t (read + write); % of copy r+w = KV TB/s / the torch copy's r+w rate;
+t_ours/t_method < 1 means ours is faster.
+
+Prefill (ragged, causal, all tokens new: query_start = [0, S, 2S, ...], seq_lens = S):
+  ours        jax_kvcm.ragged_paged_attention over a cache filled by write_kv (write not timed)
+  cudnn       jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+              on dense [B, S, H|Hkv, D]
+
+Every method is checked against a float32 reference on the same inputs before it is timed; a
+failed check or an exception is reported in the table instead of aborting the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# JAX must not grab 75% of the GPU up front: torch shares the device in this process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+try:
+    from benchmarks import _timing  # python -m benchmarks.attention
+except ImportError:
+    import _timing  # python benchmarks/attention.py (the script's directory is on sys.path)
+
+import jax_kvcm  # noqa: E402
+from jax_kvcm.ops import reference  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+DTYPE = jnp.bfloat16
+TOL = 2e-2  # rel-L2 tolerance for bf16 outputs vs the float32 reference
+
+DECODE_SHAPES = [(64, 4096), (256, 1024), (8, 32768)]
+PREFILL_SHAPES = [(8, 2048), (1, 16384)]
+QUICK_DECODE_SHAPES = [(2, 256), (3, 512)]
+QUICK_PREFILL_SHAPES = [(2, 64), (1, 128)]
+
+
+# ----------------------------------------------------------------------------------------------
+# small utilities
+
+
+def _err(e: BaseException) -> str:
+    msg = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
+    return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
+def _log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+@jax.jit
+def _rel_l2_and_finite(out: jax.Array, ref: jax.Array) -> tuple[jax.Array, jax.Array]:
+    out32, ref32 = out.astype(jnp.float32), ref.astype(jnp.float32)
+    rel = jnp.linalg.norm((out32 - ref32).ravel()) / jnp.maximum(jnp.linalg.norm(ref32.ravel()),
+                                                                  1e-30)
+    return rel, jnp.isfinite(out32).all()
+
+
+def check(out: Any, ref: jax.Array) -> dict[str, Any]:
+    """rel-L2 of `out` (jax array or numpy) against `ref`; NaN/Inf anywhere fails."""
+    rel, finite = _rel_l2_and_finite(jnp.asarray(out), ref)
+    rel, finite = float(rel), bool(finite)
+    ok = finite and rel < TOL
+    return {"rel_l2": rel, "finite": finite, "ok": ok,
+            "text": (f"{'ok' if ok else 'FAIL'} {rel:.1e}" + ("" if finite else " NaN/Inf"))}
+
+
+def poison_allocator(shape: tuple[int, ...], dtype: Any, n: int = 4) -> None:
+    """Best effort: leave freed NaN-filled buffers of the output's size in JAX's allocator, so an
+    output buffer that a kernel fails to write is likely to read back as NaN, not stale data."""
+    bufs = [jnp.full(shape, jnp.nan, dtype) for _ in range(n)]
+    jax.block_until_ready(bufs)
+    del bufs
+
+
+def free() -> None:
+    gc.collect()
+    t = _torch()
+    if t is not None:
+        t.cuda.empty_cache()
+
+
+_TORCH: Any = None
+_TORCH_ERR: str | None = None
+
+
+def _torch() -> Any:
+    """torch if importable with CUDA available (imported lazily, after JAX owns the device)."""
+    global _TORCH, _TORCH_ERR
+    if _TORCH is None and _TORCH_ERR is None:
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                _TORCH_ERR = "torch has no CUDA device"
+            else:
+                _TORCH = torch
+        except Exception as e:  # noqa: BLE001
+            _TORCH_ERR = f"torch unavailable ({_err(e)})"
+    return _TORCH
+
+
+def to_torch(x: jax.Array) -> Any:
+    torch = _torch()
+    x = jax.block_until_ready(x)
+    try:
+        return torch.from_dlpack(x)
+    except Exception:  # noqa: BLE001 - go through the host
+        host = np.asarray(x.astype(jnp.float32))
+        return torch.from_numpy(host).to("cuda").to(
+            torch.bfloat16 if x.dtype == jnp.bfloat16 else getattr(torch, str(x.dtype)))
+
+
+def row(section: str, shape: str, method: str, **kw: Any) -> dict[str, Any]:
+    r = {"section": section, "shape": shape, "method": method, "ms": None, "check": None,
+         "note": "", "error": None}
+    r.update(kw)
+    return r
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+
+
+def gather_attention(q, k_cache, v_cache, page_table, seq_lens):
+    """Lean pure-JAX decode: gather pages, bf16 GQA einsums with f32 accumulation and softmax."""
+    b, h, d = q.shape
+    hkv = k_cache.shape[-2]
+    k = k_cache[page_table].reshape(b, -1, hkv, d)  # [B, S, Hkv, D]
+    v = v_cache[page_table].reshape(b, -1, hkv, d)
+    qg = q.reshape(b, hkv, h // hkv, d)
+    s = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    mask = jnp.arange(k.shape[1])[None, :] < seq_lens[:, None]
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgs,bskd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, h, d).astype(q.dtype)
+
+
+def reference_decode(q, k_cache, v_cache, page_table, seq_lens):
+    """The package's float32 oracle, run over row chunks to bound its memory (it repeats K/V)."""
+    ref = jax.jit(reference.paged_attention)
+    s = page_table.shape[1] * PAGE
+    chunk = max(1, min(q.shape[0], 32768 // s))
+    outs = [ref(q[i:i + chunk], k_cache, v_cache, page_table[i:i + chunk], seq_lens[i:i + chunk])
+            for i in range(0, q.shape[0], chunk)]
+    return jnp.concatenate(outs, axis=0)
+
+
+def bench_decode(b: int, s: int, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    shape = f"B={b} S={s}"
+    h, hkv, d = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    pages_per_seq = s // PAGE
+    num_pages = b * pages_per_seq + 1
+    kv_bytes = 2 * b * s * hkv * d * jnp.dtype(DTYPE).itemsize  # K + V actually attended
+    rows: list[dict[str, Any]] = []
+    _log(f"\n[decode {shape}] KV {kv_bytes / 2**30:.2f} GiB, {num_pages} pages")
+
+    keys = jax.random.split(jax.random.key(seed), 4)
+    k_cache = jax.random.normal(keys[0], (num_pages, PAGE, hkv, d), DTYPE)
+    v_cache = jax.random.normal(keys[1], (num_pages, PAGE, hkv, d), DTYPE)
+    rng = np.random.default_rng(seed)
+    page_table = jnp.asarray((rng.permutation(b * pages_per_seq) + 1)
+                             .reshape(b, pages_per_seq).astype(np.int32))
+    seq_lens = jnp.full((b,), s, jnp.int32)
+    q_check = jax.random.normal(keys[2], (b, h, d), DTYPE)  # fresh inputs for the checks
+    q_time = jax.random.normal(keys[3], (b, h, d), DTYPE)
+    t0 = time.perf_counter()
+    ref = jax.block_until_ready(reference_decode(q_check, k_cache, v_cache, page_table, seq_lens))
+    _log(f"  reference: {time.perf_counter() - t0:.1f}s")
+
+    def add(method: str, fn, arg_sets, out_check: dict | None, note: str = "") -> None:
+        r = row("decode", shape, method, kv_bytes=kv_bytes, note=note,
+                check=None if out_check is None else out_check["text"],
+                rel_l2=None if out_check is None else out_check["rel_l2"])
+        try:
+            t = _timing.time_jax(fn, arg_sets, repeats=args.repeats)
+            r["ms"] = t["ms"]
+            r["timing"] = t
+        except Exception as e:  # noqa: BLE001
+            r["error"] = _err(e)
+        rows.append(r)
+        _log(f"  {method}: {r['ms'] if r['ms'] is None else round(r['ms'], 4)} ms, "
+             f"check {r['check']} {r['error'] or ''}")
+
+    # 1. ours
+    ours = jax.jit(jax_kvcm.paged_attention)
+    try:
+        poison_allocator(q_check.shape, DTYPE)
+        c = check(ours(q_check, k_cache, v_cache, page_table, seq_lens), ref)
+        add("ours", ours, [(q_time, k_cache, v_cache, page_table, seq_lens),
+                           (q_check, k_cache, v_cache, page_table, seq_lens)], c)
+    except Exception as e:  # noqa: BLE001
+        rows.append(row("decode", shape, "ours", kv_bytes=kv_bytes, error=_err(e)))
+        _log(f"  ours: ERROR {_err(e)}")
+
+    # 2. pure-JAX gather
+    gather = jax.jit(gather_attention)
+    try:
+        c = check(gather(q_check, k_cache, v_cache, page_table, seq_lens), ref)
+        add("jax-gather", gather, [(q_time, k_cache, v_cache, page_table, seq_lens),
+                                   (q_check, k_cache, v_cache, page_table, seq_lens)], c)
+    except Exception as e:  # noqa: BLE001
+        rows.append(row("decode", shape, "jax-gather", kv_bytes=kv_bytes, error=_err(e)))
+        _log(f"  jax-gather: ERROR {_err(e)}")
+    free()
+
+    # 3. Pallas (Triton) paged attention: its defaults, then a few other splits if it helps
+    if not args.skip_pallas:
+        rows.extend(bench_pallas(q_check, q_time, k_cache, v_cache, page_table, seq_lens, ref,
+                                 shape, kv_bytes, args))
+        free()
+
+    # 4. torch SDPA on a dense cache, 5. device copy (torch; and a JAX copy to cross-check the
+    # two timing methods on the same operation)
+    torch = _torch()
+    if torch is None:
+        for m in ("torch-sdpa", "copy (torch)"):
+            rows.append(row("decode", shape, m, kv_bytes=kv_bytes, error=f"skipped: {_TORCH_ERR}"))
+    else:
+        rows.extend(bench_torch_decode(torch, q_check, q_time, k_cache, v_cache, page_table, ref,
+                                       shape, kv_bytes, args))
+    try:
+        src = jax.random.normal(keys[3], (kv_bytes // 2,), DTYPE)
+        add("copy (jax)", jax.jit(jnp.copy), [(src,)], None,
+            note="jit(jnp.copy), K+V bytes; cross-checks the JAX timing loop against do_bench")
+        del src
+    except Exception as e:  # noqa: BLE001
+        rows.append(row("decode", shape, "copy (jax)", kv_bytes=kv_bytes, error=_err(e)))
+    del k_cache, v_cache, ref
+    free()
+    return rows
+
+
+PALLAS_DEFAULT = {"block_h": 16, "pages_per_compute_block": 8, "k_splits": 16}
+# A few other (k_splits, pages_per_compute_block) to give the Pallas op a fair shot (GPU only).
+PALLAS_SWEEP = [(8, 16), (32, 8), (16, 16), (32, 16)]
+
+
+def bench_pallas(q_check, q_time, k_cache, v_cache, page_table, seq_lens, ref, shape, kv_bytes,
+                 args) -> list[dict[str, Any]]:
+    """jax.experimental.pallas.ops.gpu.paged_attention, checked, at its defaults and (on GPU) a
+    small sweep of splits; a faster correct config gets its own row."""
+    on_gpu = jax.default_backend() == "gpu"
+    b, h, d = q_check.shape
+    pages_per_seq = page_table.shape[1]
+    note = "" if on_gpu else "interpret mode (no GPU); "
+    rows: list[dict[str, Any]] = []
+    r = row("decode", shape, "pallas", kv_bytes=kv_bytes)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # deprecated in jax 0.11
+            from jax.experimental.pallas.ops.gpu import paged_attention as pallas_pa
+        # Its layout: [Hkv, total_pages, page_size, D]. Our page 0 is the null page and no row
+        # uses it, so it is dropped and the block tables shift by one (total pages = B*S/16).
+        to_layout = jax.jit(lambda c: jnp.transpose(c[1:], (2, 0, 1, 3)))
+        k_pages, v_pages = to_layout(k_cache), to_layout(v_cache)
+        block_tables = page_table - 1
+        # It applies no logit scale: pass q * 1/sqrt(D) (rounded to bf16, outside the timing).
+        scale = 1.0 / math.sqrt(d)
+        qs_check = (q_check.astype(jnp.float32) * scale).astype(DTYPE)
+        qs_time = (q_time.astype(jnp.float32) * scale).astype(DTYPE)
+        arg_sets = [(qs_time, k_pages, v_pages, block_tables, seq_lens),
+                    (qs_check, k_pages, v_pages, block_tables, seq_lens)]
+
+        def make(k_splits, ppcb):
+            return jax.jit(lambda q, kp, vp, bt, ln: pallas_pa.paged_attention(
+                q, kp, vp, bt, ln, k_splits=k_splits, pages_per_compute_block=ppcb,
+                interpret=not on_gpu))
+
+        ks0 = PALLAS_DEFAULT["k_splits"] if pages_per_seq % PALLAS_DEFAULT["k_splits"] == 0 else 1
+        ppcb0 = PALLAS_DEFAULT["pages_per_compute_block"]
+        fn = make(ks0, ppcb0)
+        c = check(fn(qs_check, k_pages, v_pages, block_tables, seq_lens), ref)
+        r.update(check=c["text"], rel_l2=c["rel_l2"],
+                 note=note + f"defaults (block_h=16, k_splits={ks0}, pages_per_compute_block=8)")
+        t = _timing.time_jax(fn, arg_sets, repeats=args.repeats)
+        r.update(ms=t["ms"], timing=t)
+        _log(f"  pallas: {r['ms']:.4f} ms, check {r['check']}")
+
+        sweep = {}
+        if on_gpu and not args.no_pallas_sweep:
+            for ks, ppcb in PALLAS_SWEEP:
+                if pages_per_seq % ks:
+                    continue
+                name = f"k_splits={ks},pages_per_compute_block={ppcb}"
+                try:
+                    fn = make(ks, ppcb)
+                    cc = check(fn(qs_check, k_pages, v_pages, block_tables, seq_lens), ref)
+                    tt = _timing.time_jax(fn, arg_sets, repeats=max(3, args.repeats // 2))
+                    sweep[name] = {"ms": tt["ms"], "check": cc["text"], "ok": cc["ok"]}
+                except Exception as e:  # noqa: BLE001
+                    sweep[name] = {"error": _err(e)}
+            r["sweep"] = sweep
+            _log(f"  pallas sweep: {sweep}")
+        rows.append(r)
+        good = {k: v for k, v in sweep.items() if v.get("ok")}
+        if good:
+            best = min(good, key=lambda k: good[k]["ms"])
+            if good[best]["ms"] < 0.95 * r["ms"]:
+                rows.append(row("decode", shape, "pallas[tuned]", kv_bytes=kv_bytes,
+                                ms=good[best]["ms"], check=good[best]["check"],
+                                note=f"best of a small sweep: {best}, block_h=16"))
+        del k_pages, v_pages
+    except Exception as e:  # noqa: BLE001
+        r["error"] = _err(e)
+        if r not in rows:
+            rows.append(r)
+        _log(f"  pallas: ERROR {_err(e)}")
+        if args.verbose:
+            traceback.print_exc()
+    return rows
+
+
+def bench_torch_decode(torch, q_check, q_time, k_cache, v_cache, page_table, ref, shape,
+                       kv_bytes, args) -> list[dict[str, Any]]:
+    from torch.nn import functional as F
+    rows: list[dict[str, Any]] = []
+    b, h, d = q_check.shape
+    hkv = k_cache.shape[-2]
+
+    r = row("decode", shape, "torch-sdpa", kv_bytes=kv_bytes)
+    try:
+        dense = jax.jit(lambda c: jnp.transpose(c[page_table].reshape(b, -1, hkv, d), (0, 2, 1, 3)))
+        k_t, v_t = to_torch(dense(k_cache)), to_torch(dense(v_cache))  # [B, Hkv, S, D]
+        qc_t = to_torch(q_check.reshape(b, h, 1, d))
+        qt_t = to_torch(q_time.reshape(b, h, 1, d))
+        out = F.scaled_dot_product_attention(qc_t, k_t, v_t, enable_gqa=True)
+        torch.cuda.synchronize()
+        c = check(out.reshape(b, h, d).float().cpu().numpy(), ref)
+        r.update(check=c["text"], rel_l2=c["rel_l2"])
+        t = _timing.time_torch(
+            lambda: F.scaled_dot_product_attention(qt_t, k_t, v_t, enable_gqa=True))
+        r.update(ms=t["ms"], timing=t, note="default backend")
+        # Which fused backends take this GQA decode shape, and how fast each is.
+        backends = {}
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+                be = getattr(SDPBackend, name, None)
+                if be is None:
+                    continue
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        with sdpa_kernel([be]):
+                            fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                                qt_t, k_t, v_t, enable_gqa=True)
+                            fn()
+                            torch.cuda.synchronize()
+                            backends[name] = round(_timing.time_torch(fn, rep_ms=50)["ms"], 4)
+                except Exception as e:  # noqa: BLE001
+                    backends[name] = f"refused ({_err(e)[:80]})"
+        except Exception as e:  # noqa: BLE001
+            backends["error"] = _err(e)
+        r["backends_ms"] = backends
+        timed = {k: v for k, v in backends.items() if isinstance(v, float)}
+        if timed:
+            r["note"] = "default backend; " + ", ".join(
+                f"{k.split('_')[0].lower()} {v:.3f}" if isinstance(v, float) else
+                f"{k.split('_')[0].lower()} refused" for k, v in backends.items())
+        rows.append(r)
+        _log(f"  torch-sdpa: {r['ms']:.4f} ms, check {r['check']}, backends {backends}")
+        if timed:
+            best = min(timed, key=timed.get)
+            if timed[best] < 0.95 * r["ms"]:
+                rows.append(row("decode", shape, f"torch-sdpa[{best.split('_')[0].lower()}]",
+                                kv_bytes=kv_bytes, ms=timed[best], check=r["check"],
+                                note="fastest forced backend (same output check as default)"))
+        del k_t, v_t, qc_t, qt_t, out
+    except Exception as e:  # noqa: BLE001
+        r["error"] = _err(e)
+        rows.append(r)
+        _log(f"  torch-sdpa: ERROR {_err(e)}")
+        if args.verbose:
+            traceback.print_exc()
+    free()
+
+    r = row("decode", shape, "copy (torch)", kv_bytes=kv_bytes)
+    try:
+        src = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        dst = torch.empty_like(src)
+        t = _timing.time_torch(lambda: dst.copy_(src))
+        r.update(ms=t["ms"], timing=t, copy_rw_tbps=2 * kv_bytes / (t["ms"] * 1e-3) / 1e12,
+                 note="dst.copy_(src), K+V bytes")
+        del src, dst
+        _log(f"  copy (torch): {r['ms']:.4f} ms")
+    except Exception as e:  # noqa: BLE001
+        r["error"] = _err(e)
+        _log(f"  copy (torch): ERROR {_err(e)}")
+    rows.append(r)
+    free()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill
+
+
+def dense_causal_reference(q, k, v, pos):
+    """float32 causal attention for the query rows at positions `pos` [n] of q [B, S, H, D]
+    over k/v [B, S, Hkv, D]; returns [B, n, H, D]."""
+    b, _, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q[:, pos].astype(jnp.float32).reshape(b, pos.shape[0], hkv, h // hkv, d)
+    s = jnp.einsum("bnkgd,bskd->bkgns", qg, k.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+    mask = jnp.arange(k.shape[1])[None, :] <= pos[:, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgns,bskd->bnkgd", p, v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return o.reshape(b, pos.shape[0], h, d)
+
+
+def bench_prefill(b: int, s: int, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    shape = f"B={b} S={s}"
+    h, hkv, d = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    t_tokens = b * s
+    pages_per_seq = s // PAGE
+    num_pages = b * pages_per_seq + 1
+    flops = 4 * b * s * s / 2 * h * d
+    rows: list[dict[str, Any]] = []
+    _log(f"\n[prefill {shape}] {t_tokens} tokens, {flops / 1e12:.3f} TFLOP (causal)")
+
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, s, h, d), DTYPE)
+    k = jax.random.normal(keys[1], (b, s, hkv, d), DTYPE)
+    v = jax.random.normal(keys[2], (b, s, hkv, d), DTYPE)
+    q2 = jax.random.normal(keys[3], (b, s, h, d), DTYPE)  # second input set for timing
+    rng = np.random.default_rng(seed)
+    pt_np = (rng.permutation(b * pages_per_seq) + 1).reshape(b, pages_per_seq).astype(np.int32)
+    page_table = jnp.asarray(pt_np)
+    tok = np.arange(s)
+    slots = jnp.asarray((pt_np[:, tok // PAGE] * PAGE + tok % PAGE).reshape(-1).astype(np.int32))
+    seq_lens = jnp.full((b,), s, jnp.int32)
+    query_start = jnp.asarray(np.arange(b + 1, dtype=np.int32) * s)
+
+    # Fill the cache with write_kv (not timed); cross-check it against the reference write.
+    zeros = lambda: jnp.zeros((num_pages, PAGE, hkv, d), DTYPE)  # noqa: E731
+    kf, vf = k.reshape(t_tokens, hkv, d), v.reshape(t_tokens, hkv, d)
+    ref_kc, ref_vc = jax.jit(reference.write_kv)(zeros(), zeros(), kf, vf, slots)
+    write_note = ""
+    try:
+        write = jax.jit(jax_kvcm.write_kv, donate_argnums=(0, 1))
+        k_cache, v_cache = write(zeros(), zeros(), kf, vf, slots)
+        same = bool(jnp.array_equal(k_cache, ref_kc) & jnp.array_equal(v_cache, ref_vc))
+        write_note = "" if same else "write_kv != reference write_kv! "
+        del ref_kc, ref_vc
+    except Exception as e:  # noqa: BLE001
+        k_cache, v_cache = ref_kc, ref_vc
+        write_note = f"write_kv failed ({_err(e)[:80]}), cache filled by reference; "
+    _log(f"  cache filled {write_note}")
+
+    # Reference on a sub-sample of query positions (first, last, random) of every sequence.
+    n_sub = min(s, 128)
+    pos = np.unique(np.concatenate([[0, s - 1], rng.choice(s, n_sub - 2, replace=False)]))
+    pos = jnp.asarray(pos.astype(np.int32))
+    ref = jax.block_until_ready(jax.jit(dense_causal_reference)(q, k, v, pos))
+
+    def sub(out_bshd):
+        return out_bshd[:, pos]
+
+    def add(method, fn, arg_sets, c, note=""):
+        r = row("prefill", shape, method, flops=flops, note=note,
+                check=None if c is None else c["text"], rel_l2=None if c is None else c["rel_l2"])
+        try:
+            t = _timing.time_jax(fn, arg_sets, repeats=args.repeats)
+            r.update(ms=t["ms"], timing=t)
+        except Exception as e:  # noqa: BLE001
+            r["error"] = _err(e)
+        rows.append(r)
+        _log(f"  {method}: {r['ms'] if r['ms'] is None else round(r['ms'], 4)} ms, "
+             f"check {r['check']} {r['error'] or ''}")
+
+    # ours
+    ours = jax.jit(jax_kvcm.ragged_paged_attention)
+    qp, qp2 = q.reshape(t_tokens, h, d), q2.reshape(t_tokens, h, d)
+    try:
+        poison_allocator(qp.shape, DTYPE)
+        out = ours(qp, k_cache, v_cache, page_table, seq_lens, query_start)
+        c = check(sub(out.reshape(b, s, h, d)), ref)
+        del out
+        add("ours", ours, [(qp2, k_cache, v_cache, page_table, seq_lens, query_start),
+                           (qp, k_cache, v_cache, page_table, seq_lens, query_start)], c,
+            note=write_note.strip())
+    except Exception as e:  # noqa: BLE001
+        rows.append(row("prefill", shape, "ours", flops=flops, error=_err(e),
+                        note=write_note.strip()))
+        _log(f"  ours: ERROR {_err(e)}")
+    del k_cache, v_cache
+    free()
+
+    # cuDNN flash attention on dense [B, S, H, D]; GQA first, repeated kv heads if refused.
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"))
+    note, c = "GQA (k/v with 8 heads)", None
+    kk, vv = k, v
+    try:
+        try:
+            c = check(sub(cudnn(q, kk, vv)), ref)
+        except Exception as e:  # noqa: BLE001
+            gqa_err = _err(e)
+            rep = h // hkv
+            kk, vv = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+            c = check(sub(cudnn(q, kk, vv)), ref)
+            note = f"cuDNN refused GQA ({gqa_err[:80]}); kv heads repeated to {h}"
+        add("cudnn", cudnn, [(q2, kk, vv), (q, kk, vv)], c, note=note)
+    except Exception as e:  # noqa: BLE001
+        rows.append(row("prefill", shape, "cudnn", flops=flops, error=_err(e)))
+        _log(f"  cudnn: ERROR {_err(e)}")
+    del q, q2, k, v, kk, vv, ref
+    free()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+
+def _fmt(x: float | None, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def finish_rows(rows: list[dict[str, Any]]) -> None:
+    """Adds derived columns: bandwidth / FLOP rate, t_ours/t_x, fraction of the copy ceiling."""
+    by_shape: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by_shape.setdefault((r["section"], r["shape"]), []).append(r)
+    for group in by_shape.values():
+        ours = next((r for r in group if r["method"] == "ours" and r["ms"]), None)
+        copies = [r for r in group if r["method"].startswith("copy") and r["ms"]]
+        copy = next((r for r in copies if r["method"] == "copy (torch)"), None) or next(
+            iter(copies), None)  # the ceiling: torch's copy (do_bench), else JAX's
+        for r in group:
+            ms = r["ms"]
+            if ms is None:
+                continue
+            if "kv_bytes" in r:
+                r["kv_tbps"] = r["kv_bytes"] / (ms * 1e-3) / 1e12
+                if r["method"].startswith("copy"):
+                    r.setdefault("copy_rw_tbps", 2 * r["kv_bytes"] / (ms * 1e-3) / 1e12)
+                elif copy is not None:
+                    r["frac_of_copy_rw"] = r["kv_tbps"] / (2 * copy["kv_bytes"] / (copy["ms"] * 1e-3)
+                                                           / 1e12)
+            if "flops" in r:
+                r["tflops"] = r["flops"] / (ms * 1e-3) / 1e12
+            if ours is not None:
+                r["ours_over_this"] = ours["ms"] / ms
+
+
+def ratio_summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    """{(section, shape): {method: t_ours / t_method}} for shapes where ours ran."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        if r.get("ours_over_this") is not None and r["method"] != "ours":
+            out.setdefault((r["section"], r["shape"]), {})[r["method"]] = r["ours_over_this"]
+    return out
+
+
+def print_tables(rows: list[dict[str, Any]]) -> None:
+    dec = [r for r in rows if r["section"] == "decode"]
+    pre = [r for r in rows if r["section"] == "prefill"]
+    if dec:
+        print("\n### Decode (H=32, Hkv=8, D=128, page 16, bf16, all rows at length S)\n")
+        print("| shape | method | ms | KV TB/s = (K+V bytes read)/t | copy r+w TB/s = 2*bytes/t "
+              "| % of copy r+w | t_ours/t_method | check (rel-L2 vs f32 ref) | note |")
+        print("|---|---|---:|---:|---:|---:|---:|---|---|")
+        for r in dec:
+            frac = r.get("frac_of_copy_rw")
+            print(f"| {r['shape']} | {r['method']} | {_fmt(r['ms'], 4)} | {_fmt(r.get('kv_tbps'))} "
+                  f"| {_fmt(r.get('copy_rw_tbps'))} | {'-' if frac is None else f'{100 * frac:.0f}%'} "
+                  f"| {_fmt(r.get('ours_over_this'), 2)} | {r['check'] or '-'} "
+                  f"| {r['error'] or r['note']} |")
+    if pre:
+        print("\n### Ragged prefill (causal, all tokens new; H=32, Hkv=8, D=128, page 16, bf16)\n")
+        print("TFLOP/s = 4 * B * S^2/2 * H * D / t  (QK^T and PV, causal half; same for every "
+              "method)\n")
+        print("| shape | method | ms | TFLOP/s | t_ours/t_method | check (rel-L2 vs f32 ref, "
+              "sampled rows) | note |")
+        print("|---|---|---:|---:|---:|---|---|")
+        for r in pre:
+            print(f"| {r['shape']} | {r['method']} | {_fmt(r['ms'], 4)} | {_fmt(r.get('tflops'), 1)} "
+                  f"| {_fmt(r.get('ours_over_this'), 2)} | {r['check'] or '-'} "
+                  f"| {r['error'] or r['note']} |")
+    ratios = ratio_summary(rows)
+    if ratios:
+        cols = ["torch-sdpa", "jax-gather", "pallas", "pallas[tuned]", "copy (torch)", "cudnn"]
+        cols = [c for c in cols if any(c in v for v in ratios.values())]
+        print("\n### Time ratios t_ours / t_method (< 1: ours faster)\n")
+        print("| section | shape | " + " | ".join(f"ours/{c}" for c in cols) + " |")
+        print("|---|---|" + "---:|" * len(cols))
+        for (section, shape), v in ratios.items():
+            print(f"| {section} | {shape} | " + " | ".join(_fmt(v.get(c), 2) for c in cols) + " |")
+    print("\nt_ours/t_method < 1: ours is faster than that method. 'copy' KV TB/s is the bytes "
+          "copied / t, i.e. the read-only rate a kernel would show if it took as long as the copy; "
+          "'% of copy r+w' = the method's KV TB/s / the copy's read+write rate.", flush=True)
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(), "jax": jax.__version__,
+        "backend": jax.default_backend(), "devices": [str(x) for x in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+        "jax_kvcm_cuda_extension": jax_kvcm.cuda_extension_available(),
+    }
+    torch = _torch()
+    env["torch"] = torch.__version__ if torch is not None else _TORCH_ERR
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        env["triton"] = f"unavailable ({type(e).__name__})"
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None, help="write all results (with raw samples) here")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes; runs on CPU (Pallas in interpret mode, torch/cuDNN skipped)")
+    p.add_argument("--only", choices=("decode", "prefill"), default=None)
+    p.add_argument("--repeats", type=int, default=7, help="timing samples per method (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-pallas", action="store_true")
+    p.add_argument("--no-pallas-sweep", action="store_true",
+                   help="time the Pallas op at its defaults only")
+    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats = min(args.repeats, 3)
+
+    t_start = time.perf_counter()
+    env = environment()
+    _log("environment:", json.dumps(env))
+    if env["backend"] != "gpu" and not args.quick:
+        _log("WARNING: no GPU backend; full shapes on CPU will be very slow (use --quick)")
+    decode_shapes = QUICK_DECODE_SHAPES if args.quick else DECODE_SHAPES
+    prefill_shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
+
+    rows: list[dict[str, Any]] = []
+    for i, (b, s) in enumerate(decode_shapes if args.only in (None, "decode") else []):
+        try:
+            rows += bench_decode(b, s, args.seed + i, args)
+        except Exception as e:  # noqa: BLE001 - e.g. OOM while building inputs
+            rows.append(row("decode", f"B={b} S={s}", "(setup)", error=_err(e)))
+            traceback.print_exc()
+        free()
+    for i, (b, s) in enumerate(prefill_shapes if args.only in (None, "prefill") else []):
+        try:
+            rows += bench_prefill(b, s, args.seed + 100 + i, args)
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("prefill", f"B={b} S={s}", "(setup)", error=_err(e)))
+            traceback.print_exc()
+        free()
+
+    finish_rows(rows)
+    print_tables(rows)
+    wall = time.perf_counter() - t_start
+    _log(f"\ntotal wall time {wall:.1f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "wall_s": wall, "quick": args.quick,
+                       "config": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                                  "head_dim": HEAD_DIM, "page_size": PAGE, "dtype": "bfloat16",
+                                  "tolerance_rel_l2": TOL,
+                                  "prefill_flops": "4 * B * S^2/2 * H * D",
+                                  "kv_bytes": "2 * B * S * Hkv * D * 2 (K + V, bf16)"},
+                       "ratios_ours_over_method": {f"{k[0]} {k[1]}": v
+                                                   for k, v in ratio_summary(rows).items()},
+                       "rows": rows}, f, indent=1, default=str)
+        _log(f"wrote {args.json}")
+    bad = [r for r in rows if r["method"] == "ours" and (r["error"] or
+                                                         (r["check"] or "").startswith("FAIL"))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
