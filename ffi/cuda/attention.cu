@@ -28,15 +28,15 @@ ffi::ErrorOr<AttentionArgs> MakeArgs(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
   return a;
 }
 
-ffi::Error Run(cudaStream_t stream, ffi::ScratchAllocator& scratch, const AttentionArgs& a,
+ffi::Error Run(cudaStream_t stream, const AttentionArgs& a,
                const char* op) {
   if (a.shape.num_queries == 0) return ffi::Error::Success();
   ffi::Error err = ffi::Error::Success();
   if (a.query_start == nullptr) {
-    err = PagedDecodeSupports(a) ? LaunchPagedDecode(stream, a, scratch)
+    err = PagedDecodeSupports(a) ? LaunchPagedDecode(stream, a)
                                  : LaunchSimpleAttention(stream, a);
   } else {
-    err = RaggedPrefillSupports(a) ? LaunchRaggedPrefill(stream, a, scratch)
+    err = RaggedPrefillSupports(a) ? LaunchRaggedPrefill(stream, a)
                                    : LaunchSimpleAttention(stream, a);
   }
   if (err.failure()) return err;
@@ -44,7 +44,7 @@ ffi::Error Run(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Attent
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttentionCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+ffi::Error PagedAttentionCudaImpl(cudaStream_t stream,
                                   ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                                   ffi::AnyBuffer page_table, ffi::AnyBuffer seq_lens,
                                   ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> out,
@@ -52,10 +52,10 @@ ffi::Error PagedAttentionCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scr
   auto a = MakeArgs(q, k_cache, v_cache, page_table, seq_lens, nullptr, layer, *out, scale,
                     sliding_window, soft_cap);
   if (a.has_error()) return a.error();
-  return Run(stream, scratch, *a, "paged_attention");
+  return Run(stream, *a, "paged_attention");
 }
 
-ffi::Error RaggedPagedAttentionCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+ffi::Error RaggedPagedAttentionCudaImpl(cudaStream_t stream,
                                         ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                         ffi::AnyBuffer v_cache, ffi::AnyBuffer page_table,
                                         ffi::AnyBuffer seq_lens, ffi::AnyBuffer query_start,
@@ -64,7 +64,7 @@ ffi::Error RaggedPagedAttentionCudaImpl(cudaStream_t stream, ffi::ScratchAllocat
   auto a = MakeArgs(q, k_cache, v_cache, page_table, seq_lens, &query_start, layer, *out, scale,
                     sliding_window, soft_cap);
   if (a.has_error()) return a.error();
-  return Run(stream, scratch, *a, "ragged_paged_attention");
+  return Run(stream, *a, "ragged_paged_attention");
 }
 
 }  // namespace
@@ -75,7 +75,6 @@ namespace xffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCuda, kvcm::cuda::PagedAttentionCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<xffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xffi::ScratchAllocator>()
                                   .Arg<xffi::AnyBuffer>()  // q [B, H, D]
                                   .Arg<xffi::AnyBuffer>()  // k_cache
                                   .Arg<xffi::AnyBuffer>()  // v_cache
@@ -91,7 +90,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCuda,
                               kvcm::cuda::RaggedPagedAttentionCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<xffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xffi::ScratchAllocator>()
                                   .Arg<xffi::AnyBuffer>()  // q [T, H, D]
                                   .Arg<xffi::AnyBuffer>()  // k_cache
                                   .Arg<xffi::AnyBuffer>()  // v_cache

@@ -1,7 +1,10 @@
 // Host-side helpers for the CUDA handlers.
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
+
+#include <algorithm>
 
 #include "kvcm/cuda/common.cuh"
 
@@ -61,6 +64,28 @@ ffi::Error FinishChecked(cudaStream_t stream, const char* op) {
   if (bits & kBadQueryStart)
     msg += " query_start is not non-decreasing within [0, T] or gives more queries than seq_lens;";
   return ffi::Error::InvalidArgument(msg);
+}
+
+void* Workspace(cudaStream_t stream, size_t bytes) {
+  struct Buffer { void* ptr = nullptr; size_t bytes = 0; };
+  static std::map<cudaStream_t, Buffer> buffers;  // NOTE: stream-ordered reuse, never shrunk
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Buffer& buf = buffers[stream];
+  if (buf.bytes >= bytes) return buf.ptr;
+  if (buf.ptr != nullptr) {
+    // Kernels already queued on this stream may still use the old buffer.
+    if (cudaStreamSynchronize(stream) != cudaSuccess) return nullptr;
+    cudaFree(buf.ptr);
+    buf = Buffer{};
+  }
+  const size_t want = std::max<size_t>(bytes + bytes / 2, size_t(1) << 20);
+  if (cudaMalloc(&buf.ptr, want) != cudaSuccess) {
+    cudaGetLastError();
+    buf = Buffer{};
+    return nullptr;
+  }
+  buf.bytes = want;
+  return buf.ptr;
 }
 
 }  // namespace kvcm::cuda

@@ -241,7 +241,7 @@ __global__ void CombineSplitsKernel(const float* __restrict__ part_o,
 }
 
 template <typename T, int D>
-ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAllocator& scratch) {
+ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   constexpr int smem = DecodeSmemBytes<D>();
   static bool configured = false;  // NOTE: per-template, set on the first launch
@@ -271,11 +271,11 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAlloc
   p.part_ml = nullptr;
   const int64_t rows = s.batch * s.num_heads;
   if (splits > 1) {
-    auto po = scratch.Allocate(size_t(splits * rows * D) * sizeof(float), 256);
-    auto pm = scratch.Allocate(size_t(splits * rows * 2) * sizeof(float), 256);
-    if (!po || !pm) return ffi::Error::Internal("paged_attention: scratch allocation failed");
-    p.part_o = static_cast<float*>(*po);
-    p.part_ml = static_cast<float*>(*pm);
+    const size_t o_bytes = size_t(splits * rows * D) * sizeof(float);
+    void* ws = Workspace(stream, o_bytes + size_t(splits * rows * 2) * sizeof(float));
+    if (ws == nullptr) return ffi::Error::Internal("paged_attention: workspace allocation failed");
+    p.part_o = static_cast<float*>(ws);
+    p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
   }
   dim3 grid(unsigned(splits), unsigned(s.cache.num_kv_heads), unsigned(s.batch));
   PagedDecodeKernel<T, D><<<grid, kWarps * 32, smem, stream>>>(p);
@@ -289,11 +289,11 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAlloc
 }
 
 template <typename T>
-ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAllocator& scratch) {
+ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a) {
   switch (a.shape.cache.head_dim) {
-    case 64: return Launch<T, 64>(stream, a, scratch);
-    case 128: return Launch<T, 128>(stream, a, scratch);
-    case 256: return Launch<T, 256>(stream, a, scratch);
+    case 64: return Launch<T, 64>(stream, a);
+    case 128: return Launch<T, 128>(stream, a);
+    case 256: return Launch<T, 256>(stream, a);
   }
   return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
 }
@@ -308,10 +308,9 @@ bool PagedDecodeSupports(const AttentionArgs& a) {
          s.batch <= 65535 && s.cache.num_kv_heads <= 65535;
 }
 
-ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a,
-                             ffi::ScratchAllocator& scratch) {
-  if (a.shape.cache.dtype == DType::kBF16) return DispatchDim<__nv_bfloat16>(stream, a, scratch);
-  return DispatchDim<__half>(stream, a, scratch);
+ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a) {
+  if (a.shape.cache.dtype == DType::kBF16) return DispatchDim<__nv_bfloat16>(stream, a);
+  return DispatchDim<__half>(stream, a);
 }
 
 }  // namespace kvcm::cuda

@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
 }
 
 template <typename T, int D>
-ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAllocator& scratch) {
+ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   constexpr int smem = SmemBytes<D>();
   static bool configured = false;  // NOTE: per-template, set on the first launch
@@ -281,17 +281,18 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAlloc
       return LaunchError("ragged_paged_attention: cudaFuncSetAttribute");
     configured = true;
   }
-  auto offsets = scratch.Allocate(size_t(s.batch + 1) * sizeof(int32_t), 256);
-  if (!offsets) return ffi::Error::Internal("ragged_paged_attention: scratch allocation failed");
+  void* offsets = Workspace(stream, size_t(s.batch + 1) * sizeof(int32_t));
+  if (offsets == nullptr)
+    return ffi::Error::Internal("ragged_paged_attention: workspace allocation failed");
   PrefillParams p;
   p.a = a;
   const float log2e = 1.4426950408889634f;
   p.logit = LogitTransform{a.scale * log2e, a.scale, a.soft_cap, a.soft_cap * log2e};
   p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
-  p.tile_offsets = static_cast<const int32_t*>(*offsets);
+  p.tile_offsets = static_cast<const int32_t*>(offsets);
 
   FillPaddingKernel<T><<<unsigned(s.num_queries), 128, 0, stream>>>(a);
-  ScheduleKernel<<<1, kScheduleThreads, 0, stream>>>(a, static_cast<int32_t*>(*offsets));
+  ScheduleKernel<<<1, kScheduleThreads, 0, stream>>>(a, static_cast<int32_t*>(offsets));
   if (auto err = LaunchError("ragged_paged_attention (schedule)"); err.failure()) return err;
   // Upper bound on the number of tiles: sum_b ceil(n_b G / kRows) <= T G / kRows + B.
   const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;
@@ -301,11 +302,11 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAlloc
 }
 
 template <typename T>
-ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a, ffi::ScratchAllocator& scratch) {
+ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a) {
   switch (a.shape.cache.head_dim) {
-    case 64: return Launch<T, 64>(stream, a, scratch);
-    case 128: return Launch<T, 128>(stream, a, scratch);
-    case 256: return Launch<T, 256>(stream, a, scratch);
+    case 64: return Launch<T, 64>(stream, a);
+    case 128: return Launch<T, 128>(stream, a);
+    case 256: return Launch<T, 256>(stream, a);
   }
   return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported head_dim");
 }
@@ -320,10 +321,9 @@ bool RaggedPrefillSupports(const AttentionArgs& a) {
          s.cache.num_kv_heads <= 65535 && s.num_queries * s.group() < (int64_t(1) << 30);
 }
 
-ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a,
-                               ffi::ScratchAllocator& scratch) {
-  if (a.shape.cache.dtype == DType::kBF16) return DispatchDim<__nv_bfloat16>(stream, a, scratch);
-  return DispatchDim<__half>(stream, a, scratch);
+ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a) {
+  if (a.shape.cache.dtype == DType::kBF16) return DispatchDim<__nv_bfloat16>(stream, a);
+  return DispatchDim<__half>(stream, a);
 }
 
 }  // namespace kvcm::cuda

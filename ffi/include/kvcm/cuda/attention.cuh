@@ -27,12 +27,10 @@ ffi::Error LaunchSimpleAttention(cudaStream_t stream, const AttentionArgs& a);
 // Tensor-core split-KV decode (bf16/f16, head_dim 64/128/256, power-of-two page size, GQA group
 // <= 16). Returns false from *Supports when the shape needs the simple kernel instead.
 bool PagedDecodeSupports(const AttentionArgs& a);
-ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a,
-                             ffi::ScratchAllocator& scratch);
+ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a);
 
 // Tensor-core ragged prefill (FlashAttention-2 style, GQA heads packed into rows).
 bool RaggedPrefillSupports(const AttentionArgs& a);
-ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a,
-                               ffi::ScratchAllocator& scratch);
+ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a);
 
 }  // namespace kvcm::cuda

@@ -40,6 +40,11 @@ inline ffi::Error LaunchError(const char* what) {
 
 int NumSMs();
 
+// Device scratch owned by the extension, one buffer per stream, reused in stream order and grown
+// on demand (growing synchronizes that stream once). nullptr when cudaMalloc fails.
+// NOTE: XLA's FFI ScratchAllocator returned no memory for these handlers on jax 0.11.2 / H200.
+void* Workspace(cudaStream_t stream, size_t bytes);
+
 template <typename T> struct DTypeTraits;
 template <> struct DTypeTraits<float> {
   static __device__ __forceinline__ float to_float(float x) { return x; }
