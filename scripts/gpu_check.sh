@@ -12,11 +12,15 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 status=0
 python3 -c "import jax, jax_kvcm; print(jax.__version__, jax.devices(), 'cuda ext:', jax_kvcm.cuda_extension_available())"
-python3 scripts/gpu_verify.py 2>&1 | tee "$OUT/verify.log" | tail -80 || status=1
+python3 scripts/gpu_verify.py 2>&1 | tee "$OUT/verify.log" | grep -E "FAIL|gpu_verify|seed" | tail -40 || status=1
 if [ -d tests ]; then
   (cd tests && python3 -m pytest -q -m gpu -p no:cacheprovider -x --rootdir=. . 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15) || status=1
 fi
+if [ "${1:-}" = "--variants" ]; then
+  python3 scripts/decode_variants.py 2>&1 | tee "$OUT/variants.log" | tail -20
+fi
 if [ "${1:-}" != "--no-bench" ] && [ -f benchmarks/attention.py ]; then
-  python3 benchmarks/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+  python3 benchmarks/attention.py --no-pallas-sweep --json "$OUT/attention.json" 2>&1 \
+    | tee "$OUT/bench.log" | tail -45 || status=1
 fi
 exit $status

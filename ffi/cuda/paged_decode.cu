@@ -7,6 +7,7 @@
 // With num_splits > 1 the CTA writes an unnormalized partial (o, max, sum) and a combine kernel
 // reduces the splits.
 #include <algorithm>
+#include <cstdlib>
 
 #include "kvcm/cuda/attention.cuh"
 #include "kvcm/cuda/mma.cuh"
@@ -18,11 +19,11 @@ constexpr int kTile = 16;  // tokens per tile
 constexpr int kWarps = 4;
 
 template <int D>
-constexpr int DecodeStages() { return D <= 128 ? 3 : 2; }
+constexpr int DefaultStages() { return D <= 128 ? 3 : 2; }
 
-template <int D>
+template <int D, int kStages>
 constexpr int DecodeSmemBytes() {
-  return kWarps * DecodeStages<D>() * 2 * kTile * D * 2;
+  return kWarps * kStages * 2 * kTile * D * 2;
 }
 
 struct DecodeParams {
@@ -34,10 +35,9 @@ struct DecodeParams {
   float* part_ml;  // [num_splits, B, H, 2]
 };
 
-template <typename T, int D>
+template <typename T, int D, int kStages, bool kL2Hint>
 __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodeParams p) {
   constexpr int kChunks = D / 8;
-  constexpr int kStages = DecodeStages<D>();
   constexpr int kTileElems = kTile * D;
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
@@ -104,8 +104,13 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
         }
       }
       const int so = SwizzledOffset<kChunks>(row, ch);
-      CpAsync16(SmemAddr(ks + so), kbase + off, valid);
-      CpAsync16(SmemAddr(vs + so), vbase + off, valid);
+      if constexpr (kL2Hint) {
+        CpAsync16L2(SmemAddr(ks + so), kbase + off, valid);
+        CpAsync16L2(SmemAddr(vs + so), vbase + off, valid);
+      } else {
+        CpAsync16(SmemAddr(ks + so), kbase + off, valid);
+        CpAsync16(SmemAddr(vs + so), vbase + off, valid);
+      }
     }
   };
 
@@ -240,19 +245,20 @@ __global__ void CombineSplitsKernel(const float* __restrict__ part_o,
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int kStages = DefaultStages<D>(), bool kL2Hint = false>
 ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
-  constexpr int smem = DecodeSmemBytes<D>();
+  constexpr int smem = DecodeSmemBytes<D, kStages>();
+  auto kernel = PagedDecodeKernel<T, D, kStages, kL2Hint>;
   static bool configured = false;  // NOTE: per-template, set on the first launch
   if (!configured) {
-    if (cudaFuncSetAttribute(PagedDecodeKernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem) != cudaSuccess)
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+        cudaSuccess)
       return LaunchError("paged_attention: cudaFuncSetAttribute");
     configured = true;
   }
   int per_sm = 1;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, PagedDecodeKernel<T, D>, kWarps * 32, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
   const int64_t base = s.batch * s.cache.num_kv_heads;
   const int64_t slots = int64_t(NumSMs()) * std::max(per_sm, 1);
   int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
@@ -278,7 +284,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
     p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
   }
   dim3 grid(unsigned(splits), unsigned(s.cache.num_kv_heads), unsigned(s.batch));
-  PagedDecodeKernel<T, D><<<grid, kWarps * 32, smem, stream>>>(p);
+  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
   if (splits > 1) {
     CombineSplitsKernel<T><<<unsigned(rows), 128, 0, stream>>>(
@@ -290,6 +296,13 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
 
 template <typename T>
 ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a) {
+  // Experimental variants for tuning (JAX_KVCM_DECODE_VARIANT), head_dim 128 only.
+  const char* variant = std::getenv("JAX_KVCM_DECODE_VARIANT");
+  if (variant != nullptr && a.shape.cache.head_dim == 128) {
+    if (variant[0] == '1') return Launch<T, 128, 6, false>(stream, a);
+    if (variant[0] == '2') return Launch<T, 128, 3, true>(stream, a);
+    if (variant[0] == '3') return Launch<T, 128, 6, true>(stream, a);
+  }
   switch (a.shape.cache.head_dim) {
     case 64: return Launch<T, 64>(stream, a);
     case 128: return Launch<T, 128>(stream, a);

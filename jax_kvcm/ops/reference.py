@@ -37,13 +37,16 @@ def _attend(q, k_seq, v_seq, q_pos, kv_len, scale, sliding_window, soft_cap):
     """q [N, H, D] at positions q_pos [N] over k_seq/v_seq [S, Hkv, D] (first kv_len valid)."""
     num_heads, num_kv_heads = q.shape[1], k_seq.shape[1]
     group = num_heads // num_kv_heads
-    k = jnp.repeat(k_seq.astype(jnp.float32), group, axis=1)
-    v = jnp.repeat(v_seq.astype(jnp.float32), group, axis=1)
+    kv_pos = jnp.arange(k_seq.shape[0])
+    # Slots past kv_len (tail of the last page, null-page padding) may hold anything, NaN
+    # included: zero them so that a masked weight times garbage cannot poison the output.
+    live = (kv_pos < kv_len)[:, None, None]
+    k = jnp.repeat(jnp.where(live, k_seq.astype(jnp.float32), 0.0), group, axis=1)
+    v = jnp.repeat(jnp.where(live, v_seq.astype(jnp.float32), 0.0), group, axis=1)
     logits = jnp.einsum("nhd,shd->nhs", q.astype(jnp.float32), k,
                         precision=jax.lax.Precision.HIGHEST) * scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    kv_pos = jnp.arange(k_seq.shape[0])
     mask = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < kv_len)
     if sliding_window is not None:
         mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
