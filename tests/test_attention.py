@@ -1,0 +1,447 @@
+"""paged_attention (decode) and ragged_paged_attention (prefill / mixed) against the reference.
+
+Caches come from :func:`conftest.make_caches`: unreferenced pages are NaN, the null page and unused
+tail slots hold finite poison, so reading a wrong page, position or layer shows up as a mismatch.
+Also: write_kv + attention inside ``lax.scan`` over layers with a traced layer index, and
+fixed-shape jitted steps that must compile once over 50 calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import (DTYPES, SEEDS, assert_close, assert_zero_rows, flat_slots, make_caches,
+                      random_page_table, reference, to_f32)
+from jax_kvcm import ops
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    page_size: int
+    head_dim: int
+    num_kv_heads: int
+    group: int  # GQA ratio H / Hkv
+    batch: int
+    max_pages: int
+    num_tokens: int = 0  # ragged only: rows of q (fixed per case, so seeds share one compile)
+    num_layers: int | None = None
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    scale: float | None = None
+    # Point page-table entries of pages wholly before the window at the null page (what a bounded
+    # sliding-window page manager does once pages leave the window).
+    null_out_of_window: bool = False
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads * self.group
+
+    @property
+    def capacity(self) -> int:
+        return self.max_pages * self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.batch * self.max_pages + 3  # null page + every row full + 2 NaN spares
+
+    def attrs(self) -> dict:
+        return dict(scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+
+
+DECODE_CASES = [
+    Case("p8-d64-gqa1", 8, 64, 2, 1, batch=7, max_pages=6),
+    Case("p16-d128-gqa4", 16, 128, 2, 4, batch=6, max_pages=5),
+    Case("p32-d256-gqa8", 32, 256, 1, 8, batch=6, max_pages=4),
+    Case("p128-d64-gqa4", 128, 64, 2, 4, batch=6, max_pages=3),
+    Case("p64-d128-gqa1-window70", 64, 128, 4, 1, batch=6, max_pages=3, sliding_window=70),
+    Case("p8-d64-gqa8-window1", 8, 64, 1, 8, batch=6, max_pages=4, sliding_window=1),
+    Case("p16-d64-gqa4-softcap-scale", 16, 64, 2, 4, batch=6, max_pages=4, soft_cap=8.0,
+         scale=0.5),
+    Case("p32-d128-gqa4-window40-nulled", 32, 128, 2, 2, batch=6, max_pages=5, sliding_window=40,
+         null_out_of_window=True),
+    Case("layers3-p16-d64-gqa4", 16, 64, 2, 4, batch=6, max_pages=4, num_layers=3),
+]
+
+RAGGED_CASES = [
+    Case("p8-d64-gqa1", 8, 64, 2, 1, batch=7, max_pages=6, num_tokens=96),
+    Case("p16-d128-gqa4", 16, 128, 2, 4, batch=7, max_pages=4, num_tokens=128),
+    Case("p32-d256-gqa8", 32, 256, 1, 8, batch=6, max_pages=3, num_tokens=160),
+    Case("p64-d64-gqa2-window50", 64, 64, 2, 2, batch=6, max_pages=3, num_tokens=200,
+         sliding_window=50),
+    Case("p128-d128-gqa1-softcap-scale", 128, 128, 2, 1, batch=6, max_pages=2, num_tokens=200,
+         soft_cap=6.0, scale=0.3),
+    Case("p8-d128-gqa4-window1", 8, 128, 1, 4, batch=6, max_pages=6, num_tokens=80,
+         sliding_window=1),
+    Case("layers3-p16-d64-gqa4-window20-nulled", 16, 64, 2, 4, batch=7, max_pages=4,
+         num_tokens=100, num_layers=3, sliding_window=20, null_out_of_window=True),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch generators.
+
+
+def decode_seq_lens(rng, case: Case) -> np.ndarray:
+    """0 (padded row), 1, exact page multiples (one page, full capacity) and random lengths."""
+    special = [0, 1, case.page_size, case.capacity]
+    rest = rng.integers(1, case.capacity + 1, size=case.batch - len(special))
+    lens = np.concatenate([special, rest]).astype(np.int32)
+    rng.shuffle(lens)
+    return lens
+
+
+def ragged_layout(rng, case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(seq_lens [B], num_new [B]) mixing decode rows, whole prefills, chunked prefills, sequences
+    with no new tokens and padded sequences; at least one trailing padding row in q."""
+    cap, page = case.capacity, case.page_size
+    kinds = ["decode", "prefill_pages", "chunk", "empty", "pad"]
+    kinds += list(rng.choice(["decode", "prefill", "chunk", "empty"], size=case.batch - len(kinds)))
+    rng.shuffle(kinds)
+    seq_lens, num_new = [], []
+    for kind in kinds:
+        if kind == "decode":
+            total, n = rng.integers(1, cap + 1), 1
+        elif kind == "prefill_pages":  # exact page multiple
+            total = page * rng.integers(1, case.max_pages + 1)
+            n = total
+        elif kind == "prefill":
+            total = rng.choice([1, rng.integers(1, cap + 1)])
+            n = total
+        elif kind == "chunk":
+            ctx = rng.integers(1, cap - 1)
+            n = rng.integers(2, cap - ctx + 1)
+            total = ctx + n
+        elif kind == "empty":  # cached sequence with no new token this step
+            total, n = rng.integers(1, cap + 1), 0
+        else:  # padded sequence
+            total, n = 0, 0
+        seq_lens.append(int(total))
+        num_new.append(int(n))
+    num_new = np.array(num_new)
+    budget = case.num_tokens - 1 - int(rng.integers(0, 4))  # keep >= 1 trailing padding row
+    while num_new.sum() > budget:
+        i = int(num_new.argmax())
+        num_new[i] = max(1, num_new[i] - (num_new.sum() - budget))
+    return np.array(seq_lens, np.int32), num_new.astype(np.int32)
+
+
+def null_out_of_window_pages(page_table, seq_lens, num_new, case: Case) -> np.ndarray:
+    """Entries of pages wholly before the first position any query of the row can see -> 0."""
+    table = page_table.copy()
+    for b, (total, n) in enumerate(zip(seq_lens, num_new)):
+        first_visible = max(0, int(total) - max(int(n), 1) + 1 - case.sliding_window)
+        table[b, :first_visible // case.page_size] = 0
+    return table
+
+
+@dataclass
+class Batch:
+    q: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    page_table: np.ndarray
+    seq_lens: np.ndarray
+    query_start: np.ndarray | None
+    layer: int | None
+    zero_rows: np.ndarray  # rows of the output that must be exactly zero
+
+
+def make_batch(seed: int, case: Case, dtype, ragged: bool) -> Batch:
+    rng = np.random.default_rng(seed)
+    if ragged:
+        seq_lens, num_new = ragged_layout(rng, case)
+        query_start = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+        num_rows = case.num_tokens
+        zero_rows = np.arange(query_start[-1], num_rows)
+    else:
+        seq_lens = decode_seq_lens(rng, case)
+        num_new = np.ones_like(seq_lens)
+        query_start = None
+        num_rows = case.batch
+        zero_rows = np.flatnonzero(seq_lens == 0)
+    page_table = random_page_table(rng, seq_lens, case.page_size, case.max_pages, case.num_pages)
+    k_cache, v_cache = make_caches(rng, case.num_layers, case.num_pages, case.page_size,
+                                   case.num_kv_heads, case.head_dim, page_table, seq_lens)
+    if case.null_out_of_window:
+        page_table = null_out_of_window_pages(page_table, seq_lens, num_new, case)
+    q = rng.standard_normal((num_rows, case.num_heads, case.head_dim)).astype(np.float32)
+    layer = int(rng.integers(case.num_layers)) if case.num_layers else None
+    print(f"seed={seed} seq_lens={seq_lens.tolist()} "
+          f"query_start={None if query_start is None else query_start.tolist()} layer={layer}")
+    cast = lambda x: x.astype(dtype)  # noqa: E731
+    return Batch(cast(q), cast(k_cache), cast(v_cache), page_table, seq_lens, query_start, layer,
+                 zero_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Op vs reference.
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c.id for c in DECODE_CASES])
+def test_paged_attention_matches_reference(backend, case, dtype, seed):
+    b = make_batch(seed, case, dtype, ragged=False)
+    args = (b.q, b.k_cache, b.v_cache, b.page_table, b.seq_lens)
+    out = ops.paged_attention(*backend.put(*args), layer=b.layer, **case.attrs())
+    assert out.dtype == dtype and out.shape == b.q.shape
+    assert out.devices() == {backend.device}
+    want = reference("paged_attention", *args, layer=b.layer, **case.attrs())
+    assert_zero_rows(out, b.zero_rows, "paged_attention seq_lens==0 rows", seed)
+    assert_close(out, want, dtype, f"paged_attention[{case.id}]", seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", RAGGED_CASES, ids=[c.id for c in RAGGED_CASES])
+def test_ragged_paged_attention_matches_reference(backend, case, dtype, seed):
+    b = make_batch(seed, case, dtype, ragged=True)
+    args = (b.q, b.k_cache, b.v_cache, b.page_table, b.seq_lens, b.query_start)
+    out = ops.ragged_paged_attention(*backend.put(*args), layer=b.layer, **case.attrs())
+    assert out.dtype == dtype and out.shape == b.q.shape
+    assert out.devices() == {backend.device}
+    want = reference("ragged_paged_attention", *args, layer=b.layer, **case.attrs())
+    assert_zero_rows(out, b.zero_rows, "ragged rows past query_start[B]", seed)
+    assert_close(out, want, dtype, f"ragged_paged_attention[{case.id}]", seed)
+
+
+RANDOM_SHAPE_SEEDS = list(range(100, 116))
+
+
+def random_case(seed: int, ragged: bool) -> tuple[Case, jnp.dtype]:
+    """A seeded random configuration: page size, head dim, GQA ratio, batch, window, soft cap,
+    scale, layer axis and dtype all drawn from the seed."""
+    rng = np.random.default_rng([seed, 1 + ragged])
+    page_size = int(rng.choice([8, 16, 32, 64, 128]))
+    head_dim = int(rng.choice([64, 128, 256]))
+    group = int(rng.choice([1, 4, 8]))
+    num_kv_heads = int(rng.choice([1, 2])) if group < 8 else 1
+    max_pages = int(rng.integers(1, min(6, 256 // page_size) + 1))
+    capacity = max_pages * page_size
+    batch = int(rng.integers(5, 8))
+    window = int(rng.integers(1, capacity + 8)) if rng.random() < 0.5 else None
+    soft_cap = float(rng.uniform(2.0, 30.0)) if rng.random() < 0.4 else None
+    scale = float(rng.uniform(0.05, 1.0)) if rng.random() < 0.4 else None
+    case = Case(f"random-{seed}", page_size, head_dim, num_kv_heads, group, batch, max_pages,
+                num_tokens=int(rng.integers(batch + 4, min(200, 2 * capacity + batch + 4) + 1)),
+                num_layers=2 if rng.random() < 0.3 else None, sliding_window=window,
+                soft_cap=soft_cap, scale=scale,
+                null_out_of_window=window is not None and rng.random() < 0.5)
+    dtype = jnp.dtype([jnp.float32, jnp.bfloat16, jnp.float16][int(rng.integers(3))])
+    return case, dtype
+
+
+@pytest.mark.parametrize("seed", RANDOM_SHAPE_SEEDS)
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+def test_random_shapes_match_reference(backend, op, seed):
+    ragged = op == "ragged"
+    case, dtype = random_case(seed, ragged)
+    print(f"seed={seed} dtype={dtype.name} {case}")
+    b = make_batch(seed, case, dtype, ragged=ragged)
+    args = (b.q, b.k_cache, b.v_cache, b.page_table, b.seq_lens)
+    args += (b.query_start,) if ragged else ()
+    fn = ops.ragged_paged_attention if ragged else ops.paged_attention
+    out = fn(*backend.put(*args), layer=b.layer, **case.attrs())
+    assert out.dtype == dtype and out.shape == b.q.shape
+    want = reference("ragged_paged_attention" if ragged else "paged_attention", *args,
+                     layer=b.layer, **case.attrs())
+    assert_zero_rows(out, b.zero_rows, f"{op} padded rows", seed)
+    assert_close(out, want, dtype, f"{op}[{case}]", seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_ragged_decode_rows_equal_paged_attention(backend, seed):
+    """A ragged batch of one token per sequence is the decode op (same kernels' contract)."""
+    case = DECODE_CASES[1]
+    b = make_batch(seed, case, jnp.float32, ragged=False)
+    # Pack the non-empty rows first; padded sequences own no rows; trailing rows are padding.
+    order = np.argsort(b.seq_lens == 0, kind="stable")
+    seq_lens, page_table, q = b.seq_lens[order], b.page_table[order], b.q[order]
+    query_start = np.concatenate([[0], np.cumsum(seq_lens > 0)]).astype(np.int32)
+    dev = backend.put(q, b.k_cache, b.v_cache, page_table, seq_lens, query_start)
+    ragged = np.asarray(ops.ragged_paged_attention(*dev))
+    decode = np.asarray(ops.paged_attention(*dev[:5]))
+    n = int(query_start[-1])
+    assert_close(ragged[:n], decode[:n], jnp.float32, "ragged vs decode rows", seed)
+    assert_zero_rows(ragged, np.arange(n, len(q)), "ragged padding rows", seed)
+    assert_zero_rows(decode, np.arange(n, len(q)), "decode padded rows", seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# lax.scan over layers: write_kv then attention in the body, traced layer index.
+
+
+def _scan_model(write_kv, attention, num_layers, ragged, attrs):
+    def model(k_cache, v_cache, q, k, v, slot_mapping, page_table, seq_lens, query_start):
+        def body(caches, xs):
+            layer, q_l, k_l, v_l = xs
+            k_cache, v_cache = write_kv(*caches, k_l, v_l, slot_mapping, layer=layer)
+            extra = (query_start,) if ragged else ()
+            out = attention(q_l, k_cache, v_cache, page_table, seq_lens, *extra, layer=layer,
+                            **attrs)
+            return (k_cache, v_cache), out
+
+        layers = jnp.arange(num_layers, dtype=jnp.int32)
+        (k_cache, v_cache), outs = jax.lax.scan(body, (k_cache, v_cache), (layers, q, k, v))
+        return k_cache, v_cache, outs
+    return model
+
+
+SCAN_CASES = {
+    "paged": Case("scan-p16-d64-gqa4-softcap", 16, 64, 2, 4, batch=6, max_pages=4, num_layers=3,
+                  soft_cap=20.0),
+    "ragged": Case("scan-p8-d128-gqa2-window12", 8, 128, 2, 2, batch=6, max_pages=6,
+                   num_tokens=72, num_layers=3, sliding_window=12),
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+def test_write_then_attend_in_scan_over_layers(backend, op, dtype, seed):
+    case, ragged = SCAN_CASES[op], op == "ragged"
+    rng = np.random.default_rng(seed)
+    if ragged:
+        seq_lens, num_new = ragged_layout(rng, case)
+        num_rows = case.num_tokens
+    else:
+        seq_lens = decode_seq_lens(rng, case)
+        num_new = (seq_lens > 0).astype(np.int32)  # padded rows write nothing
+        num_rows = case.batch
+    query_start = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+    print(f"seed={seed} seq_lens={seq_lens.tolist()} query_start={query_start.tolist()}")
+    page_table = random_page_table(rng, seq_lens, case.page_size, case.max_pages, case.num_pages)
+    # The cache holds the context; the new tokens are written by write_kv inside the scan.
+    k_cache, v_cache = make_caches(rng, case.num_layers, case.num_pages, case.page_size,
+                                   case.num_kv_heads, case.head_dim, page_table, seq_lens,
+                                   num_written=seq_lens - num_new)
+    slot_mapping = np.full((num_rows,), -1, np.int32)
+    for b in range(case.batch):
+        if ragged:
+            rows = np.arange(query_start[b], query_start[b + 1])
+        else:
+            rows = np.arange(b, b + num_new[b])
+        slot_mapping[rows] = flat_slots(page_table[b], case.page_size,
+                                        np.arange(seq_lens[b] - num_new[b], seq_lens[b]))
+    L, H, Hkv, D = case.num_layers, case.num_heads, case.num_kv_heads, case.head_dim
+    q = rng.standard_normal((L, num_rows, H, D)).astype(np.float32)
+    k = rng.standard_normal((L, num_rows, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((L, num_rows, Hkv, D)).astype(np.float32)
+    inputs = [x.astype(dtype) for x in (k_cache, v_cache, q, k, v)]
+    inputs += [slot_mapping, page_table, seq_lens, query_start]
+
+    attention = ops.ragged_paged_attention if ragged else ops.paged_attention
+    model = jax.jit(_scan_model(ops.write_kv, attention, L, ragged, case.attrs()),
+                    donate_argnums=(0, 1))
+    k_out, v_out, outs = model(*backend.put(*inputs))
+
+    from jax_kvcm.ops import reference as ref
+    ref_attention = ref.ragged_paged_attention if ragged else ref.paged_attention
+    ref_model = jax.jit(_scan_model(ref.write_kv, ref_attention, L, ragged, case.attrs()))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        want_k, want_v, want = ref_model(*(jax.device_put(to_f32(x), cpu) for x in inputs))
+
+    # The cache writes are exact (NaN pages must stay NaN: compare NaN == NaN).
+    np.testing.assert_array_equal(to_f32(k_out), np.asarray(want_k), err_msg=f"k_cache seed={seed}")
+    np.testing.assert_array_equal(to_f32(v_out), np.asarray(want_v), err_msg=f"v_cache seed={seed}")
+    zero_rows = (np.arange(query_start[-1], num_rows) if ragged
+                 else np.flatnonzero(seq_lens == 0))
+    for l in range(L):
+        assert_zero_rows(outs[l], zero_rows, f"layer {l} padded rows", seed)
+        assert_close(outs[l], want[l], dtype, f"scan[{op}] layer {l}", seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# No recompilation at fixed shapes.
+
+
+NUM_STEPS = 50
+
+
+def _count_compiles(fn, make_args, compile_counter, num_steps=NUM_STEPS):
+    """Calls fn(*make_args(i)) num_steps times; returns (traces, backend compiles after call 0)."""
+    traces = [0]
+
+    def counted(*args):
+        traces[0] += 1
+        return fn(*args)
+
+    jitted = jax.jit(counted, donate_argnums=(0, 1))
+    state = None
+    for i in range(num_steps):
+        args = make_args(i, state)
+        if i == 0:
+            out = jitted(*args)
+        else:
+            with compile_counter.counting():
+                out = jitted(*args)
+        jax.block_until_ready(out)
+        state = out
+    cache_size = jitted._cache_size() if hasattr(jitted, "_cache_size") else 1
+    return traces[0], compile_counter.count, cache_size, state, args
+
+
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+def test_fixed_shape_steps_compile_once(backend, op, compile_counter):
+    ragged = op == "ragged"
+    case = Case("recompile", 16, 64, 2, 2, batch=5, max_pages=4, num_tokens=48, sliding_window=24)
+    seed = 11
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    H, Hkv, D, T = case.num_heads, case.num_kv_heads, case.head_dim, case.num_tokens
+    num_rows = T if ragged else case.batch
+    cache_shape = (case.num_pages, case.page_size, Hkv, D)
+    k_cache = rng.standard_normal(cache_shape).astype(np.float32)
+    v_cache = rng.standard_normal(cache_shape).astype(np.float32)
+    host = {}
+
+    def make_args(i, state):
+        if ragged:
+            seq_lens, num_new = ragged_layout(rng, case)
+        else:
+            seq_lens = rng.integers(0, case.capacity + 1, size=case.batch).astype(np.int32)
+            num_new = (seq_lens > 0).astype(np.int32)
+        query_start = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+        page_table = random_page_table(rng, seq_lens, case.page_size, case.max_pages,
+                                       case.num_pages)
+        slot_mapping = np.full((num_rows,), -1, np.int32)
+        for b in range(case.batch):
+            start = query_start[b] if ragged else b
+            slot_mapping[start:start + num_new[b]] = flat_slots(
+                page_table[b], case.page_size, np.arange(seq_lens[b] - num_new[b], seq_lens[b]))
+        q = rng.standard_normal((num_rows, H, D)).astype(np.float32)
+        k = rng.standard_normal((num_rows, Hkv, D)).astype(np.float32)
+        v = rng.standard_normal((num_rows, Hkv, D)).astype(np.float32)
+        caches = backend.put(k_cache, v_cache) if state is None else state[:2]
+        # Host copy of the caches before this step (read before they are donated).
+        host["caches"] = tuple(np.asarray(c) for c in caches)
+        host["args"] = (q, k, v, slot_mapping, page_table, seq_lens, query_start)
+        rest = (q, k, v, slot_mapping, page_table, seq_lens) + ((query_start,) if ragged else ())
+        return (*caches, *backend.put(*rest))
+
+    def step(kc, vc, q, k, v, slot_mapping, page_table, seq_lens, *query_start):
+        kc, vc = ops.write_kv(kc, vc, k, v, slot_mapping)
+        attention = ops.ragged_paged_attention if ragged else ops.paged_attention
+        out = attention(q, kc, vc, page_table, seq_lens, *query_start,
+                        sliding_window=case.sliding_window)
+        return kc, vc, out
+
+    traces, compiles, cache_size, state, _ = _count_compiles(step, make_args, compile_counter)
+    assert traces == 1, f"the step was traced {traces} times over {NUM_STEPS} calls"
+    assert compiles == 0, f"{compiles} backend compilations after the first of {NUM_STEPS} calls"
+    assert cache_size == 1, f"jit cache holds {cache_size} entries"
+
+    # The last step still computes the right thing.
+    q, k, v, slot_mapping, page_table, seq_lens, query_start = host["args"]
+    kc, vc = reference("write_kv", *host["caches"], k, v, slot_mapping)
+    attn_args = (q, kc, vc, page_table, seq_lens) + ((query_start,) if ragged else ())
+    want = reference("ragged_paged_attention" if ragged else "paged_attention", *attn_args,
+                     sliding_window=case.sliding_window)
+    assert_close(state[2], want, jnp.float32, f"step {NUM_STEPS} output", seed)
