@@ -369,12 +369,9 @@ def test_bad_indices_without_check_env(backend, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Known bugs in the attribute checks (jax_kvcm/ops/_checks.py::attention_attrs), kept as strict
-# xfails so that a fix shows up as XPASS (then drop the mark).
+# Attribute types: numpy scalars are accepted, windows beyond int32 are refused by name.
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="bug: numpy float32 scale/soft_cap are rejected ('must be a finite float')")
 @pytest.mark.parametrize("attr", ["scale", "soft_cap"])
 def test_numpy_float32_attributes_accepted(backend, attr):
     seed = 9
@@ -387,9 +384,6 @@ def test_numpy_float32_attributes_accepted(backend, attr):
     assert_close(out, want, jnp.float32, f"{attr}=np.float32({value})", seed)
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, OverflowError),
-                   reason="bug: sliding_window >= 2**31 is cast with np.int32: a Python int raises "
-                          "OverflowError, a numpy int64 silently wraps (2**32 + 5 -> window 5)")
 @pytest.mark.parametrize("window", [2**31, np.int64(2**32 + 5)], ids=["2**31", "np.int64(2**32+5)"])
 def test_sliding_window_beyond_int32_refused_or_unbounded(backend, window):
     seed = 10

@@ -64,23 +64,43 @@ def layer_operand(layer: Any, cache_shape: tuple[int, ...]) -> jax.Array:
     return jnp.asarray(layer, jnp.int32)
 
 
-def attention_attrs(scale: float | None, sliding_window: int | None, soft_cap: float | None,
+def _as_float(x: Any, name: str) -> float:
+    """A concrete real scalar (Python, numpy or 0-d array) as a float, else ValueError."""
+    numeric = isinstance(x, (int, float, np.integer, np.floating)) or (
+        hasattr(x, "dtype") and (jnp.issubdtype(x.dtype, jnp.floating)
+                                 or jnp.issubdtype(x.dtype, jnp.integer)))
+    if isinstance(x, (bool, np.bool_)) or not numeric:
+        raise ValueError(f"{name} must be a float, got {x!r}")
+    try:
+        value = float(x)
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        raise ValueError(f"{name} must be a concrete float (not traced), got {x!r}") from None
+    if np.ndim(x) != 0:
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(x)}")
+    return value
+
+
+def attention_attrs(scale: Any, sliding_window: Any, soft_cap: Any,
                     head_dim: int) -> dict[str, Any]:
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    """FFI attributes: scale (default 1/sqrt(head_dim)), window (0 = none), soft cap (0 = none)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _as_float(scale, "scale")
+    if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
-    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0
-                                 or not math.isfinite(soft_cap)):
-        raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
-    return dict(
-        scale=np.float32(scale),
-        sliding_window=np.int32(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0),
-    )
+    window = 0
+    if sliding_window is not None:
+        if isinstance(sliding_window, (bool, np.bool_)) or not isinstance(
+                sliding_window, (int, np.integer)):
+            raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+        if not 1 <= int(sliding_window) <= np.iinfo(np.int32).max:
+            raise ValueError(
+                f"sliding_window must be in [1, 2**31 - 1], got {int(sliding_window)}")
+        window = int(sliding_window)
+    cap = 0.0
+    if soft_cap is not None:
+        cap = _as_float(soft_cap, "soft_cap")
+        if not (cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"soft_cap must be None or a positive finite float, got {soft_cap!r}")
+    return dict(scale=np.float32(scale), sliding_window=np.int32(window), soft_cap=np.float32(cap))
 
 
 def check_attention(q: Any, k_cache: Any, v_cache: Any, page_table: Any, seq_lens: Any,
