@@ -84,18 +84,28 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   const int64_t token_stride = s.cache.token_stride();
   T* wsmem = smem + warp * kStages * 2 * kTileElems;
 
-  auto load_tile = [&](int it, int stage) {
-    const int tile = my_lo + warp + it * kWarps;
+  // Page indices of a tile, lane-uniform: a 16-token tile spans one page (P >= 16) or two
+  // (P == 8). Fetched one iteration ahead so their latency hides behind the compute.
+  auto fetch_pages = [&](int it, int& page_lo, int& page_hi) {
+    page_lo = page_hi = 0;
+    if (it < my_count) {
+      const int first = (my_lo + warp + it * kWarps) * kTile;  // < len
+      page_lo = pages[first >> p.page_shift];
+      page_hi = (P >= 16 || first + 8 >= len) ? page_lo : pages[(first + 8) >> p.page_shift];
+    }
+  };
+  auto load_tile = [&](int it, int stage, int page_lo, int page_hi) {
+    const int first = (my_lo + warp + it * kWarps) * kTile;
     T* ks = wsmem + stage * 2 * kTileElems;
     T* vs = ks + kTileElems;
 #pragma unroll
     for (int i = lane; i < kTile * kChunks; i += 32) {
       const int row = i / kChunks, ch = i % kChunks;
-      const int pos = tile * kTile + row;
+      const int pos = first + row;
+      const int page = (P == 8 && row >= 8) ? page_hi : page_lo;
       bool valid = pos >= lo && pos < len;
       int64_t off = 0;
       if (valid) {
-        const int page = pages[pos >> p.page_shift];
         if (page < 0 || page >= s.cache.num_pages) {
           bits |= kBadPage;
           valid = false;
@@ -119,28 +129,45 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
+  int page_lo, page_hi;
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < my_count) load_tile(st, st);
+    fetch_pages(st, page_lo, page_hi);
+    if (st < my_count) load_tile(st, st, page_lo, page_hi);
     CpAsyncCommit();
   }
+  fetch_pages(kStages - 1, page_lo, page_hi);
   for (int it = 0; it < my_count; ++it) {
     CpAsyncWait<kStages - 2>();
     __syncwarp();
-    if (it + kStages - 1 < my_count) load_tile(it + kStages - 1, (it + kStages - 1) % kStages);
+    if (it + kStages - 1 < my_count) {
+      load_tile(it + kStages - 1, (it + kStages - 1) % kStages, page_lo, page_hi);
+      fetch_pages(it + kStages, page_lo, page_hi);
+    }
     CpAsyncCommit();
 
     const T* ks = wsmem + (it % kStages) * 2 * kTileElems;
     const T* vs = ks + kTileElems;
+    // Two independent accumulator chains (even / odd k steps) halve the dependent-mma latency.
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float sd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t r[4];
       const int row = (lane & 7) + ((lane >> 4) << 3);
       LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
-      Mma<T>::mma(sc[0], qf[kk], r[0], r[1]);
-      Mma<T>::mma(sc[1], qf[kk], r[2], r[3]);
+      if (kk % 2 == 0) {
+        Mma<T>::mma(sc[0], qf[kk], r[0], r[1]);
+        Mma<T>::mma(sc[1], qf[kk], r[2], r[3]);
+      } else {
+        Mma<T>::mma(sd[0], qf[kk], r[0], r[1]);
+        Mma<T>::mma(sd[1], qf[kk], r[2], r[3]);
+      }
     }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[nt][j] += sd[nt][j];
     const int tile_pos = (my_lo + warp + it * kWarps) * kTile;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -299,9 +326,9 @@ ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a) {
   // Experimental variants for tuning (JAX_KVCM_DECODE_VARIANT), head_dim 128 only.
   const char* variant = std::getenv("JAX_KVCM_DECODE_VARIANT");
   if (variant != nullptr && a.shape.cache.head_dim == 128) {
-    if (variant[0] == '1') return Launch<T, 128, 6, false>(stream, a);
+    if (variant[0] == '1') return Launch<T, 128, 2, false>(stream, a);
     if (variant[0] == '2') return Launch<T, 128, 3, true>(stream, a);
-    if (variant[0] == '3') return Launch<T, 128, 6, true>(stream, a);
+    if (variant[0] == '3') return Launch<T, 128, 4, false>(stream, a);
   }
   switch (a.shape.cache.head_dim) {
     case 64: return Launch<T, 64>(stream, a);
@@ -317,7 +344,7 @@ bool PagedDecodeSupports(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t D = s.cache.head_dim, P = s.cache.page_size;
   return (s.cache.dtype == DType::kBF16 || s.cache.dtype == DType::kF16) &&
-         (D == 64 || D == 128 || D == 256) && P > 0 && (P & (P - 1)) == 0 && s.group() <= 16 &&
+         (D == 64 || D == 128 || D == 256) && P >= 8 && (P & (P - 1)) == 0 && s.group() <= 16 &&
          s.batch <= 65535 && s.cache.num_kv_heads <= 65535;
 }
 

@@ -1,9 +1,10 @@
 // Ragged (prefill / mixed) paged attention on tensor cores, FlashAttention-2 style.
 //
 // Rows: the G = H / Hkv query heads that share a kv head are packed with the query tokens, row
-// r of sequence b = (token r / G, head r % G), so one K/V tile serves G heads. A CTA owns 64 rows
-// (16 per warp) of one sequence and one kv head and streams 64-token K/V tiles (32 for D = 256)
-// through a shared kStages-deep cp.async ring; warps keep their own online-softmax state.
+// r of sequence b = (token r / G, head r % G), so one K/V tile serves G heads. A CTA owns 128 rows
+// (64 for D = 256) of one sequence and one kv head: each warp holds two m16 tiles, so every K/V
+// fragment it reads from shared memory feeds two MMAs. Q sits in shared memory; K/V tiles stream
+// through a shared cp.async ring; warps keep their own online-softmax state.
 // A schedule kernel turns query_start into per-sequence tile offsets first (one CTA per tile,
 // heaviest tiles of each sequence first), and a fill kernel zeroes the padding rows of q.
 #include <cub/block/block_scan.cuh>
@@ -15,16 +16,21 @@ namespace kvcm::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kRows = 16 * kWarps;  // query rows per CTA
 constexpr int kScheduleThreads = 1024;
 
-template <int D> constexpr int KvTile() { return D <= 128 ? 64 : 32; }
-template <int D> constexpr int Stages() { return 2; }
-template <int D> constexpr int SmemBytes() { return Stages<D>() * 2 * KvTile<D>() * D * 2; }
+// Per head_dim: m16 tiles per warp (each K/V fragment read from shared memory feeds all of
+// them), K/V tile length and ring depth, chosen to stay under 255 registers without spills.
+template <int D> constexpr int MTiles() { return D <= 128 ? 2 : 1; }
+template <int D> constexpr int RowsPerCta() { return 16 * kWarps * MTiles<D>(); }
+template <int D> constexpr int KvTile() { return D <= 64 ? 64 : 32; }
+template <int D> constexpr int Stages() { return D <= 128 ? 3 : 2; }
+template <int D> constexpr int SmemBytes() {
+  return RowsPerCta<D>() * D * 2 + Stages<D>() * 2 * KvTile<D>() * D * 2;
+}
 
-// tile_offsets[b] = sum over b' < b of ceil(num_queries(b') * G / kRows); invalid sequences
+// tile_offsets[b] = sum over b' < b of ceil(num_queries(b') * G / rows_per_cta); invalid sequences
 // (bad query_start or seq_lens) get no tiles and raise error bits.
-__global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets) {
+__global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_per_cta) {
   using Scan = cub::BlockScan<int32_t, kScheduleThreads>;
   __shared__ typename Scan::TempStorage temp;
   __shared__ int32_t carry;
@@ -41,7 +47,7 @@ __global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets) {
       if (q0 < 0 || q1 < q0 || q1 > s.num_queries || q1 - q0 > len) bits |= kBadQueryStart;
       if (len < 0 || len > s.max_pages * s.cache.page_size) bits |= kBadSeqLen;
       if (bits) RaiseError(a.error_word, bits);
-      else tiles = int32_t((int64_t(q1 - q0) * G + kRows - 1) / kRows);
+      else tiles = int32_t((int64_t(q1 - q0) * G + rows_per_cta - 1) / rows_per_cta);
     }
     int32_t excl, total;
     Scan(temp).ExclusiveSum(tiles, excl, total);
@@ -77,6 +83,8 @@ struct PrefillParams {
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const PrefillParams p) {
   constexpr int kChunks = D / 8;
+  constexpr int kMt = MTiles<D>();
+  constexpr int kRows = RowsPerCta<D>();
   constexpr int kKv = KvTile<D>();
   constexpr int kStages = Stages<D>();
   constexpr int kTileElems = kKv * D;
@@ -107,7 +115,8 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   const int pos0 = len - nq;  // position of the sequence's first query token
 
   extern __shared__ uint4 smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
+  T* qs = reinterpret_cast<T*>(smem_raw);  // [kRows][D], swizzled
+  T* kv = qs + kRows * D;                  // kStages x {K, V} [kKv][D], swizzled
   __shared__ int cta_bad;
   if (threadIdx.x == 0) cta_bad = 0;
 
@@ -115,29 +124,28 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   uint32_t bits = 0;
   if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; }
 
-  // This warp's two fragment rows and their query positions.
+  // Q rows -> shared memory (zero-filled past num_rows): row r = (token r / G, head r % G).
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kWarps * 32) {
+    const int r = i / kChunks, ch = i % kChunks;
+    const int row = row0 + r;
+    const bool valid = row < num_rows;
+    const T* src = static_cast<const T*>(a.q) +
+                   (valid ? ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D + ch * 8
+                          : 0);
+    CpAsync16(SmemAddr(qs + SwizzledOffset<kChunks>(r, ch)), src, valid);
+  }
+  CpAsyncCommit();
+
+  // Fragment rows of this lane: m-tile mt covers CTA rows [mt * 64 + warp * 16, +16).
   const int r0 = lane / 4, c0 = (lane % 4) * 2;
-  int qpos[2];
-  bool row_valid[2];
+  int qpos[kMt][2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + warp * 16 + r0 + 8 * h;
-    row_valid[h] = row < num_rows;
-    qpos[h] = pos0 + min(row, num_rows - 1) / G;
-  }
-  // Q fragments straight from global memory (read once per CTA).
-  uint32_t qf[D / 16][4];
+  for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + warp * 16 + r0 + 8 * h;
-    const T* qr = static_cast<const T*>(a.q) +
-                  ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      qf[kk][h] = row_valid[h] ? *reinterpret_cast<const uint32_t*>(qr + kk * 16 + c0) : 0u;
-      qf[kk][2 + h] = row_valid[h] ? *reinterpret_cast<const uint32_t*>(qr + kk * 16 + c0 + 8) : 0u;
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + mt * 16 * kWarps + warp * 16 + r0 + 8 * h;
+      qpos[mt][h] = pos0 + min(row, num_rows - 1) / G;
     }
-  }
 
   // K/V range of the whole CTA: [key_lo, key_hi).
   const int last_row = min(row0 + kRows, num_rows) - 1;
@@ -153,7 +161,7 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   const int64_t token_stride = s.cache.token_stride();
 
   auto load_tile = [&](int t, int stage) {
-    T* ks = smem + stage * 2 * kTileElems;
+    T* ks = kv + stage * 2 * kTileElems;
     T* vs = ks + kTileElems;
 #pragma unroll
     for (int i = threadIdx.x; i < kKv * kChunks; i += kWarps * 32) {
@@ -176,14 +184,17 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
     }
   };
 
-  float o[D / 8][4];
+  float o[kMt][D / 8][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  // Rows of this warp: keys beyond warp_q_hi or at/below warp_q_lo - W are masked.
-  const int warp_first_row = min(row0 + warp * 16, num_rows - 1);
-  const int warp_last_row = min(row0 + warp * 16 + 15, num_rows - 1);
-  const int warp_q_lo = pos0 + warp_first_row / G, warp_q_hi = pos0 + warp_last_row / G;
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+  float m[kMt][2], l[kMt][2];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
+  // This warp's query band: keys beyond warp_q_hi or at/below warp_q_lo - W are masked.
+  const int warp_q_lo = pos0 + min(row0 + warp * 16, num_rows - 1) / G;
+  const int warp_q_hi = pos0 + min(row0 + (kMt - 1) * 16 * kWarps + warp * 16 + 15, num_rows - 1) / G;
 
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
@@ -200,50 +211,71 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
     const int key0 = t * kKv;
     // Skip tiles entirely outside this warp's causal / window band.
     if (key0 > warp_q_hi || (a.window > 0 && key0 + kKv - 1 <= warp_q_lo - a.window)) continue;
-    const T* ks = smem + (it % kStages) * 2 * kTileElems;
+    const T* ks = kv + (it % kStages) * 2 * kTileElems;
     const T* vs = ks + kTileElems;
-    float sc[kNt][4];
+    float sc[kMt][kNt][4];
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) sc[mt][nt][0] = sc[mt][nt][1] = sc[mt][nt][2] = sc[mt][nt][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t qa[kMt][4];
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        const int row = mt * 16 * kWarps + warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        LdMatrixX4(qa[mt], SmemAddr(qs + SwizzledOffset<kChunks>(row, 2 * kk + (lane >> 4))));
+      }
 #pragma unroll
       for (int nt = 0; nt < kNt; nt += 2) {
         uint32_t r[4];
         const int row = nt * 8 + (lane & 7) + ((lane >> 4) << 3);
         LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
-        Mma<T>::mma(sc[nt], qf[kk], r[0], r[1]);
-        Mma<T>::mma(sc[nt + 1], qf[kk], r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+          Mma<T>::mma(sc[mt][nt], qa[mt], r[0], r[1]);
+          Mma<T>::mma(sc[mt][nt + 1], qa[mt], r[2], r[3]);
+        }
       }
     }
     const bool needs_mask =
         key0 + kKv - 1 > warp_q_lo || (a.window > 0 && key0 <= warp_q_hi - a.window);
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt)
+    for (int mt = 0; mt < kMt; ++mt) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float x = p.logit(sc[nt][j]);
-        if (needs_mask) {
-          const int key = key0 + nt * 8 + c0 + (j & 1);
-          const int qp = qpos[j >> 1];
-          if (key > qp || (a.window > 0 && key <= qp - a.window)) x = -INFINITY;
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float x = p.logit(sc[mt][nt][j]);
+          if (needs_mask) {
+            const int key = key0 + nt * 8 + c0 + (j & 1);
+            const int qp = qpos[mt][j >> 1];
+            if (key > qp || (a.window > 0 && key <= qp - a.window)) x = -INFINITY;
+          }
+          sc[mt][nt][j] = x;
         }
-        sc[nt][j] = x;
-      }
-    OnlineSoftmax<kNt, D / 8>(sc, o, m, l);
+      OnlineSoftmax<kNt, D / 8>(sc[mt], o[mt], m[mt], l[mt]);
+    }
 #pragma unroll
     for (int ks16 = 0; ks16 < kKv / 16; ++ks16) {
-      const uint32_t pa[4] = {
-          Mma<T>::pack(sc[2 * ks16][0], sc[2 * ks16][1]), Mma<T>::pack(sc[2 * ks16][2], sc[2 * ks16][3]),
-          Mma<T>::pack(sc[2 * ks16 + 1][0], sc[2 * ks16 + 1][1]),
-          Mma<T>::pack(sc[2 * ks16 + 1][2], sc[2 * ks16 + 1][3])};
+      uint32_t pa[kMt][4];
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        pa[mt][0] = Mma<T>::pack(sc[mt][2 * ks16][0], sc[mt][2 * ks16][1]);
+        pa[mt][1] = Mma<T>::pack(sc[mt][2 * ks16][2], sc[mt][2 * ks16][3]);
+        pa[mt][2] = Mma<T>::pack(sc[mt][2 * ks16 + 1][0], sc[mt][2 * ks16 + 1][1]);
+        pa[mt][3] = Mma<T>::pack(sc[mt][2 * ks16 + 1][2], sc[mt][2 * ks16 + 1][3]);
+      }
 #pragma unroll
       for (int n = 0; n < D / 8; n += 2) {
         uint32_t r[4];
         const int row = ks16 * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
         LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
-        Mma<T>::mma(o[n], pa, r[0], r[1]);
-        Mma<T>::mma(o[n + 1], pa, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+          Mma<T>::mma(o[mt][n], pa[mt], r[0], r[1]);
+          Mma<T>::mma(o[mt][n + 1], pa[mt], r[2], r[3]);
+        }
       }
     }
   }
@@ -255,19 +287,22 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   __syncthreads();
   const bool bad = cta_bad != 0;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    const int row = row0 + warp * 16 + r0 + 8 * h;
-    if (!row_valid[h]) continue;
-    const float inv = bad ? NAN : (l[h] > 0.f ? 1.f / l[h] : 0.f);
-    T* out = static_cast<T*>(a.out) +
-             ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
+  for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<uint32_t*>(out + n * 8 + c0) =
-          Mma<T>::pack(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-  }
+    for (int h = 0; h < 2; ++h) {
+      float lh = l[mt][h];
+      lh += __shfl_xor_sync(0xffffffffu, lh, 1);
+      lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+      const int row = row0 + mt * 16 * kWarps + warp * 16 + r0 + 8 * h;
+      if (row >= num_rows) continue;
+      const float inv = bad ? NAN : (lh > 0.f ? 1.f / lh : 0.f);
+      T* out = static_cast<T*>(a.out) +
+               ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<uint32_t*>(out + n * 8 + c0) =
+            Mma<T>::pack(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
+    }
 }
 
 template <typename T, int D>
@@ -292,7 +327,8 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   p.tile_offsets = static_cast<const int32_t*>(offsets);
 
   FillPaddingKernel<T><<<unsigned(s.num_queries), 128, 0, stream>>>(a);
-  ScheduleKernel<<<1, kScheduleThreads, 0, stream>>>(a, static_cast<int32_t*>(offsets));
+  constexpr int kRows = RowsPerCta<D>();
+  ScheduleKernel<<<1, kScheduleThreads, 0, stream>>>(a, static_cast<int32_t*>(offsets), kRows);
   if (auto err = LaunchError("ragged_paged_attention (schedule)"); err.failure()) return err;
   // Upper bound on the number of tiles: sum_b ceil(n_b G / kRows) <= T G / kRows + B.
   const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;
