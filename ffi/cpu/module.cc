@@ -11,6 +11,11 @@ XLA_FFI_Error* KvcmPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmRaggedPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
 }
 
+// Cold-tier pieces, each in its own file.
+void BindHostMemory(nb::module_& m);        // host_memory.cc
+void BindDiskFile(nb::module_& m);          // disk_file.cc
+void AddCodecRegistrations(nb::dict& d);    // codec_cpu.cc
+
 template <typename Fn>
 static nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
@@ -23,6 +28,9 @@ NB_MODULE(_kvcm_cpu, m) {
     d["kvcm_write_kv"] = Capsule(KvcmWriteKvCpu);
     d["kvcm_paged_attention"] = Capsule(KvcmPagedAttentionCpu);
     d["kvcm_ragged_paged_attention"] = Capsule(KvcmRaggedPagedAttentionCpu);
+    AddCodecRegistrations(d);
     return d;
   }, "Handler capsules by FFI target name.");
+  BindHostMemory(m);
+  BindDiskFile(m);
 }

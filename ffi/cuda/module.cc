@@ -11,6 +11,10 @@ XLA_FFI_Error* KvcmPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmRaggedPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
 }
 
+// Cold-tier pieces, each in its own file.
+void BindPinnedMemory(nb::module_& m);        // pinned_memory.cc
+void AddCodecRegistrationsCuda(nb::dict& d);  // codec.cu (declared with C++ linkage there)
+
 template <typename Fn>
 static nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
@@ -23,6 +27,8 @@ NB_MODULE(_kvcm_cuda, m) {
     d["kvcm_write_kv"] = Capsule(KvcmWriteKvCuda);
     d["kvcm_paged_attention"] = Capsule(KvcmPagedAttentionCuda);
     d["kvcm_ragged_paged_attention"] = Capsule(KvcmRaggedPagedAttentionCuda);
+    AddCodecRegistrationsCuda(d);
     return d;
   }, "Handler capsules by FFI target name.");
+  BindPinnedMemory(m);
 }
