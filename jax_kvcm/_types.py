@@ -1,0 +1,107 @@
+"""Ids, cache levels and small shared records of the host side.
+
+The ids are ``typing.NewType`` over ``int``: free at run time, distinct for the type checker, so a
+``PoolGroupIndex`` cannot be passed where a ``LayerGroupId`` is expected.
+
+NOTE: pool-group indices are per cache level. The DEVICE level groups layer groups by identical
+hot layout, the cold levels (HOST, DISK) by compatible encoded page size; the two mappings are
+independent, so never compare a DEVICE ``PoolGroupIndex`` with a HOST/DISK one (DESIGN.md §1).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+__all__ = [
+    "CacheLevel",
+    "LayerGroupId",
+    "LayerGroupLayout",
+    "PageIndex",
+    "PoolGroupIndex",
+    "SlotId",
+]
+
+LayerGroupId = NewType("LayerGroupId", int)
+"""Layers with the same KV layout and lifecycle (the seeds' LifeCycleId); dense from 0."""
+
+PoolGroupIndex = NewType("PoolGroupIndex", int)
+"""A physical pool group at one cache level; dense from 0 within that level."""
+
+SlotId = NewType("SlotId", int)
+"""A slot inside one pool group at one level (slot 0 of a DEVICE pool group is the null page)."""
+
+PageIndex = NewType("PageIndex", int)
+"""A page's position in a sequence's page list of one layer group."""
+
+
+class CacheLevel(enum.IntEnum):
+    """Storage tiers, hottest first. DEVICE holds hot pages; HOST and DISK hold cold pages."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+    @property
+    def is_cold(self) -> bool:
+        """True for the tiers that store codec-encoded blobs (HOST, DISK)."""
+        return self is not CacheLevel.DEVICE
+
+
+def check_count(value: object, name: str, *, minimum: int) -> int:
+    """``value`` as a Python int >= ``minimum``.
+
+    Integers (Python or numpy) pass; bools, floats and other types raise TypeError; values below
+    ``minimum`` raise ValueError. Errors name the argument.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        result = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if result < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {result}")
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroupLayout:
+    """How one layer group is stored at every level, as the pool-ratio split needs it.
+
+    - ``hot_pool_group``: its DEVICE pool group. Layer groups sharing one have identical hot
+      layouts, hence equal ``hot_page_bytes`` (checked where layouts are combined).
+    - ``hot_page_bytes``: bytes of one hot page = one slot across all 2 * num_layers pools of the
+      group, i.e. ``2 * num_layers * tokens_per_page * num_kv_heads * head_dim * itemsize``.
+    - ``cold_pool_group``: its pool group at every cold level (HOST and DISK share one mapping,
+      so host<->disk is a raw blob copy).
+    - ``cold_page_bytes``: the codec's fixed encoded size of one page (``cold_page_bytes(lg)``).
+    """
+
+    layer_group_id: LayerGroupId
+    hot_pool_group: PoolGroupIndex
+    hot_page_bytes: int
+    cold_pool_group: PoolGroupIndex
+    cold_page_bytes: int
+
+    def __post_init__(self) -> None:
+        # NOTE: normalized to Python ints (numpy ints are accepted) so equality and hashing agree.
+        for name, minimum in (("layer_group_id", 0), ("hot_pool_group", 0), ("hot_page_bytes", 1),
+                              ("cold_pool_group", 0), ("cold_page_bytes", 1)):
+            object.__setattr__(self, name, check_count(getattr(self, name), name, minimum=minimum))
+
+    def pool_group(self, level: CacheLevel) -> PoolGroupIndex:
+        """This layer group's pool group at ``level`` (hot for DEVICE, cold otherwise)."""
+        if CacheLevel(level) is CacheLevel.DEVICE:
+            return self.hot_pool_group
+        return self.cold_pool_group
+
+    def page_bytes(self, level: CacheLevel) -> int:
+        """Bytes of one of this layer group's pages at ``level`` (hot or encoded payload)."""
+        if CacheLevel(level) is CacheLevel.DEVICE:
+            return self.hot_page_bytes
+        return self.cold_page_bytes
