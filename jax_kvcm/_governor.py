@@ -288,6 +288,20 @@ class MemoryGovernor:
         c.num_leases += 1
         return Lease(c, level, nbytes, bool(transient))
 
+    def release_committed(self, level: CacheLevel, nbytes: int) -> None:
+        """Returns ``nbytes`` of committed persistent bytes freed piecemeal (slots of a tier
+        freed batch by batch long after the lease that charged them was committed).
+
+        NOTE: slot allocations are charged per batch but freed per page set; keeping a lease per
+        page would put Python objects on the hot path, so frees uncharge by count instead."""
+        level = CacheLevel(level)
+        check_count(nbytes, "nbytes", minimum=0)
+        c = self._levels[level]
+        if nbytes > c.committed:
+            raise RuntimeError(f"release_committed({level.name}, {nbytes}) exceeds the "
+                               f"{c.committed} committed bytes")
+        c.committed -= nbytes
+
     def limit(self, level: CacheLevel) -> int:
         return self._levels[CacheLevel(level)].limit
 
