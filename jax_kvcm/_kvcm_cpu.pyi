@@ -1,4 +1,52 @@
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 def registrations() -> dict[str, Any]:
     """FFI handler capsules by target name (kvcm_write_kv, kvcm_paged_attention, ...)."""
+
+class HostBuffer:
+    """Zero-initialized, aligned host memory owned by the extension (host tier on CPU builds)."""
+
+    def __init__(self, nbytes: int, alignment: int = 4096) -> None: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def device_address(self) -> int:
+        """Equals ``address`` on CPU."""
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def pinned(self) -> bool:
+        """Always False."""
+    def view(self) -> npt.NDArray[np.uint8]:
+        """uint8 [nbytes] over the buffer, no copy; keeps the buffer alive."""
+
+class DiskFile:
+    """A preallocated, slot-addressed file with a CRC32C per page; removed on close."""
+
+    def __init__(self, path: str, num_slots: int, slot_bytes: int) -> None: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def num_io_calls(self) -> int:
+        """pread/pwrite syscalls issued so far (one per run of adjacent slots, normally)."""
+    def write(self, slots: npt.NDArray[np.int32], src_address: int) -> None: ...
+    def read(self, slots: npt.NDArray[np.int32], dst_address: int) -> npt.NDArray[np.bool_]: ...
+    def invalidate(self, slots: npt.NDArray[np.int32]) -> None: ...
+    def close(self) -> None: ...
+    def _inject_fault(self, kind: str, after_ios: int = 0) -> None: ...
+    def _clear_faults(self) -> None: ...
+
+def _crc32c(data: bytes, software: bool = False) -> int:
+    """Test hook: the disk tier's CRC32C of ``data``."""
+
+_CRC32C_IMPL: str
+"""Which CRC32C path the disk tier uses: "sse4.2", "armv8-crc" or "software"."""

@@ -1,0 +1,229 @@
+"""The disk tier: one preallocated, slot-addressed file per cold pool group, checksummed per page.
+
+:class:`DiskPool` creates ``<directory>/<name>.kvcm`` (exclusively, mode 0600, preallocated to
+``num_slots * slot_bytes`` so a full disk shows up at construction) through the native
+``_kvcm_cpu.DiskFile``, and keeps the slot free list (:class:`~jax_kvcm._slots.SlotAllocator`).
+
+I/O moves whole cold pages between disk slots and a contiguous host staging region: page ``i`` of a
+call lives at ``address + i * slot_bytes`` in host memory and in slot ``slots[i]`` on disk. Runs of
+adjacent slots (``slots[i+1] == slots[i] + 1``) are one pread/pwrite; the native code runs with the
+GIL released. A CRC32C per page is recorded when its write succeeds and verified on every read.
+
+Errors:
+
+- A page whose checksum does not match, or that was never written (or was invalidated / freed), is
+  a *miss*: ``read`` returns ``False`` for it and never raises for that. Its bytes must not be used.
+- I/O failures raise :class:`DiskIOError` (an ``OSError``, errno preserved; short reads and writes
+  are ``EIO``); a full disk raises :class:`DiskFullError` (``ENOSPC``).
+- Misuse (slots out of range or not allocated, bad dtype/shape, a closed pool) raises
+  ``ValueError`` before any I/O.
+
+NOTE: a failed ``write`` may have written the runs before the failing one (their checksums are
+recorded); the failing run's slots read as missing; later runs are untouched. Callers treat a failed
+write as failed whole: they free the slots (which drops every checksum) and keep the source.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+from types import TracebackType
+
+import numpy as np
+
+from jax_kvcm._slots import SlotAllocator, as_slot_array
+from jax_kvcm._types import check_count
+
+__all__ = ["DISK_FILE_SUFFIX", "DiskFullError", "DiskIOError", "DiskPool"]
+
+DISK_FILE_SUFFIX = ".kvcm"
+
+
+class DiskIOError(OSError):
+    """A disk-tier I/O operation failed (errno and filename preserved)."""
+
+
+class DiskFullError(DiskIOError):
+    """The disk tier's file system is full (``ENOSPC``)."""
+
+
+def _disk_error(e: OSError) -> DiskIOError:
+    cls = DiskFullError if e.errno == _errno.ENOSPC else DiskIOError
+    if e.errno is None:
+        return cls(str(e))
+    return cls(e.errno, e.strerror, e.filename)
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if (not name or name in (".", "..") or "/" in name or os.sep in name
+            or (os.altsep and os.altsep in name) or "\0" in name):
+        raise ValueError(f"name must be a plain file name (no path separators), got {name!r}")
+    return name
+
+
+class DiskPool:
+    """``num_slots`` cold-page slots of ``slot_bytes`` each in ``<directory>/<name>.kvcm``."""
+
+    __slots__ = ("_file", "_allocator", "_directory", "_name", "_num_slots", "_slot_bytes")
+
+    def __init__(self, directory: str | os.PathLike[str], name: str, num_slots: int,
+                 slot_bytes: int) -> None:
+        self._file = None
+        try:
+            directory = os.fspath(directory)
+        except TypeError:
+            raise ValueError(f"directory must be a path, got {type(directory).__name__}") from None
+        if isinstance(directory, bytes):
+            directory = os.fsdecode(directory)
+        if not os.path.isdir(directory):
+            what = "is not a directory" if os.path.exists(directory) else "does not exist"
+            raise ValueError(f"directory {directory!r} {what}")
+        self._directory = directory
+        self._name = _check_name(name)
+        self._num_slots = check_count(num_slots, "num_slots", minimum=1)
+        self._slot_bytes = check_count(slot_bytes, "slot_bytes", minimum=1)
+        self._allocator = SlotAllocator(self._num_slots)
+        from jax_kvcm import _kvcm_cpu
+
+        path = os.path.join(directory, name + DISK_FILE_SUFFIX)
+        try:
+            self._file = _kvcm_cpu.DiskFile(path, self._num_slots, self._slot_bytes)
+        except OSError as e:
+            raise _disk_error(e) from e
+
+    # -- geometry ------------------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self._directory, self._name + DISK_FILE_SUFFIX)
+
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._file is None or self._file.closed
+
+    @property
+    def num_io_calls(self) -> int:
+        """pread/pwrite syscalls issued so far (one per run of adjacent slots, normally)."""
+        return 0 if self._file is None else self._file.num_io_calls
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self._allocator.num_free
+
+    def allocate(self, n: int) -> np.ndarray | None:
+        """``n`` free slots (int32, lowest first, so they tend to coalesce) or ``None``."""
+        self._check_open()
+        return self._allocator.allocate(n)
+
+    def free(self, slots) -> None:
+        """Returns ``slots`` and drops their checksums (a freed slot never reads as valid)."""
+        file = self._check_open()
+        arr = as_slot_array(slots)
+        self._allocator.free(arr)  # NOTE: validates everything before changing anything
+        file.invalidate(arr)
+
+    def is_allocated(self, slot: int) -> bool:
+        return self._allocator.is_allocated(slot)
+
+    # -- I/O -----------------------------------------------------------------------------------
+
+    def write(self, slots, src_address: int) -> None:
+        """Writes page ``i`` from ``src_address + i * slot_bytes`` to slot ``slots[i]``.
+
+        DiskFullError / DiskIOError on failure (see the module notes for partial effects).
+        """
+        file = self._check_open()
+        arr = self._check_io_slots(slots)
+        try:
+            file.write(arr, int(src_address))
+        except OSError as e:
+            raise _disk_error(e) from e
+
+    def read(self, slots, dst_address: int) -> np.ndarray:
+        """Reads slot ``slots[i]`` into ``dst_address + i * slot_bytes``; returns a bool mask,
+        False for pages that fail their checksum or hold nothing (misses: do not use them).
+
+        DiskIOError on I/O errors and short reads.
+        """
+        file = self._check_open()
+        arr = self._check_io_slots(slots)
+        try:
+            return file.read(arr, int(dst_address))
+        except OSError as e:
+            raise _disk_error(e) from e
+
+    def invalidate(self, slots) -> None:
+        """Drops the checksums of ``slots``: they read as missing until rewritten."""
+        file = self._check_open()
+        file.invalidate(as_slot_array(slots))
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes and removes the file (idempotent)."""
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError as e:
+                raise _disk_error(e) from e
+
+    def __enter__(self) -> DiskPool:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"num_free={self.num_free}"
+        return (f"DiskPool(path={self.path!r}, num_slots={self._num_slots}, "
+                f"slot_bytes={self._slot_bytes}, {state})")
+
+    # -- test hooks ----------------------------------------------------------------------------
+
+    def _inject_fault(self, kind: str, after_ios: int = 0) -> None:
+        """One-shot fault on the (after_ios + 1)-th following I/O syscall of the matching kind:
+        ``enospc`` / ``short_write`` (writes), ``short_read`` / ``eio_read`` (reads)."""
+        self._check_open()._inject_fault(kind, after_ios)
+
+    def _clear_faults(self) -> None:
+        self._check_open()._clear_faults()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _check_open(self):
+        if self._file is None or self._file.closed:
+            raise ValueError("DiskPool is closed")
+        return self._file
+
+    def _check_io_slots(self, slots) -> np.ndarray:
+        arr = as_slot_array(slots)
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self._num_slots:
+                raise ValueError(f"slots: values [{lo}, {hi}] out of range [0, {self._num_slots})")
+            if not self._allocator.all_allocated(arr):
+                bad = int(arr[~np.array([self._allocator.is_allocated(int(s)) for s in arr])][0])
+                raise ValueError(f"slots: slot {bad} is not allocated in this pool")
+        return arr

@@ -1,0 +1,648 @@
+"""Disk tier: DiskFile (native) and DiskPool: round trips, coalescing, checksums, faults, cleanup.
+
+Every randomized test takes a seed from ``SEEDS`` (in the test id) and names it in its messages.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import SEEDS
+
+from jax_kvcm import _kvcm_cpu
+from jax_kvcm._disk_tier import DiskFullError, DiskIOError, DiskPool
+
+SLOT = 4096 + 24  # not a multiple of the page size on purpose
+FAULT_KINDS = ["enospc", "short_write", "short_read", "eio_read"]
+WRITE_FAULTS = {"enospc": errno.ENOSPC, "short_write": errno.EIO}
+READ_FAULTS = {"short_read": errno.EIO, "eio_read": errno.EIO}
+
+
+def i32(*xs) -> np.ndarray:
+    return np.array(xs, np.int32)
+
+
+def num_runs(slots) -> int:
+    slots = np.asarray(slots, np.int64)
+    return 0 if slots.size == 0 else 1 + int(np.count_nonzero(np.diff(slots) != 1))
+
+
+class Staging:
+    """A contiguous host staging region (HostBuffer) of ``pages`` slots."""
+
+    def __init__(self, pages: int, slot_bytes: int = SLOT) -> None:
+        self.slot_bytes = slot_bytes
+        self.buf = _kvcm_cpu.HostBuffer(pages * slot_bytes)
+        self.pages = self.buf.view().reshape(pages, slot_bytes)
+        self.address = self.buf.address
+
+    def fill(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        self.pages[:n] = rng.integers(0, 256, (n, self.slot_bytes), dtype=np.uint8)
+        return self.pages[:n].copy()
+
+
+def flip_byte(path: str, offset: int, mask: int = 0x01) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def file_bytes(path: str, slot: int, slot_bytes: int = SLOT) -> np.ndarray:
+    with open(path, "rb") as f:
+        f.seek(slot * slot_bytes)
+        return np.frombuffer(f.read(slot_bytes), np.uint8)
+
+
+@pytest.fixture
+def dfile(tmp_path):
+    f = _kvcm_cpu.DiskFile(str(tmp_path / "pool.kvcm"), 64, SLOT)
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def pool(tmp_path):
+    with DiskPool(tmp_path, "cold0", 64, SLOT) as p:
+        yield p
+
+
+# ---------------------------------------------------------------------------------------------
+# CRC32C.
+
+
+def test_crc32c_check_values():
+    for software in (False, True):
+        assert _kvcm_cpu._crc32c(b"123456789", software) == 0xE3069283
+        assert _kvcm_cpu._crc32c(b"", software) == 0
+        assert _kvcm_cpu._crc32c(bytes(32), software) == 0x8A9136AA  # RFC 3720 B.4
+        assert _kvcm_cpu._crc32c(b"\xff" * 32, software) == 0x62A8AB43
+        assert _kvcm_cpu._crc32c(bytes(range(32)), software) == 0x46DD794E
+    assert _kvcm_cpu._CRC32C_IMPL in ("sse4.2", "armv8-crc", "software")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_crc32c_paths_agree(seed):
+    """The (three-stream) hardware path equals the table path at every length class."""
+    rng = np.random.default_rng(seed)
+    lengths = [1, 7, 8, 9, 4095, 12287, 12288, 12289, 3 * 4096 + 5, 2 << 20]
+    lengths += [int(n) for n in rng.integers(1, 200_000, 20)]
+    for n in lengths:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert _kvcm_cpu._crc32c(data) == _kvcm_cpu._crc32c(data, True), f"n={n} seed={seed}"
+
+
+# ---------------------------------------------------------------------------------------------
+# DiskFile: creation, round trips, coalescing.
+
+
+def test_create_preallocates_exclusively(tmp_path):
+    path = str(tmp_path / "a.kvcm")
+    f = _kvcm_cpu.DiskFile(path, 10, SLOT)
+    st = os.stat(path)
+    assert st.st_size == 10 * SLOT
+    assert st.st_mode & 0o777 == 0o600
+    assert st.st_blocks * 512 >= 10 * SLOT, "posix_fallocate did not reserve the blocks"
+    assert (f.path, f.num_slots, f.slot_bytes, f.closed) == (path, 10, SLOT, False)
+    with pytest.raises(FileExistsError) as e:
+        _kvcm_cpu.DiskFile(path, 10, SLOT)
+    assert e.value.errno == errno.EEXIST and e.value.filename == path
+    assert os.path.exists(path), "a refused create must not remove the existing file"
+    f.close()
+
+
+@pytest.mark.parametrize("args, what", [((0, SLOT), "num_slots"), ((4, 0), "slot_bytes"),
+                                        ((1 << 40, 1 << 40), "overflow")])
+def test_create_bad_arguments(tmp_path, args, what):
+    path = str(tmp_path / "a.kvcm")
+    with pytest.raises(ValueError, match=what):
+        _kvcm_cpu.DiskFile(path, *args)
+    assert not os.path.exists(path)
+
+
+def test_create_in_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        _kvcm_cpu.DiskFile(str(tmp_path / "nope" / "a.kvcm"), 4, SLOT)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_round_trip_byte_exact(dfile, seed):
+    rng = np.random.default_rng(seed)
+    src, dst = Staging(32), Staging(32)
+    expected = {}
+    for _ in range(6):
+        n = int(rng.integers(1, 33))
+        # A random slot set with adjacent runs: a few random starts, each extended to a run.
+        slots = []
+        while len(slots) < n:
+            start = int(rng.integers(0, dfile.num_slots))
+            length = int(rng.integers(1, 6))
+            slots += [s for s in range(start, min(start + length, dfile.num_slots))
+                      if s not in slots]
+        slots = np.array(slots[:n], np.int32)
+        if rng.random() < 0.5:
+            slots = np.sort(slots)
+        data = src.fill(rng, n)
+        dfile.write(slots, src.address)
+        for i, s in enumerate(slots):
+            expected[int(s)] = data[i]
+        # Read back every slot written so far, in a random order.
+        order = rng.permutation(np.array(sorted(expected), np.int32))[:32]
+        ok = dfile.read(order, dst.address)
+        assert ok.dtype == np.bool_ and ok.shape == order.shape
+        assert ok.all(), f"seed={seed}: pages {order[~ok]} failed their checksum"
+        for i, s in enumerate(order):
+            assert np.array_equal(dst.pages[i], expected[int(s)]), f"slot {s} (seed={seed})"
+    # The file holds exactly the bytes written.
+    for s, want in expected.items():
+        assert np.array_equal(file_bytes(dfile.path, s), want), f"file slot {s} (seed={seed})"
+
+
+@pytest.mark.parametrize("slots", [[5], [3, 4, 5], [3, 4, 5, 9, 10, 0], [7, 6, 5],
+                                   [0, 2, 4, 6], [10, 11, 11, 12], list(range(20, 52))])
+def test_one_io_per_run(dfile, slots):
+    rng = np.random.default_rng(0)
+    slots = np.array(slots, np.int32)
+    src, dst = Staging(len(slots)), Staging(len(slots))
+    src.fill(rng, len(slots))
+    before = dfile.num_io_calls
+    dfile.write(slots, src.address)
+    assert dfile.num_io_calls - before == num_runs(slots), slots
+    before = dfile.num_io_calls
+    ok = dfile.read(slots, dst.address)
+    assert dfile.num_io_calls - before == num_runs(slots), slots
+    assert ok.all()
+    # Duplicated slots: the last write wins, for the bytes and the checksum.
+    last = {int(s): i for i, s in enumerate(slots)}
+    for i, s in enumerate(slots):
+        assert np.array_equal(dst.pages[i], src.pages[last[int(s)]])
+
+
+def test_empty_calls_do_no_io(dfile):
+    before = dfile.num_io_calls
+    dfile.write(np.zeros(0, np.int32), 0)
+    assert dfile.read(np.zeros(0, np.int32), 0).shape == (0,)
+    dfile.invalidate(np.zeros(0, np.int32))
+    assert dfile.num_io_calls == before
+
+
+def test_strided_slots_are_accepted(dfile):
+    rng = np.random.default_rng(1)
+    src, dst = Staging(3), Staging(3)
+    data = src.fill(rng, 3)
+    slots = np.array([1, 99, 2, 99, 8, 99], np.int32)[::2]  # non-contiguous view
+    dfile.write(slots, src.address)
+    assert dfile.read(slots, dst.address).all()
+    assert np.array_equal(dst.pages[:3], data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: ValueError naming the argument, before any I/O.
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([0, 64], np.int32), r"slots\[1\] = 64 is out of range"),
+    (np.array([-1], np.int32), r"slots\[0\] = -1 is out of range"),
+    (np.array([0, 1], np.int64), "slots"),
+    (np.array([0.0, 1.0]), "slots"),
+    (np.array([[0, 1]], np.int32), "slots"),
+    ([0, 1], "slots"),
+])
+@pytest.mark.parametrize("op", ["write", "read", "invalidate"])
+def test_bad_slots_rejected_before_io(dfile, bad, match, op):
+    src = Staging(2)
+    dfile.write(i32(0, 1), src.address)
+    before = dfile.num_io_calls
+    with pytest.raises(ValueError, match=match):
+        if op == "invalidate":
+            dfile.invalidate(bad)
+        else:
+            getattr(dfile, op)(bad, src.address)
+    assert dfile.num_io_calls == before
+    assert dfile.read(i32(0, 1), src.address).all(), "a refused call changed the table"
+
+
+@pytest.mark.parametrize("op, name", [("write", "src_address"), ("read", "dst_address")])
+def test_null_address_rejected(dfile, op, name):
+    with pytest.raises(ValueError, match=name):
+        getattr(dfile, op)(i32(0), 0)
+    with pytest.raises(TypeError):
+        getattr(dfile, op)(i32(0), -4096)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums: a bad or missing page is a miss (False), never an exception, never served as valid.
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_bit_flip_in_file_fails_exactly_that_page(dfile, seed):
+    rng = np.random.default_rng(seed)
+    slots = i32(4, 5, 6, 7, 20)
+    src, dst = Staging(5), Staging(5)
+    src.fill(rng, 5)
+    dfile.write(slots, src.address)
+    victim = int(rng.integers(0, 5))
+    for offset in (0, SLOT // 2, SLOT - 1, int(rng.integers(0, SLOT))):
+        pos = int(slots[victim]) * SLOT + offset
+        mask = 1 << int(rng.integers(0, 8))
+        flip_byte(dfile.path, pos, mask)
+        ok = dfile.read(slots, dst.address)
+        want = np.ones(5, bool)
+        want[victim] = False
+        assert np.array_equal(ok, want), f"flip at slot {slots[victim]}+{offset} seed={seed}"
+        flip_byte(dfile.path, pos, mask)  # restore
+        assert dfile.read(slots, dst.address).all(), f"restored page fails (seed={seed})"
+
+
+def test_unwritten_and_invalidated_slots_read_false(dfile):
+    src, dst = Staging(4), Staging(4)
+    src.fill(np.random.default_rng(0), 4)
+    dfile.write(i32(1, 2, 3), src.address)
+    assert list(dfile.read(i32(0, 1, 2, 3), dst.address)) == [False, True, True, True]
+    dfile.invalidate(i32(2))
+    assert list(dfile.read(i32(0, 1, 2, 3), dst.address)) == [False, True, False, True]
+    dfile.write(i32(2), src.address)  # rewriting restores it
+    assert list(dfile.read(i32(0, 1, 2, 3), dst.address)) == [False, True, True, True]
+
+
+def forge_crc_zero(page: np.ndarray) -> np.ndarray:
+    """``page`` with its last 4 bytes replaced so that its CRC32C is 0 (CRC is affine in them)."""
+    head = page[:-4].tobytes()
+
+    def crc(x: int) -> int:
+        return _kvcm_cpu._crc32c(head + x.to_bytes(4, "little"))
+
+    base = crc(0)
+    # Solve sum_i bit_i * (crc(e_i) ^ base) == base over GF(2), tracking which bits make a row.
+    rows = [(crc(1 << i) ^ base, 1 << i) for i in range(32)]
+    basis: dict[int, tuple[int, int]] = {}
+    for vec, combo in rows:
+        for bit in reversed(range(32)):
+            if not (vec >> bit) & 1:
+                continue
+            if bit in basis:
+                vec, combo = vec ^ basis[bit][0], combo ^ basis[bit][1]
+            else:
+                basis[bit] = (vec, combo)
+                break
+    target, x = base, 0
+    for bit in reversed(range(32)):
+        if (target >> bit) & 1:
+            target, x = target ^ basis[bit][0], x ^ basis[bit][1]
+    assert target == 0
+    out = page.copy()
+    out[-4:] = np.frombuffer(x.to_bytes(4, "little"), np.uint8)
+    assert _kvcm_cpu._crc32c(out.tobytes()) == 0
+    return out
+
+
+def test_page_with_crc_zero_in_unwritten_slot_reads_false(dfile):
+    """Bytes that got into a slot's file region without a write() (no entry) never pass, even when
+    their CRC32C happens to be 0 (an empty entry is not the checksum 0)."""
+    page = forge_crc_zero(np.random.default_rng(7).integers(0, 256, SLOT, dtype=np.uint8))
+    with open(dfile.path, "r+b") as f:
+        f.seek(5 * SLOT)
+        f.write(page.tobytes())
+    dst = Staging(1)
+    assert not dfile.read(i32(5), dst.address)[0]
+    assert np.array_equal(dst.pages[0], page)
+    # Written through the file, the same page is valid.
+    src = Staging(1)
+    src.pages[0] = page
+    dfile.write(i32(5), src.address)
+    assert dfile.read(i32(5), dst.address)[0]
+
+
+def test_zero_page_is_not_valid_by_accident(dfile):
+    """An all-zero page that was never written must not pass (no entry), though the file is zero."""
+    dst = Staging(1)
+    assert not dfile.read(i32(9), dst.address)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection: each injector fires (and the same call without it succeeds).
+
+
+@pytest.mark.parametrize("kind", list(WRITE_FAULTS))
+def test_write_fault_fires_and_negative_control(dfile, kind):
+    rng = np.random.default_rng(0)
+    src, dst = Staging(3), Staging(3)
+    src.fill(rng, 3)
+    slots = i32(10, 11, 12)
+    dfile.write(slots, src.address)  # negative control: the same call succeeds
+    assert dfile.read(slots, dst.address).all()
+    data = src.fill(rng, 3)
+    dfile._inject_fault(kind)
+    with pytest.raises(OSError) as e:
+        dfile.write(slots, src.address)
+    assert e.value.errno == WRITE_FAULTS[kind], e.value
+    assert e.value.filename == dfile.path and "10..12" in str(e.value)
+    # The failing run's pages read as missing (their old entries were dropped).
+    assert not dfile.read(slots, dst.address).any()
+    # One-shot: a retry succeeds and the data is right.
+    dfile.write(slots, src.address)
+    assert dfile.read(slots, dst.address).all()
+    assert np.array_equal(dst.pages, data)
+
+
+def test_short_write_transfers_half_then_fails(dfile):
+    src = Staging(2)
+    data = src.fill(np.random.default_rng(3), 2)
+    before = dfile.num_io_calls
+    dfile._inject_fault("short_write")
+    with pytest.raises(OSError) as e:
+        dfile.write(i32(0, 1), src.address)
+    assert e.value.errno == errno.EIO
+    assert dfile.num_io_calls - before == 2, "a half transfer, then one that makes no progress"
+    on_disk = np.concatenate([file_bytes(dfile.path, 0), file_bytes(dfile.path, 1)])
+    assert np.array_equal(on_disk[:SLOT], data[0]), "the first half was really written"
+    assert not on_disk[SLOT:].any(), "nothing beyond the half was written"
+
+
+@pytest.mark.parametrize("kind", list(READ_FAULTS))
+def test_read_fault_fires_and_negative_control(dfile, kind):
+    rng = np.random.default_rng(1)
+    src, dst = Staging(2), Staging(2)
+    data = src.fill(rng, 2)
+    slots = i32(30, 31)
+    dfile.write(slots, src.address)
+    assert dfile.read(slots, dst.address).all()  # negative control
+    dfile._inject_fault(kind)
+    with pytest.raises(OSError) as e:
+        dfile.read(slots, dst.address)
+    assert e.value.errno == READ_FAULTS[kind]
+    assert e.value.filename == dfile.path and "30..31" in str(e.value)
+    # A read fault changes no entry: the retry succeeds.
+    dst.pages[:] = 0
+    assert dfile.read(slots, dst.address).all()
+    assert np.array_equal(dst.pages, data)
+
+
+def test_fault_direction_and_after_ios(dfile):
+    """A write fault ignores reads; after_ios=k skips k I/O syscalls of its direction."""
+    src, dst = Staging(6), Staging(6)
+    src.fill(np.random.default_rng(2), 6)
+    dfile.write(i32(0, 1, 2, 3, 4, 5), src.address)
+    dfile._inject_fault("enospc", after_ios=2)
+    dfile.read(i32(0, 2, 4), dst.address)  # three reads: no effect on the write fault
+    dfile.write(i32(0), src.address)  # write 1
+    dfile.write(i32(1), src.address)  # write 2
+    with pytest.raises(OSError) as e:
+        dfile.write(i32(2), src.address)  # write 3: fires
+    assert e.value.errno == errno.ENOSPC
+    dfile.write(i32(2), src.address)
+    # Read faults likewise.
+    dfile._inject_fault("eio_read", after_ios=1)
+    dfile.write(i32(3), src.address)
+    dfile.read(i32(0), dst.address)
+    with pytest.raises(OSError):
+        dfile.read(i32(1), dst.address)
+    dfile.read(i32(1), dst.address)
+    # Cleared faults do not fire.
+    dfile._inject_fault("eio_read")
+    dfile._inject_fault("enospc")
+    dfile._clear_faults()
+    dfile.write(i32(4), src.address)
+    assert dfile.read(i32(4), dst.address).all()
+
+
+def test_failed_write_partial_effects_as_documented(dfile):
+    """Runs before the failure are written and valid; the failing run reads as missing; runs after
+    it are untouched (old bytes, old entries)."""
+    rng = np.random.default_rng(4)
+    src, dst = Staging(6), Staging(6)
+    old = src.fill(rng, 6)
+    slots = i32(0, 1, 10, 11, 20, 21)  # three runs
+    dfile.write(slots, src.address)
+    new = src.fill(rng, 6)
+    dfile._inject_fault("enospc", after_ios=1)  # the second run fails
+    with pytest.raises(OSError) as e:
+        dfile.write(slots, src.address)
+    assert e.value.errno == errno.ENOSPC and "10..11" in str(e.value)
+    ok = dfile.read(slots, dst.address)
+    assert list(ok) == [True, True, False, False, True, True]
+    assert np.array_equal(dst.pages[:2], new[:2])
+    assert np.array_equal(dst.pages[4:], old[4:])
+
+
+def test_fault_hook_arguments(dfile):
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        dfile._inject_fault("disk_on_fire")
+    with pytest.raises(ValueError, match="after_ios"):
+        dfile._inject_fault("enospc", after_ios=-1)
+
+
+def test_fault_counts_are_per_syscall_within_a_run(dfile):
+    """short_read inside a multi-page run: the half transfer and the zero count as two I/Os."""
+    src, dst = Staging(4), Staging(4)
+    src.fill(np.random.default_rng(5), 4)
+    dfile.write(i32(0, 1, 2, 3), src.address)
+    before = dfile.num_io_calls
+    dfile._inject_fault("short_read")
+    with pytest.raises(OSError):
+        dfile.read(i32(0, 1, 2, 3), dst.address)
+    assert dfile.num_io_calls - before == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifetime and the GIL.
+
+
+def test_close_removes_file_and_is_idempotent(tmp_path):
+    path = str(tmp_path / "c.kvcm")
+    f = _kvcm_cpu.DiskFile(path, 4, SLOT)
+    assert os.path.exists(path)
+    f.close()
+    assert not os.path.exists(path) and f.closed
+    f.close()
+    src = Staging(1)
+    for call in (lambda: f.write(i32(0), src.address), lambda: f.read(i32(0), src.address),
+                 lambda: f.invalidate(i32(0))):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+
+
+def test_destruction_removes_file(tmp_path):
+    path = str(tmp_path / "d.kvcm")
+    f = _kvcm_cpu.DiskFile(path, 4, SLOT)
+    del f
+    assert not os.path.exists(path)
+
+
+def test_gil_released_during_io(tmp_path):
+    """A Python thread keeps running while a large write and read run in native code.
+
+    The spinning thread timestamps its progress. With the GIL held by the call it could run at most
+    one switch interval right after the call starts or right before ``t1`` is taken (a pending
+    drop request), so only samples deeper than two intervals inside the call count.
+    """
+    slot = 1 << 20
+    n = 192
+    f = _kvcm_cpu.DiskFile(str(tmp_path / "big.kvcm"), n, slot)
+    src = _kvcm_cpu.HostBuffer(n * slot)
+    src.view()[::4096] = 7
+    slots = np.arange(n, dtype=np.int32)[::-1].copy()  # n runs: more syscalls, longer call
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def spin():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            if i % 64 == 0:
+                samples.append(time.perf_counter())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    calls = []
+    try:
+        time.sleep(0.01)
+        for op in ("write", "read"):
+            t0 = time.perf_counter()
+            if op == "write":
+                f.write(slots, src.address)
+            else:
+                assert f.read(slots, src.address).all()
+            calls.append((op, t0, time.perf_counter()))
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+        f.close()
+    margin = 2 * 0.005
+    ts = np.array(samples)
+    for op, t0, t1 in calls:
+        if t1 - t0 < 3 * margin:
+            pytest.skip(f"{op} took only {(t1 - t0) * 1e3:.1f} ms: too fast to tell")
+        inside = int(np.count_nonzero((ts > t0 + margin) & (ts < t1 - margin)))
+        assert inside >= 10, (f"{op}: the other thread made {inside} steps in the middle "
+                              f"{(t1 - t0 - 2 * margin) * 1e3:.1f} ms of the call")
+
+
+# ---------------------------------------------------------------------------------------------
+# DiskPool.
+
+
+def test_pool_round_trip_and_errors(tmp_path):
+    rng = np.random.default_rng(0)
+    with DiskPool(tmp_path, "g0", 16, SLOT) as pool:
+        assert pool.path == str(tmp_path / "g0.kvcm") and os.path.exists(pool.path)
+        assert (pool.num_slots, pool.slot_bytes, pool.num_free) == (16, SLOT, 16)
+        slots = pool.allocate(5)
+        assert slots.dtype == np.int32 and list(slots) == [0, 1, 2, 3, 4]
+        assert pool.num_free == 11
+        src, dst = Staging(5), Staging(5)
+        data = src.fill(rng, 5)
+        before = pool.num_io_calls
+        pool.write(slots, src.address)
+        assert pool.num_io_calls - before == 1, "lowest-first slots coalesce into one write"
+        assert pool.read(slots, dst.address).all()
+        assert np.array_equal(dst.pages, data)
+        assert pool.read(slots.tolist(), dst.address).all(), "lists of ints are accepted"
+        # Freed slots never read as valid, even when reallocated.
+        pool.free(slots[2:3])
+        with pytest.raises(ValueError, match="not allocated"):
+            pool.read(slots[2:3], dst.address)
+        again = pool.allocate(1)
+        assert list(again) == [2]
+        assert not pool.read(again, dst.address)[0]
+        pool.invalidate(slots[:1])
+        assert list(pool.read(slots[:2], dst.address)) == [False, True]
+        with pytest.raises(ValueError, match="double free|not allocated"):
+            pool.free([7])
+        assert pool.allocate(100) is None and pool.num_free == 11
+        with pytest.raises(ValueError, match="out of range"):
+            pool.write([16], src.address)
+        with pytest.raises(ValueError, match="integers"):
+            pool.write(np.array([0.0]), src.address)
+    assert pool.closed and not os.path.exists(str(tmp_path / "g0.kvcm"))
+    pool.close()
+    with pytest.raises(ValueError, match="closed"):
+        pool.allocate(1)
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_pool_typed_errors(pool, kind):
+    slots = pool.allocate(2)
+    src = Staging(2)
+    src.fill(np.random.default_rng(0), 2)
+    pool.write(slots, src.address)
+    assert pool.read(slots, src.address).all()  # negative control
+    pool._inject_fault(kind)
+    op = pool.write if kind in WRITE_FAULTS else pool.read
+    want = DiskFullError if kind == "enospc" else DiskIOError
+    with pytest.raises(want) as e:
+        op(slots, src.address)
+    assert isinstance(e.value, OSError) and e.value.filename == pool.path
+    assert e.value.errno == (errno.ENOSPC if kind == "enospc" else errno.EIO)
+    if kind != "enospc":
+        assert not isinstance(e.value, DiskFullError)
+
+
+def test_pool_directory_and_name_validation(tmp_path):
+    with pytest.raises(ValueError, match="directory"):
+        DiskPool(tmp_path / "missing", "g", 4, SLOT)
+    (tmp_path / "afile").write_bytes(b"")
+    with pytest.raises(ValueError, match="directory"):
+        DiskPool(tmp_path / "afile", "g", 4, SLOT)
+    for bad in ("", "a/b", "..", "."):
+        with pytest.raises(ValueError, match="name"):
+            DiskPool(tmp_path, bad, 4, SLOT)
+    with pytest.raises(ValueError, match="num_slots"):
+        DiskPool(tmp_path, "g", 0, SLOT)
+    with DiskPool(tmp_path, "g", 4, SLOT):
+        with pytest.raises(DiskIOError) as e:
+            DiskPool(tmp_path, "g", 4, SLOT)
+        assert e.value.errno == errno.EEXIST
+    assert os.listdir(tmp_path) == ["afile"]
+
+
+def _can_mount_tmpfs(tmp_path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    mnt = tmp_path / "probe"
+    mnt.mkdir()
+    r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                        f"mount -t tmpfs -o size=1m tmpfs {mnt}"], capture_output=True)
+    return r.returncode == 0
+
+
+def test_real_enospc_on_a_tiny_filesystem(tmp_path):
+    """posix_fallocate on a 1 MiB tmpfs (mounted in a private user+mount namespace) -> ENOSPC:
+    DiskFullError, and the half-created file is gone."""
+    if not _can_mount_tmpfs(tmp_path):
+        pytest.skip("cannot mount a private tmpfs here (needs unshare and user namespaces)")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    script = textwrap.dedent(f"""
+        import errno, os
+        from jax_kvcm._disk_tier import DiskFullError, DiskPool
+        try:
+            DiskPool({str(mnt)!r}, "big", 1000, 4096)
+        except DiskFullError as e:
+            assert e.errno == errno.ENOSPC, e
+            assert os.listdir({str(mnt)!r}) == [], os.listdir({str(mnt)!r})
+        else:
+            raise SystemExit("no DiskFullError")
+        with DiskPool({str(mnt)!r}, "small", 16, 4096) as p:  # negative control: it fits
+            assert os.path.exists(p.path)
+        print("OK")
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                        f'mount -t tmpfs -o size=1m tmpfs {mnt} && exec "$0" -c "$1"',
+                        sys.executable, script], capture_output=True, text=True, env=env,
+                       cwd=str(tmp_path), timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
