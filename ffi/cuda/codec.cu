@@ -1,6 +1,556 @@
-// CUDA handlers of the cold-page codecs (stub).
+// CUDA handlers of the cold-page codecs: encode_pages / decode_pages, concat and int8 codecs.
+//
+// Layouts and quantization: kvcm/codec.h. Both run on XLA's stream and never synchronize it
+// (except under JAX_KVCM_CHECK_INDICES=1, the debugging mode of every CUDA handler).
+//
+// concat (HOST index location): the pairs are consumed on the host while the handler runs, to build
+//   one copy descriptor per page per pool (2 * L per page) submitted with ONE cuMemcpyBatchAsync
+//   per call (stream-ordered source access, prefer-overlap-with-compute hint). The driver entry
+//   point is looked up once at run time (cudaGetDriverEntryPointByVersion, ABI of 12.8); where it
+//   does not exist (driver < 12.8), or with JAX_KVCM_NO_MEMCPY_BATCH=1, the same descriptors are
+//   submitted as one cudaMemcpyAsync each. XLA hands the handler a DEVICE buffer of pairs, so the
+//   host copy comes from a registry keyed by that buffer's device pointer (see the extern "C"
+//   functions at the end); the handler fails with an error naming index_pairs when none is
+//   registered. Bad pairs are refused on the host before anything is submitted.
+// int8 (DEVICE index location): one CTA per (pair, layer, K/V) reads its pair with one 8-byte load;
+//   a pair outside the hot pool or the cold tier makes the CTA raise kBadSlot in the error word and
+//   touch nothing (reported as an error naming index_pairs only under JAX_KVCM_CHECK_INDICES=1).
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+#include "kvcm/codec.h"
+#include "kvcm/cuda/common.cuh"
 
 namespace nb = nanobind;
 
-void AddCodecRegistrationsCuda(nb::dict& d) { (void)d; }
+namespace kvcm::cuda {
+namespace {
+
+// ---- host index registry -----------------------------------------------------------------------
+
+struct IndexRegistry {
+  std::mutex mutex;
+  std::unordered_map<uintptr_t, std::vector<int32_t>> pairs;  // device pointer -> 2 * n ints
+};
+
+IndexRegistry& Registry() {
+  static IndexRegistry* r = new IndexRegistry();  // NOTE: leaked on purpose (no exit-order issues)
+  return *r;
+}
+
+// ---- cuMemcpyBatchAsync ------------------------------------------------------------------------
+
+PFN_cuMemcpyBatchAsync_v12080 MemcpyBatchFn() {
+  static PFN_cuMemcpyBatchAsync_v12080 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuMemcpyBatchAsync", &p, 12080, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuMemcpyBatchAsync_v12080>(p);
+  }();
+  const char* off = std::getenv("JAX_KVCM_NO_MEMCPY_BATCH");
+  if (off != nullptr && off[0] == '1') return nullptr;
+  return fn;
+}
+
+struct CopyList {
+  std::vector<CUdeviceptr> dsts, srcs;
+  std::vector<size_t> sizes;
+};
+
+ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
+                      const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
+                      uint64_t address, int64_t num_cold_slots, char* k_base, char* v_base) {
+  const char* op = encode ? "concat encode_pages" : "concat decode_pages";
+  auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
+                             num_cold_slots);
+  if (call.has_error()) return call.error();
+  const CodecCall& c = *call;
+  if (c.num_pairs == 0) return ffi::Error::Success();
+
+  thread_local CopyList list;
+  const int64_t piece = c.hot.piece_bytes();
+  const int64_t layer_bytes = c.hot.num_slots * piece;
+  {
+    IndexRegistry& reg = Registry();
+    std::lock_guard<std::mutex> lock(reg.mutex);
+    auto it = reg.pairs.find(reinterpret_cast<uintptr_t>(index_pairs.untyped_data()));
+    if (it == reg.pairs.end())
+      return Invalid(std::string(op) +
+                     ": index_pairs: the concat codec reads its index pairs on the host (HOST "
+                     "index location), but no host copy is registered for this device buffer; "
+                     "call codec.register_host_index_pairs(index_pairs, host_pairs) before the "
+                     "call and unregister it once the call's output is ready");
+    if (int64_t(it->second.size()) != 2 * c.num_pairs)
+      return Invalid(std::string(op) + ": index_pairs: the registered host copy has " +
+                     std::to_string(it->second.size() / 2) + " pairs, the operand has " +
+                     std::to_string(c.num_pairs));
+    const int32_t* pairs = it->second.data();
+    if (auto err = CheckIndexPairs(pairs, c, encode); err.failure()) return err;
+    const size_t count = size_t(c.num_pairs) * size_t(2 * c.hot.num_layers);
+    try {
+      list.dsts.resize(count);
+      list.srcs.resize(count);
+      list.sizes.assign(count, size_t(piece));
+    } catch (const std::bad_alloc&) {
+      return ffi::Error::Internal(std::string(op) + ": out of host memory for copy descriptors");
+    }
+    size_t j = 0;
+    for (int64_t i = 0; i < c.num_pairs; ++i) {
+      const int64_t hot = encode ? pairs[2 * i + 1] : pairs[2 * i];
+      const int64_t cold = encode ? pairs[2 * i] : pairs[2 * i + 1];
+      const uint64_t page = address + uint64_t(cold) * uint64_t(c.cold_page_bytes);
+      for (int64_t l = 0; l < c.hot.num_layers; ++l) {
+        for (int kv = 0; kv < 2; ++kv, ++j) {
+          const auto hot_ptr =
+              CUdeviceptr((kv ? v_base : k_base) + l * layer_bytes + hot * piece);
+          const auto cold_ptr = CUdeviceptr(page + uint64_t((2 * l + kv) * piece));
+          list.dsts[j] = encode ? cold_ptr : hot_ptr;
+          list.srcs[j] = encode ? hot_ptr : cold_ptr;
+        }
+      }
+    }
+  }
+  const size_t count = list.dsts.size();
+  // NOTE: cuMemcpyBatchAsync refuses the legacy NULL stream; XLA never hands us that one.
+  PFN_cuMemcpyBatchAsync_v12080 batch = stream != nullptr ? MemcpyBatchFn() : nullptr;
+  if (batch != nullptr) {
+    int device = 0;
+    cudaGetDevice(&device);
+    CUmemcpyAttributes attr;
+    std::memset(&attr, 0, sizeof(attr));
+    attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    CUmemLocation on_device = {CU_MEM_LOCATION_TYPE_DEVICE, device};
+    CUmemLocation on_host = {CU_MEM_LOCATION_TYPE_HOST, 0};
+    attr.srcLocHint = encode ? on_device : on_host;
+    attr.dstLocHint = encode ? on_host : on_device;
+    attr.flags = CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE;
+    size_t attr_index = 0;
+    size_t fail_index = SIZE_MAX;
+    CUresult r = batch(list.dsts.data(), list.srcs.data(), list.sizes.data(), count, &attr,
+                       &attr_index, 1, &fail_index, reinterpret_cast<CUstream>(stream));
+    if (r != CUDA_SUCCESS)
+      return ffi::Error::Internal(
+          std::string(op) + ": cuMemcpyBatchAsync of " + std::to_string(count) +
+          " copies failed with CUresult " + std::to_string(int(r)) +
+          (fail_index != SIZE_MAX ? " at copy " + std::to_string(fail_index) : std::string()));
+    return ffi::Error::Success();
+  }
+  for (size_t j = 0; j < count; ++j) {
+    cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(list.dsts[j]),
+                                    reinterpret_cast<const void*>(list.srcs[j]), list.sizes[j],
+                                    cudaMemcpyDefault, stream);
+    if (e != cudaSuccess)
+      return ffi::Error::Internal(std::string(op) + ": cudaMemcpyAsync " + std::to_string(j) +
+                                  " of " + std::to_string(count) +
+                                  " failed: " + cudaGetErrorString(e));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ConcatEncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                                ffi::AnyBuffer index_pairs, uint64_t address,
+                                int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> token) {
+  if (auto err = ConcatCuda(true, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                            static_cast<char*>(k_pool.untyped_data()),
+                            static_cast<char*>(v_pool.untyped_data()));
+      err.failure())
+    return err;
+  cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream);
+  return LaunchError("concat encode_pages");
+}
+
+ffi::Error ConcatDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                                ffi::AnyBuffer index_pairs, uint64_t address,
+                                int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> k_out,
+                                ffi::Result<ffi::AnyBuffer> v_out) {
+  // NOTE: k_out / v_out alias the pools (input_output_aliases {0: 0, 1: 1}).
+  return ConcatCuda(false, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                    static_cast<char*>(k_out->untyped_data()),
+                    static_cast<char*>(v_out->untyped_data()));
+}
+
+// ---- int8 kernels ------------------------------------------------------------------------------
+
+constexpr int kInt8Threads = 256;
+constexpr int64_t kMaxInt8Heads = 4096;  // shared memory: one float per kv head
+
+struct Int8Args {
+  HotPoolShape s;
+  Int8Layout lay;
+  int64_t cold_page_bytes;
+  int64_t cold_limit;
+};
+
+// 16 consecutive elements <-> float, with 16-byte vector accesses (needs 16 * sizeof(T) alignment
+// of the element, which D % 16 == 0 and 16-byte aligned pools give).
+template <typename T>
+__device__ __forceinline__ void Load16(const T* p, float (&x)[16]) {
+  constexpr int kVecs = int(sizeof(T));  // 16 elements = sizeof(T) uint4
+  uint4 raw[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];
+  const T* t = reinterpret_cast<const T*>(raw);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) x[i] = DTypeTraits<T>::to_float(t[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void Store16(T* p, const float (&x)[16]) {
+  constexpr int kVecs = int(sizeof(T));
+  uint4 raw[kVecs];
+  T* t = reinterpret_cast<T*>(raw);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) t[i] = DTypeTraits<T>::from_float(x[i]);
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) reinterpret_cast<uint4*>(p)[i] = raw[i];
+}
+
+__device__ __forceinline__ int8_t Quantize(float x, float scale) {
+  float r = x / scale;  // IEEE division (no fast-math in this build)
+  r = fminf(fmaxf(r, -127.f), 127.f);
+  return int8_t(int(rintf(r)));  // round half to even
+}
+
+// Reads pair `i` with one 8-byte load; false (and kBadSlot raised once) when it is outside.
+__device__ __forceinline__ bool LoadPair(const int32_t* __restrict__ pairs, const Int8Args& a,
+                                         bool encode, int64_t& hot, int64_t& cold,
+                                         uint32_t* error_word) {
+  const int2 pr = reinterpret_cast<const int2*>(pairs)[blockIdx.x];
+  hot = encode ? pr.y : pr.x;
+  cold = encode ? pr.x : pr.y;
+  if (hot < 0 || hot >= a.s.num_slots || cold < 0 || cold >= a.cold_limit) {
+    if (threadIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) RaiseError(error_word, kBadSlot);
+    return false;
+  }
+  return true;
+}
+
+// grid (n, L, 2): CTA (pair, layer, K/V). Iterates in cold (payload) order so that the writes to
+// the cold tier (the slow link when it is host memory) are contiguous.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kInt8Threads)
+    Int8EncodeKernel(const T* __restrict__ k_pool, const T* __restrict__ v_pool,
+                     const int32_t* __restrict__ pairs, char* __restrict__ cold_base, Int8Args a,
+                     uint32_t* error_word, bool validate_only) {
+  extern __shared__ float smem[];  // [H]: amax bits, then scales
+  int64_t hot, cold;
+  if (!LoadPair(pairs, a, true, hot, cold, error_word) || validate_only) return;
+  const int l = blockIdx.y, kv = blockIdx.z;
+  const int P = int(a.s.page_size), H = int(a.s.num_kv_heads), D = int(a.s.head_dim);
+  const int PD = P * D;
+  const T* piece = (kv ? v_pool : k_pool) + a.s.piece_offset(l, hot);
+  char* page = cold_base + cold * a.cold_page_bytes;
+  int8_t* payload = reinterpret_cast<int8_t*>(page + a.lay.payload_offset(a.s, l, kv, 0));
+  auto* amax = reinterpret_cast<unsigned*>(smem);
+
+  for (int h = threadIdx.x; h < H; h += blockDim.x) amax[h] = 0u;
+  __syncthreads();
+  // NOTE: |x| >= 0, so float order equals unsigned bit order; NaN never passes `> m`.
+  if constexpr (kVec) {
+    const int per_head = PD / 16, total = H * per_head;
+    for (int v = threadIdx.x; v < total; v += blockDim.x) {
+      const int h = v / per_head, e = (v - h * per_head) * 16, p = e / D, d = e - p * D;
+      float x[16];
+      Load16(piece + (int64_t(p) * H + h) * D + d, x);
+      float m = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) m = fabsf(x[j]) > m ? fabsf(x[j]) : m;
+      if (m > 0.f) atomicMax(&amax[h], __float_as_uint(m));
+    }
+  } else {
+    const int total = H * PD;
+    for (int e = threadIdx.x; e < total; e += blockDim.x) {
+      const float t = fabsf(DTypeTraits<T>::to_float(piece[e]));
+      if (t > 0.f) atomicMax(&amax[(e / D) % H], __float_as_uint(t));
+    }
+  }
+  __syncthreads();
+  for (int h = threadIdx.x; h < H; h += blockDim.x) {
+    float s = __uint_as_float(amax[h]) / 127.f;
+    if (!(s > 0.f)) s = 1.f;
+    smem[h] = s;
+    *reinterpret_cast<float*>(page + a.lay.scale_offset(a.s, l, kv, h)) = s;
+  }
+  __syncthreads();
+  if constexpr (kVec) {
+    const int per_head = PD / 16, total = H * per_head;
+    for (int v = threadIdx.x; v < total; v += blockDim.x) {
+      const int h = v / per_head, e = (v - h * per_head) * 16, p = e / D, d = e - p * D;
+      float x[16];
+      Load16(piece + (int64_t(p) * H + h) * D + d, x);
+      const float s = smem[h];
+      uint4 out;
+      int8_t* q = reinterpret_cast<int8_t*>(&out);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) q[j] = Quantize(x[j], s);
+      *reinterpret_cast<uint4*>(payload + int64_t(h) * PD + e) = out;
+    }
+  } else {
+    const int total = H * PD;
+    for (int c = threadIdx.x; c < total; c += blockDim.x) {
+      const int h = c / PD, w = c - h * PD, p = w / D, d = w - p * D;
+      payload[c] = Quantize(DTypeTraits<T>::to_float(piece[(int64_t(p) * H + h) * D + d]),
+                            smem[h]);
+    }
+  }
+  if (l == gridDim.y - 1 && kv == 1) {  // zero the padding (< 16 bytes each)
+    for (int64_t b = a.lay.payload_bytes + threadIdx.x; b < a.lay.scales_offset; b += blockDim.x)
+      page[b] = 0;
+    for (int64_t b = a.lay.scales_end + threadIdx.x; b < a.cold_page_bytes; b += blockDim.x)
+      page[b] = 0;
+  }
+}
+
+// grid (n, L, 2): CTA (pair, layer, K/V), reading the cold page contiguously.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kInt8Threads)
+    Int8DecodeKernel(T* __restrict__ k_pool, T* __restrict__ v_pool,
+                     const int32_t* __restrict__ pairs, const char* __restrict__ cold_base,
+                     Int8Args a, uint32_t* error_word, bool validate_only) {
+  extern __shared__ float smem[];  // [H] scales
+  int64_t hot, cold;
+  if (!LoadPair(pairs, a, false, hot, cold, error_word) || validate_only) return;
+  const int l = blockIdx.y, kv = blockIdx.z;
+  const int P = int(a.s.page_size), H = int(a.s.num_kv_heads), D = int(a.s.head_dim);
+  const int PD = P * D;
+  T* piece = (kv ? v_pool : k_pool) + a.s.piece_offset(l, hot);
+  const char* page = cold_base + cold * a.cold_page_bytes;
+  const int8_t* payload =
+      reinterpret_cast<const int8_t*>(page + a.lay.payload_offset(a.s, l, kv, 0));
+  for (int h = threadIdx.x; h < H; h += blockDim.x)
+    smem[h] = *reinterpret_cast<const float*>(page + a.lay.scale_offset(a.s, l, kv, h));
+  __syncthreads();
+  if constexpr (kVec) {
+    const int per_head = PD / 16, total = H * per_head;
+    for (int v = threadIdx.x; v < total; v += blockDim.x) {
+      const int h = v / per_head, e = (v - h * per_head) * 16, p = e / D, d = e - p * D;
+      const uint4 in = *reinterpret_cast<const uint4*>(payload + int64_t(h) * PD + e);
+      const int8_t* q = reinterpret_cast<const int8_t*>(&in);
+      const float s = smem[h];
+      float x[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) x[j] = Int8Dequantize(q[j], s);
+      Store16(piece + (int64_t(p) * H + h) * D + d, x);
+    }
+  } else {
+    const int total = H * PD;
+    for (int c = threadIdx.x; c < total; c += blockDim.x) {
+      const int h = c / PD, w = c - h * PD, p = w / D, d = w - p * D;
+      piece[(int64_t(p) * H + h) * D + d] =
+          DTypeTraits<T>::from_float(Int8Dequantize(payload[c], smem[h]));
+    }
+  }
+}
+
+// Checked mode only: waits for the stream and turns the error word into an error naming
+// index_pairs (the word is shared with the other ops; bits they left are reported too).
+ffi::Error FinishCodecChecked(cudaStream_t stream, const char* op) {
+  uint32_t* word = DeviceErrorWord();
+  if (word == nullptr) return ffi::Error::Internal("jax_kvcm: could not allocate the error word");
+  uint32_t bits = 0;
+  if (cudaMemcpyAsync(&bits, word, sizeof(bits), cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+      cudaStreamSynchronize(stream) != cudaSuccess)
+    return ffi::Error::Internal(std::string(op) + ": reading the error word failed");
+  if (bits == 0) return ffi::Error::Success();
+  cudaMemsetAsync(word, 0, sizeof(uint32_t), stream);
+  cudaStreamSynchronize(stream);
+  if (bits & kBadSlot)
+    return Invalid(std::string(op) +
+                   ": bad index: an index_pairs entry is outside the hot pool [0, num_slots) or "
+                   "the cold tier [0, num_cold_slots)");
+  return Invalid(std::string(op) + ": the error word holds bits " + std::to_string(bits) +
+                 " left by an earlier unchecked op (see JAX_KVCM_CHECK_INDICES)");
+}
+
+template <typename T>
+ffi::Error Int8Launch(bool encode, cudaStream_t stream, const CodecCall& c, char* k_base,
+                      char* v_base, const ffi::AnyBuffer& index_pairs, uint64_t address) {
+  const char* op = encode ? "int8 encode_pages" : "int8 decode_pages";
+  Int8Args a;
+  a.s = c.hot;
+  a.lay = Int8Layout::Of(c.hot);
+  a.cold_page_bytes = c.cold_page_bytes;
+  a.cold_limit = c.cold_limit;
+  const bool vec = c.hot.head_dim % 16 == 0 && reinterpret_cast<uintptr_t>(k_base) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(v_base) % 16 == 0 &&
+                   address % kColdAddressAlignment == 0;
+  const dim3 grid(unsigned(c.num_pairs), unsigned(c.hot.num_layers), 2);
+  const size_t smem = size_t(c.hot.num_kv_heads) * sizeof(float);
+  const auto* pairs = static_cast<const int32_t*>(index_pairs.untyped_data());
+  char* cold = reinterpret_cast<char*>(uintptr_t(address));
+  uint32_t* error_word = DeviceErrorWord();
+  auto launch = [&](bool validate_only) {
+    T* k = reinterpret_cast<T*>(k_base);
+    T* v = reinterpret_cast<T*>(v_base);
+    if (encode) {
+      auto kernel = vec ? Int8EncodeKernel<T, true> : Int8EncodeKernel<T, false>;
+      kernel<<<grid, kInt8Threads, smem, stream>>>(k, v, pairs, cold, a, error_word,
+                                                   validate_only);
+    } else {
+      auto kernel = vec ? Int8DecodeKernel<T, true> : Int8DecodeKernel<T, false>;
+      kernel<<<grid, kInt8Threads, smem, stream>>>(k, v, pairs, cold, a, error_word,
+                                                   validate_only);
+    }
+  };
+  if (CheckIndicesEnabled()) {  // validate first so that a refused call writes nothing
+    launch(true);
+    if (auto err = LaunchError(op); err.failure()) return err;
+    if (auto err = FinishCodecChecked(stream, op); err.failure()) return err;
+  }
+  launch(false);
+  return LaunchError(op);
+}
+
+ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
+                    const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
+                    uint64_t address, int64_t num_cold_slots, char* k_base, char* v_base) {
+  auto call =
+      ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address, num_cold_slots);
+  if (call.has_error()) return call.error();
+  const CodecCall& c = *call;
+  if (c.num_pairs == 0) return ffi::Error::Success();
+  if (c.num_pairs > int64_t(INT32_MAX) || c.hot.num_layers > 65535)
+    return Invalid("int8 codec: at most 2^31-1 index_pairs and 65535 layers per call");
+  if (c.hot.num_kv_heads > kMaxInt8Heads || c.hot.piece_elems() > int64_t(INT32_MAX))
+    return Invalid("int8 codec: k_pool has too many kv heads (max " +
+                   std::to_string(kMaxInt8Heads) + ") or too large a page piece");
+  switch (c.hot.dtype) {
+    case DType::kF32:
+      return Int8Launch<float>(encode, stream, c, k_base, v_base, index_pairs, address);
+    case DType::kBF16:
+      return Int8Launch<__nv_bfloat16>(encode, stream, c, k_base, v_base, index_pairs, address);
+    case DType::kF16:
+      return Int8Launch<__half>(encode, stream, c, k_base, v_base, index_pairs, address);
+  }
+  return ffi::Error::Internal("int8 codec: unreachable dtype");
+}
+
+ffi::Error Int8EncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                              ffi::AnyBuffer index_pairs, uint64_t address,
+                              int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> token) {
+  if (auto err = Int8Cuda(true, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                          static_cast<char*>(k_pool.untyped_data()),
+                          static_cast<char*>(v_pool.untyped_data()));
+      err.failure())
+    return err;
+  cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream);
+  return LaunchError("int8 encode_pages");
+}
+
+ffi::Error Int8DecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                              ffi::AnyBuffer index_pairs, uint64_t address,
+                              int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> k_out,
+                              ffi::Result<ffi::AnyBuffer> v_out) {
+  return Int8Cuda(false, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                  static_cast<char*>(k_out->untyped_data()),
+                  static_cast<char*>(v_out->untyped_data()));
+}
+
+}  // namespace
+}  // namespace kvcm::cuda
+
+// ---- host index registry: C entry points -------------------------------------------------------
+// Exported with default visibility so that Python can reach them with ctypes until module.cc binds
+// them. The caller keeps an entry until the codec call that uses the device buffer has completed
+// (its output is ready); re-registering a pointer replaces its entry.
+
+#define KVCM_EXPORT extern "C" __attribute__((visibility("default")))
+
+// Copies n (dst, src) pairs (2 * n int32) for the device buffer at device_ptr. 0 on success,
+// -1 for bad arguments, -2 when out of memory.
+KVCM_EXPORT int kvcm_register_host_index_pairs(uintptr_t device_ptr, const int32_t* pairs,
+                                               int64_t n) {
+  if (n < 0 || (n > 0 && pairs == nullptr) || (n > 0 && device_ptr == 0)) return -1;
+  auto& reg = kvcm::cuda::Registry();
+  try {
+    std::vector<int32_t> copy(pairs, pairs + 2 * n);
+    std::lock_guard<std::mutex> lock(reg.mutex);
+    reg.pairs[device_ptr] = std::move(copy);
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  return 0;
+}
+
+// Removes the entry of device_ptr; 1 when one was removed, 0 when none existed.
+KVCM_EXPORT int kvcm_unregister_host_index_pairs(uintptr_t device_ptr) {
+  auto& reg = kvcm::cuda::Registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  return reg.pairs.erase(device_ptr) > 0 ? 1 : 0;
+}
+
+// Number of pairs registered for device_ptr (-1 when none); copies up to `capacity` pairs to out.
+KVCM_EXPORT int64_t kvcm_lookup_host_index_pairs(uintptr_t device_ptr, int32_t* out,
+                                                 int64_t capacity) {
+  auto& reg = kvcm::cuda::Registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto it = reg.pairs.find(device_ptr);
+  if (it == reg.pairs.end()) return -1;
+  const int64_t n = int64_t(it->second.size() / 2);
+  if (out != nullptr && capacity > 0)
+    std::memcpy(out, it->second.data(), size_t(std::min(n, capacity)) * 2 * sizeof(int32_t));
+  return n;
+}
+
+// Number of registered device buffers (leak checks in tests).
+KVCM_EXPORT int64_t kvcm_num_host_index_registrations() {
+  auto& reg = kvcm::cuda::Registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  return int64_t(reg.pairs.size());
+}
+
+// ---- handler symbols and registrations ---------------------------------------------------------
+
+namespace xffi = xla::ffi;
+
+#define KVCM_ENCODE_BINDING                                        \
+  xffi::Ffi::Bind()                                                \
+      .Ctx<xffi::PlatformStream<cudaStream_t>>()                   \
+      .Arg<xffi::AnyBuffer>()           /* k_pool [L,S,P,H,D] */   \
+      .Arg<xffi::AnyBuffer>()           /* v_pool */               \
+      .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */    \
+      .Attr<uint64_t>("address")        /* cold tier base */       \
+      .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */        \
+      .Ret<xffi::AnyBuffer>()           /* token int32 [1] */
+
+#define KVCM_DECODE_BINDING                                        \
+  xffi::Ffi::Bind()                                                \
+      .Ctx<xffi::PlatformStream<cudaStream_t>>()                   \
+      .Arg<xffi::AnyBuffer>()           /* k_pool [L,S,P,H,D] */   \
+      .Arg<xffi::AnyBuffer>()           /* v_pool */               \
+      .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */    \
+      .Attr<uint64_t>("address")        /* cold tier base */       \
+      .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */        \
+      .Ret<xffi::AnyBuffer>()           /* k_pool (aliased) */     \
+      .Ret<xffi::AnyBuffer>()           /* v_pool (aliased) */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatEncodeCuda, kvcm::cuda::ConcatEncodeCudaImpl,
+                              KVCM_ENCODE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatDecodeCuda, kvcm::cuda::ConcatDecodeCudaImpl,
+                              KVCM_DECODE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8EncodeCuda, kvcm::cuda::Int8EncodeCudaImpl,
+                              KVCM_ENCODE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8DecodeCuda, kvcm::cuda::Int8DecodeCudaImpl,
+                              KVCM_DECODE_BINDING);
+
+// Called by _kvcm_cuda's registrations() (module.cc).
+void AddCodecRegistrationsCuda(nb::dict& d) {
+  d["kvcm_concat_encode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmConcatEncodeCuda));
+  d["kvcm_concat_decode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmConcatDecodeCuda));
+  d["kvcm_int8_encode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmInt8EncodeCuda));
+  d["kvcm_int8_decode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmInt8DecodeCuda));
+}

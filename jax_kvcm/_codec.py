@@ -1,0 +1,557 @@
+"""Cold-page codecs: hot pages (spread over 2 * num_layers pools) <-> one fixed-size cold blob.
+
+A codec is configured once with every hot pool group's layout, then answers, per layer group: the
+fixed size of a cold page (:meth:`ColdPageCodec.cold_page_bytes`), the smallest layer group whose
+pages it encodes identically (:meth:`~ColdPageCodec.batching_layer_group_id`), and where its index
+pairs must be (:meth:`~ColdPageCodec.page_index_location`). :meth:`~ColdPageCodec.encode` and
+:meth:`~ColdPageCodec.decode` are traceable: the storage manager calls them inside small jitted
+functions, so the work runs as XLA custom calls on XLA's own stream (CPU: C++, GPU: CUDA).
+
+Codecs are native: the two here, :class:`ConcatCodec` (lossless, the default) and
+:class:`Int8Codec` (lossy, about half the bytes for 16-bit pools); Python subclasses are refused.
+
+Hot pools of a layer group: ``k_pool``, ``v_pool`` of shape ``[L, S, P, H, D]`` (num_layers,
+num_slots, page_size, num_kv_heads, head_dim); hot page ``s`` is slot ``s`` along axis 1 of both.
+Index pairs: int32 ``[n, 2]`` of ``(dst, src)`` (array of structures). Encode: ``dst`` is a cold
+slot, ``src`` a hot slot; cold page ``c`` is written at ``dst_address + c * cold_page_bytes(lg)``.
+Decode: ``dst`` is a hot slot, ``src`` a cold slot; the pools are written in place (the outputs
+alias the inputs, so under donation nothing is copied). Byte layouts: ``ffi/include/kvcm/codec.h``
+and the class docstrings.
+
+Index pairs with a hot slot outside ``[0, S)``, a negative cold slot, or a cold slot
+``>= num_cold_slots`` (when given) are refused: on CPU the call fails with an error naming
+``index_pairs`` and nothing is written; on CUDA nothing outside the pools and the cold tier is
+touched, the concat codec (host indices) refuses the call the same way, and the int8 codec (device
+indices) skips the bad pairs and reports them under ``JAX_KVCM_CHECK_INDICES=1``, like every op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvcm import _ffi
+
+__all__ = [
+    "ColdPageCodec",
+    "ConcatCodec",
+    "HotPoolGroupDesc",
+    "Int8Codec",
+    "PageIndexLocation",
+    "create_default_cold_page_codec",
+    "make_cold_page_codec",
+]
+
+# Cold tier base addresses must be multiples of this (checked here and in the handlers).
+COLD_ADDRESS_ALIGNMENT = 16
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# NOTE: the handlers refuse hot pages above 2^40 bytes (every offset product then fits int64).
+_MAX_HOT_PAGE_BYTES = 1 << 40
+
+
+class PageIndexLocation(enum.IntEnum):
+    """Where a codec needs its index pairs (for both encode and decode)."""
+
+    BAD = -1  # failure / unknown layer group; never a valid location
+    HOST = 0  # consumed on the host when the custom call runs (register_host_index_pairs)
+    DEVICE = 1  # read by the device kernels from the operand
+
+
+@dataclass(frozen=True, slots=True)
+class HotPoolGroupDesc:
+    """The hot layout of one hot pool group, as :meth:`ColdPageCodec.configure` receives it.
+
+    Every layer group in ``layer_groups`` has one K and one V pool of shape
+    ``[num_layers, num_slots, page_size, num_kv_heads, head_dim]`` and ``dtype``. Not validated
+    here: :meth:`ColdPageCodec.configure` refuses (returns False for) a bad description.
+    """
+
+    index: int
+    layer_groups: tuple[int, ...]
+    num_layers: int
+    num_slots: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any
+
+    @property
+    def pool_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.num_slots, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def hot_page_bytes(self) -> int:
+        """Bytes of one hot page: 2 * L * P * H * D * itemsize."""
+        return (2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
+                * jnp.dtype(self.dtype).itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class _Configured:
+    """What the codec keeps per configured layer group."""
+
+    desc: HotPoolGroupDesc
+    dtype: np.dtype
+    cold_page_bytes: int
+    batching_id: int
+
+
+class ColdPageCodec:
+    """Base class of the native cold-page codecs (see the module docstring).
+
+    Lifecycle: create, :meth:`configure` exactly once, then query and call. A
+    ``KVCacheManager`` given a codec :meth:`consume`\\ s it (whether its construction succeeds or
+    fails); a consumed codec cannot be given to another manager.
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = False
+    _location: ClassVar[PageIndexLocation] = PageIndexLocation.BAD
+    _encode_target: ClassVar[str] = ""
+    _decode_target: ClassVar[str] = ""
+
+    __slots__ = ("_groups", "_configure_called", "_consumed", "configure_error")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # NOTE: codecs are native (the custom calls are the implementation); a Python subclass
+        # could not supply handlers, so only the classes of this module exist.
+        if cls.__module__ != __name__:
+            raise TypeError("codecs are native; Python subclasses are not supported")
+        super().__init_subclass__(**kwargs)
+
+    def __init__(self) -> None:
+        if type(self) is ColdPageCodec:
+            raise TypeError("ColdPageCodec is abstract: use create_default_cold_page_codec() or "
+                            "make_cold_page_codec(name)")
+        self._groups: dict[int, _Configured] = {}
+        self._configure_called = False
+        self._consumed = False
+        self.configure_error: str | None = None
+        """Why the last :meth:`configure` returned False (None otherwise)."""
+
+    def __repr__(self) -> str:
+        state = "configured" if self._groups else "unconfigured"
+        owner = ", consumed" if self._consumed else ""
+        return f"{type(self).__name__}({state}, {len(self._groups)} layer groups{owner})"
+
+    # -- ownership -------------------------------------------------------------------------------
+
+    @property
+    def consumed(self) -> bool:
+        """True once a KVCacheManager took ownership (:meth:`consume`)."""
+        return self._consumed
+
+    def consume(self) -> ColdPageCodec:
+        """Marks the codec as owned by a manager; returns it. A second call raises RuntimeError."""
+        if self._consumed:
+            raise RuntimeError("codec already consumed by a KVCacheManager")
+        self._consumed = True
+        return self
+
+    # -- configuration and queries ---------------------------------------------------------------
+
+    @property
+    def configured(self) -> bool:
+        return bool(self._groups)
+
+    def configure(self, descs: Sequence[HotPoolGroupDesc]) -> bool:
+        """Takes every hot pool group's layout, once. False (and still unconfigured, with
+        :attr:`configure_error` saying why) for an invalid configuration: no descriptions,
+        indices not ``0, 1, ...`` in order, a layer group listed twice, an empty group, a
+        non-positive size, an unsupported dtype (float32, bfloat16, float16 are supported).
+
+        Raises RuntimeError when called a second time (whatever the first call returned).
+        """
+        if self._configure_called:
+            raise RuntimeError(f"{type(self).__name__}.configure() may be called only once")
+        self._configure_called = True
+        groups, error = self._build(descs)
+        self.configure_error = error
+        if error is not None:
+            return False
+        self._groups = groups
+        return True
+
+    def cold_page_bytes(self, lg: int) -> int:
+        """Fixed size of one cold page of layer group ``lg``; 0 for unknown / unconfigured."""
+        g = self._lookup(lg)
+        return 0 if g is None else g.cold_page_bytes
+
+    def batching_layer_group_id(self, lg: int) -> int:
+        """Smallest layer group encoded identically to ``lg`` (same hot pool group, same layout,
+        same codec); negative for unknown / unconfigured. Pairs of every member of a class may be
+        concatenated into one call made with this representative id."""
+        g = self._lookup(lg)
+        return -1 if g is None else g.batching_id
+
+    def page_index_location(self, lg: int) -> PageIndexLocation:
+        """Where encode/decode of ``lg`` need their index pairs; BAD for unknown/unconfigured."""
+        return PageIndexLocation.BAD if self._lookup(lg) is None else self._location
+
+    # -- encode / decode (traceable) -------------------------------------------------------------
+
+    def encode(self, lg: int, k_pool: jax.Array, v_pool: jax.Array, index_pairs: jax.Array,
+               dst_address: int, *, num_cold_slots: int | None = None) -> jax.Array:
+        """Encodes hot pages into cold pages at ``dst_address + dst * cold_page_bytes(lg)``.
+
+        Args:
+          lg: a configured layer group (usually a batching representative).
+          k_pool, v_pool: the group's hot pools ``[L, S, P, H, D]`` (read only).
+          index_pairs: int32 ``[n, 2]`` of ``(dst cold slot, src hot slot)``.
+          dst_address: static int, the cold tier's base (device-accessible on GPU), a multiple
+            of 16.
+          num_cold_slots: optional static bound: cold slots ``>= num_cold_slots`` are refused.
+
+        Returns:
+          an int32 ``[1]`` token whose readiness means the pages are written. The custom call
+          has a side effect, so XLA never drops it.
+        """
+        self._check_call(lg, k_pool, v_pool, index_pairs)
+        attrs = self._attrs(dst_address, "dst_address", num_cold_slots)
+        call = jax.ffi.ffi_call(self._encode_target, jax.ShapeDtypeStruct((1,), jnp.int32),
+                                has_side_effect=True)
+        return call(k_pool, v_pool, index_pairs, **attrs)
+
+    def decode(self, lg: int, k_pool: jax.Array, v_pool: jax.Array, index_pairs: jax.Array,
+               src_address: int, *,
+               num_cold_slots: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """Decodes cold pages from ``src_address + src * cold_page_bytes(lg)`` into hot slots.
+
+        Args as :meth:`encode`, with ``index_pairs`` holding ``(dst hot slot, src cold slot)``.
+
+        Returns:
+          ``(k_pool, v_pool)`` aliased to the inputs: under ``jax.jit(..., donate_argnums=(0,
+          1))`` the pools are written in place; slots not named in ``index_pairs`` keep their
+          contents.
+        """
+        self._check_call(lg, k_pool, v_pool, index_pairs)
+        attrs = self._attrs(src_address, "src_address", num_cold_slots)
+        out = (jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+               jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
+        call = jax.ffi.ffi_call(self._decode_target, out, input_output_aliases={0: 0, 1: 1},
+                                has_side_effect=True)
+        k_out, v_out = call(k_pool, v_pool, index_pairs, **attrs)
+        return k_out, v_out
+
+    # -- host index pairs (HOST location on CUDA) ------------------------------------------------
+
+    def register_host_index_pairs(self, device_array: jax.Array, host_pairs: Any) -> None:
+        """Gives the CUDA handler a host copy of the pairs held by ``device_array``.
+
+        A HOST-location codec consumes its pairs on the host while its custom call runs, but XLA
+        hands the handler a device buffer: the handler finds the host copy by that buffer's
+        device pointer. Register before calling the jitted function with ``device_array`` (passed
+        straight through as the ``index_pairs`` operand) and call
+        :meth:`unregister_host_index_pairs` only once that call's output is ready. A no-op for
+        arrays on the CPU (the handler reads them directly) and for empty arrays.
+        """
+        host = np.ascontiguousarray(host_pairs, dtype=np.int32)
+        if host.ndim != 2 or host.shape[1] != 2:
+            raise ValueError(f"host_pairs must be int32 [n, 2], got shape {host.shape}")
+        if tuple(device_array.shape) != host.shape:
+            raise ValueError(f"host_pairs shape {host.shape} must equal the device array's "
+                             f"shape {tuple(device_array.shape)}")
+        if host.shape[0] == 0 or not _on_accelerator(device_array):
+            return
+        rc = _index_registry().register(device_array.unsafe_buffer_pointer(), host.ctypes.data,
+                                        host.shape[0])
+        if rc == -2:
+            raise MemoryError("out of host memory registering index pairs")
+        if rc != 0:
+            raise ValueError(f"registering host index pairs failed (code {rc})")
+
+    def unregister_host_index_pairs(self, device_array: jax.Array) -> None:
+        """Drops the host copy registered for ``device_array`` (no-op when there is none)."""
+        if device_array.size == 0 or not _on_accelerator(device_array):
+            return
+        _index_registry().unregister(device_array.unsafe_buffer_pointer())
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _cold_page_bytes_of(self, desc: HotPoolGroupDesc, itemsize: int) -> int:
+        raise NotImplementedError
+
+    def _lookup(self, lg: Any) -> _Configured | None:
+        if isinstance(lg, (bool, np.bool_)):
+            return None
+        try:
+            return self._groups.get(operator.index(lg))
+        except TypeError:
+            return None
+
+    def _build(self, descs: Any) -> tuple[dict[int, _Configured], str | None]:
+        if isinstance(descs, (str, bytes)) or not isinstance(descs, Sequence):
+            return {}, "descs must be a sequence of HotPoolGroupDesc"
+        if len(descs) == 0:
+            return {}, "no hot pool group descriptions"
+        groups: dict[int, _Configured] = {}
+        for position, desc in enumerate(descs):
+            if not isinstance(desc, HotPoolGroupDesc):
+                return {}, f"descs[{position}] is a {type(desc).__name__}, not a HotPoolGroupDesc"
+            index = _as_int(desc.index)
+            if index != position:
+                return {}, (f"descs[{position}].index is {desc.index!r}: indices must be 0, 1, "
+                            "... in order")
+            for field in ("num_layers", "num_slots", "page_size", "num_kv_heads", "head_dim"):
+                value = _as_int(getattr(desc, field))
+                if value is None or value < 1:
+                    return {}, f"descs[{position}].{field} must be an int >= 1, got " \
+                               f"{getattr(desc, field)!r}"
+            if _as_int(desc.num_slots) > 2**31 - 1:
+                return {}, f"descs[{position}].num_slots must fit int32"
+            try:
+                dtype = jnp.dtype(desc.dtype)
+            except TypeError:
+                return {}, f"descs[{position}].dtype {desc.dtype!r} is not a dtype"
+            if dtype not in _SUPPORTED_DTYPES:
+                return {}, (f"descs[{position}].dtype {dtype} is not supported (float32, "
+                            "bfloat16, float16)")
+            members = desc.layer_groups
+            if isinstance(members, (str, bytes)) or not isinstance(members, Sequence) or \
+                    len(members) == 0:
+                return {}, f"descs[{position}].layer_groups must be a non-empty tuple of ints"
+            ids = [_as_int(m) for m in members]
+            if any(i is None or i < 0 for i in ids):
+                return {}, (f"descs[{position}].layer_groups must hold ints >= 0, got "
+                            f"{tuple(members)!r}")
+            if desc.hot_page_bytes > _MAX_HOT_PAGE_BYTES:
+                return {}, (f"descs[{position}]: a page of {desc.hot_page_bytes} bytes is too "
+                            "large")
+            nbytes = self._cold_page_bytes_of(desc, dtype.itemsize)
+            representative = min(ids)
+            for lg in ids:
+                if lg in groups:
+                    return {}, f"layer group {lg} appears in more than one place in descs"
+                groups[lg] = _Configured(desc, dtype, nbytes, representative)
+        return groups, None
+
+    def _check_call(self, lg: Any, k_pool: Any, v_pool: Any, index_pairs: Any) -> _Configured:
+        if not self._groups:
+            raise RuntimeError(f"{type(self).__name__} is not configured")
+        g = self._lookup(lg)
+        if g is None:
+            raise ValueError(f"layer group {lg!r} is not configured in this codec")
+        want = g.desc.pool_shape
+        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+            if tuple(pool.shape) != want:
+                raise ValueError(f"{name} shape {tuple(pool.shape)} must equal layer group {lg}'s "
+                                 f"hot pool shape {want}")
+            if jnp.dtype(pool.dtype) != g.dtype:
+                raise TypeError(f"{name} dtype {jnp.dtype(pool.dtype)} must equal layer group "
+                                f"{lg}'s dtype {g.dtype}")
+        shape = tuple(getattr(index_pairs, "shape", ()))
+        dtype = getattr(index_pairs, "dtype", None)
+        if len(shape) != 2 or shape[1] != 2 or dtype is None or jnp.dtype(dtype) != jnp.int32:
+            raise ValueError(f"index_pairs must be int32 [n, 2] (dst, src) pairs, got "
+                             f"{dtype}{list(shape)}")
+        return g
+
+    @staticmethod
+    def _attrs(address: Any, name: str, num_cold_slots: Any) -> dict[str, Any]:
+        if isinstance(address, jax.core.Tracer):
+            raise TypeError(f"{name} must be a static Python int, not a traced value")
+        value = _as_int(address)
+        if value is None:
+            raise TypeError(f"{name} must be an int, got {type(address).__name__}")
+        if not 0 < value < 2**64:
+            raise ValueError(f"{name} must be in (0, 2^64), got {value}")
+        if value % COLD_ADDRESS_ALIGNMENT:
+            raise ValueError(f"{name} {value:#x} must be a multiple of {COLD_ADDRESS_ALIGNMENT}")
+        if num_cold_slots is None:
+            slots = -1
+        else:
+            slots = _as_int(num_cold_slots)
+            if slots is None or slots < 0:
+                raise ValueError(f"num_cold_slots must be an int >= 0, got {num_cold_slots!r}")
+        return {"address": np.uint64(value), "num_cold_slots": np.int64(slots)}
+
+
+class ConcatCodec(ColdPageCodec):
+    """Lossless default: a cold page is the hot page's bytes, layer by layer, K then V.
+
+    Cold page layout (``cold_page_bytes = 2 * L * P * H * D * itemsize``): for ``l`` in
+    ``0..L-1``: the bytes of ``k_pool[l, slot]`` (``[P, H, D]``, C order), then those of
+    ``v_pool[l, slot]``. That is, piece ``(l, kv)`` starts at byte ``(2 * l + kv) * P * H * D *
+    itemsize``; equivalently the cold page is ``np.stack([k_pool[:, s], v_pool[:, s]], axis=1)``
+    as raw bytes.
+
+    Index location HOST: on CPU the handler memcpy's each piece; on CUDA it builds one copy
+    descriptor per page per pool and submits all of them with one ``cuMemcpyBatchAsync`` (one
+    ``cudaMemcpyAsync`` each before CUDA 12.8), reading the pairs from the host copy given to
+    :meth:`register_host_index_pairs`.
+
+    Batching: all layer groups of one hot pool group share a layout, so they share a batching id
+    (the smallest of them).
+    """
+
+    name = "concat"
+    lossless = True
+    _location = PageIndexLocation.HOST
+    _encode_target = "kvcm_concat_encode_pages"
+    _decode_target = "kvcm_concat_decode_pages"
+    __slots__ = ()
+
+    def _cold_page_bytes_of(self, desc: HotPoolGroupDesc, itemsize: int) -> int:
+        return (2 * desc.num_layers * desc.page_size * desc.num_kv_heads * desc.head_dim
+                * itemsize)
+
+
+class Int8Codec(ColdPageCodec):
+    """Lossy int8 codec: one float32 scale per (page, layer, K/V, kv head), int8 payloads.
+
+    Cold page layout (all offsets in bytes; ``B = 2 * L * H`` blocks, block
+    ``b(l, kv, h) = (2 * l + kv) * H + h``):
+
+    - payload: block ``b`` is int8 ``[P, D]`` (C order) at ``b * P * D``;
+    - scales: float32 (little-endian) ``scale[b]`` at ``scales_offset + 4 * b`` with
+      ``scales_offset = round_up(B * P * D, 16)``;
+    - ``cold_page_bytes = round_up(scales_offset + 4 * B, 16)``; padding bytes are written as 0.
+
+    Quantization of block ``(l, kv, h)`` of hot page ``s``, ``x = pool_kv[l, s, :, h, :]``
+    converted to float32 (exact): ``amax = max|x|`` (NaN ignored), ``scale = amax / 127`` in
+    float32 (``1`` when that is 0), ``q = rint(clip(x / scale, -127, 127))`` with float32
+    division and round-half-to-even. Decode: ``y = T(float32(q) * scale)`` with a float32
+    multiply, clipped to the finite float32 range (this only matters when ``amax`` is within
+    ``2^-23`` of the float32 maximum) and rounded to nearest even into the pool dtype ``T``. The
+    CPU handler computes with IEEE subnormals (XLA's CPU runtime flushes them; the handler restores
+    them for the call), so CPU and CUDA produce the same bytes and values.
+
+    Error bound, per element, for finite inputs whose block has a normal float32 scale
+    (``amax >= 127 * 2^-126``)::
+
+        |x - y| <= scale / 2 * (1 + 2^-7) + u_T * |y| + t_T
+
+    where ``scale`` is the stored float32 scale of the block, ``u_T`` the unit roundoff of
+    ``T`` (``2^-24`` float32, ``2^-8`` bfloat16, ``2^-11`` float16) and ``t_T`` half its
+    smallest subnormal (``2^-150``, ``2^-134``, ``2^-25``). (The float32 arithmetic alone stays
+    within ``scale / 2 * (1 + 2^-15)``; the rest is the final rounding into ``T``.) Blocks with a
+    smaller ``amax`` satisfy ``|x - y| <= 2 * amax``; all-zero blocks decode to exact zeros.
+    Non-finite inputs are not preserved.
+
+    Index location DEVICE: the CUDA kernels (one CTA per (pair, layer, K/V)) read each pair with
+    one 8-byte load from the ``index_pairs`` operand.
+    """
+
+    name = "int8"
+    lossless = False
+    _location = PageIndexLocation.DEVICE
+    _encode_target = "kvcm_int8_encode_pages"
+    _decode_target = "kvcm_int8_decode_pages"
+    __slots__ = ()
+
+    def _cold_page_bytes_of(self, desc: HotPoolGroupDesc, itemsize: int) -> int:
+        del itemsize
+        return int8_cold_page_layout(desc.num_layers, desc.page_size, desc.num_kv_heads,
+                                     desc.head_dim)[2]
+
+
+def int8_cold_page_layout(num_layers: int, page_size: int, num_kv_heads: int,
+                          head_dim: int) -> tuple[int, int, int]:
+    """``(scales_offset, scales_end, cold_page_bytes)`` of an int8 cold page (see Int8Codec)."""
+    blocks = 2 * num_layers * num_kv_heads
+    scales_offset = _round_up(blocks * page_size * head_dim, 16)
+    scales_end = scales_offset + 4 * blocks
+    return scales_offset, scales_end, _round_up(scales_end, 16)
+
+
+_CODECS: dict[str, type[ColdPageCodec]] = {"concat": ConcatCodec, "int8": Int8Codec}
+
+
+def create_default_cold_page_codec() -> ConcatCodec:
+    """A new, unconfigured lossless :class:`ConcatCodec` (a manager creates one when given
+    none)."""
+    return ConcatCodec()
+
+
+def make_cold_page_codec(name: str) -> ColdPageCodec:
+    """A new, unconfigured codec by name: ``"concat"`` or ``"int8"``."""
+    try:
+        cls = _CODECS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown cold-page codec {name!r}; known: {sorted(_CODECS)}") from None
+    return cls()
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as a Python int; None for bools, non-integers and anything else."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _on_accelerator(array: Any) -> bool:
+    if isinstance(array, jax.core.Tracer):
+        raise TypeError("register/unregister_host_index_pairs need a concrete jax.Array, "
+                        "not a traced value")
+    return any(d.platform != "cpu" for d in array.devices())
+
+
+class _IndexRegistry:
+    """The CUDA extension's host index registry (C entry points in ffi/cuda/codec.cu).
+
+    register/unregister use the module's bindings when ``module.cc`` provides them, else the
+    exported C symbols through ctypes (they are exported with default visibility either way).
+    """
+
+    def __init__(self, module: Any) -> None:
+        lib = ctypes.CDLL(module.__file__)  # NOTE: the already loaded library, not a second copy
+        for fn, args, res in (
+                (lib.kvcm_register_host_index_pairs,
+                 [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64], ctypes.c_int),
+                (lib.kvcm_unregister_host_index_pairs, [ctypes.c_size_t], ctypes.c_int),
+                (lib.kvcm_lookup_host_index_pairs,
+                 [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64),
+                (lib.kvcm_num_host_index_registrations, [], ctypes.c_int64)):
+            fn.argtypes, fn.restype = args, res
+        self._lib = lib
+        bound = hasattr(module, "register_host_index_pairs")
+        self.register = (module.register_host_index_pairs if bound
+                         else lib.kvcm_register_host_index_pairs)
+        self.unregister = (module.unregister_host_index_pairs if bound
+                           else lib.kvcm_unregister_host_index_pairs)
+
+    def lookup(self, device_ptr: int) -> np.ndarray | None:
+        """A copy of the pairs registered for ``device_ptr``, or None."""
+        n = self._lib.kvcm_lookup_host_index_pairs(device_ptr, None, 0)
+        if n < 0:
+            return None
+        out = np.empty((n, 2), np.int32)
+        self._lib.kvcm_lookup_host_index_pairs(device_ptr, out.ctypes.data, n)
+        return out
+
+    def count(self) -> int:
+        """Number of registered device buffers."""
+        return int(self._lib.kvcm_num_host_index_registrations())
+
+
+_registry: _IndexRegistry | None = None
+
+
+def _index_registry() -> _IndexRegistry:
+    global _registry
+    if _registry is None:
+        if _ffi._kvcm_cuda is None:
+            raise RuntimeError("host index pairs for a GPU array need the jax_kvcm CUDA "
+                               f"extension: {_ffi.CUDA_IMPORT_ERROR}")
+        _registry = _IndexRegistry(_ffi._kvcm_cuda)
+    return _registry
