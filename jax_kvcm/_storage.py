@@ -1,0 +1,692 @@
+"""Storage manager: the device / host / disk tiers and every migration between them.
+
+Owns the hot pools (one K and one V ``jax.Array`` per hot pool group, ``[L, num_slots,
+page_size, Hkv, D]``, slot 0 the null page), the cold pools (one :class:`HostPool` and one
+:class:`DiskPool` per cold pool group, holding codec-encoded pages of a fixed size), the cold-page
+codec, the :class:`MemoryGovernor` and, when a disk tier exists, the pinned :class:`StagingRing`.
+
+Every migration is one transaction (DESIGN.md §3):
+
+1. reserve the destination bytes (and transient bytes) on the governor and allocate *all*
+   destination slots before submitting anything;
+2. order after the sources' and destinations' ready fences;
+3. submit (encode / decode custom calls on XLA's stream, raw copies, disk I/O) and obtain one fence;
+4. attach the fence to sources and destinations and notify observers;
+5. release the source slots only after a successful submission.
+
+A failure in steps 1-3 releases what the call allocated, leaves the source pages intact and
+retryable, and returns the governor ledger, free counts and stats to their values before the call.
+Allocation failure (budget or slots) is returned as ``None``; I/O failures and corrupt pages raise.
+
+NOTE: device work is ordered by XLA's stream (every encode/decode takes the pools as operands), so
+fences only guard host-side accesses: the staging ring, host slots read by disk writes, host slots
+written by disk reads.
+
+Not thread-safe: the KV-cache manager serializes calls with one lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvcm._codec import (ColdPageCodec, HotPoolGroupDesc, PageIndexLocation,
+                             create_default_cold_page_codec)
+from jax_kvcm._disk_tier import DiskPool
+from jax_kvcm._governor import BudgetExceededError, Lease, MemoryGovernor
+from jax_kvcm._host_tier import HostPool, allocate_host_buffer
+from jax_kvcm._pool_ratios import split_cold_budget, weights_from_ratio
+from jax_kvcm._slots import SlotAllocator
+from jax_kvcm._staging_ring import ArrayFence, StagingRing, staging_ring_capacity
+from jax_kvcm._types import CacheLevel, LayerGroupLayout, PoolGroupIndex, check_count
+
+__all__ = [
+    "CorruptPageError",
+    "LayerGroupSpec",
+    "StorageConfig",
+    "StorageEvent",
+    "StorageManager",
+]
+
+MAX_INDEX_BATCH_BYTES = 64 * 1024  # split codec calls above this many bytes of index pairs
+_PAIR_BYTES = 8
+
+
+class CorruptPageError(Exception):
+    """Disk pages failed their checksum: they are missing, never served. Nothing was changed;
+    ``slots`` are the bad source slots (the caller drops or invalidates them)."""
+
+    def __init__(self, layer_group: int, slots: np.ndarray) -> None:
+        super().__init__(f"layer group {layer_group}: disk pages {slots.tolist()} failed their "
+                         "checksum")
+        self.layer_group = layer_group
+        self.slots = slots
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroupSpec:
+    """KV layout of one layer group; its hot page is ``[num_layers] x {K, V} x [page_size,
+    num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any = jnp.bfloat16
+
+    @property
+    def hot_page_bytes(self) -> int:
+        return (2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
+                * jnp.dtype(self.dtype).itemsize)
+
+    def same_hot_layout(self, other: LayerGroupSpec) -> bool:
+        return (self.num_layers, self.page_size, self.num_kv_heads, self.head_dim,
+                jnp.dtype(self.dtype)) == (other.num_layers, other.page_size, other.num_kv_heads,
+                                           other.head_dim, jnp.dtype(other.dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """Tier sizes and groupings. Validated by :class:`StorageManager`.
+
+    - ``device_slots``: usable slots per hot pool group (the null slot 0 comes on top).
+    - ``hot_pool_groups``: layer-group ids per hot pool group (identical hot layouts share one
+      slot space and one K/V array pair); default one group per layer group.
+    - ``pool_ratio``: per layer group, its share of hot bytes, projected into the cold tiers
+      through slot counts; default: the hot split implied by ``device_slots``.
+    - ``host_bytes`` / ``disk_bytes``: cold tier budgets (0 = no such tier); ``disk_dir`` is
+      required with ``disk_bytes``.
+    """
+
+    layer_groups: tuple[LayerGroupSpec, ...]
+    device_slots: tuple[int, ...]
+    hot_pool_groups: tuple[tuple[int, ...], ...] | None = None
+    pool_ratio: tuple[float, ...] | None = None
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    pinned_host: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageEvent:
+    """``kind`` is "stored", "removed" or "migrated"; ``slots`` at ``level`` (for "migrated":
+    the destination, with ``src_level`` / ``src_slots`` the source)."""
+
+    kind: str
+    layer_group: int
+    level: CacheLevel
+    slots: np.ndarray
+    src_level: CacheLevel | None = None
+    src_slots: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class _Stats:
+    num_migrations: int = 0
+    num_pages_migrated: int = 0
+    bytes_migrated: int = 0
+
+
+class StorageManager:
+    """See the module docstring. ``cold_page_codec`` is consumed whether construction succeeds or
+    fails; with none, the default :class:`ConcatCodec` is created (and still configured and
+    validated when no cold tier exists)."""
+
+    def __init__(self, config: StorageConfig, cold_page_codec: ColdPageCodec | None = None, *,
+                 device: jax.Device | None = None) -> None:
+        # 1. Consume the codec at the call boundary, before anything can fail.
+        if cold_page_codec is not None:
+            if not isinstance(cold_page_codec, ColdPageCodec):
+                raise TypeError("cold_page_codec must be a jax_kvcm ColdPageCodec, got "
+                                f"{type(cold_page_codec).__name__}")
+            cold_page_codec.consume()
+        self._codec = cold_page_codec if cold_page_codec is not None else (
+            create_default_cold_page_codec())
+        if cold_page_codec is None:
+            self._codec.consume()
+        self._closed = False
+        self._observers: list[Callable[[StorageEvent], None]] = []
+        self._stats = _Stats()
+        self._fault_hook: Callable[[str], None] | None = None
+        self._pending_host_indices: list[tuple[jax.Array, jax.Array]] = []
+        self._jit_cache: dict[tuple, Callable] = {}
+        self.host_pools: list[HostPool] = []
+        self._host_fences: list[np.ndarray] = []
+        self.disk_pools: list[DiskPool] = []
+        self._ring: StagingRing | None = None
+        self._ring_buffer = None
+        try:
+            self._build(config, device)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _build(self, config: StorageConfig, device: jax.Device | None) -> None:
+        specs = tuple(config.layer_groups)
+        if not specs or not all(isinstance(s, LayerGroupSpec) for s in specs):
+            raise ValueError("config.layer_groups must be a non-empty sequence of LayerGroupSpec")
+        groups = config.hot_pool_groups
+        if groups is None:
+            groups = tuple((i,) for i in range(len(specs)))
+        members = sorted(lg for g in groups for lg in g)
+        if members != list(range(len(specs))):
+            raise ValueError("config.hot_pool_groups must assign every layer group id "
+                             f"0..{len(specs) - 1} to exactly one group, got {groups}")
+        for g in groups:
+            if not all(specs[lg].same_hot_layout(specs[g[0]]) for lg in g):
+                raise ValueError(f"config.hot_pool_groups: layer groups {g} do not share one "
+                                 "hot layout")
+        if len(config.device_slots) != len(groups):
+            raise ValueError(f"config.device_slots has {len(config.device_slots)} entries for "
+                             f"{len(groups)} hot pool groups")
+        self.specs = specs
+        self.hot_groups = tuple(tuple(g) for g in groups)
+        self.hot_group_of = [0] * len(specs)
+        for h, g in enumerate(groups):
+            for lg in g:
+                self.hot_group_of[lg] = h
+        device_slots = [check_count(n, f"config.device_slots[{h}]", minimum=1)
+                        for h, n in enumerate(config.device_slots)]
+        host_bytes = check_count(config.host_bytes, "config.host_bytes", minimum=0)
+        disk_bytes = check_count(config.disk_bytes, "config.disk_bytes", minimum=0)
+        if disk_bytes and not config.disk_dir:
+            raise ValueError("config.disk_dir is required when config.disk_bytes > 0")
+        if config.disk_dir and not os.path.isdir(config.disk_dir):
+            raise ValueError(f"config.disk_dir {config.disk_dir!r} is not a directory")
+
+        # 2. Hot storage (slot 0 of every group is the null page).
+        self.device = device or jax.devices()[0]
+        self.device_allocators = []
+        for n in device_slots:
+            alloc = SlotAllocator(n + 1)
+            taken = alloc.allocate(n + 1)
+            alloc.free(taken[taken != 0])  # NOTE: slot 0 stays allocated forever (null page)
+            self.device_allocators.append(alloc)
+        self.pools: list[tuple[jax.Array, jax.Array]] = []
+        for h, g in enumerate(self.hot_groups):
+            s = specs[g[0]]
+            shape = (s.num_layers, device_slots[h] + 1, s.page_size, s.num_kv_heads, s.head_dim)
+            zeros = jax.device_put(jnp.zeros(shape, s.dtype), self.device)
+            self.pools.append((zeros, jax.device_put(jnp.zeros(shape, s.dtype), self.device)))
+
+        # 3-5. Configure the codec, query and validate every batching class.
+        descs = [HotPoolGroupDesc(index=h, layer_groups=g, num_layers=specs[g[0]].num_layers,
+                                  num_slots=device_slots[h] + 1, page_size=specs[g[0]].page_size,
+                                  num_kv_heads=specs[g[0]].num_kv_heads,
+                                  head_dim=specs[g[0]].head_dim, dtype=jnp.dtype(specs[g[0]].dtype))
+                 for h, g in enumerate(self.hot_groups)]
+        if not self._codec.configure(descs):
+            raise ValueError("the cold-page codec rejected the hot pool configuration")
+        self.cold_page_bytes = []
+        self.index_location = []
+        self.batching_id = []
+        for lg in range(len(specs)):
+            nbytes = self._codec.cold_page_bytes(lg)
+            if nbytes <= 0:
+                raise ValueError(f"the codec reports no cold page size for layer group {lg}")
+            loc = self._codec.page_index_location(lg)
+            if loc == PageIndexLocation.BAD:
+                raise ValueError(f"the codec reports a bad page-index location for layer group {lg}")
+            self.cold_page_bytes.append(int(nbytes))
+            self.index_location.append(PageIndexLocation(loc))
+            self.batching_id.append(int(self._codec.batching_layer_group_id(lg)))
+        # Cold pool groups: layer groups with equal encoded page size share one.
+        sizes = sorted(set(self.cold_page_bytes))
+        self.cold_group_of = [sizes.index(b) for b in self.cold_page_bytes]
+        self.cold_slot_bytes = sizes
+        self._validate_batching()
+
+        # 6. Cold tiers, sized by the pool ratios projected through slot counts.
+        layouts = [LayerGroupLayout(lg, PoolGroupIndex(self.hot_group_of[lg]),
+                                    specs[lg].hot_page_bytes,
+                                    PoolGroupIndex(self.cold_group_of[lg]), self.cold_page_bytes[lg])
+                   for lg in range(len(specs))]
+        if config.pool_ratio is not None:
+            if len(config.pool_ratio) != len(specs):
+                raise ValueError(f"config.pool_ratio has {len(config.pool_ratio)} entries for "
+                                 f"{len(specs)} layer groups")
+            weights = weights_from_ratio(config.pool_ratio)
+        else:  # the hot split implied by device_slots, shared evenly inside a hot group
+            weights = weights_from_ratio([
+                device_slots[self.hot_group_of[lg]] * specs[lg].hot_page_bytes
+                / len(self.hot_groups[self.hot_group_of[lg]]) for lg in range(len(specs))])
+        self.layouts = layouts
+        device_limit = sum(n * specs[g[0]].hot_page_bytes
+                           for n, g in zip(device_slots, self.hot_groups))
+        limits = {CacheLevel.DEVICE: device_limit}
+        if host_bytes:
+            split = split_cold_budget(CacheLevel.HOST, host_bytes, weights, layouts)
+            self.host_pools = [HostPool(s.num_slots, s.slot_bytes, pinned=config.pinned_host)
+                               for s in split]
+            self._host_fences = [np.full(s.num_slots, None, object) for s in split]
+            limits[CacheLevel.HOST] = sum(s.nbytes for s in split)
+        if disk_bytes:
+            split = split_cold_budget(CacheLevel.DISK, disk_bytes, weights, layouts)
+            self.disk_pools = [DiskPool(config.disk_dir, f"jax_kvcm-{os.getpid()}-{id(self)}-{g}",
+                                        s.num_slots, s.slot_bytes) for g, s in enumerate(split)]
+            limits[CacheLevel.DISK] = sum(s.nbytes for s in split)
+            capacity = staging_ring_capacity(max(self.cold_slot_bytes))
+            self._ring_buffer = allocate_host_buffer(capacity, pinned=config.pinned_host)
+            self._ring = StagingRing(capacity)
+            # NOTE: the staging ring is pinned host memory: its bytes are charged (transient)
+            # to the HOST level while a disk migration uses them.
+            limits[CacheLevel.HOST] = limits.get(CacheLevel.HOST, 0) + capacity
+        self.governor = MemoryGovernor(limits)
+
+    def _validate_batching(self) -> None:
+        """Each batching representative is configured, <= every member, maps to itself, and
+        shares the member's hot and cold pool groups, cold page size and index location."""
+        for lg, rep in enumerate(self.batching_id):
+            if rep < 0 or rep >= len(self.specs):
+                raise ValueError(f"codec: layer group {lg} has an unknown batching id {rep}")
+            if rep > lg or self.batching_id[rep] != rep:
+                raise ValueError(f"codec: batching id {rep} of layer group {lg} is not the "
+                                 "smallest member of its class or does not map to itself")
+            same = (self.hot_group_of[rep] == self.hot_group_of[lg]
+                    and self.cold_group_of[rep] == self.cold_group_of[lg]
+                    and self.cold_page_bytes[rep] == self.cold_page_bytes[lg]
+                    and self.index_location[rep] == self.index_location[lg])
+            if not same:
+                raise ValueError(f"codec: layer group {lg} and its batching representative {rep} "
+                                 "differ in pool groups, cold page size or index location")
+
+    # -- public state ------------------------------------------------------------------------
+
+    @property
+    def codec(self) -> ColdPageCodec:
+        return self._codec
+
+    def has_level(self, level: CacheLevel) -> bool:
+        level = CacheLevel(level)
+        return (level is CacheLevel.DEVICE or (level is CacheLevel.HOST and bool(self.host_pools))
+                or (level is CacheLevel.DISK and bool(self.disk_pools)))
+
+    def page_bytes(self, level: CacheLevel, lg: int) -> int:
+        return (self.specs[lg].hot_page_bytes if CacheLevel(level) is CacheLevel.DEVICE
+                else self.cold_page_bytes[lg])
+
+    def allocator(self, level: CacheLevel, lg: int) -> SlotAllocator | HostPool | DiskPool:
+        """The slot allocator of ``lg``'s pool group at ``level`` (``allocate``, ``free``,
+        ``num_free``, ``is_allocated``); cold pools allocate their own slots."""
+        level = CacheLevel(level)
+        if level is CacheLevel.DEVICE:
+            return self.device_allocators[self.hot_group_of[lg]]
+        if not self.has_level(level):
+            raise ValueError(f"there is no {level.name} tier")
+        pools = self.host_pools if level is CacheLevel.HOST else self.disk_pools
+        return pools[self.cold_group_of[lg]]
+
+    def num_free(self, level: CacheLevel, lg: int) -> int:
+        return self.allocator(level, lg).num_free
+
+    def add_observer(self, fn: Callable[[StorageEvent], None]) -> None:
+        self._observers.append(fn)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dataclasses.asdict(self._stats)
+        for level in CacheLevel:
+            if self.has_level(level):
+                u = self.governor.usage(level)
+                out[level.name.lower()] = dict(limit=self.governor.limit(level), current=u.current,
+                                               peak=u.peak)
+        return out
+
+    # -- allocation of hot pages -------------------------------------------------------------
+
+    def allocate(self, level: CacheLevel, lg: int, n: int) -> np.ndarray | None:
+        """``n`` slots of ``lg`` at ``level`` under a committed governor lease, or ``None``."""
+        level = CacheLevel(level)
+        lease = self._reserve(level, n * self.page_bytes(level, lg))
+        if lease is None:
+            return None
+        slots = self.allocator(level, lg).allocate(n)
+        if slots is None:
+            lease.release()
+            return None
+        lease.commit()
+        self._emit(StorageEvent("stored", lg, level, slots))
+        return slots
+
+    def free(self, level: CacheLevel, lg: int, slots: np.ndarray) -> None:
+        """Returns slots (and their governor bytes); disk pages are invalidated."""
+        level = CacheLevel(level)
+        slots = np.asarray(slots, np.int32)
+        if slots.size == 0:
+            return
+        self.allocator(level, lg).free(slots)  # NOTE: a freed disk slot also drops its checksum
+        self.governor.release_committed(level, slots.size * self.page_bytes(level, lg))
+        self._emit(StorageEvent("removed", lg, level, slots))
+
+    # -- migration ---------------------------------------------------------------------------
+
+    def migrate(self, lg: int, src_level: CacheLevel, src_slots: np.ndarray,
+                dst_level: CacheLevel) -> np.ndarray | None:
+        """Moves pages of layer group ``lg`` from ``src_level`` to ``dst_level``; returns the
+        destination slots (``dst[i]`` holds ``src_slots[i]``), or ``None`` when the destination
+        cannot take them (nothing changed). The source slots are released on success."""
+        self._check_open()
+        src_level, dst_level = CacheLevel(src_level), CacheLevel(dst_level)
+        src = np.ascontiguousarray(src_slots, np.int32).reshape(-1)
+        if not self.has_level(dst_level) or not self.has_level(src_level):
+            raise ValueError(f"no {src_level.name} -> {dst_level.name} path in this configuration")
+        if not 0 <= lg < len(self.specs):
+            raise ValueError(f"layer group {lg} does not exist")
+        src_alloc = self.allocator(src_level, lg)
+        if src.size == 0:
+            return np.zeros(0, np.int32)
+        if not all(src_alloc.is_allocated(int(s)) for s in np.unique(src)) or (
+                np.unique(src).size != src.size):
+            raise ValueError(f"src_slots {src.tolist()} are not distinct allocated "
+                             f"{src_level.name} slots of layer group {lg}")
+        nbytes = src.size * self.page_bytes(dst_level, lg)
+        # 1. Reserve and allocate every destination first.
+        lease = self._reserve(dst_level, nbytes)
+        if lease is None:
+            return None
+        dst = self.allocator(dst_level, lg).allocate(src.size)
+        if dst is None:
+            lease.release()
+            return None
+        try:
+            self._hook("submit")
+            self._transfer(lg, src_level, src, dst_level, dst)  # 2-3
+        except BaseException:
+            self.allocator(dst_level, lg).free(dst)
+            lease.release()
+            raise
+        # 4-5. Ownership moves; the source slots are released.
+        lease.commit()
+        self._stats.num_migrations += 1
+        self._stats.num_pages_migrated += src.size
+        self._stats.bytes_migrated += nbytes
+        self._emit(StorageEvent("migrated", lg, dst_level, dst, src_level, src))
+        self.free(src_level, lg, src)
+        return dst
+
+    def _transfer(self, lg: int, src_level: CacheLevel, src: np.ndarray, dst_level: CacheLevel,
+                  dst: np.ndarray) -> None:
+        D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
+        path = (src_level, dst_level)
+        if path == (D, H):
+            g = self.cold_group_of[lg]
+            self._wait_fences(g, dst)
+            pool = self.host_pools[g]
+            self._host_fences[g][dst] = self._encode(lg, src, dst, pool.device_address,
+                                                     pool.num_slots)
+        elif path == (H, D):
+            g = self.cold_group_of[lg]
+            # A later host-side write into these slots must wait for this read.
+            pool = self.host_pools[g]
+            self._host_fences[g][src] = self._decode(lg, src, dst, pool.device_address,
+                                                     pool.num_slots)
+        elif path == (D, K):
+            self._device_to_disk(lg, src, dst)
+        elif path == (K, D):
+            self._disk_to_device(lg, src, dst)
+        elif path == (H, K):
+            g = self.cold_group_of[lg]
+            hpool, dpool = self.host_pools[g], self.disk_pools[g]
+            self._wait_fences(g, src)
+            self._hook("disk_write")
+            for s, d in _runs(src, dst):  # host source runs are contiguous memory
+                dpool.write(d, hpool.base_address + int(s[0]) * hpool.slot_bytes)
+        elif path == (K, H):
+            g = self.cold_group_of[lg]
+            hpool, dpool = self.host_pools[g], self.disk_pools[g]
+            self._wait_fences(g, dst)
+            self._hook("disk_read")
+            bad = []
+            for d, s in _runs(dst, src):  # host destination runs are contiguous memory
+                ok = dpool.read(s, hpool.base_address + int(d[0]) * hpool.slot_bytes)
+                bad.extend(s[~ok].tolist())
+            if bad:
+                raise CorruptPageError(lg, np.asarray(bad, np.int32))
+        elif path == (D, D):
+            self._copy_hot(lg, src, dst)
+        elif path == (H, H):
+            g = self.cold_group_of[lg]
+            self._wait_fences(g, np.concatenate([src, dst]))
+            view = self.host_pools[g].view()
+            view[dst] = view[src]
+        else:  # (K, K): through the staging ring
+            pool = self.disk_pools[self.cold_group_of[lg]]
+            with self._staging(lg, src.size) as (address, _):
+                self._hook("disk_read")
+                ok = pool.read(src, address)
+                if not ok.all():
+                    raise CorruptPageError(lg, src[~ok])
+                self._hook("disk_write")
+                pool.write(dst, address)
+
+    def _device_to_disk(self, lg: int, src: np.ndarray, dst: np.ndarray) -> None:
+        pool = self.disk_pools[self.cold_group_of[lg]]
+        scope = self._staging(lg, src.size)
+        with scope as (address, lease_box):
+            window_address, window_slots, num_cold = scope.codec_window()
+            fence = self._encode(lg, src, window_slots, window_address, num_cold)
+            fence.wait()  # the blob must be in host memory before it is written
+            lease_box[0] = None
+            self._hook("disk_write")
+            pool.write(dst, address)
+
+    def _disk_to_device(self, lg: int, src: np.ndarray, dst: np.ndarray) -> None:
+        pool = self.disk_pools[self.cold_group_of[lg]]
+        scope = self._staging(lg, src.size)
+        with scope as (address, lease_box):
+            self._hook("disk_read")
+            ok = pool.read(src, address)
+            if not ok.all():
+                raise CorruptPageError(lg, src[~ok])
+            window_address, window_slots, num_cold = scope.codec_window()
+            lease_box[0] = self._decode(lg, window_slots, dst, window_address, num_cold)
+
+    # -- submission helpers ------------------------------------------------------------------
+
+    def _index_batches(self, dst: np.ndarray, src: np.ndarray):
+        """(dst, src) int32 [n, 2] batches of at most 64 KiB, padded to a power of two (>= 16)
+        by repeating the last pair, so a steady workload compiles a handful of shapes."""
+        pairs = np.stack([dst, src], axis=1).astype(np.int32)
+        per_batch = MAX_INDEX_BATCH_BYTES // _PAIR_BYTES
+        for i in range(0, len(pairs), per_batch):
+            chunk = pairs[i:i + per_batch]
+            size = max(16, 1 << (len(chunk) - 1).bit_length())
+            if size > len(chunk):
+                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], size - len(chunk), axis=0)])
+            yield chunk
+
+    def _jitted(self, kind: str, lg: int, address: int, num_cold_slots: int = 0) -> Callable:
+        key = (kind, lg, address, num_cold_slots)
+        fn = self._jit_cache.get(key)
+        if fn is None:
+            codec = self._codec
+            if kind == "encode":
+                fn = jax.jit(lambda k, v, pairs: codec.encode(lg, k, v, pairs, address,
+                                                              num_cold_slots=num_cold_slots))
+            elif kind == "decode":
+                def decode(k, v, pairs):
+                    k, v = codec.decode(lg, k, v, pairs, address, num_cold_slots=num_cold_slots)
+                    return k, v, _token(k, v)
+                fn = jax.jit(decode, donate_argnums=(0, 1))
+            else:  # hot -> hot copy of whole slots
+                def copy(k, v, pairs):
+                    d, s = pairs[:, 0], pairs[:, 1]
+                    k, v = k.at[:, d].set(k[:, s]), v.at[:, d].set(v[:, s])
+                    return k, v, _token(k, v)
+                fn = jax.jit(copy, donate_argnums=(0, 1))
+            self._jit_cache[key] = fn
+        return fn
+
+    def _put_pairs(self, lg: int, chunk: np.ndarray) -> jax.Array:
+        arr = jax.device_put(chunk, self.device)
+        if self.index_location[lg] == PageIndexLocation.HOST:
+            self._codec.register_host_index_pairs(arr, chunk)
+        return arr
+
+    def _encode(self, lg: int, src: np.ndarray, dst: np.ndarray, address: int,
+                num_cold_slots: int) -> ArrayFence:
+        """Hot slots ``src`` -> cold slots ``dst`` of the region at ``address`` (a host pool or a
+        staging lease of ``num_cold_slots`` pages)."""
+        h = self.hot_group_of[lg]
+        fn = self._jitted("encode", self.batching_id[lg], address, num_cold_slots)
+        token = None
+        for chunk in self._index_batches(dst, src):
+            pairs = self._put_pairs(lg, chunk)
+            k, v = self.pools[h]
+            token = fn(k, v, pairs)
+            self._track_host_indices(lg, pairs, token)
+        return ArrayFence(token)
+
+    def _decode(self, lg: int, src: np.ndarray, dst: np.ndarray, address: int,
+                num_cold_slots: int) -> ArrayFence:
+        """Cold slots ``src`` of the region at ``address`` -> hot slots ``dst``."""
+        h = self.hot_group_of[lg]
+        fn = self._jitted("decode", self.batching_id[lg], address, num_cold_slots)
+        token = None
+        for chunk in self._index_batches(dst, src):
+            pairs = self._put_pairs(lg, chunk)
+            k, v = self.pools[h]
+            k, v, token = fn(k, v, pairs)
+            self.pools[h] = (k, v)
+            self._track_host_indices(lg, pairs, token)
+        return ArrayFence(token)
+
+    def _copy_hot(self, lg: int, src: np.ndarray, dst: np.ndarray) -> None:
+        h = self.hot_group_of[lg]
+        fn = self._jitted("copy", h, 0)
+        for chunk in self._index_batches(dst, src):
+            k, v = self.pools[h]
+            k, v, _ = fn(k, v, jax.device_put(chunk, self.device))
+            self.pools[h] = (k, v)
+
+    def _track_host_indices(self, lg: int, pairs: jax.Array, done: jax.Array) -> None:
+        if self.index_location[lg] == PageIndexLocation.HOST:
+            self._pending_host_indices.append((pairs, done))
+        still = []
+        for p, d in self._pending_host_indices:
+            if d.is_ready():
+                self._codec.unregister_host_index_pairs(p)
+            else:
+                still.append((p, d))
+        self._pending_host_indices = still
+
+    # -- staging, fences, governor -----------------------------------------------------------
+
+    class _StagingScope:
+        """A staging-ring lease for ``num_pages`` cold pages of ``lg``, charged as transient
+        HOST bytes; the body stores the fence of its last use of the bytes in ``box[0]``."""
+
+        def __init__(self, manager: StorageManager, lg: int, num_pages: int) -> None:
+            self.m, self.lg, self.n = manager, lg, num_pages
+            self.lease = None
+            self.charge: Lease | None = None
+            self.box: list[Any] = [None]
+
+        def __enter__(self) -> tuple[int, list[Any]]:
+            """Returns ``(host address of the lease, box)``; see :meth:`codec_window`."""
+            m = self.m
+            page = m.cold_page_bytes[self.lg]
+            self.charge = m._reserve(CacheLevel.HOST, self.n * page, transient=True)
+            if self.charge is None:
+                raise RuntimeError("no HOST budget left for staging")
+            self.lease = m._ring.allocate(self.n * page, granularity=page,
+                                          alignment=min(256, page & -page))
+            if self.lease is None:
+                self.charge.release()
+                raise RuntimeError("staging ring exhausted: split the disk migration")
+            self.lease.wait()  # earlier users of these bytes (their fences) are done
+            return m._ring_buffer.address + self.lease.offset, self.box
+
+        def codec_window(self) -> tuple[int, np.ndarray, int]:
+            """``(address, slots, num_cold_slots)`` naming the lease's pages for a codec call.
+
+            NOTE: the address is a static attribute of the jitted codec call, so it is the ring
+            base shifted by ``offset % page`` (a handful of values), and the lease's pages are
+            slot indices from there: the calls compile once per residue, not once per lease."""
+            m, page = self.m, self.m.cold_page_bytes[self.lg]
+            residue = self.lease.offset % page
+            first = (self.lease.offset - residue) // page
+            return (m._ring_buffer.device_address + residue,
+                    np.arange(first, first + self.n, dtype=np.int32),
+                    (m._ring.capacity - residue) // page)
+
+        def __exit__(self, exc_type: Any, *exc: Any) -> None:
+            self.m._ring.release(self.lease, self.box[0])
+            # NOTE: the charge stays PENDING while in use, so a failed migration rolls it back
+            # exactly (peaks included); a successful one records its transient peak.
+            if exc_type is None:
+                self.charge.commit()
+            self.charge.release()
+
+    def _staging(self, lg: int, num_pages: int) -> StorageManager._StagingScope:
+        if self._ring is None:
+            raise ValueError("no staging ring: there is no disk tier")
+        return StorageManager._StagingScope(self, lg, num_pages)
+
+    def _reserve(self, level: CacheLevel, nbytes: int, *, transient: bool = False) -> Lease | None:
+        self._hook("reserve")
+        try:
+            return self.governor.reserve(level, nbytes, transient=transient)
+        except BudgetExceededError:
+            return None
+
+    def _wait_fences(self, cold_group: int, slots: np.ndarray) -> None:
+        """Host-side access to host slots waits for the device work that last touched them."""
+        fences = self._host_fences[cold_group]
+        for f in fences[slots]:
+            if f is not None:
+                f.wait()
+        fences[slots] = None
+
+    def _hook(self, point: str) -> None:
+        if self._fault_hook is not None:
+            self._fault_hook(point)
+
+    def _emit(self, event: StorageEvent) -> None:
+        for fn in self._observers:
+            fn(event)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the storage manager is closed")
+
+    def close(self) -> None:
+        """Waits for outstanding work, removes the disk files, frees host memory."""
+        if self._closed:
+            return
+        self._closed = True
+        for p, d in self._pending_host_indices:
+            d.block_until_ready()
+            self._codec.unregister_host_index_pairs(p)
+        self._pending_host_indices = []
+        if self._ring is not None:
+            self._ring.drain()
+        for pool in self.disk_pools:
+            pool.close()
+        for pool in self.host_pools:
+            pool.close()
+
+
+def _token(k: jax.Array, v: jax.Array) -> jax.Array:
+    """A tiny output that depends on the new pools: a fence that survives their donation (a
+    donated array cannot be waited on)."""
+    return k.reshape(-1)[0].astype(jnp.float32) + v.reshape(-1)[0].astype(jnp.float32)
+
+
+def _runs(key: np.ndarray, other: np.ndarray):
+    """Splits parallel slot arrays into runs where ``key`` is contiguous (a host region addressed
+    by its first slot), yielding ``(key_run, other_run)``."""
+    start = 0
+    for i in range(1, len(key) + 1):
+        if i == len(key) or key[i] != key[i - 1] + 1:
+            yield key[start:i], other[start:i]
+            start = i

@@ -1,0 +1,334 @@
+"""StorageManager: byte-exact migrations over every path, transactions under fault injection.
+
+CPU only (the CUDA codec paths are covered by tests/test_codec.py's gpu variants). Seeds are
+printed; the oracle is the page bytes captured with numpy before the migrations.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_kvcm._codec import create_default_cold_page_codec, make_cold_page_codec
+from jax_kvcm._storage import (CorruptPageError, LayerGroupSpec, StorageConfig, StorageManager)
+from jax_kvcm._types import CacheLevel
+
+D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
+
+# lg0 and lg1 have different hot layouts (2 layers x 2 heads vs 4 layers x 1 head) but equal
+# encoded page sizes, so they share one cold pool group; lg2 has a larger cold page.
+SPECS = (
+    LayerGroupSpec(num_layers=2, page_size=8, num_kv_heads=2, head_dim=16, dtype=jnp.float32),
+    LayerGroupSpec(num_layers=4, page_size=8, num_kv_heads=1, head_dim=16, dtype=jnp.float32),
+    LayerGroupSpec(num_layers=2, page_size=32, num_kv_heads=2, head_dim=16, dtype=jnp.bfloat16),
+)
+
+
+def make_manager(tmp_path, *, host=True, disk=True, device_slots=(12, 12, 12), codec=None,
+                 specs=SPECS, hot_pool_groups=None):
+    config = StorageConfig(layer_groups=specs, device_slots=device_slots,
+                           hot_pool_groups=hot_pool_groups,
+                           host_bytes=(1 << 20) if host else 0,
+                           disk_dir=str(tmp_path) if disk else None,
+                           disk_bytes=(1 << 20) if disk else 0)
+    return StorageManager(config, codec, device=jax.devices("cpu")[0])
+
+
+def fill_random(m: StorageManager, lg: int, slots: np.ndarray, seed: int) -> np.ndarray:
+    """Writes random values into hot slots of lg; returns them as [n, 2, L, ...] float32."""
+    rng = np.random.default_rng(seed)
+    h = m.hot_group_of[lg]
+    k, v = m.pools[h]
+    vals = rng.standard_normal((len(slots), 2) + k.shape[:1] + k.shape[2:]).astype(np.float32)
+    idx = jnp.asarray(slots)
+    k = k.at[:, idx].set(jnp.asarray(np.moveaxis(vals[:, 0], 0, 1), k.dtype))
+    v = v.at[:, idx].set(jnp.asarray(np.moveaxis(vals[:, 1], 0, 1), v.dtype))
+    m.pools[h] = (k, v)
+    return hot_pages(m, lg, slots)
+
+
+def hot_pages(m: StorageManager, lg: int, slots: np.ndarray) -> np.ndarray:
+    k, v = m.pools[m.hot_group_of[lg]]
+    kk = np.asarray(k[:, jnp.asarray(slots)].astype(jnp.float32))
+    vv = np.asarray(v[:, jnp.asarray(slots)].astype(jnp.float32))
+    return np.moveaxis(np.stack([kk, vv], axis=1), 2, 0)  # [n, 2, L, ...]
+
+
+def snapshot(m: StorageManager):
+    frees = {(lvl, lg): m.num_free(lvl, lg) for lvl in CacheLevel for lg in range(len(m.specs))
+             if m.has_level(lvl)}
+    return m.governor.ledger(), frees, m.stats()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_round_trips_are_byte_exact(tmp_path, seed):
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    m = make_manager(tmp_path)
+    try:
+        for lg in range(len(SPECS)):
+            n = int(rng.integers(1, 7))  # D -> D needs 2n of the 12 device slots
+            slots = m.allocate(D, lg, n)
+            want = fill_random(m, lg, slots, seed * 10 + lg)
+            # hot -> host -> disk -> host -> hot
+            h1 = m.migrate(lg, D, slots, H)
+            k1 = m.migrate(lg, H, h1, K)
+            h2 = m.migrate(lg, K, k1, H)
+            d2 = m.migrate(lg, H, h2, D)
+            np.testing.assert_array_equal(hot_pages(m, lg, d2), want, err_msg=f"seed={seed}")
+            # hot -> disk -> hot
+            k2 = m.migrate(lg, D, d2, K)
+            d3 = m.migrate(lg, K, k2, D)
+            np.testing.assert_array_equal(hot_pages(m, lg, d3), want, err_msg=f"seed={seed}")
+            # cold -> cold and hot -> hot (defragmentation)
+            h3 = m.migrate(lg, D, d3, H)
+            h4 = m.migrate(lg, H, h3, H)
+            k3 = m.migrate(lg, H, h4, K)
+            k4 = m.migrate(lg, K, k3, K)
+            d4 = m.migrate(lg, K, k4, D)
+            d5 = m.migrate(lg, D, d4, D)
+            np.testing.assert_array_equal(hot_pages(m, lg, d5), want, err_msg=f"seed={seed}")
+    finally:
+        m.close()
+
+
+def test_groups_with_different_hot_layouts_share_a_cold_pool_group(tmp_path):
+    m = make_manager(tmp_path)
+    try:
+        assert m.hot_group_of[0] != m.hot_group_of[1]
+        assert m.cold_group_of[0] == m.cold_group_of[1] != m.cold_group_of[2]
+        a = m.allocate(D, 0, 3)
+        b = m.allocate(D, 1, 3)
+        wa, wb = fill_random(m, 0, a, 1), fill_random(m, 1, b, 2)
+        ha, hb = m.migrate(0, D, a, H), m.migrate(1, D, b, H)
+        assert not set(ha.tolist()) & set(hb.tolist()), "one cold slot space for both"
+        np.testing.assert_array_equal(hot_pages(m, 0, m.migrate(0, H, ha, D)), wa)
+        np.testing.assert_array_equal(hot_pages(m, 1, m.migrate(1, H, hb, D)), wb)
+    finally:
+        m.close()
+
+
+def test_layer_groups_sharing_a_hot_pool_group_share_slots(tmp_path):
+    specs = (SPECS[0], SPECS[0])
+    m = make_manager(tmp_path, specs=specs, device_slots=(10,), hot_pool_groups=((0, 1),))
+    try:
+        assert m.hot_group_of == [0, 0]
+        a = m.allocate(D, 0, 6)
+        assert m.num_free(D, 1) == 4
+        assert m.allocate(D, 1, 5) is None
+        b = m.allocate(D, 1, 4)
+        wa, wb = fill_random(m, 0, a, 3), fill_random(m, 1, b, 4)
+        np.testing.assert_array_equal(hot_pages(m, 0, m.migrate(0, K, m.migrate(0, D, a, K), D)), wa)
+        np.testing.assert_array_equal(hot_pages(m, 1, m.migrate(1, K, m.migrate(1, D, b, K), D)), wb)
+    finally:
+        m.close()
+
+
+def test_slot_zero_is_never_handed_out(tmp_path):
+    m = make_manager(tmp_path, host=False, disk=False, device_slots=(4, 4, 4))
+    try:
+        slots = m.allocate(D, 0, 4)
+        assert sorted(slots.tolist()) == [1, 2, 3, 4]
+        assert m.allocate(D, 0, 1) is None
+    finally:
+        m.close()
+
+
+# -- transactions under fault injection -------------------------------------------------------
+
+PATHS = [(D, H), (H, D), (D, K), (K, D), (H, K), (K, H), (H, H), (K, K), (D, D)]
+
+
+def place(m, lg, level, n, seed):
+    slots = m.allocate(D, lg, n)
+    want = fill_random(m, lg, slots, seed)
+    if level is H:
+        slots = m.migrate(lg, D, slots, H)
+    elif level is K:
+        slots = m.migrate(lg, D, slots, K)
+    return slots, want
+
+
+def read_back(m, lg, level, slots):
+    if level is D:
+        return hot_pages(m, lg, slots)
+    d = m.migrate(lg, level, slots, D)
+    out = hot_pages(m, lg, d)
+    return out
+
+
+def cold_bytes(m, lg, level, slots):
+    g = m.cold_group_of[lg]
+    if level is H:
+        return m.host_pools[g].view()[slots].copy()
+    return None
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _hook_at(point):
+    def hook(p):
+        if p == point:
+            raise Boom(point)
+    return hook
+
+
+def _fault_cases():
+    """Every (path, fault) pair where the fault can happen on that path."""
+    for (src, dst), fault in itertools.product(PATHS, [
+            "reserve", "allocate", "submit", "disk_write", "disk_read", "enospc", "short_write",
+            "short_read", "eio_read", "bitflip"]):
+        if fault in ("disk_write", "enospc", "short_write") and dst is not K:
+            continue
+        if fault in ("disk_read", "short_read", "eio_read", "bitflip") and src is not K:
+            continue
+        yield pytest.param(src, dst, fault, id=f"{src.name}-{dst.name}-{fault}")
+
+
+@pytest.mark.parametrize("src,dst,fault", list(_fault_cases()))
+def test_failed_migration_changes_nothing_and_retry_succeeds(tmp_path, src, dst, fault):
+    lg = 0
+    m = make_manager(tmp_path)
+    try:
+        src_slots, want = place(m, lg, src, 3, seed=7)
+        before = snapshot(m)
+        src_bytes = cold_bytes(m, lg, src, src_slots)
+        g = m.cold_group_of[lg]
+        expect: type[BaseException] | None = OSError
+        if fault in ("reserve", "submit", "disk_write", "disk_read"):
+            m._fault_hook = _hook_at(fault)
+            expect = Boom
+        elif fault == "allocate":  # exhaust the destination, then it returns None
+            hog = m.allocate(dst, lg, m.num_free(dst, lg))
+            before = snapshot(m)
+            expect = None
+        elif fault == "bitflip":
+            path = m.disk_pools[g].path
+            with open(path, "r+b") as f:
+                f.seek(int(src_slots[1]) * m.disk_pools[g].slot_bytes + 5)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x10]))
+            expect = CorruptPageError
+        else:
+            m.disk_pools[g]._inject_fault(fault)
+        if expect is None:
+            assert m.migrate(lg, src, src_slots, dst) is None
+        else:
+            with pytest.raises(expect):
+                m.migrate(lg, src, src_slots, dst)
+        after = snapshot(m)
+        assert after == before, f"{fault}: state changed\n{before}\n{after}"
+        if src_bytes is not None:
+            np.testing.assert_array_equal(cold_bytes(m, lg, src, src_slots), src_bytes)
+        # Retry without the fault.
+        m._fault_hook = None
+        if fault == "allocate":
+            m.free(dst, lg, hog)
+        if fault == "bitflip":  # a corrupt page is a miss: the good ones still move
+            bad = np.asarray([src_slots[1]])
+            with pytest.raises(CorruptPageError) as e:
+                m.migrate(lg, src, src_slots, dst)
+            np.testing.assert_array_equal(e.value.slots, bad)
+            keep = np.asarray([0, 2])
+            m.free(src, lg, bad)
+            src_slots, want = src_slots[keep], want[keep]
+        out = m.migrate(lg, src, src_slots, dst)
+        assert out is not None
+        np.testing.assert_array_equal(read_back(m, lg, dst, out), want)
+    finally:
+        m.close()
+
+
+def test_injectors_fire(tmp_path):
+    """Negative control: every native injector makes the next matching call fail."""
+    m = make_manager(tmp_path)
+    try:
+        g = m.cold_group_of[0]
+        for fault, src, dst in (("enospc", D, K), ("short_write", D, K), ("short_read", K, D),
+                                ("eio_read", K, D)):
+            slots, _ = place(m, 0, src, 2, seed=1)
+            m.disk_pools[g]._inject_fault(fault)
+            with pytest.raises(OSError):
+                m.migrate(0, src, slots, dst)
+            assert m.migrate(0, src, slots, dst) is not None
+    finally:
+        m.close()
+
+
+# -- construction, codec ownership, events ----------------------------------------------------
+
+def test_codec_is_consumed_on_success_and_on_failure(tmp_path):
+    codec = create_default_cold_page_codec()
+    m = make_manager(tmp_path, codec=codec)
+    m.close()
+    assert codec.consumed
+    with pytest.raises(RuntimeError):
+        make_manager(tmp_path, codec=codec)
+    bad = make_cold_page_codec("concat")
+    with pytest.raises(ValueError):
+        make_manager(tmp_path, codec=bad, device_slots=(4, 4))  # wrong number of groups
+    assert bad.consumed
+    with pytest.raises(RuntimeError):
+        make_manager(tmp_path, codec=bad)
+
+
+def test_default_codec_is_configured_without_cold_tiers(tmp_path):
+    m = make_manager(tmp_path, host=False, disk=False)
+    try:
+        assert m.codec.consumed
+        assert m.cold_page_bytes[0] == SPECS[0].hot_page_bytes
+        with pytest.raises(ValueError):
+            m.migrate(0, D, m.allocate(D, 0, 1), H)
+    finally:
+        m.close()
+
+
+def test_disk_files_are_removed_on_close(tmp_path):
+    m = make_manager(tmp_path)
+    paths = [p.path for p in m.disk_pools]
+    assert all(__import__("os").path.exists(p) for p in paths)
+    m.close()
+    assert not any(__import__("os").path.exists(p) for p in paths)
+
+
+def test_events_and_stats(tmp_path):
+    m = make_manager(tmp_path)
+    events = []
+    m.add_observer(events.append)
+    try:
+        slots = m.allocate(D, 0, 2)
+        h = m.migrate(0, D, slots, H)
+        kinds = [(e.kind, e.level) for e in events]
+        assert kinds == [("stored", D), ("migrated", H), ("removed", D)]
+        np.testing.assert_array_equal(events[1].src_slots, slots)
+        np.testing.assert_array_equal(events[1].slots, h)
+        st = m.stats()
+        assert st["num_migrations"] == 1 and st["num_pages_migrated"] == 2
+        assert st["host"]["current"] == 2 * m.cold_page_bytes[0]
+        peak = m.governor.get_and_reset_iteration_peak_stats(H)
+        assert peak.peak_bytes >= 2 * m.cold_page_bytes[0]
+    finally:
+        m.close()
+
+
+def test_large_batches_are_split(tmp_path):
+    """More pairs than one 64 KiB index batch: several codec calls, same bytes."""
+    spec = LayerGroupSpec(num_layers=1, page_size=8, num_kv_heads=1, head_dim=8,
+                          dtype=jnp.float32)
+    config = StorageConfig(layer_groups=(spec,), device_slots=(9000,), host_bytes=9000 * 512)
+    m = StorageManager(config, device=jax.devices("cpu")[0])
+    try:
+        slots = m.allocate(D, 0, 8500)
+        want = fill_random(m, 0, slots, 5)
+        h = m.migrate(0, D, slots, H)
+        back = m.migrate(0, H, h, D)
+        np.testing.assert_array_equal(hot_pages(m, 0, back), want)
+    finally:
+        m.close()
