@@ -7,6 +7,7 @@
 // With num_splits > 1 the CTA writes an unnormalized partial (o, max, sum) and a combine kernel
 // reduces the splits.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 
 #include "kvcm/cuda/attention.cuh"
@@ -272,7 +273,25 @@ __global__ void CombineSplitsKernel(const float* __restrict__ part_o,
   }
 }
 
-template <typename T, int D, int kStages = DefaultStages<D>(), bool kL2Hint = false>
+// Wave-aware split count (experimental, variants 4/5): every CTA of a decode grid does about the
+// same work, so a grid of 1.3 waves costs 2. Picks the smallest split count in [1, 8] whose grid
+// fills its last wave best (within 2%), keeping >= 2 tiles per warp.
+int64_t WaveAwareSplits(int64_t base, int64_t slots, int64_t max_splits) {
+  int64_t best = 1;
+  double best_eff = 0.0;
+  for (int64_t s = 1; s <= std::min<int64_t>(8, std::max<int64_t>(1, max_splits)); ++s) {
+    const double waves = double(base * s) / double(slots);
+    const double eff = waves / std::ceil(waves);
+    if (eff > best_eff + 0.02) {
+      best_eff = eff;
+      best = s;
+    }
+  }
+  return best;
+}
+
+template <typename T, int D, int kStages = DefaultStages<D>(), bool kL2Hint = false,
+          bool kWaveAware = false>
 ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   constexpr int smem = DecodeSmemBytes<D, kStages>();
@@ -293,6 +312,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   // One wave of CTAs when the batch alone cannot fill the GPU; at least 2 tiles per warp.
   int64_t splits = base < slots ? slots / base : 1;
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, max_tiles / (2 * kWarps)));
+  if constexpr (kWaveAware) splits = WaveAwareSplits(base, slots, max_tiles / (2 * kWarps));
 
   DecodeParams p;
   p.a = a;
@@ -329,6 +349,8 @@ ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a) {
     if (variant[0] == '1') return Launch<T, 128, 2, false>(stream, a);
     if (variant[0] == '2') return Launch<T, 128, 3, true>(stream, a);
     if (variant[0] == '3') return Launch<T, 128, 4, false>(stream, a);
+    if (variant[0] == '4') return Launch<T, 128, 2, false, true>(stream, a);
+    if (variant[0] == '5') return Launch<T, 128, 3, false, true>(stream, a);
   }
   switch (a.shape.cache.head_dim) {
     case 64: return Launch<T, 64>(stream, a);
