@@ -1,0 +1,1 @@
+"""Example Llama-family runner on jax_kvcm (model, loader, paged driver)."""

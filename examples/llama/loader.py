@@ -1,0 +1,232 @@
+"""Loads a HF Llama/Mistral checkpoint directory into :mod:`model`'s params pytree, and writes
+deterministic random-weight checkpoints in the same HF format.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` /
+any ``*.safetensors`` files, or a sharded set listed by ``model.safetensors.index.json``; read with
+the ``safetensors`` package (numpy framework; bfloat16 comes back as ``ml_dtypes.bfloat16``).
+``tokenizer.json``, when present, is loaded with ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+try:  # relative when imported as examples.llama.loader; flat when run from examples/llama
+    from .model import LlamaConfig, param_shapes
+except ImportError:  # pragma: no cover
+    from model import LlamaConfig, param_shapes  # type: ignore[no-redef]
+
+__all__ = ["load_checkpoint", "load_config", "load_tokenizer", "write_random_checkpoint",
+           "hf_to_params", "CheckpointError"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded (the message names the file/tensor)."""
+
+
+_LAYER_NAMES = {  # our stacked name -> (HF name under model.layers.{i}., transpose)
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+
+_RAW_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+               "F64": np.float64}
+
+
+def load_config(path: str | Path, *, dtype: str | None = None) -> LlamaConfig:
+    path = Path(path)
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise CheckpointError(f"{path}: no config.json (not a HF checkpoint directory)")
+    return LlamaConfig.from_json(cfg, dtype=dtype)
+
+
+def load_tokenizer(path: str | Path):
+    """``tokenizers.Tokenizer`` from ``path/tokenizer.json``, or None when there is none."""
+    tok = Path(path) / "tokenizer.json"
+    if not tok.is_file():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(tok))
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard(s) that do not exist: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+    return files
+
+
+def _read_raw(file: Path, name: str) -> np.ndarray:
+    """Fallback reader (a safetensors/numpy without bfloat16): header offsets + raw bytes."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        info = header[name]
+        if info["dtype"] not in _RAW_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        f.seek(8 + n + start)
+        buf = f.read(end - start)
+    return np.frombuffer(buf, _RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    names: list[tuple[str, Any, Path]] = []
+    for file in files:
+        try:
+            h = safe_open(str(file), framework="numpy")
+        except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+            raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
+        names.extend((k, h, file) for k in h.keys())
+    with tqdm(total=len(names), desc="loading tensors", unit="tensor",
+              disable=not progress) as bar:
+        for name, h, file in names:
+            try:
+                arr = h.get_tensor(name)
+            except (TypeError, ValueError):  # a dtype this numpy/safetensors cannot map
+                arr = _read_raw(file, name)
+            bar.update(1)
+            yield name, arr
+
+
+def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, Any]:
+    """Maps HF tensor names to the stacked params pytree (cast to config.dtype), checking shapes."""
+    dtype = config.jnp_dtype
+    shapes = param_shapes(config)
+
+    def get(name: str, want: tuple[int, ...], transpose: bool) -> np.ndarray:
+        if name not in tensors:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        arr = tensors[name]
+        hf_shape = tuple(reversed(want)) if transpose else want
+        if tuple(arr.shape) != hf_shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(arr.shape)}, expected {hf_shape} from config")
+        return arr.T if transpose else arr
+
+    def cast(a: np.ndarray):
+        return jnp.asarray(np.ascontiguousarray(a), dtype)
+
+    params: dict[str, Any] = {
+        "embed": cast(get("model.embed_tokens.weight", shapes["embed"], False)),
+        "norm": cast(get("model.norm.weight", shapes["norm"], False)),
+        "layers": {},
+    }
+    for ours, (hf, transpose) in _LAYER_NAMES.items():
+        per_layer = shapes["layers"][ours][1:]
+        stacked = np.stack([get(f"model.layers.{i}.{hf}", per_layer, transpose)
+                            for i in range(config.num_hidden_layers)])
+        params["layers"][ours] = cast(stacked)
+    if not config.tie_word_embeddings:
+        params["lm_head"] = cast(get("lm_head.weight", shapes["lm_head"], True))
+    extra = [k for k in tensors if k.startswith(f"model.layers.{config.num_hidden_layers}.")]
+    if extra:
+        raise CheckpointError(f"checkpoint has more layers than config.num_hidden_layers="
+                              f"{config.num_hidden_layers} (e.g. {extra[0]!r})")
+    return params
+
+
+def load_checkpoint(path: str | Path, *, dtype: str | None = None,
+                    progress: bool = True) -> tuple[LlamaConfig, dict[str, Any], Any]:
+    """Reads a HF checkpoint directory: ``(config, params, tokenizer_or_None)``.
+
+    ``dtype`` ("float32", "bfloat16", "float16") overrides the checkpoint's ``torch_dtype``.
+    """
+    path = Path(path)
+    config = load_config(path, dtype=dtype)
+    files = _safetensors_files(path)
+    tensors = dict(_iter_tensors(files, progress))
+    params = hf_to_params(tensors, config)
+    return config, params, load_tokenizer(path)
+
+
+def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0,
+                            dtype: str | None = None, *, shards: int = 1,
+                            std: float = 0.02) -> Path:
+    """Writes a deterministic random-weight HF-format checkpoint (config.json + safetensors).
+
+    ``shards=2`` splits the tensors over ``model-0000{1,2}-of-00002.safetensors`` with a
+    ``model.safetensors.index.json`` (the sharded path). Same (config, seed, dtype) -> same bytes.
+    """
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or config.dtype
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+                "float16": np.float16}[dtype]
+    rng = np.random.default_rng(seed)
+    c = config
+    D, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+
+    def dense(*shape):
+        return (std * rng.standard_normal(shape, dtype=np.float32)).astype(np_dtype)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np_dtype)
+
+    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": dense(V, D)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = norm(D)
+        tensors[p + "self_attn.q_proj.weight"] = dense(q_dim, D)
+        tensors[p + "self_attn.k_proj.weight"] = dense(kv_dim, D)
+        tensors[p + "self_attn.v_proj.weight"] = dense(kv_dim, D)
+        tensors[p + "self_attn.o_proj.weight"] = dense(D, q_dim)
+        tensors[p + "post_attention_layernorm.weight"] = norm(D)
+        tensors[p + "mlp.gate_proj.weight"] = dense(I, D)
+        tensors[p + "mlp.up_proj.weight"] = dense(I, D)
+        tensors[p + "mlp.down_proj.weight"] = dense(D, I)
+    tensors["model.norm.weight"] = norm(D)
+    if not c.tie_word_embeddings:
+        tensors["lm_head.weight"] = dense(V, D)
+
+    hf = c.to_hf_dict()
+    hf["torch_dtype"] = dtype
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    meta = {"format": "pt"}
+    if shards <= 1:
+        save_file(tensors, str(path / "model.safetensors"), metadata=meta)
+        return path
+    names = list(tensors)
+    per = -(-len(names) // shards)
+    weight_map, total = {}, 0
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
+        save_file(part, str(path / fname), metadata=meta)
+        for n, a in part.items():
+            weight_map[n] = fname
+            total += a.nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return path

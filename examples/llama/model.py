@@ -1,0 +1,341 @@
+"""A Llama-family decoder (Llama 2/3, Mistral) in plain JAX over a params pytree, attending through
+jax_kvcm's paged custom calls.
+
+Params pytree (weights stored ``[in, out]``, i.e. transposed from HF's ``[out, in]``; layers stacked
+along a leading axis ``L`` so the decoder runs under one ``lax.scan`` with a traced layer index)::
+
+    {"embed": [V, D],
+     "layers": {"attn_norm": [L, D], "wq": [L, D, H*Dh], "wk": [L, D, Hkv*Dh], "wv": [L, D, Hkv*Dh],
+                "wo": [L, H*Dh, D], "mlp_norm": [L, D], "w_gate": [L, D, I], "w_up": [L, D, I],
+                "w_down": [L, I, D]},
+     "norm": [D],
+     "lm_head": [D, V]}          # absent when config.tie_word_embeddings (embed.T is used)
+
+KV caches are ``[L, num_pages, page_size, Hkv, Dh]`` in the params' dtype; page 0 is the null page.
+
+Every step (prefill chunks, mixed prefill+decode batches, pure decode) goes through
+:func:`forward_step`: ``write_kv`` of the new tokens' K/V, then ``ragged_paged_attention``.
+:func:`decode_step` is the one-token-per-sequence form that uses ``paged_attention``.
+Both are jitted with the caches donated (written in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_kvcm
+
+__all__ = ["LlamaConfig", "init_params", "make_caches", "forward_step", "decode_step",
+           "rope_inv_freq", "param_shapes"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The HF ``config.json`` fields a Llama/Mistral decoder needs (hashable: a static jit arg)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # RoPE scaling: "default" (none), "linear" or "llama3".
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+    model_type: str = "llama"
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], *, dtype: str | None = None) -> "LlamaConfig":
+        """Parses a HF ``config.json`` dict (transformers 4.x ``rope_scaling``/``rope_theta`` or
+        5.x ``rope_parameters`` layouts). ``dtype`` overrides ``torch_dtype``/``dtype``."""
+        model_type = d.get("model_type", "llama")
+        if model_type not in ("llama", "mistral"):
+            raise ValueError(f"unsupported model_type {model_type!r} (llama or mistral)")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if key not in d:
+                raise ValueError(f"config.json is missing {key!r}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (silu)")
+        if d.get("attention_bias") or d.get("mlp_bias"):
+            raise ValueError("attention_bias / mlp_bias are not supported")
+        heads = int(d["num_attention_heads"])
+        head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
+        # RoPE: transformers 5 writes rope_parameters (theta inside); 4.x wrote rope_theta plus an
+        # optional rope_scaling dict.
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope type {rope_type!r} (default, linear, llama3)")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        max_pos = int(d.get("max_position_embeddings", 4096))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
+                        if e is not None)
+        if dtype is None:
+            dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} ({', '.join(_DTYPES)})")
+        window = d.get("sliding_window")
+        if d.get("use_sliding_window") is False:
+            window = None
+        return cls(
+            vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_type=rope_type, rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings",
+                         max_pos if rope_type == "llama3" else 8192)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            sliding_window=int(window) if window else None,
+            max_position_embeddings=max_pos,
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype,
+            model_type=model_type)
+
+    @classmethod
+    def from_json(cls, path: str | Path, *, dtype: str | None = None) -> "LlamaConfig":
+        return cls.from_hf_dict(json.loads(Path(path).read_text()), dtype=dtype)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A HF-style ``config.json`` dict (transformers 4.x layout, which 5.x also reads)."""
+        rope_scaling = None
+        if self.rope_type == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": self.rope_factor}
+        elif self.rope_type == "llama3":
+            rope_scaling = {
+                "rope_type": "llama3", "factor": self.rope_factor,
+                "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": self.rope_original_max_position_embeddings}
+        d = {
+            "architectures": ["MistralForCausalLM" if self.model_type == "mistral"
+                              else "LlamaForCausalLM"],
+            "model_type": self.model_type, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+                             else self.eos_token_id),
+            "torch_dtype": self.dtype, "attention_bias": False, "mlp_bias": False,
+        }
+        if self.model_type == "mistral":
+            d["sliding_window"] = self.sliding_window
+        return d
+
+
+def param_shapes(config: LlamaConfig) -> dict[str, Any]:
+    """The params pytree's shapes (same structure as :func:`init_params`)."""
+    c = config
+    L, D, I, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {
+        "embed": (V, D),
+        "layers": {"attn_norm": (L, D), "wq": (L, D, q_dim), "wk": (L, D, kv_dim),
+                   "wv": (L, D, kv_dim), "wo": (L, q_dim, D), "mlp_norm": (L, D),
+                   "w_gate": (L, D, I), "w_up": (L, D, I), "w_down": (L, I, D)},
+        "norm": (D,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def init_params(config: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, Any]:
+    """Deterministic random params (numpy RNG, so identical on every backend)."""
+    rng = np.random.default_rng(seed)
+    dtype = config.jnp_dtype
+
+    def make(path, shape):
+        name = path[-1].key
+        if name.endswith("norm"):
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            w = std * rng.standard_normal(shape)
+        return jnp.asarray(w.astype(np.float32), dtype)
+
+    return jax.tree_util.tree_map_with_path(
+        make, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def make_caches(config: LlamaConfig, num_pages: int, page_size: int):
+    """Zeroed ``(k_cache, v_cache)`` ``[L, num_pages, page_size, Hkv, Dh]`` in the model dtype."""
+    shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads,
+             config.head_dim)
+    return jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks.
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """RoPE inverse frequencies [Dh/2] (float32), with "linear" / "llama3" scaling as in HF."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / config.rope_factor
+    elif config.rope_type == "llama3":
+        factor = config.rope_factor
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_len = config.rope_original_max_position_embeddings
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """HF convention: ``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]``
+    and ``cos``/``sin`` over ``cat(freqs, freqs)``. x [T, heads, Dh]; angles in float32, the
+    product in x's dtype (as HF does)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, Dh]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalize in float32, cast back, then scale by the weight."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _mm(x, w):
+    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, slot_mapping,
+             attend):
+    """Embeds ``tokens``, runs every layer (write K/V, then ``attend``), returns (h, caches)."""
+    c = config
+    T = tokens.shape[0]
+    H, Hkv, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    inv_freq = rope_inv_freq(c)
+    h = params["embed"][tokens]  # [T, D]
+
+    def layer_body(carry, xs):
+        h, kc, vc = carry
+        lp, layer = xs
+        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+        q = _mm(x, lp["wq"]).reshape(T, H, Dh)
+        k = _mm(x, lp["wk"]).reshape(T, Hkv, Dh)
+        v = _mm(x, lp["wv"]).reshape(T, Hkv, Dh)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer)
+        o = attend(q, kc, vc, layer)
+        h = h + _mm(o.reshape(T, H * Dh), lp["wo"])
+        x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+        gate = _mm(x, lp["w_gate"])
+        h = h + _mm(jax.nn.silu(gate) * _mm(x, lp["w_up"]), lp["w_down"])
+        return (h, kc, vc), None
+
+    layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
+    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, k_cache, v_cache),
+                                            (params["layers"], layers))
+    return h, k_cache, v_cache
+
+
+def _logits(params, config: LlamaConfig, h):
+    x = rms_norm(h, params["norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        out = jnp.matmul(x, params["embed"].T, precision=jax.lax.Precision.HIGHEST)
+    else:
+        out = _mm(x, params["lm_head"])
+    return out.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))
+def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens,
+                 query_start, logits_index, *, config: LlamaConfig):
+    """One ragged step (prefill chunks, decode tokens, or a mix) for a batch of sequences.
+
+    Args:
+      tokens, positions, slot_mapping: int32 ``[T]``: the new tokens packed by sequence;
+        sequence ``b`` owns rows ``query_start[b]:query_start[b+1]``, its positions are the last
+        ``query_start[b+1]-query_start[b]`` of ``seq_lens[b]``. Padding rows (at or past
+        ``query_start[B]``) have slot ``-1`` (not written) and any token/position.
+      page_table: int32 ``[B, P]`` (padding -> null page 0); seq_lens: int32 ``[B]`` (0 = padded
+        row), counting the new tokens; query_start: int32 ``[B+1]``.
+      logits_index: int32 ``[N]``: rows of ``tokens`` to produce logits for (usually
+        ``query_start[1:] - 1``, the last new token of each sequence; ``arange(T)`` for all).
+
+    Returns:
+      ``(logits [N, vocab] float32, k_cache, v_cache)``; the caches are donated and updated in place.
+    """
+    def attend(q, kc, vc, layer):
+        return jax_kvcm.ragged_paged_attention(q, kc, vc, page_table, seq_lens, query_start,
+                                               layer=layer, sliding_window=config.sliding_window)
+
+    h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
+                                   slot_mapping, attend)
+    return _logits(params, config, h[logits_index]), k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))
+def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens, *,
+                config: LlamaConfig):
+    """Pure decode: one new token per sequence (``tokens [B]`` at ``positions = seq_lens - 1``),
+    attention by ``paged_attention``. Padded rows: ``seq_lens[b] = 0`` and ``slot_mapping[b] = -1``.
+
+    Returns ``(logits [B, vocab] float32, k_cache, v_cache)`` (caches donated).
+    """
+    def attend(q, kc, vc, layer):
+        return jax_kvcm.paged_attention(q, kc, vc, page_table, seq_lens, layer=layer,
+                                        sliding_window=config.sliding_window)
+
+    h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
+                                   slot_mapping, attend)
+    return _logits(params, config, h), k_cache, v_cache

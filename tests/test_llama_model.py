@@ -1,0 +1,281 @@
+"""The example Llama model and loader against HF transformers (torch CPU), through real checkpoints.
+
+Small random LlamaForCausalLM / MistralForCausalLM models are saved with ``save_pretrained``
+(safetensors) and loaded back through ``examples/llama/loader.py``; then:
+
+- float32 logits within relative L2 1e-4 of transformers at every prompt position (one prefill)
+  and at every decode step (runner with chunked prefill + batched decode);
+- greedy generations identical token for token: single requests, a batch of mixed lengths, and
+  shared-prefix prompts (which must reuse pages);
+- Mistral's sliding window: a window smaller than the sequences, matched exactly, and a window one
+  off on either side must not match (HF masks ``kv_idx > q_idx - W``: the last W positions
+  including the query itself, the ops' convention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.llama import loader as llama_loader  # noqa: E402
+from examples.llama import model as llama  # noqa: E402
+from examples.llama.paged_runner import PagedRunner  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+REL_L2 = 1e-4
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+CONFIGS = {
+    "llama": ("llama", dict(rope_theta=10000.0)),
+    # head_dim 16, theta 5e5: wavelengths 6.3, 33, 170, ... against original_max 64 -> one high,
+    # one medium (smoothed) and six low (divided by factor) frequencies.
+    "llama3": ("llama", dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    # Tied embeddings: the last token's own logit (|e|^2 through the residual) dominates unless the
+    # layers' contributions are larger, so this one gets smaller embeddings and larger layers.
+    "tied": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "mistral": ("mistral", dict(sliding_window=8)),
+}
+
+
+INIT = {"tied": (0.5, 1.5)}  # (embedding std, layer weight scale); default (1.0, 0.6)
+
+
+def _hf_model(kind: str, extra: dict, seed: int, init=(1.0, 0.6)):
+    cfg_cls = transformers.MistralConfig if kind == "mistral" else transformers.LlamaConfig
+    model_cls = (transformers.MistralForCausalLM if kind == "mistral"
+                 else transformers.LlamaForCausalLM)
+    cfg = cfg_cls(**{**BASE, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    # Larger-than-default random weights: the default init (std 0.02) gives near-uniform logits
+    # and generations that repeat one token, which would make the token-for-token checks weak.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                std = init[0] if "embed" in name else init[1] / p.shape[1] ** 0.5
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model.to(torch.float32)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def case(request, tmp_path_factory):
+    name = request.param
+    kind, extra = CONFIGS[name]
+    hf = _hf_model(kind, extra, seed=len(name), init=INIT.get(name, (1.0, 0.6)))
+    path = tmp_path_factory.mktemp(f"hf_{name}")
+    hf.save_pretrained(path, safe_serialization=True)
+    config, params, tokenizer = llama_loader.load_checkpoint(path, dtype="float32",
+                                                             progress=False)
+    assert tokenizer is None
+    return dict(name=name, hf=hf, config=config, params=params, path=path)
+
+
+def _rel_l2(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _hf_logits(hf, ids) -> np.ndarray:
+    with torch.no_grad():
+        out = hf(torch.tensor([list(ids)]), use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+def _hf_generate(hf, prompt, n) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt),
+                          dtype=torch.long), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompt(rng, n, vocab=128) -> list[int]:
+    return [1] + rng.integers(3, vocab, n - 1).tolist()
+
+
+def _prefill_logits(config, params, prompt, page_size=8, num_pages=32):
+    """One ragged step over the whole prompt; logits at every position."""
+    T = len(prompt)
+    kc, vc = llama.make_caches(config, num_pages, page_size)
+    pages = np.arange(1, num_pages, dtype=np.int32)[: -(-T // page_size)][::-1].copy()  # reversed
+    page_table = np.zeros((1, num_pages - 1), np.int32)
+    page_table[0, :len(pages)] = pages
+    pos = np.arange(T, dtype=np.int32)
+    slots = (pages[pos // page_size] * page_size + pos % page_size).astype(np.int32)
+    logits, kc, vc = llama.forward_step(
+        params, kc, vc, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos), jnp.asarray(slots),
+        jnp.asarray(page_table), jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32),
+        jnp.arange(T, dtype=jnp.int32), config=config)
+    return np.asarray(logits)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_prefill_logits_every_position(case):
+    prompt = _prompt(np.random.default_rng(0), 29)
+    got = _prefill_logits(case["config"], case["params"], prompt)
+    want = _hf_logits(case["hf"], prompt)
+    errs = [_rel_l2(got[i], want[i]) for i in range(len(prompt))]
+    print(f"{case['name']}: prefill rel L2 max over positions {max(errs):.2e}, "
+          f"all {_rel_l2(got, want):.2e}")
+    assert max(errs) <= REL_L2, (case["name"], errs)
+
+
+def test_single_request_tokens_and_decode_logits(case):
+    hf, config = case["hf"], case["config"]
+    prompt = _prompt(np.random.default_rng(1), 13)
+    runner = PagedRunner(case["params"], config, num_pages=32, page_size=8, max_batch=4,
+                         max_seq_len=128, chunk_size=8)   # two prefill chunks
+    (got,), (logits,) = runner.generate([prompt], 24, record_logits=True)
+    want = _hf_generate(hf, prompt, 24)
+    assert got == want, f"{case['name']}: {got} != {want}"
+    assert len(set(got)) > 3, f"degenerate generation {got}"  # the check must have teeth
+    ref = _hf_logits(hf, prompt + got[:-1])[len(prompt) - 1:]
+    errs = [_rel_l2(logits[j], ref[j]) for j in range(len(got))]
+    print(f"{case['name']}: decode rel L2 max over {len(got)} steps {max(errs):.2e}")
+    assert max(errs) <= REL_L2, errs
+    assert runner.stats.prefill_steps == 2 and runner.stats.decode_steps == len(got) - 1
+
+
+@pytest.mark.parametrize("paged_decode", [True, False], ids=["paged_decode", "ragged_decode"])
+def test_batch_of_mixed_lengths(case, paged_decode):
+    if case["name"] in ("tied", "llama3") and not paged_decode:
+        pytest.skip("ragged-decode variant covered on llama/mistral")
+    hf, config = case["hf"], case["config"]
+    rng = np.random.default_rng(2)
+    prompts = [_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]
+    runner = PagedRunner(case["params"], config, num_pages=48, page_size=8, max_batch=4,
+                         max_seq_len=128, chunk_size=16, paged_decode=paged_decode)
+    got = runner.generate(prompts, 16)
+    for i, p in enumerate(prompts):
+        want = _hf_generate(hf, p, 16)
+        assert got[i] == want, f"{case['name']} prompt {i} (len {len(p)}): {got[i]} != {want}"
+    # Mixed steps happened (decodes riding along prefill chunks), and pages all came back.
+    assert runner.stats.prefill_steps > 2
+    assert runner.available_pages() == 47
+
+
+def test_shared_prefix(case):
+    if case["name"] == "tied":
+        pytest.skip("covered by the other configs")
+    hf, config = case["hf"], case["config"]
+    rng = np.random.default_rng(3)
+    system = _prompt(rng, 21)   # two full pages of 8 plus 5 tokens
+    prompts = [system + rng.integers(3, 128, n).tolist() for n in (4, 11, 1)]
+    runner = PagedRunner(case["params"], config, num_pages=48, page_size=8, max_batch=4,
+                         max_seq_len=128, chunk_size=16)
+    first = runner.generate([system], 10)
+    assert runner.stats.prefix_hit_tokens == 0
+    later = runner.generate(prompts, 10)
+    assert runner.stats.prefix_hit_tokens == 3 * 16, runner.stats
+    again = runner.generate(prompts[:1], 10)   # whole-prompt pages cached now: 3 pages hit
+    assert runner.stats.prefix_hit_tokens == 3 * 16 + 24, runner.stats
+    assert first[0] == _hf_generate(hf, system, 10)
+    for p, g in zip(prompts, later):
+        assert g == _hf_generate(hf, p, 10)
+    assert again[0] == later[0]
+
+
+def test_sliding_window_matches_hf_and_is_exercised():
+    """HF (eager, masking_utils.sliding_window_overlay) keeps kv_idx > q_idx - W: the last W
+    positions including the query, the ops' convention. W = 8 over 40 tokens must match; a model
+    run with W - 1 or W + 1 must not (so the window really bites)."""
+    kind, extra = CONFIGS["mistral"]
+    hf = _hf_model(kind, extra, seed=11)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d, safe_serialization=True)
+        config, params, _ = llama_loader.load_checkpoint(d, progress=False)
+    assert config.sliding_window == 8 and config.model_type == "mistral"
+    prompt = _prompt(np.random.default_rng(4), 40)
+    want = _hf_logits(hf, prompt)
+    assert _rel_l2(_prefill_logits(config, params, prompt), want) <= REL_L2
+    for w in (7, 9, None):
+        other = dataclasses.replace(config, sliding_window=w)
+        err = _rel_l2(_prefill_logits(other, params, prompt)[9:], want[9:])
+        assert err > 1e-2, f"window {w} indistinguishable from 8 (rel L2 {err:.2e})"
+
+
+def test_bfloat16_close_to_float32(case):
+    if case["name"] != "llama":
+        pytest.skip("one config is enough")
+    config16, params16, _ = llama_loader.load_checkpoint(case["path"], dtype="bfloat16",
+                                                         progress=False)
+    assert params16["layers"]["wq"].dtype == jnp.bfloat16
+    prompt = _prompt(np.random.default_rng(5), 20)
+    got = _prefill_logits(config16, params16, prompt)
+    want = _hf_logits(case["hf"], prompt)
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    assert _rel_l2(got, want) < 5e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Loader: our own checkpoints (sharded), errors.
+
+
+def test_random_checkpoint_roundtrip_sharded(tmp_path):
+    config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8, eos_token_ids=(2,), bos_token_id=1)
+    a = llama_loader.write_random_checkpoint(tmp_path / "a", config, seed=7, shards=2)
+    b = llama_loader.write_random_checkpoint(tmp_path / "b", config, seed=7, dtype="bfloat16")
+    assert (a / "model.safetensors.index.json").is_file()
+    index = json.loads((a / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+    cfg_a, pa, _ = llama_loader.load_checkpoint(a, progress=False)
+    cfg_b, pb, _ = llama_loader.load_checkpoint(b, progress=False)
+    assert cfg_a == config and cfg_b == dataclasses.replace(config, dtype="bfloat16")
+    assert pb["embed"].dtype == jnp.bfloat16
+    # Same seed: the bf16 checkpoint is the f32 one rounded.
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.bfloat16)), np.asarray(y))
+    # And HF reads our checkpoint identically.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(a, attn_implementation="eager")
+    prompt = _prompt(np.random.default_rng(6), 12, vocab=96)
+    assert _rel_l2(_prefill_logits(cfg_a, pa, prompt), _hf_logits(hf, prompt)) <= REL_L2
+
+
+def test_loader_errors(tmp_path):
+    config = llama.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=8)
+    with pytest.raises(llama_loader.CheckpointError, match="config.json"):
+        llama_loader.load_checkpoint(tmp_path, progress=False)
+    d = llama_loader.write_random_checkpoint(tmp_path / "c", config, seed=0)
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(llama_loader.CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj"):
+        llama_loader.load_checkpoint(d, progress=False)
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((32, 15), np.float32)
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(llama_loader.CheckpointError, match=r"up_proj.*\(32, 15\).*\(32, 16\)"):
+        llama_loader.load_checkpoint(d, progress=False)
+    bad = json.loads((d / "config.json").read_text())
+    bad["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+    (d / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="yarn"):
+        llama_loader.load_checkpoint(d, progress=False)
