@@ -1,0 +1,60 @@
+"""StepBatch: the fixed-shape int32 index buffers of one step, as a registered-dataclass pytree.
+
+Shapes (``B`` the batch bucket, ``T`` the token bucket, ``P = ceil(max_seq_len /
+tokens_per_page)``, ``G`` the number of layer groups when > 1):
+
+- ``page_table``   ``[B, P]`` (``[G, B, P]``): padding -> 0 (the null page);
+- ``seq_lens``     ``[B]``: tokens of each sequence after this step (padded rows 0);
+- ``query_start``  ``[B + 1]``: row ``b``'s new tokens are ``query_start[b]:query_start[b+1]``
+  (padded rows repeat the total);
+- ``slot_mapping`` ``[T]`` (``[G, T]``): flat slot ``page * tokens_per_page + offset``, padding -1;
+- ``positions``    ``[T]``: position of each new token in its sequence (padding 0).
+
+NOTE: every field is a data field (no static metadata), so the pytree structure never changes and
+a jitted step compiles once per (B, T) bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+__all__ = ["StepBatch", "default_buckets", "pick_bucket"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    page_table: np.ndarray
+    seq_lens: np.ndarray
+    query_start: np.ndarray
+    slot_mapping: np.ndarray
+    positions: np.ndarray
+
+    @property
+    def num_seqs(self) -> int:
+        """Real (unpadded) rows: the rows with ``seq_lens > 0`` come first."""
+        return int(np.count_nonzero(np.asarray(self.seq_lens)))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.asarray(self.query_start)[-1])
+
+
+def default_buckets(maximum: int, minimum: int = 1) -> tuple[int, ...]:
+    """Powers of two from ``minimum`` up to and including ``maximum`` (the last entry)."""
+    out = []
+    b = max(1, minimum)
+    while b < maximum:
+        out.append(b)
+        b *= 2
+    out.append(maximum)
+    return tuple(out)
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
+    """The smallest bucket >= ``n`` (``buckets`` ascending; the caller bounds ``n``)."""
+    return buckets[bisect.bisect_left(buckets, n)]
