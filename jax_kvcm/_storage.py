@@ -384,8 +384,7 @@ class StorageManager:
         src_alloc = self.allocator(src_level, lg)
         if src.size == 0:
             return np.zeros(0, np.int32)
-        if not all(src_alloc.is_allocated(int(s)) for s in np.unique(src)) or (
-                np.unique(src).size != src.size):
+        if np.unique(src).size != src.size or not _all_allocated(src_alloc, src):
             raise ValueError(f"src_slots {src.tolist()} are not distinct allocated "
                              f"{src_level.name} slots of layer group {lg}")
         nbytes = src.size * self.page_bytes(dst_level, lg)
@@ -642,8 +641,10 @@ class StorageManager:
     def _wait_fences(self, cold_group: int, slots: np.ndarray) -> None:
         """Host-side access to host slots waits for the device work that last touched them."""
         fences = self._host_fences[cold_group]
-        for f in fences[slots]:
-            if f is not None:
+        seen: set[int] = set()
+        for f in fences[slots]:  # NOTE: one migration's pages share one fence object
+            if f is not None and id(f) not in seen:
+                seen.add(id(f))
                 f.wait()
         fences[slots] = None
 
@@ -674,6 +675,15 @@ class StorageManager:
             pool.close()
         for pool in self.host_pools:
             pool.close()
+
+
+def _all_allocated(allocator: Any, slots: np.ndarray) -> bool:
+    """Vectorized when the allocator offers it (SlotAllocator), else slot by slot."""
+    inner = getattr(allocator, "_allocator", allocator)
+    if hasattr(inner, "all_allocated"):
+        in_range = bool(((slots >= 0) & (slots < inner.num_slots)).all())
+        return in_range and bool(inner.all_allocated(slots))
+    return all(allocator.is_allocated(int(s)) for s in slots)
 
 
 def _token(k: jax.Array, v: jax.Array) -> jax.Array:
