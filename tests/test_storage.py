@@ -332,3 +332,17 @@ def test_large_batches_are_split(tmp_path):
         np.testing.assert_array_equal(hot_pages(m, 0, back), want)
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("bad", [[-1], [10_000], [1, 1], "unallocated"])
+def test_bad_source_slots_are_refused_by_name(tmp_path, bad):
+    m = make_manager(tmp_path)
+    try:
+        slots = m.allocate(D, 0, 2)
+        before = snapshot(m)
+        src = np.asarray([int(slots[0]) + 5] if bad == "unallocated" else bad, np.int32)
+        with pytest.raises(ValueError, match="src_slots"):
+            m.migrate(0, D, src, H)
+        assert snapshot(m) == before
+    finally:
+        m.close()
