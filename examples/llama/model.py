@@ -34,7 +34,7 @@ import numpy as np
 
 import jax_kvcm
 
-__all__ = ["LlamaConfig", "init_params", "make_caches", "forward_step", "decode_step",
+__all__ = ["LlamaConfig", "init_params", "make_caches", "forward_step", "decode_step", "bind",
            "rope_inv_freq", "param_shapes"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -233,13 +233,17 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """HF convention: ``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]``
-    and ``cos``/``sin`` over ``cat(freqs, freqs)``. x [T, heads, Dh]; angles in float32, the
-    product in x's dtype (as HF does)."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` ``[T, 1, Dh]`` float32 over ``cat(freqs, freqs)`` (HF's layout)."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, Dh/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, Dh]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF convention: ``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]``.
+    x [T, heads, Dh]; cos/sin from :func:`rope_tables`, cast to x's dtype (as HF does)."""
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -262,7 +266,7 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, s
     c = config
     T = tokens.shape[0]
     H, Hkv, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    inv_freq = rope_inv_freq(c)
+    cos, sin = rope_tables(positions, rope_inv_freq(c))  # once per step, shared by all layers
     h = params["embed"][tokens]  # [T, D]
 
     def layer_body(carry, xs):
@@ -272,8 +276,8 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, s
         q = _mm(x, lp["wq"]).reshape(T, H, Dh)
         k = _mm(x, lp["wk"]).reshape(T, Hkv, Dh)
         v = _mm(x, lp["wv"]).reshape(T, Hkv, Dh)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer)
         o = attend(q, kc, vc, layer)
         h = h + _mm(o.reshape(T, H * Dh), lp["wo"])
@@ -339,3 +343,9 @@ def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_
     h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
                                    slot_mapping, attend)
     return _logits(params, config, h), k_cache, v_cache
+
+
+def bind(config: LlamaConfig):
+    """``(forward_step, decode_step)`` with ``config`` bound (still jitted, caches donated)."""
+    return (functools.partial(forward_step, config=config),
+            functools.partial(decode_step, config=config))
