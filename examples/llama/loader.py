@@ -19,9 +19,9 @@ import ml_dtypes
 import numpy as np
 
 try:  # relative when imported as examples.llama.loader; flat when run from examples/llama
-    from .model import LlamaConfig, param_shapes
+    from .model import LlamaConfig, init_scales, param_shapes
 except ImportError:  # pragma: no cover
-    from model import LlamaConfig, param_shapes  # type: ignore[no-redef]
+    from model import LlamaConfig, init_scales, param_shapes  # type: ignore[no-redef]
 
 __all__ = ["load_checkpoint", "load_config", "load_tokenizer", "write_random_checkpoint",
            "hf_to_params", "CheckpointError"]
@@ -169,12 +169,12 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None,
 
 
 def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0,
-                            dtype: str | None = None, *, shards: int = 1,
-                            std: float = 0.02) -> Path:
+                            dtype: str | None = None, *, shards: int = 1) -> Path:
     """Writes a deterministic random-weight HF-format checkpoint (config.json + safetensors).
 
     ``shards=2`` splits the tensors over ``model-0000{1,2}-of-00002.safetensors`` with a
     ``model.safetensors.index.json`` (the sharded path). Same (config, seed, dtype) -> same bytes.
+    Weight scales from :func:`model.init_scales` (varied greedy generations, unlike HF's 0.02).
     """
     from safetensors.numpy import save_file
 
@@ -188,13 +188,17 @@ def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0
     D, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
 
-    def dense(*shape):
+    embed_std, gain = init_scales(config)
+
+    def dense(*shape):  # HF layout [out, in]: fan-in is the last axis
+        std = gain / np.sqrt(shape[-1])
         return (std * rng.standard_normal(shape, dtype=np.float32)).astype(np_dtype)
 
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np_dtype)
 
-    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": dense(V, D)}
+    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": (
+        embed_std * rng.standard_normal((V, D), dtype=np.float32)).astype(np_dtype)}
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = norm(D)
@@ -208,7 +212,7 @@ def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0
         tensors[p + "mlp.down_proj.weight"] = dense(D, I)
     tensors["model.norm.weight"] = norm(D)
     if not c.tie_word_embeddings:
-        tensors["lm_head.weight"] = dense(V, D)
+        tensors["lm_head.weight"] = dense(V, D)  # fan-in D
 
     hf = c.to_hf_dict()
     hf["torch_dtype"] = dtype

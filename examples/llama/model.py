@@ -34,7 +34,7 @@ import numpy as np
 
 import jax_kvcm
 
-__all__ = ["LlamaConfig", "init_params", "make_caches", "forward_step", "decode_step", "bind",
+__all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "forward_step", "decode_step", "bind",
            "rope_inv_freq", "param_shapes"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -185,18 +185,43 @@ def param_shapes(config: LlamaConfig) -> dict[str, Any]:
     return shapes
 
 
-def init_params(config: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, Any]:
-    """Deterministic random params (numpy RNG, so identical on every backend)."""
-    rng = np.random.default_rng(seed)
+def init_scales(config: LlamaConfig) -> tuple[float, float]:
+    """``(embedding std, gain)`` for random weights; a linear layer with fan-in ``n`` gets std
+    ``gain / sqrt(n)``. HF's default (std 0.02 everywhere) gives near-uniform logits and
+    generations that repeat one token; these give varied greedy generations. Tied embeddings
+    need smaller embeddings and larger layers (else each token's own logit dominates)."""
+    return (0.5, 1.5) if config.tie_word_embeddings else (1.0, 0.6)
+
+
+def init_params(config: LlamaConfig, seed: int = 0, *, on_device: bool = False) -> dict[str, Any]:
+    """Deterministic random params (norm weights ``1 + 0.1 N(0,1)``, scales from
+    :func:`init_scales`).
+
+    Default: numpy RNG on the host (same values on every backend). ``on_device=True`` draws with
+    ``jax.random`` directly in the model dtype on the default device (fast for large models such
+    as an 8B-shaped benchmark; different values from the host path).
+    """
     dtype = config.jnp_dtype
+    embed_std, gain = init_scales(config)
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(seed)
+
+    def std_of(name, shape):
+        if name.endswith("norm"):
+            return None
+        return embed_std if name == "embed" else gain / math.sqrt(shape[-2])
 
     def make(path, shape):
+        nonlocal key
         name = path[-1].key
-        if name.endswith("norm"):
-            w = 1.0 + 0.1 * rng.standard_normal(shape)
-        else:
-            w = std * rng.standard_normal(shape)
-        return jnp.asarray(w.astype(np.float32), dtype)
+        std = std_of(name, shape)
+        if on_device:
+            key, sub = jax.random.split(key)
+            noise = jax.random.normal(sub, shape, dtype)
+            return (1 + 0.1 * noise) if std is None else (std * noise).astype(dtype)
+        w = rng.standard_normal(shape, dtype=np.float32)
+        w = 1.0 + 0.1 * w if std is None else std * w
+        return jnp.asarray(w, dtype)
 
     return jax.tree_util.tree_map_with_path(
         make, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
