@@ -1,0 +1,165 @@
+"""Randomized state machine over add / step / suspend / resume / close (hypothesis; the failing
+example and its seed are printed by hypothesis). After every rule: the manager's invariants (page
+accounting per tier, refcounts == holders, no page in two places, governor ledger == recomputation)
+and every cached K/V value of every active sequence, read back through its page table.
+
+Tiny tiers so every path runs: device 12 pages, host ~4, disk ~6 (some machines without one tier).
+``KVCM_STATEFUL_EXAMPLES`` raises the number of examples (default 200, up to 50 steps each).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from jax_kvcm._manager import OutOfPagesError, SequenceState, SuspendResult
+from test_manager import Harness, make, tiny_config
+
+EXAMPLES = int(os.environ.get("KVCM_STATEFUL_EXAMPLES", "200"))
+COUNTS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, "recompute": 0,
+          "resumed": 0, "reused": 0}
+PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp()
+        self.h: Harness | None = None
+
+    @initialize(tiers=st.sampled_from(["none", "host", "disk", "host+disk"]),
+                groups=st.sampled_from([1, 1, 2]), hash_kind=st.sampled_from(["sha", "const"]))
+    def setup(self, tiers, groups, hash_kind):
+        cfg = tiny_config(device_pages=12, host_pages=4 if "host" in tiers else 0,
+                          disk_dir=self.dir if "disk" in tiers else None,
+                          disk_pages=6 if "disk" in tiers else 0, groups=groups, max_batch=4,
+                          max_tokens=32, max_seq_len=48)
+        kw = {"_hash_fn": (lambda b: b"k")} if hash_kind == "const" else {}
+        self.h = make(cfg, **kw)
+        COUNTS["examples"] += 1
+
+    def seqs(self, state):
+        return [s for s in self.h.mgr._seqs.values() if s.state is state]
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), min_size=1,
+                                                             max_size=10),
+          salt=st.sampled_from([None, None, "a"]))
+    def add(self, prefix, suffix, salt):
+        if len(self.h.mgr._seqs) >= 8:
+            return
+        s = self.h.add(prefix + suffix, salt=salt)
+        toks = self.h.tokens[s.seq_id]
+        COUNTS["reused"] += s.num_reused_tokens > 0
+        assert s.num_reused_tokens % 4 == 0 and s.num_reused_tokens < len(toks)
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def step(self, data):
+        active = self.seqs(SequenceState.ACTIVE)
+        if not active:
+            if len(self.h.mgr._seqs) >= 8:
+                return
+            self.add(data.draw(st.sampled_from(PREFIXES)),
+                     data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=10)), None)
+            active = self.seqs(SequenceState.ACTIVE)
+        chosen = data.draw(st.lists(st.sampled_from(active), min_size=1, max_size=4,
+                                    unique_by=lambda s: s.seq_id))
+        work, ids, total = [], [], 0
+        for s in chosen:
+            left = len(self.h.tokens[s.seq_id]) - s.num_tokens
+            n = data.draw(st.integers(1, max(1, min(left, 12)))) if left > 0 else 1
+            if total + n > 32 or s.num_tokens + n > 48:
+                continue
+            work.append((s, n))
+            ids.append(data.draw(st.booleans()))
+            total += n
+        if not work:
+            return
+        before = {s.seq_id: (s.num_tokens, s.page_ids()) for s, _ in work}
+        try:
+            self.h.run(work, as_ids=ids)
+            COUNTS["steps"] += 1
+        except OutOfPagesError:
+            COUNTS["oop"] += 1
+            for s, _ in work:  # refused: nothing scheduled
+                n, pages = before[s.seq_id]
+                assert s.num_tokens == n and np.array_equal(s.page_ids(), pages)
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def step_again(self, data):  # steps twice as likely as other rules
+        self.step(data)
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def suspend(self, data):
+        active = self.seqs(SequenceState.ACTIVE)
+        if not active:
+            return
+        s = data.draw(st.sampled_from(active))
+        n, pages = s.num_tokens, s.page_ids()
+        ledger = self.h.mgr.storage.governor.ledger()
+        res = self.h.mgr.suspend(s)
+        COUNTS["suspended" if res is SuspendResult.SUSPENDED else "recompute"] += 1
+        if res is SuspendResult.MUST_RECOMPUTE:
+            assert s.state is SequenceState.ACTIVE and s.num_tokens == n
+            assert np.array_equal(s.page_ids(), pages)
+            # Cached pages may have moved down to make room; the sequence's own did not.
+            if not self.h.mgr.storage.has_level(1) and not self.h.mgr.storage.has_level(2):
+                assert self.h.mgr.storage.governor.ledger() == ledger
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def resume(self, data):
+        sus = self.seqs(SequenceState.SUSPENDED)
+        if not sus:
+            return
+        s = data.draw(st.sampled_from(sus))
+        if self.h.mgr.resume(s):
+            COUNTS["resumed"] += 1
+        else:
+            assert s.state is SequenceState.SUSPENDED
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def close(self, data):
+        seqs = list(self.h.mgr._seqs.values())
+        if not seqs:
+            return
+        self.h.mgr.close(data.draw(st.sampled_from(seqs)))
+
+    @invariant()
+    def consistent(self):
+        COUNTS["rules"] += 1
+        if self.h is not None:
+            self.h.check()
+
+    def teardown(self):
+        if self.h is not None:
+            self.h.mgr.storage.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+ManagerMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=50, deadline=None, print_blob=True,
+    suppress_health_check=list(HealthCheck))
+TestManagerMachine = ManagerMachine.TestCase
+
+
+def test_machine_covered_every_path():
+    """Runs after the machine (same module, file order): every rule did real work."""
+    print(COUNTS)
+    if COUNTS["examples"] == 0:
+        import pytest
+        pytest.skip("the machine did not run in this session")
+    for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused"):
+        assert COUNTS[key] > 0, COUNTS
+    assert COUNTS["rules"] >= 20 * COUNTS["examples"], COUNTS
+    assert COUNTS["steps"] >= 5 * COUNTS["examples"], COUNTS
