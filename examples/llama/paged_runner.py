@@ -193,6 +193,7 @@ class PagedRunner:
             if seq.num_computed == len(seq.tokens) - 1 and seq.num_computed >= seq.prompt_len:
                 work.append((seq, 1))
                 budget -= 1
+        budget = max(budget, 1)             # prompts always progress, however many decode
         for seq in running:
             if seq.num_computed < seq.prompt_len and budget > 0:
                 if not seq.started:
@@ -200,11 +201,6 @@ class PagedRunner:
                 n = min(len(seq.tokens) - seq.num_computed, budget)
                 work.append((seq, n))
                 budget -= n
-        if not work:  # the budget went to decodes; let one prompt chunk through anyway
-            seq = next(s for s in running if s.num_computed < s.prompt_len)
-            if not seq.started:
-                self._start(seq)
-            work.append((seq, min(len(seq.tokens) - seq.num_computed, self.chunk_size)))
         for seq, n in work:
             self._ensure_pages(seq, seq.num_computed + n)
 
