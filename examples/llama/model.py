@@ -16,7 +16,17 @@ KV caches are ``[L, num_pages, page_size, Hkv, Dh]`` in the params' dtype; page 
 Every step (prefill chunks, mixed prefill+decode batches, pure decode) goes through
 :func:`forward_step`: ``write_kv`` of the new tokens' K/V, then ``ragged_paged_attention``.
 :func:`decode_step` is the one-token-per-sequence form that uses ``paged_attention``.
-Both are jitted with the caches donated (written in place).
+Both are jitted with the caches donated (written in place); ``config`` is a static argument
+(:func:`bind` fixes it). Shapes (tokens T, batch B, page-table width P) are part of the compiled
+program: callers bucket them.
+
+HF conventions followed (checked against transformers in tests/test_llama_model.py): RoPE with
+``rotate_half`` over ``cat(freqs, freqs)`` (the HF checkpoint layout, q/k already permuted),
+"llama3" / "linear" inverse-frequency scaling, RMSNorm in float32 then cast back before the weight,
+SwiGLU ``down(silu(gate(x)) * up(x))``, GQA head ``h`` -> kv head ``h // (H // Hkv)``, scale
+``Dh ** -0.5``, and Mistral's sliding window W = the last W positions including the query
+(transformers: ``kv_idx > q_idx - W``), the ops' own convention. Matmuls use
+``Precision.HIGHEST`` (float32 stays float32 on GPUs: no TF32).
 """
 
 from __future__ import annotations
@@ -34,8 +44,8 @@ import numpy as np
 
 import jax_kvcm
 
-__all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "forward_step", "decode_step", "bind",
-           "rope_inv_freq", "param_shapes"]
+__all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "forward_step",
+           "decode_step", "bind", "rope_inv_freq", "param_shapes"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -342,7 +352,8 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
         ``query_start[1:] - 1``, the last new token of each sequence; ``arange(T)`` for all).
 
     Returns:
-      ``(logits [N, vocab] float32, k_cache, v_cache)``; the caches are donated and updated in place.
+      ``(logits [N, vocab] float32, k_cache, v_cache)``; the caches are donated (updated in
+      place).
     """
     def attend(q, kc, vc, layer):
         return jax_kvcm.ragged_paged_attention(q, kc, vc, page_table, seq_lens, query_start,
