@@ -60,6 +60,12 @@ __all__ = [
 ]
 
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
+_LITTLE = np.little_endian
+
+
+def _le_bytes(tokens: np.ndarray) -> bytes:
+    """int32 token ids as little-endian bytes (the block-key encoding)."""
+    return tokens.tobytes() if _LITTLE else tokens.astype("<i4").tobytes()
 
 
 class OutOfPagesError(RuntimeError):
@@ -219,7 +225,7 @@ class Sequence:
     from the prefix cache at :meth:`KVCacheManager.add_sequence` (prefill can skip them)."""
 
     __slots__ = ("_mgr", "_row", "_nodes", "state", "num_reused_tokens", "seq_id", "_salt",
-                 "_commit_ok", "_parked", "__weakref__")
+                 "_parked", "__weakref__")
 
     def __init__(self, mgr: KVCacheManager, row: int, seq_id: int, salt: bytes) -> None:
         self._mgr = mgr
@@ -229,7 +235,6 @@ class Sequence:
         self.num_reused_tokens = 0
         self.seq_id = seq_id
         self._salt = salt
-        self._commit_ok = mgr.config.enable_prefix_reuse
         self._parked: tuple[CacheLevel, np.ndarray] | None = None  # suspended private pages
 
     @property
@@ -301,6 +306,8 @@ class KVCacheManager:
         self._len = np.zeros(0, np.int64)
         self._npages = np.zeros(0, np.int64)
         self._known = np.zeros(0, np.int64)
+        self._ncommit = np.zeros(0, np.int64)    # == len(seq._nodes)
+        self._commit_ok = np.zeros(0, np.int64)  # 1 while the sequence may commit pages
         self._free_rows: list[int] = []
         self._grow_rows(16)
         self._seqs: dict[int, Sequence] = {}
@@ -325,7 +332,7 @@ class KVCacheManager:
         tokens = np.zeros((new, self._tokens.shape[1]), np.int32)
         tokens[:old] = self._tokens
         self._table, self._tokens = table, tokens
-        for name in ("_len", "_npages", "_known"):
+        for name in ("_len", "_npages", "_known", "_ncommit", "_commit_ok"):
             arr = np.zeros(new, np.int64)
             arr[:old] = getattr(self, name)
             setattr(self, name, arr)
@@ -553,6 +560,8 @@ class KVCacheManager:
             self._len[row] = k * self._tpp
             self._npages[row] = k
             self._known[row] = toks.size
+            self._ncommit[row] = k
+            self._commit_ok[row] = int(self.config.enable_prefix_reuse)
             seq.num_reused_tokens = k * self._tpp
             self._stats.num_prefix_hit_tokens += k * self._tpp
             self._seqs[seq.seq_id] = seq
@@ -603,9 +612,11 @@ class KVCacheManager:
             for n in reversed(seq._nodes):
                 self.tree.decref(n)
             seq._nodes = []
+            self._ncommit[row] = 0
             seq._parked = None
             seq.state = SequenceState.CLOSED
             self._len[row] = self._npages[row] = self._known[row] = 0
+            self._ncommit[row] = self._commit_ok[row] = 0
             self._table[:, row] = 0
             self._free_rows.append(row)
             del self._seqs[seq.seq_id]
@@ -624,21 +635,28 @@ class KVCacheManager:
             if B == 0 or B > cfg.max_batch:
                 raise ValueError(f"work must hold 1..{cfg.max_batch} sequences, got {B}")
             seqs: list[Sequence] = []
-            counts = np.empty(B, np.int64)
-            ids: list[tuple[int, np.ndarray]] = []
+            row_list: list[int] = []
+            count_list: list[int] = []
+            id_index: list[int] = []
+            id_arrays: list[np.ndarray] = []
+            active = SequenceState.ACTIVE
             for i, (seq, x) in enumerate(work):
-                if seq._mgr is not self or seq.state is not SequenceState.ACTIVE:
+                if seq.state is not active or seq._mgr is not self:
                     self._check_seq(seq, SequenceState.ACTIVE)
                 seqs.append(seq)
-                if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-                    counts[i] = x
-                else:
-                    arr = np.asarray(x)
-                    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                        raise ValueError("work items must be (seq, int) or (seq, 1-D token ids)")
-                    counts[i] = arr.size
-                    ids.append((i, arr))
-            rows = np.fromiter((s._row for s in seqs), np.int64, B)
+                row_list.append(seq._row)
+                if type(x) is int or (isinstance(x, (int, np.integer))
+                                      and not isinstance(x, (bool, np.bool_))):
+                    count_list.append(x)
+                    continue
+                arr = x if type(x) is np.ndarray else np.asarray(x)
+                if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                    raise ValueError("work items must be (seq, int) or (seq, 1-D token ids)")
+                count_list.append(arr.size)
+                id_index.append(i)
+                id_arrays.append(arr)
+            rows = np.array(row_list, np.int64)
+            counts = np.array(count_list, np.int64)
             if np.unique(rows).size != B:
                 raise ValueError("a sequence appears twice in work")
             if counts.min() < 1:
@@ -652,12 +670,18 @@ class KVCacheManager:
             if new_len.max() > cfg.max_seq_len:
                 raise ValueError(f"a sequence would exceed max_seq_len {cfg.max_seq_len}")
             known = self._known[rows]
-            for i, arr in ids:  # NOTE: validate before changing anything
-                r = rows[i]
-                overlap = min(int(known[i]), int(new_len[i])) - int(cur[i])
-                if overlap > 0 and not np.array_equal(
-                        self._tokens[r, cur[i]:cur[i] + overlap], arr[:overlap]):
-                    raise ValueError(f"token ids for {seqs[i]!r} contradict its prompt")
+            if id_arrays:  # NOTE: validated before anything changes
+                idx = np.array(id_index, np.int64)
+                sizes = counts[idx]
+                id_vals = np.concatenate(id_arrays).astype(np.int32)
+                id_rows = np.repeat(rows[idx], sizes)
+                id_pos = (np.arange(id_vals.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+                          + np.repeat(cur[idx], sizes))
+                id_known = np.repeat(known[idx], sizes)
+                overlap = id_pos < id_known
+                if overlap.any() and not np.array_equal(
+                        self._tokens[id_rows[overlap], id_pos[overlap]], id_vals[overlap]):
+                    raise ValueError("token ids contradict the prompt of a sequence in work")
             # Pages.
             npages = self._npages[rows]
             need = -(-new_len // tpp) - npages
@@ -672,12 +696,13 @@ class KVCacheManager:
                 off = np.arange(total) - np.repeat(starts - npages, need)
                 self._table[:, rep, off] = slots
                 self._npages[rows] = npages + need
-            # Tokens.
-            for i, arr in ids:
-                r, c = rows[i], int(cur[i])
-                if known[i] >= c:  # contiguous with the known ids
-                    self._tokens[r, c:c + arr.size] = arr
-                    self._known[r] = max(int(known[i]), c + arr.size)
+            # Tokens (only when contiguous with the ids already known).
+            if id_arrays:
+                ok = id_known >= np.repeat(cur[idx], sizes)
+                self._tokens[id_rows[ok], id_pos[ok]] = id_vals[ok]
+                grow = known[idx] >= cur[idx]
+                r = rows[idx][grow]
+                self._known[r] = np.maximum(known[idx][grow], new_len[idx][grow])
             self._len[rows] = new_len
             # Buffers.
             Bb = pick_bucket(cfg.batch_buckets, B)
@@ -729,30 +754,40 @@ class KVCacheManager:
                 self._commit(seqs, rows)
 
     def _commit(self, seqs: list[Sequence], rows: np.ndarray) -> None:
-        tpp = self._tpp
+        tpp, tree, hash_fn = self._tpp, self.tree, self.tree.hash_fn
         full = np.minimum(self._len[rows], self._known[rows]) // tpp
-        ncommit = np.fromiter((len(s._nodes) for s in seqs), np.int64, len(seqs))
-        for i in np.flatnonzero(full > ncommit):
+        ncommit = self._ncommit[rows]
+        todo = np.flatnonzero((full > ncommit) & (self._commit_ok[rows] > 0))
+        if todo.size == 0:
+            return
+        n0 = 0
+        page_bytes = tpp * 4
+        for i in todo.tolist():
             seq = seqs[i]
-            if not seq._commit_ok or seq.state is not SequenceState.ACTIVE:
+            if seq.state is not SequenceState.ACTIVE:
                 continue
             r = seq._row
-            parent = seq._nodes[-1] if seq._nodes else None
+            nodes = seq._nodes
+            parent = nodes[-1] if nodes else None
             pkey = parent.key if parent is not None else b""
-            n0 = 0
-            for p in range(int(ncommit[i]), int(full[i])):
-                toks = self._tokens[r, p * tpp:(p + 1) * tpp].copy()
-                key = self.tree.key(pkey, toks, seq._salt)
-                node = self.tree.insert(key, parent, toks, D, self._table[:, r, p].copy())
+            first, last = int(ncommit[i]), int(full[i])
+            # NOTE: one bytes object for all new pages; the table column block for all groups.
+            blob = _le_bytes(self._tokens[r, first * tpp:last * tpp])
+            cols = self._table[:, r, first:last].T.copy()
+            for j in range(last - first):
+                toks = blob[j * page_bytes:(j + 1) * page_bytes]
+                key = hash_fn(pkey + toks + seq._salt)
+                node = tree.insert(key, parent, toks, D, cols[j])
                 if node is None:  # duplicate or collision: the page stays private
-                    seq._commit_ok = False
+                    self._commit_ok[r] = 0
                     break
-                seq._nodes.append(node)
+                nodes.append(node)
                 parent, pkey = node, key
                 n0 += 1
-            if n0:
-                self._stats.num_committed_pages += n0
-                self._emit(ManagerEvent("committed", n0, D))
+            self._ncommit[r] = len(nodes)
+        if n0:
+            self._stats.num_committed_pages += n0
+            self._emit(ManagerEvent("committed", n0, D))
 
     # -- suspend / resume --------------------------------------------------------------------
 
@@ -880,6 +915,7 @@ class KVCacheManager:
             for n in s._nodes:
                 holders[id(n)] = holders.get(id(n), 0) + 1
                 assert n.alive, f"{s!r} holds a dropped node"
+            assert self._ncommit[s._row] == len(s._nodes)
             if s.state is SequenceState.ACTIVE:
                 r = s._row
                 k = len(s._nodes)

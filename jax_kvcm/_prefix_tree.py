@@ -2,7 +2,7 @@
 
 A *block key* is ``H(parent_key || token ids as int32 little-endian || salt)`` with ``H`` SHA-256
 by default; the root's key is ``b""``. A committed page is a :class:`BlockNode`: its key, its
-parent, its token ids (checked on every hit, so equal keys never imply a page holding other
+parent, its token ids as bytes (checked on every hit, so equal keys never imply a page holding other
 tokens), where it lives (``level`` and one slot per layer group) and how many sequences hold it.
 
 NOTE: a sequence holding a node holds every ancestor of it (a sequence's committed pages are a
@@ -23,7 +23,7 @@ import numpy as np
 
 from jax_kvcm._types import CacheLevel
 
-__all__ = ["BlockNode", "PrefixTree", "block_key", "salt_bytes"]
+__all__ = ["BlockNode", "PrefixTree", "block_key", "salt_bytes", "token_bytes"]
 
 HashFn = Callable[[bytes], bytes]
 
@@ -45,10 +45,17 @@ def salt_bytes(salt: object) -> bytes:
     raise TypeError(f"salt must be None, bytes, str or int, got {type(salt).__name__}")
 
 
-def block_key(parent_key: bytes, tokens: np.ndarray, salt: bytes,
+def token_bytes(tokens: np.ndarray) -> bytes:
+    """A page's token ids as int32 little-endian bytes (what keys hash and nodes store)."""
+    return np.ascontiguousarray(tokens, "<i4").tobytes()
+
+
+def block_key(parent_key: bytes, tokens: np.ndarray | bytes, salt: bytes,
               hash_fn: HashFn = _sha256) -> bytes:
     """The chained key of one full page."""
-    return hash_fn(parent_key + np.ascontiguousarray(tokens, "<i4").tobytes() + salt)
+    if not isinstance(tokens, bytes):
+        tokens = token_bytes(tokens)
+    return hash_fn(parent_key + tokens + salt)
 
 
 class BlockNode:
@@ -56,7 +63,7 @@ class BlockNode:
 
     __slots__ = ("key", "parent", "tokens", "level", "slots", "refcount", "children", "alive")
 
-    def __init__(self, key: bytes, parent: BlockNode | None, tokens: np.ndarray,
+    def __init__(self, key: bytes, parent: BlockNode | None, tokens: bytes,
                  level: CacheLevel, slots: np.ndarray) -> None:
         self.key = key
         self.parent = parent
@@ -85,7 +92,7 @@ class PrefixTree:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def key(self, parent_key: bytes, tokens: np.ndarray, salt: bytes) -> bytes:
+    def key(self, parent_key: bytes, tokens: np.ndarray | bytes, salt: bytes) -> bytes:
         return block_key(parent_key, tokens, salt, self.hash_fn)
 
     def match(self, tokens: np.ndarray, salt: bytes, page_size: int,
@@ -98,16 +105,16 @@ class PrefixTree:
         parent: BlockNode | None = None
         parent_key = b""
         for p in range(max_pages):
-            page = tokens[p * page_size:(p + 1) * page_size]
+            page = token_bytes(tokens[p * page_size:(p + 1) * page_size])
             key = self.key(parent_key, page, salt)
             node = self.nodes.get(key)
-            if node is None or node.parent is not parent or not np.array_equal(node.tokens, page):
+            if node is None or node.parent is not parent or node.tokens != page:
                 break
             out.append(node)
             parent, parent_key = node, key
         return out
 
-    def insert(self, key: bytes, parent: BlockNode | None, tokens: np.ndarray,
+    def insert(self, key: bytes, parent: BlockNode | None, tokens: bytes,
                level: CacheLevel, slots: np.ndarray) -> BlockNode | None:
         """A new node with refcount 1, or ``None`` when ``key`` is taken (a duplicate or a
         collision: the caller keeps its page private)."""
