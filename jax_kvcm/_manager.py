@@ -296,6 +296,10 @@ class KVCacheManager:
                           disk_bytes=config.disk_bytes), cold_page_codec, device=device)
         self.tree = PrefixTree(_hash_fn)
         self._levels = [lv for lv in CacheLevel if self.storage.has_level(lv)]
+        self._disk_chunk = 1 << 30
+        if self.storage._ring is not None:
+            self._disk_chunk = max(1, self.storage._ring.capacity
+                                   // (3 * max(self.storage.cold_page_bytes)))
         self._observers: list[Callable[[Any], None]] = []
         self.events: deque[Any] = deque(maxlen=4096)
         self.storage.add_observer(self._emit)
@@ -424,7 +428,9 @@ class KVCacheManager:
         src_level = nodes[0].level
         src = np.stack([n.slots for n in nodes], axis=1)  # [G, n]
         out = self._migrate(src_level, src, dst)
-        if out is None:
+        if out is None:  # rolled back: the pages are at src_level, maybe in other slots
+            for i, n in enumerate(nodes):
+                n.slots = src[:, i].copy()
             return False
         for i, n in enumerate(nodes):
             self.tree.move(n, dst, out[:, i].copy())
@@ -434,18 +440,27 @@ class KVCacheManager:
                  dst_level: CacheLevel) -> np.ndarray | None:
         """``[G, n]`` slots from one level to another, all groups or none (best effort rollback
         of earlier groups when a later one is refused)."""
-        done: list[np.ndarray] = []
+        n = src.shape[1]
+        chunk = max(1, n)
+        if K in (src_level, dst_level) and src_level != dst_level:
+            # NOTE: disk hops go through the staging ring; a lease larger than the ring fails,
+            # so split them (the ring is at least 3 pages; use a third of it per chunk).
+            chunk = max(1, self._disk_chunk)
+        done: list[tuple[int, int, np.ndarray]] = []  # (group, start, destination slots)
+        out = np.zeros((self._G, n), np.int32)
         for g in range(self._G):
-            out = self.storage.migrate(g, src_level, src[g], dst_level)
-            if out is None:
-                for gg, back in enumerate(done):
-                    restored = self.storage.migrate(gg, dst_level, back, src_level)
-                    if restored is None:  # pragma: no cover - destinations were checked first
-                        raise RuntimeError("could not roll back a partial multi-group migration")
-                    src[gg] = restored
-                return None
-            done.append(out)
-        return np.stack(done) if done else np.zeros((0, src.shape[1]), np.int32)
+            for start in range(0, n, chunk):
+                part = self.storage.migrate(g, src_level, src[g, start:start + chunk], dst_level)
+                if part is None:
+                    for gg, st, back in reversed(done):
+                        restored = self.storage.migrate(gg, dst_level, back, src_level)
+                        if restored is None:  # pragma: no cover - destinations were checked
+                            raise RuntimeError("could not roll back a partial migration")
+                        src[gg, st:st + back.size] = restored
+                    return None
+                out[g, start:start + part.size] = part
+                done.append((g, start, part))
+        return out
 
     def _drop(self, node: BlockNode) -> None:
         """Drops a cached node and its subtree from the tree and frees their pages."""
@@ -809,7 +824,9 @@ class KVCacheManager:
                 if not self._make_room_cold(lv, n):
                     continue
                 moved = self._migrate(D, private, lv)
-                if moved is None:
+                if moved is None:  # rolled back (maybe into other device slots)
+                    r = seq._row
+                    self._table[:, r, len(seq._nodes):self._npages[r]] = private
                     continue
                 if not self._migrate_nodes(own, lv):  # pragma: no cover - room was made
                     back = self._migrate(lv, moved, D)

@@ -427,6 +427,21 @@ def test_suspend_without_room_must_recompute(diskdir):
     h2.check()
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_disk_hops_are_split_to_fit_the_staging_ring(diskdir, chunk):
+    h = make(tiny_config(device_pages=10, disk_dir=diskdir, disk_pages=10))
+    h.mgr._disk_chunk = chunk
+    a = h.add(list(range(30)))
+    h.run([(a, 30)])
+    migrations = h.mgr.storage.stats()["num_migrations"]
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED and a._parked[0] is K
+    # 1 private page + 7 committed ones, in chunks
+    assert h.mgr.storage.stats()["num_migrations"] - migrations == 1 + -(-7 // chunk)
+    h.check()
+    assert h.mgr.resume(a)
+    h.check()
+
+
 def test_suspend_falls_to_disk_when_host_is_full(diskdir):
     h = make(tiny_config(device_pages=8, host_pages=1, disk_dir=diskdir, disk_pages=8))
     a = h.add(list(range(13)))
