@@ -1,0 +1,283 @@
+"""The example Llama serving loop (examples/llama/serve.py) and CLI (examples/llama/run.py) on
+KVCacheManager, against HF transformers (torch CPU) through real checkpoints.
+
+Small random LlamaForCausalLM / MistralForCausalLM models are saved with ``save_pretrained``
+(safetensors) and loaded back through ``examples/llama/loader.py``. Greedy generations must be
+HF's token for token: single requests, batches of mixed lengths under a small token budget
+(chunked prefill with decodes riding along), shared-prefix requests (the later ones report prefix
+hits), a run with so few device pages that pages go to host and disk and sequences are suspended
+and resumed, and one with no cold tier where sequences are dropped and recomputed. Then sampling
+(seeded, per-request keys), the compiled-shape bound, and the CLI as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from examples.llama import loader as llama_loader  # noqa: E402
+from examples.llama import model as llama  # noqa: E402
+from examples.llama import serve  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+EOS = 2
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+CONFIGS = {"llama": ("llama", dict(rope_theta=10000.0)),
+           "mistral": ("mistral", dict(sliding_window=8))}
+
+
+def _hf_model(kind: str, extra: dict, seed: int):
+    cfg_cls = transformers.MistralConfig if kind == "mistral" else transformers.LlamaConfig
+    model_cls = (transformers.MistralForCausalLM if kind == "mistral"
+                 else transformers.LlamaForCausalLM)
+    cfg = cfg_cls(**{**BASE, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    # Larger-than-default weights (HF's std 0.02 gives generations that repeat one token).
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                std = 1.0 if "embed" in name else 0.6 / p.shape[1] ** 0.5
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model.to(torch.float32)
+
+
+_CASES: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def case(request, tmp_path_factory):
+    name = request.param
+    if name not in _CASES:
+        kind, extra = CONFIGS[name]
+        hf = _hf_model(kind, extra, seed=3 + len(name))
+        path = tmp_path_factory.mktemp(f"hf_{name}")
+        hf.save_pretrained(path, safe_serialization=True)
+        config, params, tok = llama_loader.load_checkpoint(path, dtype="float32", progress=False)
+        assert tok is None and config.model_type == kind
+        _CASES[name] = dict(name=name, hf=hf, config=config, params=params)
+    return _CASES[name]
+
+
+def _hf_logits(hf, ids) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([list(ids)]), use_cache=False).logits[0].float().numpy()
+
+
+def _check_greedy(hf, prompt, got, n, what="") -> None:
+    """``got`` must be HF's greedy continuation of ``prompt`` (``n`` tokens, or fewer ending in
+    EOS): one teacher-forced HF forward over ``prompt + got``; each token must be the argmax at
+    the position before it (by induction, exactly HF's greedy decoding)."""
+    assert len(got) == n or (got and got[-1] == EOS), f"{what}: stopped early: {got}"
+    assert EOS not in got[:-1], f"{what}: ran past EOS: {got}"
+    ref = _hf_logits(hf, list(prompt) + list(got))[len(prompt) - 1:len(prompt) - 1 + len(got)]
+    want = ref.argmax(-1).tolist()
+    assert got == want, f"{what}: {got} != HF greedy (first {len(got)} argmaxes) {want}"
+
+
+def _prompt(rng, n) -> list[int]:
+    return [1] + rng.integers(3, 128, n - 1).tolist()
+
+
+def _server(case, **kw) -> serve.Server:
+    cfg = dict(page_size=4, device_pages=64, max_batch=4, max_tokens_per_step=16,
+               max_seq_len=128)
+    cfg.update(kw)
+    return serve.Server(case["params"], case["config"], serve.ServeConfig(**cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_single_request_matches_hf_generate(case):
+    hf = case["hf"]
+    prompt = _prompt(np.random.default_rng(1), 13)
+    srv = _server(case, max_tokens_per_step=8)           # two prefill chunks
+    (out,) = srv.generate([serve.Request(prompt, 20)])
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                           dtype=torch.long), max_new_tokens=20, do_sample=False,
+                           pad_token_id=0, eos_token_id=EOS)[0, len(prompt):].tolist()
+    assert out.generated_ids == want, (out.generated_ids, want)
+    assert len(set(want)) > 3, f"degenerate generation {want}"   # the check must have teeth
+    assert out.finish_reason == ("eos" if want[-1] == EOS else "length")
+    rep = srv.report()
+    assert rep["mixed_steps"] == 2 and rep["decode_steps"] == len(want) - 1, rep
+    srv.manager.check_invariants()
+
+
+def test_batch_of_mixed_lengths(case):
+    rng = np.random.default_rng(2)
+    prompts = [_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]
+    srv = _server(case, max_tokens_per_step=8)   # budget 8 with 4 running: decodes ride along
+    outs = srv.generate([serve.Request(p, 16) for p in prompts])
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        assert o.request_id == i and o.prompt_ids == p
+        _check_greedy(case["hf"], p, o.generated_ids, 16, f"{case['name']} prompt {i}")
+    rep = srv.report()
+    assert rep["mixed_steps"] > 4 and rep["decode_steps"] > 0
+    # Steps only take the manager's bucketed shapes.
+    kv = srv.kv_config
+    for shape in rep["compiled_shapes"]:
+        assert shape[1] in kv.batch_buckets and (shape[0] == "decode"
+                                                 or shape[2] in kv.token_buckets), shape
+    srv.manager.check_invariants()
+    assert srv.manager.stats()["pages"]["device"]["referenced"] == 0
+
+
+def test_shared_prefix_hits_and_matches(case):
+    rng = np.random.default_rng(3)
+    system = _prompt(rng, 21)                     # five full pages of 4 plus one token
+    prompts = [system + rng.integers(3, 128, n).tolist() for n in (4, 11, 1)]
+    srv = _server(case)
+    (first,) = srv.generate([serve.Request(system, 10)])
+    assert first.prefix_hit_tokens == 0
+    later = srv.generate([serve.Request(p, 10) for p in prompts])
+    _check_greedy(case["hf"], system, first.generated_ids, 10, "system prompt")
+    for i, (p, o) in enumerate(zip(prompts, later)):
+        assert o.prefix_hit_tokens == 20, (i, o.prefix_hit_tokens)
+        _check_greedy(case["hf"], p, o.generated_ids, 10, f"shared-prefix prompt {i}")
+    rep = srv.report()
+    assert rep["prefix_hit_tokens"] == 60
+    assert rep["prefix_hit_rate"] == pytest.approx(60 / (21 + sum(len(p) for p in prompts)))
+
+
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_pressure_offload_suspend_resume(case, tmp_path):
+    """12 device pages of 4 tokens for 6 requests of up to 44 tokens, a 3-page host tier and a
+    disk tier: cached pages go to host and on to disk, running sequences are suspended and
+    resumed, prefix pages come back from host/disk; the generations stay HF's."""
+    rng = np.random.default_rng(4)
+    system = _prompt(rng, 12)
+    prompts = [system + rng.integers(3, 128, n).tolist() for n in (5, 14, 2, 9)]
+    prompts += [_prompt(rng, n) for n in (7, 20)]
+    hot = 2 * 2 * 4 * 2 * 16 * 4                       # bytes of one page (L=2, Hkv=2, Dh=16)
+    srv = _server(case, device_pages=12, host_bytes=3 * hot + hot // 2,
+                  disk_dir=str(tmp_path / "disk"), disk_bytes=256 * hot)
+    (first,) = srv.generate([serve.Request(system, 8)])
+    outs = srv.generate([serve.Request(p, 20) for p in prompts])
+    _check_greedy(case["hf"], system, first.generated_ids, 8, "system")
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        _check_greedy(case["hf"], p, o.generated_ids, 20, f"prompt {i}")
+    rep = srv.report()
+    print({k: v for k, v in rep.items() if k != "compiled_shapes"})
+    assert rep["suspends"] > 0 and rep["resumes"] == rep["suspends"], rep
+    assert rep["pages_offloaded_to_host"] > 0, rep
+    assert rep["pages_offloaded_to_disk"] + rep["pages_host_to_disk"] > 0, rep
+    assert rep["pages_onboarded"] > 0 and rep["prefix_hit_tokens"] > 0, rep
+    assert sum(o.num_suspends for o in outs) == rep["suspends"]
+    srv.manager.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["mistral"], indirect=True)
+def test_pressure_without_cold_tier_recomputes(case):
+    """No host or disk tier: a preempted sequence cannot be suspended, so it is dropped and
+    recomputed from prompt + generated; still HF's tokens (Mistral: the window bites too)."""
+    rng = np.random.default_rng(5)
+    prompts = [_prompt(rng, n) for n in (10, 6, 13, 3)]
+    srv = _server(case, device_pages=14)
+    outs = srv.generate([serve.Request(p, 24) for p in prompts])
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        _check_greedy(case["hf"], p, o.generated_ids, 24, f"prompt {i}")
+    rep = srv.report()
+    assert rep["recomputes"] > 0 and rep["suspends"] == 0, rep
+    assert sum(o.num_recomputes for o in outs) == rep["recomputes"]
+    srv.manager.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_sampling_seeded_and_batch_independent(case):
+    rng = np.random.default_rng(6)
+    prompts = [_prompt(rng, n) for n in (5, 12, 8)]
+
+    def run(reqs, **kw):
+        return [o.generated_ids for o in _server(case, **kw).generate(reqs)]
+
+    reqs = [serve.Request(p, 12, temperature=1.0, top_p=0.9, seed=7) for p in prompts]
+    a = run(reqs)
+    assert a == run(reqs, max_batch=2, max_tokens_per_step=8)   # other batching, same samples
+    assert a != run([serve.Request(p, 12, temperature=1.0, top_p=0.9, seed=8) for p in prompts])
+    greedy = run([serve.Request(p, 12) for p in prompts])
+    assert a != greedy
+    # top_p -> 0 keeps only the most likely token: greedy whatever the temperature.
+    assert run([serve.Request(p, 12, temperature=5.0, top_p=1e-6, seed=1)
+                for p in prompts]) == greedy
+
+
+def test_submit_refuses_what_cannot_fit(case):
+    srv = _server(case, device_pages=4, max_seq_len=64)
+    with pytest.raises(ValueError, match="device pages"):
+        srv.submit(serve.Request([1] * 10, 8))               # 18 tokens: 5 pages > 4
+    with pytest.raises(ValueError, match="max_seq_len"):
+        srv.submit(serve.Request([1] * 60, 8))
+    with pytest.raises(ValueError, match="out of range"):
+        srv.submit(serve.Request([1, 500], 4))
+    assert not srv.has_work()
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI.
+
+
+def _cli(*args, timeout=120):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.environ.get("PYTHONPATH")] if p)
+    return subprocess.run([sys.executable, str(ROOT / "examples/llama/run.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_cli_default_run():
+    r = _cli()
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert out.count("[request ") == 5 and "KV report" in out
+    assert "prefix hit rate: " in out and "0.0%" not in out.split("prefix hit rate: ")[1][:6]
+    for key in ("pages device", "pages   host", "pages offloaded", "onboarded", "suspends",
+                "tokens/s"):
+        assert key in out, key
+
+
+def test_cli_json(tmp_path):
+    r = _cli("--json", "--prompt-ids", "1,5,9,13,17,21", "--prompt-ids", "1,5,9,13,40",
+             "--max-new-tokens", "6", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3",
+             "--device-pages", "8", "--host-bytes", "65536", "--disk-dir", str(tmp_path),
+             "--disk-bytes", "1048576", "--cold-codec", "int8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert len(lines) == 3
+    assert [d["request"] for d in lines[:2]] == [0, 1]
+    assert lines[0]["prompt_ids"] == [1, 5, 9, 13, 17, 21]
+    assert all(len(d["generated_ids"]) == 6 or d["generated_ids"][-1] == 2 for d in lines[:2])
+    rep = lines[2]["kv_report"]
+    assert rep["cold_codec"] == "int8" and set(rep["pages"]) == {"device", "host", "disk"}
+    assert rep["generated_tokens"] == sum(len(d["generated_ids"]) for d in lines[:2])
+    # Same seed, same samples.
+    again = _cli("--json", "--prompt-ids", "1,5,9,13,17,21", "--prompt-ids", "1,5,9,13,40",
+                 "--max-new-tokens", "6", "--temperature", "0.7", "--top-p", "0.9",
+                 "--seed", "3")
+    assert [json.loads(x)["generated_ids"] for x in again.stdout.splitlines()[:2]] == \
+        [d["generated_ids"] for d in lines[:2]]
+
+
+def test_cli_text_prompt_needs_tokenizer():
+    r = _cli("--prompt", "hello world")
+    assert r.returncode != 0 and "tokenizer.json" in r.stderr, r.stderr[-2000:]
