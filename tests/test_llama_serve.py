@@ -223,6 +223,21 @@ def test_sampling_seeded_and_batch_independent(case):
                 for p in prompts]) == greedy
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_steady_state_compiles_nothing_new(case):
+    """A second run of the same workload (fresh server, same buckets) compiles no new step or
+    sampling program: every shape comes from the manager's (batch, token) buckets."""
+    rng = np.random.default_rng(7)
+    prompts = [_prompt(rng, n) for n in (9, 30, 4, 17, 11)]
+    reqs = [serve.Request(p, 10, temperature=0.5 * (i % 2), seed=i) for i, p in enumerate(prompts)]
+    fns = (llama.forward_step, llama.decode_step, serve.sample_tokens)
+    first = _server(case, max_tokens_per_step=8).generate(reqs)
+    sizes = [f._cache_size() for f in fns]
+    again = _server(case, max_tokens_per_step=8).generate(reqs)
+    assert [f._cache_size() for f in fns] == sizes
+    assert [o.generated_ids for o in again] == [o.generated_ids for o in first]
+
+
 def test_submit_refuses_what_cannot_fit(case):
     srv = _server(case, device_pages=4, max_seq_len=64)
     with pytest.raises(ValueError, match="device pages"):
@@ -276,6 +291,24 @@ def test_cli_json(tmp_path):
                  "--seed", "3")
     assert [json.loads(x)["generated_ids"] for x in again.stdout.splitlines()[:2]] == \
         [d["generated_ids"] for d in lines[:2]]
+
+
+def test_cli_text_prompt_with_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    config = llama.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=16, eos_token_ids=(2,), bos_token_id=1)
+    d = llama_loader.write_random_checkpoint(tmp_path / "m", config, seed=1)
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 32)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    r = _cli("--model", str(d), "--prompt", "w5 w9 w11", "--prompt", "w5 w9 w30",
+             "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert [d["prompt_ids"] for d in lines[:2]] == [[5, 9, 11], [5, 9, 30]]
+    assert all(isinstance(d["text"], str) for d in lines[:2]) and "kv_report" in lines[2]
 
 
 def test_cli_text_prompt_needs_tokenizer():
