@@ -427,10 +427,16 @@ class KVCacheManager:
             return True
         src_level = nodes[0].level
         src = np.stack([n.slots for n in nodes], axis=1)  # [G, n]
-        out = self._migrate(src_level, src, dst)
-        if out is None:  # rolled back: the pages are at src_level, maybe in other slots
-            for i, n in enumerate(nodes):
-                n.slots = src[:, i].copy()
+        try:
+            out = self._migrate(src_level, src, dst)
+        except BaseException:
+            out = None
+            raise
+        finally:
+            if out is None:  # rolled back: the pages are at src_level, maybe in other slots
+                for i, n in enumerate(nodes):
+                    n.slots = src[:, i].copy()
+        if out is None:
             return False
         for i, n in enumerate(nodes):
             self.tree.move(n, dst, out[:, i].copy())
@@ -448,15 +454,24 @@ class KVCacheManager:
             chunk = max(1, self._disk_chunk)
         done: list[tuple[int, int, np.ndarray]] = []  # (group, start, destination slots)
         out = np.zeros((self._G, n), np.int32)
+
+        def rollback() -> None:
+            for gg, st, back in reversed(done):
+                restored = self.storage.migrate(gg, dst_level, back, src_level)
+                if restored is None:  # pragma: no cover - the source slots were just freed
+                    raise RuntimeError("could not roll back a partial migration")
+                src[gg, st:st + back.size] = restored
+
         for g in range(self._G):
             for start in range(0, n, chunk):
-                part = self.storage.migrate(g, src_level, src[g, start:start + chunk], dst_level)
+                try:
+                    part = self.storage.migrate(g, src_level, src[g, start:start + chunk],
+                                                dst_level)
+                except BaseException:  # I/O error, corrupt page: undo the earlier chunks
+                    rollback()
+                    raise
                 if part is None:
-                    for gg, st, back in reversed(done):
-                        restored = self.storage.migrate(gg, dst_level, back, src_level)
-                        if restored is None:  # pragma: no cover - destinations were checked
-                            raise RuntimeError("could not roll back a partial migration")
-                        src[gg, st:st + back.size] = restored
+                    rollback()
                     return None
                 out[g, start:start + part.size] = part
                 done.append((g, start, part))
@@ -855,14 +870,18 @@ class KVCacheManager:
             if not self._reserve_device(n):
                 self._stats.num_refused_resumes += 1
                 return False
+            # NOTE: shared (node) pages first: a node on the device is valid for a suspended
+            # sequence, so a failure (CorruptPageError from disk) below leaves it SUSPENDED and
+            # consistent; the caller then closes it and recomputes.
+            for level in (H, K):
+                if not self._migrate_nodes([c for c in cold_nodes if c.level is level], D):
+                    self._stats.num_refused_resumes += 1  # pragma: no cover - reserved above
+                    return False
             back = self._migrate(lv, parked, D)
             if back is None:  # pragma: no cover - reserved above
                 self._stats.num_refused_resumes += 1
                 return False
             seq._parked = None
-            for level in (H, K):
-                if not self._migrate_nodes([c for c in cold_nodes if c.level is level], D):
-                    raise RuntimeError("resume: device refused reserved pages")  # pragma: no cover
             r = seq._row
             k = len(seq._nodes)
             if k:

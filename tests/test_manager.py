@@ -442,6 +442,30 @@ def test_disk_hops_are_split_to_fit_the_staging_ring(diskdir, chunk):
     h.check()
 
 
+def test_corrupt_disk_page_on_resume_leaves_it_suspended(diskdir):
+    from jax_kvcm._storage import CorruptPageError
+    h = make(tiny_config(device_pages=10, disk_dir=diskdir, disk_pages=10, prefix=False))
+    h.mgr._disk_chunk = 1  # the bad page is the last chunk: earlier chunks must be rolled back
+    a = h.add(list(range(12)))
+    h.run([(a, 12)])
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    lv, parked = a._parked
+    pool = h.mgr.storage.disk_pools[0]
+    with open(pool.path, "r+b") as f:
+        f.seek(int(parked[0, -1]) * pool.slot_bytes + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    free = h.mgr.stats()["pages"]["device"]["free"]
+    with pytest.raises(CorruptPageError):
+        h.mgr.resume(a)
+    assert a.state is SequenceState.SUSPENDED
+    assert h.mgr.stats()["pages"]["device"]["free"] == free
+    h.check()
+    h.mgr.close(a)  # drop and recompute
+    h.check()
+
+
 def test_suspend_falls_to_disk_when_host_is_full(diskdir):
     h = make(tiny_config(device_pages=8, host_pages=1, disk_dir=diskdir, disk_pages=8))
     a = h.add(list(range(13)))
