@@ -125,6 +125,19 @@ def test_single_request_matches_hf_generate(case):
     srv.manager.check_invariants()
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_finish_on_eos(case):
+    prompt = _prompt(np.random.default_rng(8), 7)
+    srv = _server(case)
+    (ref,) = srv.generate([serve.Request(prompt, 6, eos_token_ids=())])
+    assert ref.finish_reason == "length" and len(ref.generated_ids) == 6
+    stop = ref.generated_ids[2]
+    cut = ref.generated_ids.index(stop) + 1
+    (out,) = srv.generate([serve.Request(prompt, 6, eos_token_ids=(stop,))])
+    assert out.finish_reason == "eos" and out.generated_ids == ref.generated_ids[:cut]
+    assert srv.manager.stats()["num_active"] == 0
+
+
 def test_batch_of_mixed_lengths(case):
     rng = np.random.default_rng(2)
     prompts = [_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]

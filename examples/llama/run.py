@@ -188,7 +188,9 @@ def format_report(r: dict) -> str:
         f"  steps: {r['steps']} ({r['decode_steps']} decode, {r['mixed_steps']} prefill/mixed), "
         f"{len(r['compiled_shapes'])} compiled step shapes",
         f"  tokens/s: {r['generated_tokens_per_s']:.1f} generated ({r['generated_tokens']} in "
-        f"{r['seconds']:.2f}s incl. compilation), {r['step_tokens_per_s']:.1f} processed",
+        f"{r['seconds']:.2f}s incl. compilation), {r['step_tokens_per_s']:.1f} processed; "
+        f"steady state (steps that compiled nothing) {r['steady_generated_tokens_per_s']:.1f} "
+        f"generated",
     ]
     return "\n".join(lines)
 

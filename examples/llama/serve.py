@@ -25,7 +25,8 @@
 
 :meth:`Server.report` is the KV report: pages per tier, prefix hit rate (reused prompt tokens /
 prompt tokens, first admissions only), pages offloaded (device -> host/disk) and onboarded
-(host/disk -> device), suspends/resumes/recomputes, tokens/s and the compiled step shapes.
+(host/disk -> device), suspends/resumes/recomputes, tokens/s (all steps, and steady state: the
+steps that compiled nothing) and the compiled step shapes.
 """
 
 from __future__ import annotations
@@ -186,7 +187,9 @@ class Server:
         self._order = 0
         self._shapes: set[tuple] = set()
         self.counters = collections.Counter()
+        self._sample_shapes: set[int] = set()
         self._busy_s = 0.0
+        self._steady_s = 0.0               # time in steps that compiled nothing
 
     # -- events ------------------------------------------------------------------------------
 
@@ -342,8 +345,14 @@ class Server:
                     self._drop_for_recompute(victim)
                 else:
                     raise
+        n_shapes, n_gen = len(self._shapes) + len(self._sample_shapes), self.counters[
+            "generated_tokens"]
         finished = self._run(work, batch)
-        self._busy_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self._busy_s += dt
+        if len(self._shapes) + len(self._sample_shapes) == n_shapes:   # compiled nothing
+            self._steady_s += dt
+            self.counters["steady_generated_tokens"] += self.counters["generated_tokens"] - n_gen
         return finished
 
     def _run(self, work, batch) -> list[RequestOutput]:
@@ -397,6 +406,7 @@ class Server:
             r = work[b][0]
             temp[b], top_p[b] = r.req.temperature, r.req.top_p
             seed[b], stream[b], counter[b] = r.req.seed, r.rid, len(r.generated)
+        self._sample_shapes.add(Bb)
         next_tokens = np.asarray(sample_tokens(logits, temp, top_p, seed, stream, counter))
         now = time.perf_counter()
         for b in due:
@@ -454,5 +464,8 @@ class Server:
             "seconds": self._busy_s,
             "generated_tokens_per_s": c["generated_tokens"] / busy,
             "step_tokens_per_s": c["step_tokens"] / busy,
+            "steady_seconds": self._steady_s,
+            "steady_generated_tokens_per_s": (c["steady_generated_tokens"] / self._steady_s
+                                              if self._steady_s else 0.0),
             "compiled_shapes": sorted(self._shapes, key=str),
         }
