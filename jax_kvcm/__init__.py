@@ -1,14 +1,39 @@
 """jax_kvcm: a KV-cache manager for LLM inference in JAX on NVIDIA GPUs.
 
-The ops below are XLA custom calls (C++ on CPU, CUDA on GPU) usable inside ``jax.jit``;
-``jax_kvcm.ops.reference`` holds their pure-JAX oracles.
+- Ops (XLA custom calls, C++ on CPU, CUDA on GPU, usable inside ``jax.jit``): :func:`write_kv`,
+  :func:`paged_attention`, :func:`ragged_paged_attention`; ``jax_kvcm.ops.reference`` holds
+  their pure-JAX oracles.
+- Host side: :class:`KVCacheManager` (sequences, fixed-shape :class:`StepBatch` buffers, prefix
+  reuse, eviction down the device / host / disk tiers, suspend/resume, capacity planning),
+  configured by :class:`KVCacheConfig`; cold pages are encoded by a codec
+  (:func:`create_default_cold_page_codec`, or ``make_cold_page_codec("int8")``).
 """
 
+from jax_kvcm._codec import (ColdPageCodec, ConcatCodec, Int8Codec,
+                             create_default_cold_page_codec, make_cold_page_codec)
 from jax_kvcm._ffi import cuda_extension_available
+from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
+                               Sequence, StepInFlightError, SuspendResult)
+from jax_kvcm._step_batch import StepBatch
+from jax_kvcm._types import CacheLevel
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
 
 __all__ = [
+    "CacheLevel",
+    "ColdPageCodec",
+    "ConcatCodec",
+    "Int8Codec",
+    "KVCacheConfig",
+    "KVCacheManager",
+    "LayerGroupConfig",
+    "OutOfPagesError",
+    "Sequence",
+    "StepBatch",
+    "StepInFlightError",
+    "SuspendResult",
+    "create_default_cold_page_codec",
     "cuda_extension_available",
+    "make_cold_page_codec",
     "paged_attention",
     "ragged_paged_attention",
     "write_kv",
