@@ -201,6 +201,32 @@ def test_pressure_offload_suspend_resume(case, tmp_path):
     srv.manager.check_invariants()
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_corrupt_disk_pages_are_recomputed(case, tmp_path):
+    """Disk tier only; once a sequence is suspended to disk, every disk file is overwritten with
+    garbage: its resume fails the checksum, it is recomputed, and the tokens stay HF's."""
+    rng = np.random.default_rng(9)
+    prompts = [_prompt(rng, n) for n in (10, 6, 13, 3)]
+    hot = 2 * 2 * 4 * 2 * 16 * 4
+    srv = _server(case, device_pages=14, disk_dir=str(tmp_path), disk_bytes=256 * hot)
+    ids = [srv.submit(serve.Request(p, 24)) for p in prompts]
+    corrupted = False
+    while srv.has_work():
+        srv.step()
+        if srv.counters["suspends"] and not corrupted:
+            files = [f for f in tmp_path.rglob("*") if f.is_file()]
+            assert files
+            for f in files:
+                f.write_bytes(b"\xa5" * f.stat().st_size)
+            corrupted = True
+    outs = [srv._done[i] for i in ids]
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        _check_greedy(case["hf"], p, o.generated_ids, 24, f"prompt {i}")
+    rep = srv.report()
+    assert corrupted and rep["recomputes"] > 0, rep
+    srv.manager.check_invariants()
+
+
 @pytest.mark.parametrize("case", ["mistral"], indirect=True)
 def test_pressure_without_cold_tier_recomputes(case):
     """No host or disk tier: a preempted sequence cannot be suspended, so it is dropped and

@@ -15,7 +15,8 @@
   suspended (its pages go to host, else disk); when no tier can take it the sequence is closed and
   its request re-queued at the front to be recomputed from ``prompt + generated`` (prefix reuse
   usually brings most of it back). Suspended sequences are resumed, oldest first and before any
-  new admission, when the device has room for them.
+  new admission, when the device has room for them; one whose parked pages fail their checksum
+  (:class:`CorruptPageError`) is closed and recomputed the same way.
 - **Sampling**: greedy (temperature 0) or temperature + top-p, with a per-request key
   ``fold_in(fold_in(PRNGKey(seed), request_id), i)`` for the ``i``-th generated token (request
   ids count submissions from 0): a request's samples do not depend on what it was batched with or
@@ -44,6 +45,7 @@ import numpy as np
 from jax_kvcm._codec import ConcatCodec, Int8Codec
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
                                SuspendResult)
+from jax_kvcm._storage import CorruptPageError
 from jax_kvcm._types import CacheLevel
 
 try:
@@ -261,7 +263,13 @@ class Server:
             r = self._suspended[0]
             if self._pages(len(r.tokens)) + 1 > self._device_room() and self._running:
                 return  # no room yet; do not admit newer requests ahead of it either
-            if not self.manager.resume(r.seq):
+            try:
+                resumed = self.manager.resume(r.seq)
+            except CorruptPageError:          # a parked page failed its checksum: recompute
+                self._suspended.popleft()
+                self._drop_for_recompute(r)
+                continue
+            if not resumed:
                 if self._running:
                     return
                 self._drop_for_recompute(r)   # nothing runs and it still cannot come back
