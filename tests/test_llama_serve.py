@@ -7,7 +7,9 @@ HF's token for token: single requests, batches of mixed lengths under a small to
 (chunked prefill with decodes riding along), shared-prefix requests (the later ones report prefix
 hits), a run with so few device pages that pages go to host and disk and sequences are suspended
 and resumed, and one with no cold tier where sequences are dropped and recomputed. Then sampling
-(seeded, per-request keys), the compiled-shape bound, and the CLI as a subprocess.
+(seeded, per-request keys), the compiled-shape bound, and the CLI as a subprocess. Where the
+server records logits (mixed batches, the host/disk pressure run), every generated token's float32
+logits must also be within relative L2 1e-4 of HF's.
 """
 
 from __future__ import annotations
@@ -83,15 +85,24 @@ def _hf_logits(hf, ids) -> np.ndarray:
         return hf(torch.tensor([list(ids)]), use_cache=False).logits[0].float().numpy()
 
 
-def _check_greedy(hf, prompt, got, n, what="") -> None:
+REL_L2 = 1e-4
+
+
+def _check_greedy(hf, prompt, got, n, what="", logits=None) -> None:
     """``got`` must be HF's greedy continuation of ``prompt`` (``n`` tokens, or fewer ending in
     EOS): one teacher-forced HF forward over ``prompt + got``; each token must be the argmax at
-    the position before it (by induction, exactly HF's greedy decoding)."""
+    the position before it (by induction, exactly HF's greedy decoding). With ``logits`` (ours,
+    one row per generated token) also each row within relative L2 ``REL_L2`` of HF's."""
     assert len(got) == n or (got and got[-1] == EOS), f"{what}: stopped early: {got}"
     assert EOS not in got[:-1], f"{what}: ran past EOS: {got}"
     ref = _hf_logits(hf, list(prompt) + list(got))[len(prompt) - 1:len(prompt) - 1 + len(got)]
     want = ref.argmax(-1).tolist()
     assert got == want, f"{what}: {got} != HF greedy (first {len(got)} argmaxes) {want}"
+    if logits is not None:
+        assert logits.shape == (len(got), ref.shape[1])
+        err = max(float(np.linalg.norm(logits[j] - ref[j]) / np.linalg.norm(ref[j]))
+                  for j in range(len(got)))
+        assert err <= REL_L2, f"{what}: logits rel L2 {err:.2e}"
 
 
 def _prompt(rng, n) -> list[int]:
@@ -141,11 +152,13 @@ def test_finish_on_eos(case):
 def test_batch_of_mixed_lengths(case):
     rng = np.random.default_rng(2)
     prompts = [_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]
-    srv = _server(case, max_tokens_per_step=8)   # budget 8 with 4 running: decodes ride along
+    srv = _server(case, max_tokens_per_step=8,   # budget 8 with 4 running: decodes ride along
+                  record_logits=True)
     outs = srv.generate([serve.Request(p, 16) for p in prompts])
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.request_id == i and o.prompt_ids == p
-        _check_greedy(case["hf"], p, o.generated_ids, 16, f"{case['name']} prompt {i}")
+        _check_greedy(case["hf"], p, o.generated_ids, 16, f"{case['name']} prompt {i}",
+                      o.logits)
     rep = srv.report()
     assert rep["mixed_steps"] > 4 and rep["decode_steps"] > 0
     # Steps only take the manager's bucketed shapes.
@@ -185,12 +198,12 @@ def test_pressure_offload_suspend_resume(case, tmp_path):
     prompts += [_prompt(rng, n) for n in (7, 20)]
     hot = 2 * 2 * 4 * 2 * 16 * 4                       # bytes of one page (L=2, Hkv=2, Dh=16)
     srv = _server(case, device_pages=12, host_bytes=3 * hot + hot // 2,
-                  disk_dir=str(tmp_path / "disk"), disk_bytes=256 * hot)
+                  disk_dir=str(tmp_path / "disk"), disk_bytes=256 * hot, record_logits=True)
     (first,) = srv.generate([serve.Request(system, 8)])
     outs = srv.generate([serve.Request(p, 20) for p in prompts])
-    _check_greedy(case["hf"], system, first.generated_ids, 8, "system")
+    _check_greedy(case["hf"], system, first.generated_ids, 8, "system", first.logits)
     for i, (p, o) in enumerate(zip(prompts, outs)):
-        _check_greedy(case["hf"], p, o.generated_ids, 20, f"prompt {i}")
+        _check_greedy(case["hf"], p, o.generated_ids, 20, f"prompt {i}", o.logits)
     rep = srv.report()
     print({k: v for k, v in rep.items() if k != "compiled_shapes"})
     assert rep["suspends"] > 0 and rep["resumes"] == rep["suspends"], rep

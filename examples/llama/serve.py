@@ -81,9 +81,12 @@ class RequestOutput:
     num_suspends: int = 0
     num_recomputes: int = 0
     time_to_first_token_s: float = 0.0
+    logits: np.ndarray | None = None   # [n_generated, vocab] float32 with record_logits
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-serializable (without the logits)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "logits"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,7 @@ class ServeConfig:
     max_seq_len: int = 512
     paged_decode: bool = True          # pure-decode steps through paged_attention
     enable_prefix_reuse: bool = True
+    record_logits: bool = False        # keep each sampled token's float32 logits (tests)
 
     def __post_init__(self) -> None:
         if self.cold_codec not in CODECS:
@@ -125,6 +129,7 @@ class _Req:
     submitted_at: float = 0.0
     ttft: float = 0.0
     finish_reason: str | None = None
+    logits: list = dataclasses.field(default_factory=list)
 
     @property
     def generated(self) -> list[int]:
@@ -417,12 +422,15 @@ class Server:
         self._sample_shapes.add(Bb)
         next_tokens = np.asarray(sample_tokens(logits, temp, top_p, seed, stream, counter))
         now = time.perf_counter()
+        host_logits = np.asarray(logits) if self.serve.record_logits else None
         for b in due:
             r = work[b][0]
             tok = int(next_tokens[b])
             if not r.generated:
                 r.ttft = now - r.submitted_at
             r.tokens.append(tok)
+            if host_logits is not None:
+                r.logits.append(host_logits[b])
             self.counters["generated_tokens"] += 1
             if tok in r.eos or len(r.generated) >= r.req.max_new_tokens:
                 r.finish_reason = "eos" if tok in r.eos else "length"
@@ -434,7 +442,8 @@ class Server:
         r.seq = None
         self._running.remove(r)
         out = RequestOutput(r.rid, r.prompt, r.generated, r.finish_reason, r.prefix_hit_tokens,
-                            r.num_suspends, r.num_recomputes, r.ttft)
+                            r.num_suspends, r.num_recomputes, r.ttft,
+                            np.stack(r.logits) if self.serve.record_logits else None)
         self._done[r.rid] = out
         return out
 
