@@ -262,6 +262,7 @@ class _Stats:
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_committed_pages: int = 0
+    num_adopted_pages: int = 0
     num_evicted_pages: list[int] = field(default_factory=lambda: [0, 0, 0])
     num_dropped_pages: int = 0
     num_onboarded_pages: int = 0
@@ -808,12 +809,24 @@ class KVCacheManager:
                 toks = blob[j * page_bytes:(j + 1) * page_bytes]
                 key = hash_fn(pkey + toks + seq._salt)
                 node = tree.insert(key, parent, toks, D, cols[j])
-                if node is None:  # duplicate or collision: the page stays private
-                    self._commit_ok[r] = 0
-                    break
+                if node is None:
+                    node = tree.nodes[key]
+                    if (node.parent is not parent or node.tokens != toks
+                            or node.level is not D):
+                        # A collision (or a copy off the device): the page stays private and
+                        # so does everything after it.
+                        self._commit_ok[r] = 0
+                        break
+                    # NOTE: a duplicate (another sequence computed the same page first): adopt
+                    # the committed page, free ours once the step that wrote it completed.
+                    tree.incref(node)
+                    self._table[:, r, first + j] = node.slots
+                    self._defer_free(cols[j][:, None].copy())
+                    self._stats.num_adopted_pages += 1
+                else:
+                    n0 += 1
                 nodes.append(node)
                 parent, pkey = node, key
-                n0 += 1
             self._ncommit[r] = len(nodes)
         if n0:
             self._stats.num_committed_pages += n0

@@ -259,6 +259,24 @@ def test_prefix_reuse_shares_committed_pages():
     assert stats["num_prefix_hit_tokens"] == 16 and stats["num_committed_pages"] >= 3
 
 
+def test_duplicate_pages_are_adopted():
+    h = make(tiny_config(device_pages=12))
+    prompt = list(range(1, 11))
+    a, b = h.add(prompt), h.add(prompt)  # neither is committed yet: both compute everything
+    h.run([(a, 10), (b, 10)], as_ids=[True, True])
+    assert np.array_equal(a.page_ids()[:2], b.page_ids()[:2])
+    assert h.mgr.stats()["num_adopted_pages"] == 2
+    assert h.mgr.stats()["pages"]["device"]["pending"] == 2
+    h.check()
+    h.run([(a, 6), (b, 6)])  # both keep committing past the shared pages
+    h.check()
+    h.mgr.close(a)
+    h.check()
+    c = h.add(prompt + [5])
+    assert c.num_reused_tokens == 8
+    h.check()
+
+
 def test_constant_hash_never_reuses_other_tokens():
     h = make(tiny_config(device_pages=32, max_batch=8), _hash_fn=lambda data: b"same")
     rng = np.random.default_rng(1)
