@@ -42,11 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcm._codec import ConcatCodec, Int8Codec
-from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
-                               SuspendResult)
-from jax_kvcm._storage import CorruptPageError
-from jax_kvcm._types import CacheLevel
+from jax_kvcm import (CacheLevel, ConcatCodec, Int8Codec, KVCacheConfig, KVCacheManager,
+                      LayerGroupConfig, OutOfPagesError, SuspendResult)
+from jax_kvcm._storage import CorruptPageError  # NOTE: not exported by jax_kvcm (yet)
 
 try:
     from . import model as llama
