@@ -15,6 +15,7 @@ from jax_kvcm._ffi import cuda_extension_available
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
                                Sequence, StepInFlightError, SuspendResult)
 from jax_kvcm._step_batch import StepBatch
+from jax_kvcm._storage import CorruptPageError
 from jax_kvcm._types import CacheLevel
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
 
@@ -22,6 +23,7 @@ __all__ = [
     "CacheLevel",
     "ColdPageCodec",
     "ConcatCodec",
+    "CorruptPageError",
     "Int8Codec",
     "KVCacheConfig",
     "KVCacheManager",
