@@ -606,13 +606,16 @@ class KVCacheManager:
             return nodes
         keep = first_cold
         cold = nodes[first_cold:]
+        corrupt: list[BlockNode] = []
         if self._in_step is None and self._reserve_device(len(cold)):
             ok = True
             for lv in (H, K):
                 batch = [n for n in cold if n.level is lv]
                 try:
                     moved = self._migrate_nodes(batch, D)
-                except CorruptPageError:
+                except CorruptPageError as e:  # a miss; the bad pages are dropped below
+                    bad = set(e.slots.tolist())
+                    corrupt = [n for n in batch if int(n.slots[e.layer_group]) in bad]
                     moved = False
                 if not moved:
                     ok = False
@@ -626,6 +629,9 @@ class KVCacheManager:
                 keep = next((i for i, n in enumerate(nodes) if n.level is not D), len(nodes))
         for n in nodes[keep:]:
             self.tree.decref(n)
+        for n in corrupt:  # never served again (unless still held by a suspended sequence)
+            if n.alive and all(d.refcount == 0 for d in self.tree.subtree(n)):
+                self._drop(n)
         return nodes[:keep]
 
     def close(self, seq: Sequence) -> None:

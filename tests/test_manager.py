@@ -484,6 +484,31 @@ def test_corrupt_disk_page_on_resume_leaves_it_suspended(diskdir):
     h.check()
 
 
+def test_corrupt_disk_hit_is_a_miss_and_is_dropped(diskdir):
+    h = make(tiny_config(device_pages=4, disk_dir=diskdir, disk_pages=10))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(50, 66)))  # pushes a's two cached pages to disk
+    h.run([(b, 16)])
+    h.mgr.close(b)
+    nodes = [n for n in h.mgr.tree.nodes.values() if n.level is K]
+    assert len(nodes) >= 2
+    first = h.mgr.tree.match(np.arange(9, dtype=np.int32), b"", TPP, 2)[0]
+    assert first.level is K
+    pool = h.mgr.storage.disk_pools[0]
+    with open(pool.path, "r+b") as f:
+        f.seek(int(first.slots[0]) * pool.slot_bytes + 5)
+        x = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([x[0] ^ 0x10]))
+    c = h.add(list(range(9)))
+    assert c.num_reused_tokens == 0 and not first.alive
+    h.check()
+    h.run([(c, 9)], as_ids=[True])
+    h.check()
+
+
 def test_suspend_falls_to_disk_when_host_is_full(diskdir):
     h = make(tiny_config(device_pages=8, host_pages=1, disk_dir=diskdir, disk_pages=8))
     a = h.add(list(range(13)))
