@@ -13,7 +13,8 @@
 //   functions at the end); the handler fails with an error naming index_pairs when none is
 //   registered. Bad pairs are refused on the host before anything is submitted.
 // int8 (DEVICE index location): one CTA per (pair, layer, K/V) reads its pair with one 8-byte load;
-//   a pair outside the hot pool or the cold tier makes the CTA raise kBadSlot in the error word and
+//   a pair outside the hot pool or the cold tier makes the CTA raise kBadIndexPair in the error
+//   word and
 //   touch nothing (reported as an error naming index_pairs only under JAX_KVCM_CHECK_INDICES=1).
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -225,7 +226,7 @@ __device__ __forceinline__ int8_t Quantize(float x, float scale) {
   return int8_t(int(rintf(r)));  // round half to even
 }
 
-// Reads pair `i` with one 8-byte load; false (and kBadSlot raised once) when it is outside.
+// Reads pair `i` with one 8-byte load; false (and kBadIndexPair raised once) when it is outside.
 __device__ __forceinline__ bool LoadPair(const int32_t* __restrict__ pairs, const Int8Args& a,
                                          bool encode, int64_t& hot, int64_t& cold,
                                          uint32_t* error_word) {
@@ -233,7 +234,8 @@ __device__ __forceinline__ bool LoadPair(const int32_t* __restrict__ pairs, cons
   hot = encode ? pr.y : pr.x;
   cold = encode ? pr.x : pr.y;
   if (hot < 0 || hot >= a.s.num_slots || cold < 0 || cold >= a.cold_limit) {
-    if (threadIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) RaiseError(error_word, kBadSlot);
+    if (threadIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+      RaiseError(error_word, kBadIndexPair);
     return false;
   }
   return true;
@@ -359,16 +361,11 @@ __global__ void __launch_bounds__(kInt8Threads)
 // Checked mode only: waits for the stream and turns the error word into an error naming
 // index_pairs (the word is shared with the other ops; bits they left are reported too).
 ffi::Error FinishCodecChecked(cudaStream_t stream, const char* op) {
-  uint32_t* word = DeviceErrorWord();
-  if (word == nullptr) return ffi::Error::Internal("jax_kvcm: could not allocate the error word");
-  uint32_t bits = 0;
-  if (cudaMemcpyAsync(&bits, word, sizeof(bits), cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
-      cudaStreamSynchronize(stream) != cudaSuccess)
-    return ffi::Error::Internal(std::string(op) + ": reading the error word failed");
+  auto taken = TakeErrorBits(stream, op);
+  if (taken.has_error()) return taken.error();
+  const uint32_t bits = *taken;
   if (bits == 0) return ffi::Error::Success();
-  cudaMemsetAsync(word, 0, sizeof(uint32_t), stream);
-  cudaStreamSynchronize(stream);
-  if (bits & kBadSlot)
+  if (bits & kBadIndexPair)
     return Invalid(std::string(op) +
                    ": bad index: an index_pairs entry is outside the hot pool [0, num_slots) or "
                    "the cold tier [0, num_cold_slots)");

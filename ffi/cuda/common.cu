@@ -46,16 +46,28 @@ int NumSMs() {
   return num_sms[dev];
 }
 
-ffi::Error FinishChecked(cudaStream_t stream, const char* op) {
+ffi::ErrorOr<uint32_t> TakeErrorBits(cudaStream_t stream, const char* op) {
   uint32_t* word = DeviceErrorWord();
-  if (word == nullptr) return ffi::Error::Internal("jax_kvcm: could not allocate the error word");
+  if (word == nullptr)
+    return ffi::Unexpected<ffi::Error>(
+        ffi::Error::Internal("jax_kvcm: could not allocate the error word"));
   uint32_t bits = 0;
   if (cudaMemcpyAsync(&bits, word, sizeof(bits), cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
       cudaStreamSynchronize(stream) != cudaSuccess)
-    return ffi::Error::Internal(std::string(op) + ": reading the error word failed");
+    return ffi::Unexpected<ffi::Error>(
+        ffi::Error::Internal(std::string(op) + ": reading the error word failed"));
+  if (bits != 0) {
+    cudaMemsetAsync(word, 0, sizeof(uint32_t), stream);
+    cudaStreamSynchronize(stream);
+  }
+  return bits;
+}
+
+ffi::Error FinishChecked(cudaStream_t stream, const char* op) {
+  auto taken = TakeErrorBits(stream, op);
+  if (taken.has_error()) return taken.error();
+  const uint32_t bits = *taken;
   if (bits == 0) return ffi::Error::Success();
-  cudaMemsetAsync(word, 0, sizeof(uint32_t), stream);
-  cudaStreamSynchronize(stream);
   std::string msg = std::string(op) + ": bad index:";
   if (bits & kBadPage) msg += " a page_table entry is outside the cache;";
   if (bits & kBadSlot) msg += " a slot_mapping entry is outside the cache;";
@@ -63,6 +75,8 @@ ffi::Error FinishChecked(cudaStream_t stream, const char* op) {
   if (bits & kBadSeqLen) msg += " a seq_lens entry is outside [0, max_pages * page_size];";
   if (bits & kBadQueryStart)
     msg += " query_start is not non-decreasing within [0, T] or gives more queries than seq_lens;";
+  if (bits & kBadIndexPair)
+    msg += " an index_pairs entry is outside the hot pool or the cold tier;";
   return ffi::Error::InvalidArgument(msg);
 }
 

@@ -20,6 +20,7 @@ enum ErrorBits : uint32_t {
   kBadLayer = 1u << 2,       // layer outside [0, num_layers)
   kBadSeqLen = 1u << 3,      // seq_lens outside [0, max_pages * page_size]
   kBadQueryStart = 1u << 4,  // query_start not non-decreasing within [0, T] or > seq_lens
+  kBadIndexPair = 1u << 5,   // codec index_pairs entry outside the hot pool or the cold tier
 };
 
 // Per-device error word (cudaMalloc'd once). Handlers pass it to kernels.
@@ -31,6 +32,9 @@ bool CheckIndicesEnabled();
 
 // In checked mode: waits for `stream`, reads and clears the error word, returns the error.
 ffi::Error FinishChecked(cudaStream_t stream, const char* op);
+
+// Waits for `stream`, reads the error word and clears it; the bits that were set.
+ffi::ErrorOr<uint32_t> TakeErrorBits(cudaStream_t stream, const char* op);
 
 inline ffi::Error LaunchError(const char* what) {
   cudaError_t e = cudaGetLastError();
