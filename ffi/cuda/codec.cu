@@ -14,8 +14,7 @@
 //   registered. Bad pairs are refused on the host before anything is submitted.
 // int8 (DEVICE index location): one CTA per (pair, layer, K/V) reads its pair with one 8-byte load;
 //   a pair outside the hot pool or the cold tier makes the CTA raise kBadIndexPair in the error
-//   word and
-//   touch nothing (reported as an error naming index_pairs only under JAX_KVCM_CHECK_INDICES=1).
+//   word and touch nothing (reported as an error naming index_pairs only under JAX_KVCM_CHECK_INDICES=1).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <nanobind/nanobind.h>
