@@ -161,28 +161,6 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
   return ffi::Error::Success();
 }
 
-ffi::Error ConcatEncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                                ffi::AnyBuffer index_pairs, uint64_t address,
-                                int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> token) {
-  if (auto err = ConcatCuda(true, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
-                            static_cast<char*>(k_pool.untyped_data()),
-                            static_cast<char*>(v_pool.untyped_data()));
-      err.failure())
-    return err;
-  cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream);
-  return LaunchError("concat encode_pages");
-}
-
-ffi::Error ConcatDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                                ffi::AnyBuffer index_pairs, uint64_t address,
-                                int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> k_out,
-                                ffi::Result<ffi::AnyBuffer> v_out) {
-  // NOTE: k_out / v_out alias the pools (input_output_aliases {0: 0, 1: 1}).
-  return ConcatCuda(false, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
-                    static_cast<char*>(k_out->untyped_data()),
-                    static_cast<char*>(v_out->untyped_data()));
-}
-
 // ---- int8 kernels ------------------------------------------------------------------------------
 
 constexpr int kInt8Threads = 256;
@@ -435,26 +413,35 @@ ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_po
   return ffi::Error::Internal("int8 codec: unreachable dtype");
 }
 
-ffi::Error Int8EncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                              ffi::AnyBuffer index_pairs, uint64_t address,
-                              int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> token) {
-  if (auto err = Int8Cuda(true, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
-                          static_cast<char*>(k_pool.untyped_data()),
-                          static_cast<char*>(v_pool.untyped_data()));
+// The FFI handlers: one encode and one decode shape for both codecs.
+using CodecCudaFn = ffi::Error (*)(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
+                                   const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
+                                   uint64_t address, int64_t num_cold_slots, char* k_base,
+                                   char* v_base);
+
+template <CodecCudaFn kCodec>
+ffi::Error EncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                          ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
+                          ffi::Result<ffi::AnyBuffer> token) {
+  if (auto err = kCodec(true, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                        static_cast<char*>(k_pool.untyped_data()),
+                        static_cast<char*>(v_pool.untyped_data()));
       err.failure())
     return err;
   cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream);
-  return LaunchError("int8 encode_pages");
+  return LaunchError("encode_pages");
 }
 
-ffi::Error Int8DecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                              ffi::AnyBuffer index_pairs, uint64_t address,
-                              int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> k_out,
-                              ffi::Result<ffi::AnyBuffer> v_out) {
-  return Int8Cuda(false, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
-                  static_cast<char*>(k_out->untyped_data()),
-                  static_cast<char*>(v_out->untyped_data()));
+template <CodecCudaFn kCodec>
+ffi::Error DecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                          ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
+                          ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  // NOTE: k_out / v_out alias the pools (input_output_aliases {0: 0, 1: 1}).
+  return kCodec(false, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                static_cast<char*>(k_out->untyped_data()),
+                static_cast<char*>(v_out->untyped_data()));
 }
+
 
 }  // namespace
 }  // namespace kvcm::cuda
@@ -534,13 +521,17 @@ namespace xffi = xla::ffi;
       .Ret<xffi::AnyBuffer>()           /* k_pool (aliased) */     \
       .Ret<xffi::AnyBuffer>()           /* v_pool (aliased) */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatEncodeCuda, kvcm::cuda::ConcatEncodeCudaImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatEncodeCuda,
+                              kvcm::cuda::EncodeCudaImpl<kvcm::cuda::ConcatCuda>,
                               KVCM_ENCODE_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatDecodeCuda, kvcm::cuda::ConcatDecodeCudaImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatDecodeCuda,
+                              kvcm::cuda::DecodeCudaImpl<kvcm::cuda::ConcatCuda>,
                               KVCM_DECODE_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8EncodeCuda, kvcm::cuda::Int8EncodeCudaImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8EncodeCuda,
+                              kvcm::cuda::EncodeCudaImpl<kvcm::cuda::Int8Cuda>,
                               KVCM_ENCODE_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8DecodeCuda, kvcm::cuda::Int8DecodeCudaImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8DecodeCuda,
+                              kvcm::cuda::DecodeCudaImpl<kvcm::cuda::Int8Cuda>,
                               KVCM_DECODE_BINDING);
 
 // Called by _kvcm_cuda's registrations() (module.cc).
