@@ -341,25 +341,6 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   return ffi::Error::Success();
 }
 
-template <typename T>
-ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a) {
-  // Experimental variants for tuning (JAX_KVCM_DECODE_VARIANT), head_dim 128 only.
-  const char* variant = std::getenv("JAX_KVCM_DECODE_VARIANT");
-  if (variant != nullptr && a.shape.cache.head_dim == 128) {
-    if (variant[0] == '1') return Launch<T, 128, 2, false>(stream, a);
-    if (variant[0] == '2') return Launch<T, 128, 3, true>(stream, a);
-    if (variant[0] == '3') return Launch<T, 128, 4, false>(stream, a);
-    if (variant[0] == '4') return Launch<T, 128, 2, false, true>(stream, a);
-    if (variant[0] == '5') return Launch<T, 128, 3, false, true>(stream, a);
-  }
-  switch (a.shape.cache.head_dim) {
-    case 64: return Launch<T, 64>(stream, a);
-    case 128: return Launch<T, 128>(stream, a);
-    case 256: return Launch<T, 256>(stream, a);
-  }
-  return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
-}
-
 }  // namespace
 
 bool PagedDecodeSupports(const AttentionArgs& a) {
@@ -371,8 +352,21 @@ bool PagedDecodeSupports(const AttentionArgs& a) {
 }
 
 ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a) {
-  if (a.shape.cache.dtype == DType::kBF16) return DispatchDim<__nv_bfloat16>(stream, a);
-  return DispatchDim<__half>(stream, a);
+  return DispatchHalfDtypeAndHeadDim(a, "paged_attention", [&](auto t, auto d) -> ffi::Error {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value;
+    if constexpr (D == 128) {
+      // Experimental variants for tuning (JAX_KVCM_DECODE_VARIANT), head_dim 128 only.
+      if (const char* variant = std::getenv("JAX_KVCM_DECODE_VARIANT")) {
+        if (variant[0] == '1') return Launch<T, 128, 2, false>(stream, a);
+        if (variant[0] == '2') return Launch<T, 128, 3, true>(stream, a);
+        if (variant[0] == '3') return Launch<T, 128, 4, false>(stream, a);
+        if (variant[0] == '4') return Launch<T, 128, 2, false, true>(stream, a);
+        if (variant[0] == '5') return Launch<T, 128, 3, false, true>(stream, a);
+      }
+    }
+    return Launch<T, D>(stream, a);
+  });
 }
 
 }  // namespace kvcm::cuda

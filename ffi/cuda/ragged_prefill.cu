@@ -337,16 +337,6 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   return LaunchError("ragged_paged_attention (prefill kernel)");
 }
 
-template <typename T>
-ffi::Error DispatchDim(cudaStream_t stream, const AttentionArgs& a) {
-  switch (a.shape.cache.head_dim) {
-    case 64: return Launch<T, 64>(stream, a);
-    case 128: return Launch<T, 128>(stream, a);
-    case 256: return Launch<T, 256>(stream, a);
-  }
-  return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported head_dim");
-}
-
 }  // namespace
 
 bool RaggedPrefillSupports(const AttentionArgs& a) {
@@ -358,8 +348,9 @@ bool RaggedPrefillSupports(const AttentionArgs& a) {
 }
 
 ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a) {
-  if (a.shape.cache.dtype == DType::kBF16) return DispatchDim<__nv_bfloat16>(stream, a);
-  return DispatchDim<__half>(stream, a);
+  return DispatchHalfDtypeAndHeadDim(a, "ragged_paged_attention", [&](auto t, auto d) {
+    return Launch<decltype(t), decltype(d)::value>(stream, a);
+  });
 }
 
 }  // namespace kvcm::cuda

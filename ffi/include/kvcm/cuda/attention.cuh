@@ -1,6 +1,9 @@
 // Launch interface shared by the CUDA attention kernels (decode, ragged prefill, simple fallback).
 #pragma once
 
+#include <string>
+#include <type_traits>
+
 #include "kvcm/cuda/common.cuh"
 
 namespace kvcm::cuda {
@@ -32,5 +35,22 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a);
 // Tensor-core ragged prefill (FlashAttention-2 style, GQA heads packed into rows).
 bool RaggedPrefillSupports(const AttentionArgs& a);
 ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a);
+
+// Calls launch(T{}, std::integral_constant<int, D>{}) for the tensor-core kernels' dtype (T is
+// __nv_bfloat16 or __half) and head_dim D in {64, 128, 256}; other head dims are an error naming
+// `op`. Callers check *Supports first.
+template <typename LaunchFn>
+ffi::Error DispatchHalfDtypeAndHeadDim(const AttentionArgs& a, const char* op, LaunchFn&& launch) {
+  auto by_dim = [&](auto t) -> ffi::Error {
+    switch (a.shape.cache.head_dim) {
+      case 64: return launch(t, std::integral_constant<int, 64>{});
+      case 128: return launch(t, std::integral_constant<int, 128>{});
+      case 256: return launch(t, std::integral_constant<int, 256>{});
+    }
+    return ffi::Error::InvalidArgument(std::string(op) + ": unsupported head_dim");
+  };
+  if (a.shape.cache.dtype == DType::kBF16) return by_dim(__nv_bfloat16{});
+  return by_dim(__half{});
+}
 
 }  // namespace kvcm::cuda
