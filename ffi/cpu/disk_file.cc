@@ -499,23 +499,31 @@ class DiskFile {
     return fired;
   }
 
-  // pwrite/pread until done. Returns 0 or an errno (EIO for a transfer that made no progress).
-  int PwriteAll(const uint8_t* buf, size_t len, off_t off) {
+  // pwrite (is_write) or pread until done, with the direction's injected faults. Returns 0 or an
+  // errno (EIO for a transfer that made no progress: a short write, or end of file inside the
+  // preallocated file).
+  int TransferAll(bool is_write, uint8_t* buf, size_t len, off_t off) {
+    const int error_fault = is_write ? kEnospc : kEioRead;
+    const int error_errno = is_write ? ENOSPC : EIO;
+    const int short_fault = is_write ? kShortWrite : kShortRead;
+    auto io = [&](size_t n) {
+      return is_write ? ::pwrite(fd_, buf, n, off) : ::pread(fd_, buf, n, off);
+    };
     bool zero_next = false;
     while (len > 0) {
       num_io_calls_.fetch_add(1);
       ssize_t n;
-      const int fault = zero_next ? kNoFault : TakeFault(/*is_write=*/true);
+      const int fault = zero_next ? kNoFault : TakeFault(is_write);
       if (zero_next) {
         n = 0;
-      } else if (fault == kEnospc) {
+      } else if (fault == error_fault) {
         n = -1;
-        errno = ENOSPC;
-      } else if (fault == kShortWrite) {
-        n = len / 2 ? ::pwrite(fd_, buf, len / 2, off) : 0;
+        errno = error_errno;
+      } else if (fault == short_fault) {
+        n = len / 2 ? io(len / 2) : 0;
         zero_next = true;
       } else {
-        n = ::pwrite(fd_, buf, len, off);
+        n = io(len);
       }
       if (n < 0) {
         if (errno == EINTR) continue;
@@ -529,34 +537,10 @@ class DiskFile {
     return 0;
   }
 
-  int PreadAll(uint8_t* buf, size_t len, off_t off) {
-    bool zero_next = false;
-    while (len > 0) {
-      num_io_calls_.fetch_add(1);
-      ssize_t n;
-      const int fault = zero_next ? kNoFault : TakeFault(/*is_write=*/false);
-      if (zero_next) {
-        n = 0;
-      } else if (fault == kEioRead) {
-        n = -1;
-        errno = EIO;
-      } else if (fault == kShortRead) {
-        n = len / 2 ? ::pread(fd_, buf, len / 2, off) : 0;
-        zero_next = true;
-      } else {
-        n = ::pread(fd_, buf, len, off);
-      }
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return errno;
-      }
-      if (n == 0) return EIO;  // end of file inside a preallocated file: treat as an I/O error
-      buf += n;
-      len -= static_cast<size_t>(n);
-      off += n;
-    }
-    return 0;
+  int PwriteAll(const uint8_t* buf, size_t len, off_t off) {
+    return TransferAll(true, const_cast<uint8_t*>(buf), len, off);  // NOTE: pwrite only reads buf
   }
+  int PreadAll(uint8_t* buf, size_t len, off_t off) { return TransferAll(false, buf, len, off); }
 
   // Closes and unlinks once; returns the unlink errno (0 when removed or already closed).
   int CloseImpl() {
