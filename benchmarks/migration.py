@@ -16,10 +16,12 @@ hot <-> host (GB/s = 1e9 bytes per second of *uncompressed* hot bytes; int8 also
   contiguous       torch: one 1 GiB copy_ between a CUDA tensor and a pinned CPU tensor (the
                    ceiling; measured at the start and at the end of the run, ratios use the
                    median of both sets of samples)
-  concat           StorageManager.migrate with ConcatCodec: one cuMemcpyBatchAsync per codec call
-                   (4096 pages = one call, 262144 descriptors of 32 KiB)
-  concat[no-batch] the same with JAX_KVCM_NO_MEMCPY_BATCH=1: the codec's fallback, one
-                   cudaMemcpyAsync per 32 KiB piece issued from C++
+  concat           StorageManager.migrate with ConcatCodec: its default CUDA mover for a mapped
+                   pinned tier, one copy-kernel launch per codec call (CTA per 32 KiB piece)
+  concat[memcpy-batch] the same with JAX_KVCM_CONCAT_COPY=memcpy: one cuMemcpyBatchAsync per
+                   codec call (4096 pages = one call, 262144 descriptors of 32 KiB)
+  concat[no-batch] JAX_KVCM_CONCAT_COPY=memcpy JAX_KVCM_NO_MEMCPY_BATCH=1: the fallback before
+                   CUDA 12.8, one cudaMemcpyAsync per 32 KiB piece issued from C++
   int8             StorageManager.migrate with Int8Codec (CUDA kernels reading/writing the mapped
                    pinned host tier directly; cold page 1026 KiB)
   per-piece loop   torch: for each page and each of the 64 pools, dst[...].copy_(src[...],
@@ -91,6 +93,7 @@ GB = 1e9
 GiB = 1 << 30
 IO_CHUNK = 1 << 30  # plain disk I/O: bytes per pwrite/preadv call (Linux caps one call at 2 GiB)
 NO_BATCH_ENV = "JAX_KVCM_NO_MEMCPY_BATCH"
+COPY_ENV = "JAX_KVCM_CONCAT_COPY"
 
 TARGET_CONCAT_VS_CONTIG = 0.8
 TARGET_INT8_VS_CONCAT = 1.5
@@ -795,7 +798,8 @@ def run_concat(shape: Shape, args: argparse.Namespace, disk_dir: str | None, dis
             "disk_slots": sm.disk_pools[0].num_slots if sm.disk_pools else 0,
             "setup_s": round(time.perf_counter() - t0, 2)}
         _log(f"  manager: {results['concat_manager']}")
-        batch = "one cuMemcpyBatchAsync per call" if jax.default_backend() == "gpu" else "CPU memcpy"
+        batch = ("copy kernel, one launch per call" if jax.default_backend() == "gpu"
+                 else "CPU memcpy")
         try:
             v = verify_concat(sm, slots_pool, shape.pages, rng, args.sample_pages)
         except Exception as e:  # noqa: BLE001
@@ -805,20 +809,27 @@ def run_concat(shape: Shape, args: argparse.Namespace, disk_dir: str | None, dis
         _log(f"  concat check: {v}")
         rows += time_cycles(sm, slots_pool, shape, args.repeats, rng, name, None,
                             note=f"{batch}; check {'ok' if v.get('ok') else 'FAIL'}")
-        # The codec's fallback: one cudaMemcpyAsync per descriptor (read on every call).
-        os.environ[NO_BATCH_ENV] = "1"
-        try:
-            note = (f"one cudaMemcpyAsync per {shape.piece_bytes >> 10} KiB piece, from C++"
-                    if jax.default_backend() == "gpu" else "no effect on CPU (same memcpy path)")
-            rows += time_cycles(sm, slots_pool, shape, args.piece_repeats, rng,
-                                f"concat[no-batch] ({NO_BATCH_ENV}=1)", None, note=note,
-                                warmup=1)
-        except Exception as e:  # noqa: BLE001
-            rows.append(row("hot<->host", f"concat[no-batch] ({NO_BATCH_ENV}=1)", "both",
-                            error=_err(e)))
-            _log(f"  concat[no-batch]: ERROR {_err(e)}")
-        finally:
-            os.environ.pop(NO_BATCH_ENV, None)
+        # The memcpy movers (read on every call): one cuMemcpyBatchAsync per call (the seed's
+        # design), then one cudaMemcpyAsync per descriptor (the fallback before CUDA 12.8).
+        for label, env, note in (
+                ("concat[memcpy-batch]", {COPY_ENV: "memcpy"},
+                 f"{COPY_ENV}=memcpy: one cuMemcpyBatchAsync per call, "
+                 f"{shape.pages * 2 * shape.num_layers} descriptors"),
+                ("concat[no-batch]", {COPY_ENV: "memcpy", NO_BATCH_ENV: "1"},
+                 f"{COPY_ENV}=memcpy {NO_BATCH_ENV}=1: one cudaMemcpyAsync per "
+                 f"{shape.piece_bytes >> 10} KiB piece, from C++")):
+            if jax.default_backend() != "gpu":
+                note = "no effect on CPU (same memcpy path)"
+            os.environ.update(env)
+            try:
+                rows += time_cycles(sm, slots_pool, shape, args.piece_repeats, rng, label, None,
+                                    note=note, warmup=1)
+            except Exception as e:  # noqa: BLE001
+                rows.append(row("hot<->host", label, "both", error=_err(e)))
+                _log(f"  {label}: ERROR {_err(e)}")
+            finally:
+                for key in env:
+                    os.environ.pop(key, None)
         if disk_pages and not args.skip_disk:
             _log(f"\n[host <-> disk] {disk_pages} pages of {hp.slot_bytes / 2**20:.3g} MiB = "
                  f"{disk_pages * hp.slot_bytes / GiB:.3g} GiB in {disk_dir} "
@@ -933,6 +944,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     add("int8 / concat (uncompressed bytes/s)", "int8", "concat (", TARGET_INT8_VS_CONCAT)
     add("int8 / contiguous pinned (uncompressed bytes/s)", "int8", "contiguous", None,
         pooled_den=True)
+    add("concat (kernel) / concat[memcpy-batch]", "concat (", "concat[memcpy-batch]", None)
     add("concat / concat[no-batch] (native cudaMemcpyAsync per piece)", "concat (",
         "concat[no-batch]", None)
     add("concat / per-piece torch loop", "concat (", "per-piece", None)
@@ -1055,6 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pages:
         shape = Shape(**{**shape.__dict__, "pages": args.pages, "hot_slots": 2 * args.pages})
     os.environ.pop(NO_BATCH_ENV, None)
+    os.environ.pop(COPY_ENV, None)
 
     t_start = time.perf_counter()
     disk_dir = None if args.skip_disk else pick_disk_dir(args.disk_dir)

@@ -384,10 +384,15 @@ class ConcatCodec(ColdPageCodec):
     itemsize``; equivalently the cold page is ``np.stack([k_pool[:, s], v_pool[:, s]], axis=1)``
     as raw bytes.
 
-    Index location HOST: on CPU the handler memcpy's each piece; on CUDA it builds one copy
-    descriptor per page per pool and submits all of them with one ``cuMemcpyBatchAsync`` (one
-    ``cudaMemcpyAsync`` each before CUDA 12.8), reading the pairs from the host copy given to
-    :meth:`register_host_index_pairs`.
+    Index location HOST: every call's pairs are validated on the host, from the host copy given
+    to :meth:`register_host_index_pairs` (on CPU, from the operand), before anything moves. On
+    CPU the handler memcpy's each piece. On CUDA, when the cold tier is device-accessible (the
+    mapped pinned host tier, device memory) one copy kernel moves every piece (one CTA per 32 KiB
+    piece at the Llama-8B shape); for pageable host memory, or with
+    ``JAX_KVCM_CONCAT_COPY=memcpy``, one copy descriptor per page per pool goes in one
+    ``cuMemcpyBatchAsync`` (one ``cudaMemcpyAsync`` each before CUDA 12.8 or with
+    ``JAX_KVCM_NO_MEMCPY_BATCH=1``). The kernel is the default because on the H200 the batched
+    memcpy reached only 0.39x a contiguous pinned copy (``benchmarks/RESULTS.md``).
 
     Batching: all layer groups of one hot pool group share a layout, so they share a batching id
     (the smallest of them).
@@ -521,7 +526,8 @@ class _IndexRegistry:
                 (lib.kvcm_unregister_host_index_pairs, [ctypes.c_size_t], ctypes.c_int),
                 (lib.kvcm_lookup_host_index_pairs,
                  [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64),
-                (lib.kvcm_num_host_index_registrations, [], ctypes.c_int64)):
+                (lib.kvcm_num_host_index_registrations, [], ctypes.c_int64),
+                (lib.kvcm_concat_mover_calls, [ctypes.c_int], ctypes.c_int64)):
             fn.argtypes, fn.restype = args, res
         self._lib = lib
         bound = hasattr(module, "register_host_index_pairs")
@@ -542,6 +548,11 @@ class _IndexRegistry:
     def count(self) -> int:
         """Number of registered device buffers."""
         return int(self._lib.kvcm_num_host_index_registrations())
+
+    def concat_mover_calls(self) -> tuple[int, int]:
+        """(copy-kernel calls, memcpy calls) of the CUDA concat codec since load."""
+        return (int(self._lib.kvcm_concat_mover_calls(0)),
+                int(self._lib.kvcm_concat_mover_calls(1)))
 
 
 _registry: _IndexRegistry | None = None

@@ -1,33 +1,72 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build, verify the kernels, run the gpu-marked tests and the
-# benchmarks, print a short table last.   Usage (repo root): bash scripts/gpu_check.sh [--no-bench]
-# --no-migration (any position) skips only the migration benchmark (benchmarks/migration.py).
+# benchmarks, print a short table last.   Usage (repo root): bash scripts/gpu_check.sh [flags]
+#   --variants      also time the decode kernel variants (scripts/decode_variants.py)
+#   --no-verify     skip scripts/gpu_verify.py (~4 min; `pytest -m gpu` checks the same ops)
+#   --no-bench      skip every benchmark
+#   --no-attention  skip benchmarks/attention.py
+#   --no-migration  skip benchmarks/migration.py
+#   --no-serve      skip benchmarks/serve.py
+# Logs and JSON results go to $OUT (default /tmp/kvcm_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+variants=0 verify=1 attention=1 migration=1 serve=1
+for arg in "$@"; do
+  case "$arg" in
+    --variants) variants=1 ;;
+    --no-verify) verify=0 ;;
+    --no-bench) attention=0 migration=0 serve=0 ;;
+    --no-attention) attention=0 ;;
+    --no-migration) migration=0 ;;
+    --no-serve) serve=0 ;;
+    *) echo "unknown flag $arg"; exit 2 ;;
+  esac
+done
+t0=$SECONDS
 rm -rf /tmp/site
 python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+echo "build: $((SECONDS - t0)) s"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 status=0
-skip_migration=0
-for arg in "$@"; do [ "$arg" = "--no-migration" ] && skip_migration=1; done
-python3 -c "import jax, jax_kvcm; print(jax.__version__, jax.devices(), 'cuda ext:', jax_kvcm.cuda_extension_available())"
-python3 scripts/gpu_verify.py 2>&1 | tee "$OUT/verify.log" | grep -E "FAIL|gpu_verify|seed" | tail -40 || status=1
-if [ -d tests ]; then
-  (cd tests && python3 -m pytest -q -m gpu -p no:cacheprovider -x --rootdir=. . 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15) || status=1
+summary=()
+step() {  # step NAME LOG CMD...: runs CMD, keeps its output in $OUT/LOG, notes rc and seconds
+  local name=$1 log=$2; shift 2
+  local t=$SECONDS
+  "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  [ $rc -ne 0 ] && status=1
+  summary+=("$(printf '%-14s rc=%-3s %5d s  %s' "$name" "$rc" "$((SECONDS - t))" "$log")")
+  return $rc
+}
+(cd /tmp && python3 -c "import jax, jax_kvcm; print(jax.__version__, jax.devices(), 'cuda ext:', jax_kvcm.cuda_extension_available())")
+if [ $verify = 1 ]; then
+  step verify verify.log python3 scripts/gpu_verify.py
+  grep -E "FAIL|gpu_verify|seed" "$OUT/verify.log" | tail -40
 fi
-if [ "${1:-}" = "--variants" ]; then
-  python3 scripts/decode_variants.py 2>&1 | tee "$OUT/variants.log" | tail -20
+step pytest-gpu pytest_gpu.log bash -c "cd tests && python3 -m pytest -q -m gpu -p no:cacheprovider -x --rootdir=. ."
+tail -5 "$OUT/pytest_gpu.log"
+if [ $variants = 1 ]; then
+  step variants variants.log python3 scripts/decode_variants.py
+  tail -20 "$OUT/variants.log"
 fi
-if [ "${1:-}" != "--no-bench" ] && [ -f benchmarks/attention.py ]; then
-  python3 benchmarks/attention.py --no-pallas-sweep --json "$OUT/attention.json" 2>&1 \
-    | tee "$OUT/bench.log" | tail -45 || status=1
+if [ $attention = 1 ] && [ -f benchmarks/attention.py ]; then
+  step attention bench.log python3 benchmarks/attention.py --no-pallas-sweep --json "$OUT/attention.json"
+  tail -45 "$OUT/bench.log"
 fi
-if [ "${1:-}" != "--no-bench" ] && [ "$skip_migration" = 0 ] && [ -f benchmarks/migration.py ]; then
-  python3 benchmarks/migration.py --json "$OUT/migration.json" 2>&1 \
-    | tee "$OUT/migration.log" | tail -45 || status=1
+if [ $migration = 1 ] && [ -f benchmarks/migration.py ]; then
+  step migration migration.log python3 benchmarks/migration.py --json "$OUT/migration.json"
+  tail -45 "$OUT/migration.log"
 fi
+if [ $serve = 1 ] && [ -f benchmarks/serve.py ]; then
+  step serve serve.log python3 benchmarks/serve.py --json "$OUT/serve.json"
+  tail -60 "$OUT/serve.log"
+fi
+echo
+echo "step           rc     time  log (in \$OUT)"
+printf '%s\n' "${summary[@]}"
+echo "total $((SECONDS - t0)) s, status $status"
 exit $status

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BF16, DTYPES, F16, F32, assert_bits_equal, runtime_error_types
+from conftest import (BF16, DTYPES, F16, F32, assert_bits_equal, forget_failed_runtime_tokens,
+                      runtime_error_types)
 from jax_kvcm import _codec, _ffi
 from jax_kvcm._codec import (ColdPageCodec, ConcatCodec, HotPoolGroupDesc, Int8Codec,
                              PageIndexLocation, create_default_cold_page_codec,
@@ -244,13 +245,18 @@ def test_concat_round_trip_is_byte_exact(backend, layout, dtype, tier_kind, seed
 
 
 @pytest.mark.parametrize("tier_kind", ["host", "pageable", "device"])
-@pytest.mark.parametrize("batched", [True, False], ids=["memcpy-batch", "memcpy-each"])
-def test_concat_round_trip_copy_paths(backend, monkeypatch, batched, tier_kind):
-    """Both CUDA copy paths: one cuMemcpyBatchAsync, and (JAX_KVCM_NO_MEMCPY_BATCH=1, the path
-    for drivers before 12.8) one cudaMemcpyAsync per piece; also from/to pageable host memory,
-    which the GPU reaches only by DMA. The CPU handler ignores the variable."""
-    if not batched:
+@pytest.mark.parametrize("mover", ["auto", "memcpy-batch", "memcpy-each"])
+def test_concat_round_trip_copy_paths(backend, monkeypatch, mover, tier_kind):
+    """Every CUDA data mover: the copy kernel (auto, whenever the cold tier is device-accessible:
+    mapped pinned host or device memory), one cuMemcpyBatchAsync (JAX_KVCM_CONCAT_COPY=memcpy,
+    and auto for pageable host memory, which the GPU reaches only by DMA), and one cudaMemcpyAsync
+    per piece (also JAX_KVCM_NO_MEMCPY_BATCH=1, the path for drivers before 12.8). The CPU handler
+    ignores both variables."""
+    if mover != "auto":
+        monkeypatch.setenv("JAX_KVCM_CONCAT_COPY", "memcpy")
+    if mover == "memcpy-each":
         monkeypatch.setenv("JAX_KVCM_NO_MEMCPY_BATCH", "1")
+    calls_before = _codec._index_registry().concat_mover_calls() if backend.name == "gpu" else None
     rng = np.random.default_rng(5)
     desc = _desc(LAYOUTS[1], BF16)
     codec = _configured("concat", desc)
@@ -267,6 +273,10 @@ def test_concat_round_trip_copy_paths(backend, monkeypatch, batched, tier_kind):
     want_k[:, src], want_v[:, src] = k[:, src], v[:, src]
     assert_bits_equal(np.asarray(k_out), want_k, "k_pool", 5)
     assert_bits_equal(np.asarray(v_out), want_v, "v_pool", 5)
+    if calls_before is not None:  # the mover this configuration must take, twice (enc + dec)
+        kernel, memcpy = np.subtract(_codec._index_registry().concat_mover_calls(), calls_before)
+        want_kernel = mover == "auto" and tier_kind != "pageable"
+        assert (kernel, memcpy) == ((2, 0) if want_kernel else (0, 2)), (mover, tier_kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,8 +499,11 @@ def test_concat_cuda_needs_registered_host_pairs(backend):
     tier = ColdTier(backend, "device", 2, codec.cold_page_bytes(0), np.random.default_rng(0))
     pairs = backend.put(np.array([[0, 1]], np.int32))
     fn = jax.jit(lambda k, v, p: codec.encode(0, k, v, p, tier.address))
-    with pytest.raises(runtime_error_types(), match="index_pairs"):
-        fn(k, v, pairs).block_until_ready()
+    try:
+        with pytest.raises(runtime_error_types(), match="index_pairs"):
+            fn(k, v, pairs).block_until_ready()
+    finally:
+        forget_failed_runtime_tokens()
     # A registered copy with another length is refused too.
     codec.register_host_index_pairs(pairs, np.array([[0, 1]], np.int32))
     registry = _codec._index_registry()

@@ -3,15 +3,22 @@
 // Layouts and quantization: kvcm/codec.h. Both run on XLA's stream and never synchronize it
 // (except under JAX_KVCM_CHECK_INDICES=1, the debugging mode of every CUDA handler).
 //
-// concat (HOST index location): the pairs are consumed on the host while the handler runs, to build
-//   one copy descriptor per page per pool (2 * L per page) submitted with ONE cuMemcpyBatchAsync
-//   per call (stream-ordered source access, prefer-overlap-with-compute hint). The driver entry
-//   point is looked up once at run time (cudaGetDriverEntryPointByVersion, ABI of 12.8); where it
-//   does not exist (driver < 12.8), or with JAX_KVCM_NO_MEMCPY_BATCH=1, the same descriptors are
-//   submitted as one cudaMemcpyAsync each. XLA hands the handler a DEVICE buffer of pairs, so the
-//   host copy comes from a registry keyed by that buffer's device pointer (see the extern "C"
-//   functions at the end); the handler fails with an error naming index_pairs when none is
-//   registered. Bad pairs are refused on the host before anything is submitted.
+// concat (HOST index location): the pairs are validated on the host while the handler runs (bad
+//   pairs are refused before anything is submitted). XLA hands the handler a DEVICE buffer of
+//   pairs, so the host copy comes from a registry keyed by that buffer's device pointer (see the
+//   extern "C" functions at the end); the handler fails with an error naming index_pairs when none
+//   is registered. Two data movers, chosen per call:
+//   - copy kernel (default whenever the cold tier is device-accessible: mapped pinned host memory
+//     or device memory): one CTA per (pair, layer, K/V) piece moves it with 16-byte loads/stores,
+//     reading its pair from the device operand. Measured on the H200 (benchmarks/RESULTS.md) the
+//     batched memcpy below reached only 0.39x a contiguous pinned copy for 32 KiB pieces, its
+//     submission alone taking as long as the copies; the kernel is what reaches the target.
+//   - memcpy (cold tier in pageable host memory, which only DMA reaches, or
+//     JAX_KVCM_CONCAT_COPY=memcpy): one copy descriptor per page per pool (2 * L per page) in ONE
+//     cuMemcpyBatchAsync per call (stream-ordered source access, prefer-overlap-with-compute hint),
+//     the seed's design. The driver entry point is looked up once at run time
+//     (cudaGetDriverEntryPointByVersion, ABI of 12.8); where it does not exist (driver < 12.8), or
+//     with JAX_KVCM_NO_MEMCPY_BATCH=1, the same descriptors go as one cudaMemcpyAsync each.
 // int8 (DEVICE index location): one CTA per (pair, layer, K/V) reads its pair with one 8-byte load;
 //   a pair outside the hot pool or the cold tier makes the CTA raise kBadIndexPair in the error
 //   word and touch nothing (reported as an error naming index_pairs only under JAX_KVCM_CHECK_INDICES=1).
@@ -20,6 +27,7 @@
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -71,6 +79,121 @@ struct CopyList {
   std::vector<size_t> sizes;
 };
 
+// ---- concat copy kernel ------------------------------------------------------------------------
+
+// Calls per data mover since load (tests check which mover a configuration really took).
+std::atomic<int64_t> g_concat_kernel_calls{0}, g_concat_memcpy_calls{0};
+
+constexpr int kCopyThreads = 256;
+constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per thread (a 32 KiB piece: one round)
+
+// grid (n, 2L): CTA (pair, piece j = 2 * layer + kv). The pairs were validated on the host.
+template <bool kEncode, bool kVec>
+__global__ void __launch_bounds__(kCopyThreads)
+    ConcatCopyKernel(char* __restrict__ k_pool, char* __restrict__ v_pool,
+                     const int32_t* __restrict__ pairs, char* __restrict__ cold_base,
+                     HotPoolShape s, int64_t cold_page_bytes) {
+  const int2 pr = reinterpret_cast<const int2*>(pairs)[blockIdx.x];
+  const int64_t hot = kEncode ? pr.y : pr.x;
+  const int64_t cold = kEncode ? pr.x : pr.y;
+  const int64_t j = blockIdx.y, piece = s.piece_bytes();
+  char* hot_ptr = ((j & 1) ? v_pool : k_pool) + ((j >> 1) * s.num_slots + hot) * piece;
+  char* cold_ptr = cold_base + cold * cold_page_bytes + j * piece;
+  const char* src = kEncode ? hot_ptr : cold_ptr;
+  char* dst = kEncode ? cold_ptr : hot_ptr;
+  if constexpr (kVec) {
+    const auto* src4 = reinterpret_cast<const uint4*>(src);
+    auto* dst4 = reinterpret_cast<uint4*>(dst);
+    const int64_t n = piece / 16;
+    int64_t i = threadIdx.x;
+    for (; i + (kCopyUnroll - 1) * kCopyThreads < n; i += kCopyUnroll * kCopyThreads) {
+      uint4 r[kCopyUnroll];  // all loads issued before the first store: latency of the slow link
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) r[u] = src4[i + u * kCopyThreads];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) dst4[i + u * kCopyThreads] = r[u];
+    }
+    for (; i < n; i += kCopyThreads) dst4[i] = src4[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < piece; i += kCopyThreads) dst[i] = src[i];
+  }
+}
+
+// True when a kernel on the current device can load and store at `address`: device memory of this
+// device, managed memory, or mapped pinned host memory whose device address equals its host address
+// (what PinnedHostBuffer hands out). Pageable host memory is reached only by DMA (memcpy).
+bool DeviceAccessible(uint64_t address) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(uintptr_t(address))) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  int device = 0;
+  cudaGetDevice(&device);
+  switch (attr.type) {
+    case cudaMemoryTypeDevice:
+      return attr.device == device;
+    case cudaMemoryTypeManaged:
+      return true;
+    case cudaMemoryTypeHost:
+      return attr.devicePointer == reinterpret_cast<void*>(uintptr_t(address));
+    default:
+      return false;
+  }
+}
+
+// JAX_KVCM_CONCAT_COPY=memcpy forces the memcpy mover (benchmarks, tests); anything else: auto.
+bool ConcatKernelAllowed() {
+  const char* mode = std::getenv("JAX_KVCM_CONCAT_COPY");
+  return mode == nullptr || std::strcmp(mode, "memcpy") != 0;
+}
+
+ffi::Error ConcatKernelLaunch(bool encode, cudaStream_t stream, const CodecCall& c, char* k_base,
+                              char* v_base, const ffi::AnyBuffer& index_pairs, uint64_t address) {
+  const bool vec = c.hot.piece_bytes() % 16 == 0 && reinterpret_cast<uintptr_t>(k_base) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(v_base) % 16 == 0 && address % 16 == 0 &&
+                   c.cold_page_bytes % 16 == 0;
+  const dim3 grid(unsigned(c.num_pairs), unsigned(2 * c.hot.num_layers));
+  const auto* pairs = static_cast<const int32_t*>(index_pairs.untyped_data());
+  char* cold = reinterpret_cast<char*>(uintptr_t(address));
+  auto kernel = encode ? (vec ? ConcatCopyKernel<true, true> : ConcatCopyKernel<true, false>)
+                       : (vec ? ConcatCopyKernel<false, true> : ConcatCopyKernel<false, false>);
+  kernel<<<grid, kCopyThreads, 0, stream>>>(k_base, v_base, pairs, cold, c.hot,
+                                            c.cold_page_bytes);
+  return LaunchError(encode ? "concat encode_pages" : "concat decode_pages");
+}
+
+// One descriptor per page per pool (2 * L per pair), in cold-page order.
+ffi::Error BuildCopyList(CopyList& list, const int32_t* pairs, const CodecCall& c, bool encode,
+                         uint64_t address, char* k_base, char* v_base, const char* op) {
+  const int64_t piece = c.hot.piece_bytes();
+  const int64_t layer_bytes = c.hot.num_slots * piece;
+  const size_t count = size_t(c.num_pairs) * size_t(2 * c.hot.num_layers);
+  try {
+    list.dsts.resize(count);
+    list.srcs.resize(count);
+    list.sizes.assign(count, size_t(piece));
+  } catch (const std::bad_alloc&) {
+    return ffi::Error::Internal(std::string(op) + ": out of host memory for copy descriptors");
+  }
+  size_t j = 0;
+  for (int64_t i = 0; i < c.num_pairs; ++i) {
+    const int64_t hot = encode ? pairs[2 * i + 1] : pairs[2 * i];
+    const int64_t cold = encode ? pairs[2 * i] : pairs[2 * i + 1];
+    const uint64_t page = address + uint64_t(cold) * uint64_t(c.cold_page_bytes);
+    for (int64_t l = 0; l < c.hot.num_layers; ++l) {
+      for (int kv = 0; kv < 2; ++kv, ++j) {
+        const auto hot_ptr = CUdeviceptr((kv ? v_base : k_base) + l * layer_bytes + hot * piece);
+        const auto cold_ptr = CUdeviceptr(page + uint64_t((2 * l + kv) * piece));
+        list.dsts[j] = encode ? cold_ptr : hot_ptr;
+        list.srcs[j] = encode ? hot_ptr : cold_ptr;
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
                       const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
                       uint64_t address, int64_t num_cold_slots, char* k_base, char* v_base) {
@@ -82,8 +205,7 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
   if (c.num_pairs == 0) return ffi::Error::Success();
 
   thread_local CopyList list;
-  const int64_t piece = c.hot.piece_bytes();
-  const int64_t layer_bytes = c.hot.num_slots * piece;
+  bool use_kernel = false;
   {
     IndexRegistry& reg = Registry();
     std::lock_guard<std::mutex> lock(reg.mutex);
@@ -100,30 +222,17 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
                      std::to_string(c.num_pairs));
     const int32_t* pairs = it->second.data();
     if (auto err = CheckIndexPairs(pairs, c, encode); err.failure()) return err;
-    const size_t count = size_t(c.num_pairs) * size_t(2 * c.hot.num_layers);
-    try {
-      list.dsts.resize(count);
-      list.srcs.resize(count);
-      list.sizes.assign(count, size_t(piece));
-    } catch (const std::bad_alloc&) {
-      return ffi::Error::Internal(std::string(op) + ": out of host memory for copy descriptors");
-    }
-    size_t j = 0;
-    for (int64_t i = 0; i < c.num_pairs; ++i) {
-      const int64_t hot = encode ? pairs[2 * i + 1] : pairs[2 * i];
-      const int64_t cold = encode ? pairs[2 * i] : pairs[2 * i + 1];
-      const uint64_t page = address + uint64_t(cold) * uint64_t(c.cold_page_bytes);
-      for (int64_t l = 0; l < c.hot.num_layers; ++l) {
-        for (int kv = 0; kv < 2; ++kv, ++j) {
-          const auto hot_ptr =
-              CUdeviceptr((kv ? v_base : k_base) + l * layer_bytes + hot * piece);
-          const auto cold_ptr = CUdeviceptr(page + uint64_t((2 * l + kv) * piece));
-          list.dsts[j] = encode ? cold_ptr : hot_ptr;
-          list.srcs[j] = encode ? hot_ptr : cold_ptr;
-        }
-      }
+    use_kernel = ConcatKernelAllowed() && c.num_pairs <= int64_t(INT32_MAX) &&
+                 2 * c.hot.num_layers <= 65535 && DeviceAccessible(address);
+    if (!use_kernel) {
+      if (auto err = BuildCopyList(list, pairs, c, encode, address, k_base, v_base, op);
+          err.failure())
+        return err;
     }
   }
+  (use_kernel ? g_concat_kernel_calls : g_concat_memcpy_calls).fetch_add(1);
+  if (use_kernel)
+    return ConcatKernelLaunch(encode, stream, c, k_base, v_base, index_pairs, address);
   const size_t count = list.dsts.size();
   // NOTE: cuMemcpyBatchAsync refuses the legacy NULL stream; XLA never hands us that one.
   PFN_cuMemcpyBatchAsync_v12080 batch = stream != nullptr ? MemcpyBatchFn() : nullptr;
@@ -494,6 +603,12 @@ KVCM_EXPORT int64_t kvcm_num_host_index_registrations() {
   auto& reg = kvcm::cuda::Registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
   return int64_t(reg.pairs.size());
+}
+
+// Calls of the concat codec's copy kernel (which = 0) or memcpy mover (which = 1) since load.
+KVCM_EXPORT int64_t kvcm_concat_mover_calls(int which) {
+  return which == 0 ? kvcm::cuda::g_concat_kernel_calls.load()
+                    : kvcm::cuda::g_concat_memcpy_calls.load();
 }
 
 // ---- handler symbols and registrations ---------------------------------------------------------
