@@ -6,7 +6,7 @@
 #   --no-bench      skip every benchmark
 #   --no-attention  skip benchmarks/attention.py
 #   --no-migration  skip benchmarks/migration.py
-#   --no-serve      skip benchmarks/serve.py
+#   --no-serve      skip examples/llama/run.py, benchmarks/manager_overhead.py and benchmarks/serve.py
 # Logs and JSON results go to $OUT (default /tmp/kvcm_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
@@ -60,6 +60,12 @@ fi
 if [ $migration = 1 ] && [ -f benchmarks/migration.py ]; then
   step migration migration.log python3 benchmarks/migration.py --json "$OUT/migration.json"
   tail -45 "$OUT/migration.log"
+fi
+if [ $serve = 1 ]; then  # the README's main job on the GPU, then the serving benchmark
+  step run.py llama_run.log bash -c "cd /tmp && python3 $PWD/examples/llama/run.py"
+  tail -25 "$OUT/llama_run.log"
+  step manager manager.log python3 benchmarks/manager_overhead.py
+  tail -10 "$OUT/manager.log"
 fi
 if [ $serve = 1 ] && [ -f benchmarks/serve.py ]; then
   step serve serve.log python3 benchmarks/serve.py --json "$OUT/serve.json"
