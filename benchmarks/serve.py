@@ -79,6 +79,7 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
@@ -418,6 +419,7 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
     results: list[dict] = []
     comparisons: list[dict] = []
     agreements: list[dict] = []
+    errors: list[dict] = []
     cmax = max(setup.concurrencies)
     n_random = max(int(round(c * setup.requests_factor)) for c in setup.concurrencies)
     rand = random_requests(setup, n_random)
@@ -464,26 +466,43 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         for run, (ref, got) in by_run.items():
             agree(run, ref, label, got)
 
+    def attempt(label: str, fn, *args: Any, **kwargs: Any) -> tuple[dict | None, list]:
+        """Runs one configuration; a failure (out of memory, a kernel error) is logged and
+        recorded, and the other configurations still run."""
+        try:
+            res, outs = fn(params, setup, *args, label=label, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported in the output, exit status 1 at the end
+            tb = traceback.format_exc().strip().splitlines()
+            msg = f"{type(e).__name__}: {e}".replace("\n", " ")[:600]
+            log(f"  ERROR {label}: {msg}\n    " + "\n    ".join(tb[-6:]))
+            errors.append({"name": label, "error": msg})
+            res, outs = None, []
+        gc.collect()
+        if res is not None:
+            record(res, outs)
+            if res["workload"] == "random":
+                against_earlier(label, outs)
+        return res, outs
+
+    big = None                     # the paged run at the largest concurrency
     for c in sorted(setup.concurrencies):
         reqs = rand[:int(round(c * setup.requests_factor))]
         log(f"random {setup.input_len}/{setup.output_len}, concurrency {c}, {len(reqs)} "
             f"requests{_mem_gib()}")
-        pres, pgen = run_paged(params, setup, reqs, concurrency=c, prefix=True,
-                               workload="random", label=f"paged random c{c}")
-        record(pres, pgen)
-        against_earlier(pres["name"], pgen)
+        pres, _ = attempt(f"paged random c{c}", run_paged, reqs, concurrency=c, prefix=True,
+                          workload="random")
+        if c == cmax:
+            big = pres
         if setup.run_dense:
-            dres, dgen = run_dense(params, setup, reqs, batch=c,
-                                   max_len=setup.input_len + setup.output_len,
-                                   workload="random", label=f"dense random c{c}")
-            record(dres, dgen)
-            against_earlier(dres["name"], dgen)
-            comparisons.append(dict(
-                kind="equal_batch", concurrency=c, paged=pres["name"], dense=dres["name"],
-                paged_over_dense=pres["output_tokens_per_s"] / dres["output_tokens_per_s"],
-                decode_step_paged_over_dense=(dres["decode_step_ms_p50"]
-                                              / max(pres["decode_step_ms_p50"], 1e-9)),
-                target=TARGET_PAGED_OVER_DENSE))
+            dres, _ = attempt(f"dense random c{c}", run_dense, reqs, batch=c,
+                              max_len=setup.input_len + setup.output_len, workload="random")
+            if pres is not None and dres is not None:
+                comparisons.append(dict(
+                    kind="equal_batch", concurrency=c, paged=pres["name"], dense=dres["name"],
+                    paged_over_dense=pres["output_tokens_per_s"] / dres["output_tokens_per_s"],
+                    decode_step_time_dense_over_paged=(
+                        dres["decode_step_ms_p50"] / max(pres["decode_step_ms_p50"], 1e-9)),
+                    target=TARGET_PAGED_OVER_DENSE))
 
     if setup.run_shared:
         sreqs = shared_requests(setup)
@@ -491,45 +510,41 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         log(f"shared prefix: {setup.shared_prompts} system prompts of ~{setup.shared_prompt_len} "
             f"+ {setup.shared_suffix_len}-token suffixes, output {setup.shared_output_len}, "
             f"concurrency {cs}, {len(sreqs)} requests{_mem_gib()}")
-        gens = {}
-        for prefix in (True, False):
-            res, gen = run_paged(params, setup, sreqs, concurrency=cs, prefix=prefix,
-                                 workload="shared",
-                                 label=f"paged shared c{cs} prefix {'on' if prefix else 'off'}")
-            record(res, gen)
-            gens[prefix] = (res, gen)
-        (on, gon), (off, goff) = gens[True], gens[False]
-        agree(on["name"], gon, off["name"], goff)
-        comparisons.append(dict(
-            kind="prefix_reuse", concurrency=cs, on=on["name"], off=off["name"],
-            tokens_per_s_on_over_off=on["output_tokens_per_s"] / off["output_tokens_per_s"],
-            ttft_p50_off_over_on=off["ttft_p50_s"] / max(on["ttft_p50_s"], 1e-9),
-            prefix_hit_rate=on["prefix_hit_rate"],
-            pages_used_on_over_off=on["pages_used_peak"] / max(off["pages_used_peak"], 1)))
+        on, gon = attempt(f"paged shared c{cs} prefix on", run_paged, sreqs, concurrency=cs,
+                          prefix=True, workload="shared")
+        off, goff = attempt(f"paged shared c{cs} prefix off", run_paged, sreqs, concurrency=cs,
+                            prefix=False, workload="shared")
+        if on is not None and off is not None:
+            agree(on["name"], gon, off["name"], goff)
+            comparisons.append(dict(
+                kind="prefix_reuse", concurrency=cs, on=on["name"], off=off["name"],
+                tokens_per_s_on_over_off=on["output_tokens_per_s"] / off["output_tokens_per_s"],
+                ttft_p50_off_over_on=off["ttft_p50_s"] / max(on["ttft_p50_s"], 1e-9),
+                prefix_hit_rate=on["prefix_hit_rate"],
+                pages_used_on_over_off=on["pages_used_peak"] / max(off["pages_used_peak"], 1)))
 
     # Equal memory: the largest concurrency's paged pool against a dense cache of the same bytes.
-    big = next(r for r in results if r["path"] == "paged" and r["workload"] == "random"
-               and r["concurrency"] == cmax)
-    M = setup.equal_memory_max_len
-    dense_fit = big["cache_bytes"] // dense.dense_cache_bytes(setup.model, 1, M)
-    eq = dict(kind="equal_memory", cache_bytes=big["cache_bytes"], dense_max_len=M,
-              dense_sequences=int(dense_fit), paged_seq_len=big["capacity_seq_len"],
-              paged_sequences=big["capacity_seqs"], paged_run=big["name"],
-              paged_sequences_over_dense=big["capacity_seqs"] / max(dense_fit, 1))
-    log(f"equal memory ({big['cache_bytes'] / 2**30:.2f} GiB of K/V): dense max_len {M} holds "
-        f"{dense_fit} sequences; the paged pool holds {big['capacity_seqs']} sequences of "
-        f"{big['capacity_seq_len']} tokens (KVCacheManager.max_num_sequences)")
-    if setup.equal_memory_run and setup.run_dense and dense_fit >= 1:
-        reqs = rand[:dense_fit] if dense_fit <= len(rand) else random_requests(setup, dense_fit)
-        dres, dgen = run_dense(params, setup, reqs, batch=int(dense_fit), max_len=M,
-                               workload="random", label=f"dense random c{dense_fit} max_len {M}")
-        record(dres, dgen)
-        against_earlier(dres["name"], dgen)
-        eq.update(dense_run=dres["name"],
-                  paged_over_dense=big["output_tokens_per_s"] / dres["output_tokens_per_s"])
-    comparisons.append(eq)
+    if big is not None:
+        M = setup.equal_memory_max_len
+        dense_fit = int(big["cache_bytes"] // dense.dense_cache_bytes(setup.model, 1, M))
+        eq = dict(kind="equal_memory", cache_bytes=big["cache_bytes"], dense_max_len=M,
+                  dense_sequences=dense_fit, paged_seq_len=big["capacity_seq_len"],
+                  paged_sequences=big["capacity_seqs"], paged_run=big["name"],
+                  paged_sequences_over_dense=big["capacity_seqs"] / max(dense_fit, 1))
+        log(f"equal memory ({big['cache_bytes'] / 2**30:.2f} GiB of K/V): dense max_len {M} "
+            f"holds {dense_fit} sequences; the paged pool holds {big['capacity_seqs']} sequences "
+            f"of {big['capacity_seq_len']} tokens (KVCacheManager.max_num_sequences)")
+        if setup.equal_memory_run and setup.run_dense and dense_fit >= 1:
+            reqs = rand[:dense_fit] if dense_fit <= len(rand) else random_requests(setup,
+                                                                                   dense_fit)
+            dres, _ = attempt(f"dense random c{dense_fit} max_len {M}", run_dense, reqs,
+                              batch=dense_fit, max_len=M, workload="random")
+            if dres is not None:
+                eq.update(dense_run=dres["name"], paged_over_dense=(
+                    big["output_tokens_per_s"] / dres["output_tokens_per_s"]))
+        comparisons.append(eq)
     return {"setup": dataclasses.asdict(setup), "results": results, "comparisons": comparisons,
-            "agreement": agreements}
+            "agreement": agreements, "errors": errors}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,13 +564,16 @@ def markdown(out: dict[str, Any]) -> str:
             f"{r['requests']} | {r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
             f"{r['ttft_p90_s']:.3f} | {r['decode_step_ms_p50']:.2f} | {hit} | {pages} | "
             f"{r['cache_bytes'] / 2**30:.2f} |")
+    for e in out.get("errors", []):
+        lines.append(f"| {e['name']} | FAILED | | | | | | | | | {e['error'][:120]} | |")
     lines += ["", "| comparison | value | note |", "|---|---:|---|"]
     for c in out["comparisons"]:
         if c["kind"] == "equal_batch":
             ok = "met" if c["paged_over_dense"] >= c["target"] else "NOT met"
             lines.append(f"| paged / dense tok/s, equal batch {c['concurrency']} | "
                          f"{c['paged_over_dense']:.2f}x | target >= {c['target']}: {ok}; "
-                         f"decode step dense/paged {c['decode_step_paged_over_dense']:.2f}x |")
+                         f"decode step time dense/paged "
+                         f"{c['decode_step_time_dense_over_paged']:.2f}x |")
         elif c["kind"] == "prefix_reuse":
             lines.append(f"| prefix reuse on / off tok/s, concurrency {c['concurrency']} | "
                          f"{c['tokens_per_s_on_over_off']:.2f}x | hit rate "
@@ -704,6 +722,8 @@ def main(argv=None) -> dict[str, Any]:
         try:
             chk = bench(CHECK_SETUP, _params(CHECK_SETUP), **_F32_GPU_CHECK,
                         log=lambda *a: None)
+            if chk["errors"]:
+                raise RuntimeError("; ".join(f"{e['name']}: {e['error']}" for e in chk["errors"]))
         except RuntimeError as e:
             raise SystemExit(f"CHECK FAILED: {e}\n(--no-check skips this check)") from None
         out["check"] = {"agreement": chk["agreement"]}
@@ -729,6 +749,9 @@ def main(argv=None) -> dict[str, Any]:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=float))
         _log(f"wrote {args.json}")
+    if out["errors"]:
+        raise SystemExit(f"FAILED: {len(out['errors'])} configuration(s) raised: "
+                         + "; ".join(e["name"] for e in out["errors"]))
     return out
 
 
