@@ -6,7 +6,7 @@ Run on the GPU machine from the repo root, after installing jax_kvcm with its CU
 repo's unbuilt ``jax_kvcm/`` must not shadow the installed package: ``python benchmarks/serve.py``
 keeps the script's directory, not the repo root, first on ``sys.path``):
 
-    python benchmarks/serve.py --json serve.json          # default run, ~4-5 min on one H200
+    python benchmarks/serve.py --json serve.json          # default run (estimated 4-5 min)
     python benchmarks/serve.py --quick                    # concurrency 64 only, fewer requests
     JAX_PLATFORMS=cpu python benchmarks/serve.py --tiny   # tiny float32 model on CPU, seconds
 
@@ -55,9 +55,12 @@ it fits. Token agreement between runs of the same requests is reported (bfloat16
 differently and greedy generations drift apart; a broken path shows as near-zero agreement).
 
 **Checks.** Before the 8B runs, the tiny float32 model runs paged, dense, and paged without prefix
-reuse on the same device: their greedy tokens must be identical (else the script exits non-zero;
-``--no-check`` skips it). ``--tiny`` is that model alone on its own workloads, with the same
-identity checks on every run (``tests/test_serve_benchmark.py`` runs it on CPU).
+reuse on the same device: at least 3/4 of each pair's greedy generations must be identical, with
+logits within relative L2 1e-4 (else the script exits non-zero before the long part; a broken
+path changes most generations; ``--no-check`` skips it). ``--tiny`` is that model alone on its
+own workloads; on the CPU every generation must be identical with logits within 1e-5
+(``tests/test_serve_benchmark.py`` runs it). A configuration that raises is reported in the
+table and the JSON, the others still run, and the exit status is 1.
 
 Anchor (printed alongside, not measured here): TensorRT-LLM paged KV, Llama-3.1-8B on one H100,
 1,024/1,024 at concurrency 256: 8,563 output tokens/s (seed ``001_dd2f51fdeedbe188.txt``); the H200
