@@ -295,9 +295,12 @@ def _mm(x, w):
     return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
-def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, slot_mapping,
-             attend):
-    """Embeds ``tokens``, runs every layer (write K/V, then ``attend``), returns (h, caches)."""
+def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, kv_attend):
+    """Embeds ``tokens``, runs every layer, returns ``(h, k_cache, v_cache)``.
+
+    ``kv_attend(q, k, v, k_cache, v_cache, layer) -> (o, k_cache, v_cache)`` stores the layer's
+    new K/V (``[T, Hkv, Dh]``, RoPE applied) and attends (:func:`_paged`: ``write_kv`` then a
+    paged op; ``benchmarks/_dense_llama.py`` plugs a dense per-sequence cache in here)."""
     c = config
     T = tokens.shape[0]
     H, Hkv, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -313,8 +316,7 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, s
         v = _mm(x, lp["wv"]).reshape(T, Hkv, Dh)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer)
-        o = attend(q, kc, vc, layer)
+        o, kc, vc = kv_attend(q, k, v, kc, vc, layer)
         h = h + _mm(o.reshape(T, H * Dh), lp["wo"])
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
         gate = _mm(x, lp["w_gate"])
@@ -325,6 +327,15 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, s
     (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, k_cache, v_cache),
                                             (params["layers"], layers))
     return h, k_cache, v_cache
+
+
+def _paged(slot_mapping, attend):
+    """``kv_attend`` for :func:`_decoder`: ``write_kv`` at ``slot_mapping``, then
+    ``attend(q, k_cache, v_cache, layer)`` (a paged op)."""
+    def kv_attend(q, k, v, kc, vc, layer):
+        kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer)
+        return attend(q, kc, vc, layer), kc, vc
+    return kv_attend
 
 
 def _logits(params, config: LlamaConfig, h):
@@ -360,7 +371,7 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
                                                layer=layer, sliding_window=config.sliding_window)
 
     h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
-                                   slot_mapping, attend)
+                                   _paged(slot_mapping, attend))
     return _logits(params, config, h[logits_index]), k_cache, v_cache
 
 
@@ -377,7 +388,7 @@ def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_
                                         sliding_window=config.sliding_window)
 
     h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
-                                   slot_mapping, attend)
+                                   _paged(slot_mapping, attend))
     return _logits(params, config, h), k_cache, v_cache
 
 

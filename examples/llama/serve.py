@@ -51,7 +51,8 @@ try:
 except ImportError:  # pragma: no cover  (run from examples/llama)
     import model as llama  # type: ignore[no-redef]
 
-__all__ = ["Request", "RequestOutput", "ServeConfig", "Server", "sample_tokens", "CODECS"]
+__all__ = ["Request", "RequestOutput", "ServeConfig", "Server", "sample_tokens", "greedy_tokens",
+           "CODECS"]
 
 CODECS = {"concat": ConcatCodec, "int8": Int8Codec}
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
@@ -101,6 +102,10 @@ class ServeConfig:
     paged_decode: bool = True          # pure-decode steps through paged_attention
     enable_prefix_reuse: bool = True
     record_logits: bool = False        # keep each sampled token's float32 logits (tests)
+    # The manager's shape buckets (None: powers of two up to max_batch / max_tokens_per_step);
+    # fewer buckets, fewer compiled programs (benchmarks/serve.py uses one of each).
+    batch_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.cold_codec not in CODECS:
@@ -160,6 +165,13 @@ def sample_tokens(logits, temperature, top_p, seed, stream, counter):
     return jax.vmap(_sample_row)(logits, temperature, top_p, seed, stream, counter)
 
 
+@jax.jit
+def greedy_tokens(logits):
+    """``argmax`` per row: :func:`sample_tokens` when every temperature is 0, without its sort
+    over the vocabulary (a full-vocabulary argsort per row costs milliseconds at batch 256)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -180,7 +192,8 @@ class Server:
             device_pages=serve.device_pages, host_bytes=serve.host_bytes,
             disk_dir=serve.disk_dir, disk_bytes=serve.disk_bytes,
             enable_prefix_reuse=serve.enable_prefix_reuse, max_batch=serve.max_batch,
-            max_tokens_per_step=serve.max_tokens_per_step, max_seq_len=serve.max_seq_len)
+            max_tokens_per_step=serve.max_tokens_per_step, max_seq_len=serve.max_seq_len,
+            batch_buckets=serve.batch_buckets, token_buckets=serve.token_buckets)
         self.manager = KVCacheManager(self.kv_config, CODECS[serve.cold_codec]())
         self.manager.add_observer(self._on_event)
         self._forward, self._decode = llama.bind(config)
@@ -192,7 +205,7 @@ class Server:
         self._order = 0
         self._shapes: set[tuple] = set()
         self.counters = collections.Counter()
-        self._sample_shapes: set[int] = set()
+        self._sample_shapes: set[tuple[int, bool]] = set()
         self._busy_s = 0.0
         self._steady_s = 0.0               # time in steps that compiled nothing
 
@@ -321,12 +334,12 @@ class Server:
     def _plan(self) -> list[tuple[_Req, int]]:
         work: list[tuple[_Req, int]] = []
         budget = self.serve.max_tokens_per_step
-        for r in self._running:             # decoding sequences first: one token each
-            if len(r.tokens) - r.seq.num_tokens == 1:
+        lefts = [len(r.tokens) - r.seq.num_tokens for r in self._running]
+        for r, left in zip(self._running, lefts):   # decoding sequences first: one token each
+            if left == 1:
                 work.append((r, 1))
                 budget -= 1
-        for r in self._running:
-            left = len(r.tokens) - r.seq.num_tokens
+        for r, left in zip(self._running, lefts):
             if left > 1 and budget > 0:
                 n = min(left, budget)
                 work.append((r, n))
@@ -343,8 +356,8 @@ class Server:
             return []
         while True:
             work = self._plan()
-            items = [(r.seq, np.asarray(r.tokens[r.seq.num_tokens:r.seq.num_tokens + n],
-                                        np.int32)) for r, n in work]
+            items = [(r.seq, np.array(r.tokens[nt:nt + n], np.int32))
+                     for (r, n), nt in zip(work, [r.seq.num_tokens for r, _ in work])]
             try:
                 batch = self.manager.prepare_step(items)
                 break
@@ -381,8 +394,8 @@ class Server:
             slots[:m] = np.asarray(batch.slot_mapping)[:m]
             positions[:m] = np.asarray(batch.positions)[:m]
             slots[B:], positions[B:] = -1, 0
-            for b, (r, _) in enumerate(work):
-                tokens[b] = r.tokens[r.seq.num_tokens - 1]   # prepare_step advanced num_tokens
+            tokens[:B] = [r.tokens[pos]        # row b's one new token (T == B)
+                          for (r, _), pos in zip(work, positions[:B].tolist())]
             self._shapes.add(("decode", Bb))
             logits, k, v = self._decode(self.params, k, v, tokens, positions, slots,
                                         batch.page_table, batch.seq_lens)
@@ -403,8 +416,10 @@ class Server:
         self.manager.complete_step([(k, v)])
         self.counters["steps"] += 1
         self.counters["step_tokens"] += T
-        # Sample for every row whose sequence has consumed all its tokens.
-        due = [b for b, (r, _) in enumerate(work) if r.seq.num_tokens == len(r.tokens)]
+        # Sample for every row whose sequence has consumed all its tokens (seq_lens: the
+        # sequences' lengths after this step).
+        lens = np.asarray(batch.seq_lens)[:B].tolist()
+        due = [b for b, ((r, _), n) in enumerate(zip(work, lens)) if n == len(r.tokens)]
         finished: list[RequestOutput] = []
         if not due:
             return finished
@@ -413,24 +428,26 @@ class Server:
         seed = np.zeros(Bb, np.int32)
         stream = np.zeros(Bb, np.int32)
         counter = np.zeros(Bb, np.int32)
-        for b in due:
-            r = work[b][0]
-            temp[b], top_p[b] = r.req.temperature, r.req.top_p
-            seed[b], stream[b], counter[b] = r.req.seed, r.rid, len(r.generated)
-        self._sample_shapes.add(Bb)
-        next_tokens = np.asarray(sample_tokens(logits, temp, top_p, seed, stream, counter))
+        rows = [work[b][0] for b in due]
+        temp[due] = [r.req.temperature for r in rows]
+        top_p[due] = [r.req.top_p for r in rows]
+        seed[due] = [r.req.seed for r in rows]
+        stream[due] = [r.rid for r in rows]
+        counter[due] = [len(r.tokens) - len(r.prompt) for r in rows]
+        self._sample_shapes.add((Bb, bool(temp.any())))
+        next_tokens = np.asarray(sample_tokens(logits, temp, top_p, seed, stream, counter)
+                                 if temp.any() else greedy_tokens(logits)).tolist()
+        self.counters["generated_tokens"] += len(due)
         now = time.perf_counter()
         host_logits = np.asarray(logits) if self.serve.record_logits else None
-        for b in due:
-            r = work[b][0]
-            tok = int(next_tokens[b])
-            if not r.generated:
+        for b, r in zip(due, rows):
+            tok = next_tokens[b]
+            if len(r.tokens) == len(r.prompt):
                 r.ttft = now - r.submitted_at
             r.tokens.append(tok)
             if host_logits is not None:
                 r.logits.append(host_logits[b])
-            self.counters["generated_tokens"] += 1
-            if tok in r.eos or len(r.generated) >= r.req.max_new_tokens:
+            if tok in r.eos or len(r.tokens) - len(r.prompt) >= r.req.max_new_tokens:
                 r.finish_reason = "eos" if tok in r.eos else "length"
                 finished.append(self._finish(r))
         return finished

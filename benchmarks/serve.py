@@ -1,0 +1,762 @@
+#!/usr/bin/env python
+"""Serving benchmark (issue 5): the example Llama serving loop on KVCacheManager and the custom
+calls, side by side with the same model on a dense per-sequence JAX cache.
+
+Run on the GPU machine from the repo root, after installing jax_kvcm with its CUDA extension (the
+repo's unbuilt ``jax_kvcm/`` must not shadow the installed package: ``python benchmarks/serve.py``
+keeps the script's directory, not the repo root, first on ``sys.path``):
+
+    python benchmarks/serve.py --json serve.json          # default run (estimated 4-5 min)
+    python benchmarks/serve.py --quick                    # concurrency 64 only, fewer requests
+    JAX_PLATFORMS=cpu python benchmarks/serve.py --tiny   # tiny float32 model on CPU, seconds
+
+**Model.** Llama-3.1-8B's shape (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336,
+vocab 128256, RoPE theta 500000 with Llama-3 scaling, RMSNorm eps 1e-5), bfloat16 weights drawn
+with ``jax.random`` directly on the device (``model.init_params(on_device=True)``: no checkpoint,
+no download). Both paths run ``examples/llama/model.py``'s layers on the same params.
+
+**Workloads.** Every request is submitted at t=0 (an offline burst: at most ``concurrency``
+requests run at once, the rest queue), greedy, EOS ignored (each generates exactly its output
+length); prompts are random token ids (fixed seed).
+
+- ``random``: input 1,024 / output 256 tokens at each ``--concurrency`` (default 64 and 256),
+  ``concurrency x --requests-factor`` requests.
+- ``shared``: 15 system prompts of 512 +- 32 tokens; request ``i`` = system prompt ``i % 15`` +
+  a unique 512-token suffix, output 256; concurrency 64, 128 requests; prefix reuse on and off.
+  Requests admitted in the same step cannot reuse each other's pages (nothing is committed yet):
+  the first wave computes the system prompts, the second wave finds them.
+
+**Paths.**
+
+- ``paged``: ``examples/llama/serve.Server`` (``KVCacheManager``, 16-token pages, a pool of
+  ``concurrency x (pages(longest request) + 1)`` pages, no host tier, continuous batching with
+  chunked prefill in 4,096-token steps; pure-decode steps through ``paged_attention``, others
+  through ``ragged_paged_attention``). One batch bucket (the concurrency) and one token bucket
+  (4,096), so each concurrency compiles two step programs.
+- ``dense``: ``benchmarks/_dense_llama.DenseServer``: ``[layers, batch, max_len, kv_heads,
+  head_dim]`` caches, one slot per running request, whole-prompt prefill (einsum attention) in
+  groups of 4,096 tokens, ``dynamic_update_slice`` writes, decode attention over the whole
+  ``max_len`` row masked to the sequence's length. Equal batch: ``max_len`` = input + output.
+- Both sample with the runner's ``greedy_tokens`` and synchronize once per step.
+
+**Measured** per configuration on a fresh server, after a warm-up that compiles every program the
+run uses (a compile inside the timed region is counted and flagged):
+output tokens/s = generated tokens / wall time from submission to the last token; time to first
+token (TTFT, from submission, so it includes queueing) median and p90; prefix hit rate = reused
+prompt tokens / prompt tokens; pages used = peak device pages referenced by running sequences
+(shared pages once; sampled every 4 steps) out of the pool; decode ms = median wall time of a
+pure-decode step (model + sampling + host bookkeeping).
+
+**Compared**: paged / dense tokens/s at equal batch (target >= 0.95); prefix reuse on / off;
+equal memory: the paged pool of the largest concurrency against a dense cache of the same bytes
+with a realistic ``max_len`` (4,096): how many sequences each holds (the manager's capacity
+planning, ``max_num_sequences``) and, unless ``--no-equal-memory``, the dense run at the batch
+it fits. Token agreement between runs of the same requests is reported (bfloat16: kernels round
+differently and greedy generations drift apart; a broken path shows as near-zero agreement).
+
+**Checks.** Before the 8B runs, the tiny float32 model runs paged, dense, and paged without prefix
+reuse on the same device: at least 3/4 of each pair's greedy generations must be identical, with
+logits within relative L2 1e-4 (else the script exits non-zero before the long part; a broken
+path changes most generations; ``--no-check`` skips it). ``--tiny`` is that model alone on its
+own workloads; on the CPU every generation must be identical with logits within 1e-5
+(``tests/test_serve_benchmark.py`` runs it). A configuration that raises is reported in the
+table and the JSON, the others still run, and the exit status is 1.
+
+Anchor (printed alongside, not measured here): TensorRT-LLM paged KV, Llama-3.1-8B on one H100,
+1,024/1,024 at concurrency 256: 8,563 output tokens/s (seed ``001_dd2f51fdeedbe188.txt``); the H200
+has ~1.4x the H100's memory bandwidth. Its output length is 4x ours, so decode (bandwidth-bound)
+dominates there; here prefill is a larger share.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The 8B run holds ~16 GiB of weights plus one ~40 GiB cache at a time; leave XLA room for both.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_kvcm  # noqa: E402  (the installed package first; then the repo root for examples/)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # after jax_kvcm: its unbuilt source tree must not shadow it
+
+from benchmarks import _dense_llama as dense  # noqa: E402
+from examples.llama import model as llama  # noqa: E402
+from examples.llama import serve  # noqa: E402
+
+ANCHOR = {"system": "TensorRT-LLM paged KV", "model": "Llama-3.1-8B", "gpu": "one H100",
+          "input_len": 1024, "output_len": 1024, "concurrency": 256,
+          "output_tokens_per_s": 8563.0, "source": "seed 001_dd2f51fdeedbe188.txt",
+          "h200_over_h100_bandwidth": 1.4}
+TARGET_PAGED_OVER_DENSE = 0.95
+
+LLAMA_31_8B = llama.LlamaConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+    rope_theta=500000.0, rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192,
+    max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(), dtype="bfloat16")
+
+TINY = llama.LlamaConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+    rope_theta=500000.0, rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0, rope_original_max_position_embeddings=64,
+    max_position_embeddings=1024, eos_token_ids=(), dtype="float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One benchmark's sizes (see the module doc)."""
+
+    name: str
+    model: llama.LlamaConfig
+    page_size: int = 16
+    input_len: int = 1024
+    output_len: int = 256
+    concurrencies: tuple[int, ...] = (64, 256)
+    requests_factor: float = 1.0
+    shared_prompts: int = 15
+    shared_prompt_len: int = 512
+    shared_prompt_jitter: int = 32
+    shared_suffix_len: int = 512
+    shared_output_len: int = 256
+    shared_concurrency: int = 64
+    shared_requests: int = 128
+    step_tokens: int = 4096             # paged token budget per step = dense prefill group budget
+    dense_prefill_bucket: int = 128
+    equal_memory_max_len: int = 4096
+    equal_memory_run: bool = True
+    run_dense: bool = True
+    run_shared: bool = True
+    record_logits: bool = False          # float32 oracle: compare logits too (tiny)
+    seed: int = 0
+
+    @property
+    def max_total_len(self) -> int:
+        """The longest request (prompt + output) of any workload."""
+        shared = (self.shared_prompt_len + self.shared_prompt_jitter + self.shared_suffix_len
+                  + self.shared_output_len) if self.run_shared else 0
+        return max(self.input_len + self.output_len, shared)
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_total_len // self.page_size)
+
+    def pool_pages(self, concurrency: int) -> int:
+        """Every running request at its longest, plus a page each of slack (a preempted request
+        would be recomputed: there is no host tier)."""
+        return concurrency * (self.pages_per_seq + 1)
+
+
+FULL = Setup("llama-3.1-8b-shape", LLAMA_31_8B)
+QUICK = dataclasses.replace(FULL, concurrencies=(64,), shared_requests=96, equal_memory_run=False)
+TINY_SETUP = Setup(
+    "tiny", TINY, page_size=8, input_len=40, output_len=12, concurrencies=(4, 8),
+    requests_factor=2.0, shared_prompts=5, shared_prompt_len=24, shared_prompt_jitter=4,
+    shared_suffix_len=12, shared_output_len=8, shared_concurrency=4, shared_requests=12,
+    step_tokens=64, dense_prefill_bucket=16, equal_memory_max_len=128, record_logits=True)
+# The device check before an 8B run: the tiny model, one concurrency, no equal-memory run.
+CHECK_SETUP = dataclasses.replace(TINY_SETUP, name="tiny-check", concurrencies=(8,),
+                                  equal_memory_run=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers.
+
+
+def _log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+_COMPILES = {"n": 0, "s": 0.0}
+
+
+def _on_duration(event: str, duration: float, *args: Any, **kwargs: Any) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES["n"] += 1
+        _COMPILES["s"] += float(duration)
+
+
+try:  # counts XLA compiles (a compile in a timed region is flagged); absent: no flag
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    _COUNTING_COMPILES = True
+except Exception:  # noqa: BLE001
+    _COUNTING_COMPILES = False
+
+
+def _mem_gib() -> str:
+    try:
+        st = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001
+        st = {}
+    if "bytes_in_use" not in st:
+        return ""
+    return (f" [device memory {st['bytes_in_use'] / 2**30:.1f} GiB in use, peak "
+            f"{st.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB]")
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else 0.0
+
+
+class _Progress:
+    """A line every ``every_s`` seconds on long runs."""
+
+    def __init__(self, label: str, total_tokens: int, every_s: float = 5.0):
+        self.label, self.total, self.every = label, total_tokens, every_s
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, tokens: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            _log(f"    {self.label}: {tokens}/{self.total} tokens generated, "
+                 f"{now - self.t0:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests.
+
+
+def random_requests(setup: Setup, n: int) -> list[serve.Request]:
+    """``n`` random prompts of ``input_len`` (the first ``k`` are the same for every ``n``)."""
+    rng = np.random.default_rng(setup.seed)
+    V = setup.model.vocab_size
+    return [serve.Request(prompt=rng.integers(0, V, setup.input_len).tolist(),
+                          max_new_tokens=setup.output_len, eos_token_ids=[]) for _ in range(n)]
+
+
+def shared_requests(setup: Setup) -> list[serve.Request]:
+    rng = np.random.default_rng(setup.seed + 1)
+    V = setup.model.vocab_size
+    j = setup.shared_prompt_jitter
+    systems = [rng.integers(0, V, setup.shared_prompt_len + int(rng.integers(-j, j + 1))).tolist()
+               for _ in range(setup.shared_prompts)]
+    return [serve.Request(prompt=systems[i % len(systems)]
+                          + rng.integers(0, V, setup.shared_suffix_len).tolist(),
+                          max_new_tokens=setup.shared_output_len, eos_token_ids=[])
+            for i in range(setup.shared_requests)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The two paths.
+
+
+def _serve_config(setup: Setup, concurrency: int, prefix: bool) -> serve.ServeConfig:
+    return serve.ServeConfig(
+        page_size=setup.page_size, device_pages=setup.pool_pages(concurrency),
+        max_batch=concurrency, max_tokens_per_step=setup.step_tokens,
+        max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
+        batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
+        record_logits=setup.record_logits)
+
+
+def _summary(label: str, path: str, workload: str, concurrency: int,
+             requests: Sequence[serve.Request], outs: Sequence[serve.RequestOutput],
+             seconds: float, compiles: int, warmup_s: float, decode_ms: Sequence[float],
+             **extra: Any) -> dict[str, Any]:
+    gen = sum(len(o.generated_ids) for o in outs)
+    ttft = [o.time_to_first_token_s for o in outs]
+    return dict(
+        name=label, path=path, workload=workload, concurrency=concurrency,
+        requests=len(requests),
+        input_tokens_mean=float(np.mean([len(r.prompt) for r in requests])),
+        output_len=int(requests[0].max_new_tokens), generated_tokens=gen, seconds=seconds,
+        output_tokens_per_s=gen / seconds if seconds > 0 else 0.0,
+        ttft_p50_s=_pct(ttft, 50), ttft_p90_s=_pct(ttft, 90),
+        decode_step_ms_p50=_pct(decode_ms, 50), decode_steps=len(decode_ms),
+        warmup_s=warmup_s, compiles_in_timed_region=compiles if _COUNTING_COMPILES else None,
+        **extra)
+
+
+def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, concurrency: int,
+              prefix: bool, workload: str, label: str) -> tuple[dict, list]:
+    """Warm-up on a throwaway server (same shapes), then the timed run on a fresh one."""
+    scfg = _serve_config(setup, concurrency, prefix)
+    t = time.perf_counter()
+    warm = serve.Server(params, setup.model, scfg)
+    warm.generate([serve.Request(prompt=list(range(1, setup.page_size + 2)), max_new_tokens=2,
+                                 eos_token_ids=[])])
+    del warm
+    gc.collect()   # its pool (a cycle through the manager's observer) before the next one
+    warmup_s = time.perf_counter() - t
+
+    server = serve.Server(params, setup.model, scfg)
+    mgr = server.manager
+    total = sum(r.max_new_tokens for r in requests)
+    progress = _Progress(label, total)
+    n_compiles = _COMPILES["n"]
+    for r in requests:
+        server.submit(r)
+    outs: dict[int, serve.RequestOutput] = {}
+    peak_pages = peak_active = steps = 0
+    decode_ms: list[float] = []
+    paused = 0.0
+    t0 = time.perf_counter()
+    while server.has_work():
+        n_dec = server.counters["decode_steps"]
+        ts = time.perf_counter()
+        for o in server.step():
+            outs[o.request_id] = o
+        dt = time.perf_counter() - ts
+        if server.counters["decode_steps"] > n_dec:
+            decode_ms.append(dt * 1e3)
+        steps += 1
+        if steps % 4 == 1:   # outside the clock: stats() walks the prefix tree
+            ts = time.perf_counter()
+            st = mgr.stats()
+            peak_pages = max(peak_pages, st["pages"]["device"]["referenced"])
+            peak_active = max(peak_active, st["num_active"])
+            progress(server.counters["generated_tokens"])
+            paused += time.perf_counter() - ts
+    seconds = time.perf_counter() - t0 - paused
+    compiles = _COMPILES["n"] - n_compiles
+    rep = server.report()
+    page_bytes = (2 * setup.model.num_hidden_layers * setup.page_size
+                  * setup.model.num_key_value_heads * setup.model.head_dim
+                  * jnp.dtype(setup.model.jnp_dtype).itemsize)
+    pool = mgr.device_capacity_pages
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    res = _summary(
+        label, "paged", workload, concurrency, requests, [outs[i] for i in sorted(outs)],
+        seconds, compiles, warmup_s, decode_ms, prefix_reuse=prefix,
+        prefix_hit_rate=rep["prefix_hit_rate"], peak_running=peak_active,
+        pages_used_peak=peak_pages, pool_pages=pool, page_size=setup.page_size,
+        cache_bytes=pool * page_bytes,
+        capacity_seqs=mgr.max_num_sequences(longest), capacity_seq_len=longest,
+        steps=rep["steps"], mixed_steps=rep["mixed_steps"], suspends=rep["suspends"],
+        recomputes=rep["recomputes"])
+    done = [outs[i] for i in sorted(outs)]
+    del server, mgr
+    gc.collect()
+    return res, done
+
+
+def run_dense(params: Any, setup: Setup, requests: Sequence[serve.Request], *, batch: int,
+              max_len: int, workload: str, label: str) -> tuple[dict, list]:
+    srv = dense.DenseServer(params, setup.model, batch=batch, max_len=max_len,
+                            prefill_tokens=setup.step_tokens,
+                            prefill_bucket=setup.dense_prefill_bucket,
+                            record_logits=setup.record_logits)
+    t = time.perf_counter()
+    srv.warmup([len(r.prompt) for r in requests])
+    warmup_s = time.perf_counter() - t
+    progress = _Progress(label, sum(r.max_new_tokens for r in requests))
+    srv.on_step = lambda: progress(srv.counters["generated_tokens"])
+    n_compiles = _COMPILES["n"]
+    t0 = time.perf_counter()
+    outs = srv.generate(requests)
+    seconds = time.perf_counter() - t0
+    res = _summary(label, "dense", workload, batch, requests, outs, seconds,
+                   _COMPILES["n"] - n_compiles, warmup_s, srv.decode_ms, prefix_reuse=False,
+                   prefix_hit_rate=0.0, peak_running=min(batch, len(requests)),
+                   pages_used_peak=None, pool_pages=None, page_size=None,
+                   cache_bytes=srv.cache_bytes, capacity_seqs=batch, capacity_seq_len=max_len,
+                   max_len=max_len)
+    del srv
+    gc.collect()
+    return res, outs
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark.
+
+
+def _rel_l2(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.linalg.norm(x - y) / max(float(np.linalg.norm(y)), 1e-30))
+
+
+def _agreement(a: Sequence[serve.RequestOutput],
+               b: Sequence[serve.RequestOutput]) -> dict[str, Any]:
+    """Requests with identical generations, identical first tokens, and (recorded logits) the
+    largest relative L2 distance between the logits of requests with identical generations."""
+    pairs = list(zip(a, b))
+    same = [x.generated_ids == y.generated_ids for x, y in pairs]
+    first = sum(bool(x.generated_ids) and x.generated_ids[:1] == y.generated_ids[:1]
+                for x, y in pairs)
+    rel = [_rel_l2(x.logits, y.logits) for (x, y), s in zip(pairs, same)
+           if s and x.logits is not None and y.logits is not None]
+    return {"requests": len(pairs), "identical": sum(same), "identical_first_token": first,
+            "max_logits_rel_l2": max(rel) if rel else None}
+
+
+def _fmt_result(r: dict) -> str:
+    extra = ""
+    if r["path"] == "paged":
+        extra = (f", prefix hit {r['prefix_hit_rate']:.1%}, pages used {r['pages_used_peak']}"
+                 f"/{r['pool_pages']}")
+        if r["recomputes"] or r["suspends"]:
+            extra += f", SUSPENDS {r['suspends']} RECOMPUTES {r['recomputes']}"
+    flag = ""
+    if r["compiles_in_timed_region"]:
+        flag = f"  WARNING: {r['compiles_in_timed_region']} compile(s) inside the timed region"
+    return (f"  {r['name']}: {r['output_tokens_per_s']:,.0f} output tok/s, {r['requests']} "
+            f"requests in {r['seconds']:.2f} s, TTFT p50 {r['ttft_p50_s']:.3f} s p90 "
+            f"{r['ttft_p90_s']:.3f} s, decode step {r['decode_step_ms_p50']:.2f} ms{extra} "
+            f"(warm-up {r['warmup_s']:.1f} s){flag}")
+
+
+def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
+          max_logits_rel_l2: float | None = None, log=_log) -> dict[str, Any]:
+    """Runs every configuration of ``setup``; returns results, comparisons and agreement. With
+    ``min_identical``, every pair of runs over the same requests must generate identical tokens
+    for at least that fraction of the requests, and with ``max_logits_rel_l2`` (and
+    ``setup.record_logits``) the logits of identical generations must be that close; else
+    RuntimeError."""
+    results: list[dict] = []
+    comparisons: list[dict] = []
+    agreements: list[dict] = []
+    errors: list[dict] = []
+    cmax = max(setup.concurrencies)
+    n_random = max(int(round(c * setup.requests_factor)) for c in setup.concurrencies)
+    rand = random_requests(setup, n_random)
+    first_seen: dict[int, tuple[str, Any]] = {}   # random request -> (run, its output)
+
+    def record(res: dict, outs: list) -> None:
+        results.append(res)
+        log(_fmt_result(res))
+        distinct = {t for o in outs for t in o.generated_ids}
+        if len(distinct) < 2 and res["generated_tokens"] > 1:
+            log(f"  WARNING: {res['name']} generated only token {sorted(distinct)} "
+                "(non-finite logits?)")
+
+    def agree(label_a: str, outs_a: list, label_b: str, outs_b: list) -> None:
+        a = _agreement(outs_a, outs_b)
+        a.update(a=label_a, b=label_b)
+        agreements.append(a)
+        rel = a["max_logits_rel_l2"]
+        log(f"    tokens {label_a} vs {label_b}: {a['identical']}/{a['requests']} requests "
+            f"identical, {a['identical_first_token']}/{a['requests']} first tokens"
+            + ("" if rel is None else f"; logits rel-L2 <= {rel:.1e}"))
+        if min_identical is not None and a["identical"] < min_identical * a["requests"]:
+            bad = next(i for i, (x, y) in enumerate(zip(outs_a, outs_b))
+                       if x.generated_ids != y.generated_ids)
+            raise RuntimeError(
+                f"{label_a} and {label_b} generated different greedy tokens for "
+                f"{a['requests'] - a['identical']} of {a['requests']} requests; request {bad}: "
+                f"{outs_a[bad].generated_ids} vs {outs_b[bad].generated_ids}")
+        if max_logits_rel_l2 is not None and rel is not None and rel > max_logits_rel_l2:
+            raise RuntimeError(f"{label_a} and {label_b} generated the same tokens but their "
+                               f"logits differ by rel-L2 {rel:.2e} > {max_logits_rel_l2:.0e}")
+
+    def against_earlier(label: str, generated: list) -> None:
+        """Compares with the first run that generated each of these random requests."""
+        by_run: dict[str, tuple[list, list]] = {}
+        for i, g in enumerate(generated):
+            if i in first_seen:
+                run, ref = first_seen[i]
+                by_run.setdefault(run, ([], []))
+                by_run[run][0].append(ref)
+                by_run[run][1].append(g)
+            else:
+                first_seen[i] = (label, g)
+        for run, (ref, got) in by_run.items():
+            agree(run, ref, label, got)
+
+    def attempt(label: str, fn, *args: Any, **kwargs: Any) -> tuple[dict | None, list]:
+        """Runs one configuration; a failure (out of memory, a kernel error) is logged and
+        recorded, and the other configurations still run."""
+        try:
+            res, outs = fn(params, setup, *args, label=label, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported in the output, exit status 1 at the end
+            tb = traceback.format_exc().strip().splitlines()
+            msg = f"{type(e).__name__}: {e}".replace("\n", " ")[:600]
+            log(f"  ERROR {label}: {msg}\n    " + "\n    ".join(tb[-6:]))
+            errors.append({"name": label, "error": msg})
+            res, outs = None, []
+        gc.collect()
+        if res is not None:
+            record(res, outs)
+            if res["workload"] == "random":
+                against_earlier(label, outs)
+        return res, outs
+
+    big = None                     # the paged run at the largest concurrency
+    for c in sorted(setup.concurrencies):
+        reqs = rand[:int(round(c * setup.requests_factor))]
+        log(f"random {setup.input_len}/{setup.output_len}, concurrency {c}, {len(reqs)} "
+            f"requests{_mem_gib()}")
+        pres, _ = attempt(f"paged random c{c}", run_paged, reqs, concurrency=c, prefix=True,
+                          workload="random")
+        if c == cmax:
+            big = pres
+        if setup.run_dense:
+            dres, _ = attempt(f"dense random c{c}", run_dense, reqs, batch=c,
+                              max_len=setup.input_len + setup.output_len, workload="random")
+            if pres is not None and dres is not None:
+                comparisons.append(dict(
+                    kind="equal_batch", concurrency=c, paged=pres["name"], dense=dres["name"],
+                    paged_over_dense=pres["output_tokens_per_s"] / dres["output_tokens_per_s"],
+                    decode_step_time_dense_over_paged=(
+                        dres["decode_step_ms_p50"] / max(pres["decode_step_ms_p50"], 1e-9)),
+                    target=TARGET_PAGED_OVER_DENSE))
+
+    if setup.run_shared:
+        sreqs = shared_requests(setup)
+        cs = setup.shared_concurrency
+        log(f"shared prefix: {setup.shared_prompts} system prompts of ~{setup.shared_prompt_len} "
+            f"+ {setup.shared_suffix_len}-token suffixes, output {setup.shared_output_len}, "
+            f"concurrency {cs}, {len(sreqs)} requests{_mem_gib()}")
+        on, gon = attempt(f"paged shared c{cs} prefix on", run_paged, sreqs, concurrency=cs,
+                          prefix=True, workload="shared")
+        off, goff = attempt(f"paged shared c{cs} prefix off", run_paged, sreqs, concurrency=cs,
+                            prefix=False, workload="shared")
+        if on is not None and off is not None:
+            agree(on["name"], gon, off["name"], goff)
+            comparisons.append(dict(
+                kind="prefix_reuse", concurrency=cs, on=on["name"], off=off["name"],
+                tokens_per_s_on_over_off=on["output_tokens_per_s"] / off["output_tokens_per_s"],
+                ttft_p50_off_over_on=off["ttft_p50_s"] / max(on["ttft_p50_s"], 1e-9),
+                prefix_hit_rate=on["prefix_hit_rate"],
+                pages_used_on_over_off=on["pages_used_peak"] / max(off["pages_used_peak"], 1)))
+
+    # Equal memory: the largest concurrency's paged pool against a dense cache of the same bytes.
+    if big is not None:
+        M = setup.equal_memory_max_len
+        dense_fit = int(big["cache_bytes"] // dense.dense_cache_bytes(setup.model, 1, M))
+        eq = dict(kind="equal_memory", cache_bytes=big["cache_bytes"], dense_max_len=M,
+                  dense_sequences=dense_fit, paged_seq_len=big["capacity_seq_len"],
+                  paged_sequences=big["capacity_seqs"], paged_run=big["name"],
+                  paged_sequences_over_dense=big["capacity_seqs"] / max(dense_fit, 1))
+        log(f"equal memory ({big['cache_bytes'] / 2**30:.2f} GiB of K/V): dense max_len {M} "
+            f"holds {dense_fit} sequences; the paged pool holds {big['capacity_seqs']} sequences "
+            f"of {big['capacity_seq_len']} tokens (KVCacheManager.max_num_sequences)")
+        if setup.equal_memory_run and setup.run_dense and dense_fit >= 1:
+            reqs = rand[:dense_fit] if dense_fit <= len(rand) else random_requests(setup,
+                                                                                   dense_fit)
+            dres, _ = attempt(f"dense random c{dense_fit} max_len {M}", run_dense, reqs,
+                              batch=dense_fit, max_len=M, workload="random")
+            if dres is not None:
+                eq.update(dense_run=dres["name"], paged_over_dense=(
+                    big["output_tokens_per_s"] / dres["output_tokens_per_s"]))
+        comparisons.append(eq)
+    return {"setup": dataclasses.asdict(setup), "results": results, "comparisons": comparisons,
+            "agreement": agreements, "errors": errors}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+
+def markdown(out: dict[str, Any]) -> str:
+    lines = ["| run | path | workload | batch | requests | output tok/s | TTFT p50 s | "
+             "TTFT p90 s | decode step ms | prefix hit | pages used / pool | K/V GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in out["results"]:
+        pages = (f"{r['pages_used_peak']} / {r['pool_pages']}" if r["path"] == "paged"
+                 else f"dense max_len {r['max_len']}")
+        hit = f"{r['prefix_hit_rate']:.1%}" if r["path"] == "paged" else "-"
+        lines.append(
+            f"| {r['name']} | {r['path']} | {r['workload']} | {r['concurrency']} | "
+            f"{r['requests']} | {r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
+            f"{r['ttft_p90_s']:.3f} | {r['decode_step_ms_p50']:.2f} | {hit} | {pages} | "
+            f"{r['cache_bytes'] / 2**30:.2f} |")
+    for e in out.get("errors", []):
+        lines.append(f"| {e['name']} | FAILED | | | | | | | | | {e['error'][:120]} | |")
+    lines += ["", "| comparison | value | note |", "|---|---:|---|"]
+    for c in out["comparisons"]:
+        if c["kind"] == "equal_batch":
+            ok = "met" if c["paged_over_dense"] >= c["target"] else "NOT met"
+            lines.append(f"| paged / dense tok/s, equal batch {c['concurrency']} | "
+                         f"{c['paged_over_dense']:.2f}x | target >= {c['target']}: {ok}; "
+                         f"decode step time dense/paged "
+                         f"{c['decode_step_time_dense_over_paged']:.2f}x |")
+        elif c["kind"] == "prefix_reuse":
+            lines.append(f"| prefix reuse on / off tok/s, concurrency {c['concurrency']} | "
+                         f"{c['tokens_per_s_on_over_off']:.2f}x | hit rate "
+                         f"{c['prefix_hit_rate']:.1%}; TTFT p50 off/on "
+                         f"{c['ttft_p50_off_over_on']:.2f}x; pages used on/off "
+                         f"{c['pages_used_on_over_off']:.2f} |")
+        elif c["kind"] == "equal_memory":
+            run = ""
+            if "paged_over_dense" in c:
+                run = (f"; tok/s {c['paged_run']} / {c['dense_run']}: "
+                       f"{c['paged_over_dense']:.2f}x")
+            lines.append(f"| sequences in {c['cache_bytes'] / 2**30:.2f} GiB: paged "
+                         f"({c['paged_seq_len']} tokens) / dense (max_len {c['dense_max_len']}) | "
+                         f"{c['paged_sequences']} / {c['dense_sequences']} = "
+                         f"{c['paged_sequences_over_dense']:.2f}x | capacity planning{run} |")
+    return "\n".join(lines)
+
+
+def anchor_line() -> str:
+    a = ANCHOR
+    return (f"Anchor: {a['system']}, {a['model']} on {a['gpu']}, {a['input_len']:,}/"
+            f"{a['output_len']:,} at concurrency {a['concurrency']}: "
+            f"{a['output_tokens_per_s']:,.0f} output tok/s ({a['source']}); H200 ~"
+            f"{a['h200_over_h100_bandwidth']}x its memory bandwidth (~"
+            f"{a['output_tokens_per_s'] * a['h200_over_h100_bandwidth']:,.0f} tok/s scaled, "
+            f"not measured; 4x our output length)")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI.
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="concurrency 64 only, 96 shared-prefix requests, no equal-memory run")
+    size.add_argument("--tiny", action="store_true",
+                      help="a tiny float32 model (CPU, seconds); paged and dense must generate "
+                           "identical tokens")
+    p.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    p.add_argument("--concurrency", type=int, nargs="+", metavar="C",
+                   help="concurrencies of the random workload (default 64 256)")
+    p.add_argument("--requests-factor", type=float,
+                   help="random-workload requests per unit of concurrency (default 1)")
+    p.add_argument("--input-len", type=int, help="random-workload prompt length (default 1024)")
+    p.add_argument("--output-len", type=int, help="random-workload output length (default 256)")
+    p.add_argument("--shared-requests", type=int, help="shared-prefix requests (default 128)")
+    p.add_argument("--shared-concurrency", type=int, help="shared-prefix concurrency (default 64)")
+    p.add_argument("--step-tokens", type=int,
+                   help="paged tokens per step = dense prefill tokens per call (default 4096)")
+    p.add_argument("--equal-memory-max-len", type=int,
+                   help="the dense cache's max_len for the equal-memory comparison (default 4096)")
+    p.add_argument("--no-equal-memory", action="store_true",
+                   help="report the equal-memory capacities without running the dense batch")
+    p.add_argument("--no-dense", action="store_true", help="paged runs only")
+    p.add_argument("--no-shared", action="store_true", help="skip the shared-prefix workload")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the tiny float32 paged-vs-dense check before an 8B run")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="JAX persistent compilation cache directory (repeated runs compile less)")
+    return p.parse_args(argv)
+
+
+def setup_from_args(args: argparse.Namespace) -> Setup:
+    s = TINY_SETUP if args.tiny else QUICK if args.quick else FULL
+    over: dict[str, Any] = {"seed": args.seed}
+    for arg, field in (("concurrency", "concurrencies"), ("requests_factor", "requests_factor"),
+                       ("input_len", "input_len"), ("output_len", "output_len"),
+                       ("shared_requests", "shared_requests"),
+                       ("shared_concurrency", "shared_concurrency"),
+                       ("step_tokens", "step_tokens"),
+                       ("equal_memory_max_len", "equal_memory_max_len")):
+        v = getattr(args, arg)
+        if v is not None:
+            over[field] = tuple(v) if isinstance(v, list) else v
+    if args.no_equal_memory:
+        over["equal_memory_run"] = False
+    if args.no_dense:
+        over["run_dense"] = False
+    if args.no_shared:
+        over["run_shared"] = False
+    s = dataclasses.replace(s, **over)
+    if min(s.concurrencies) < 1 or s.input_len < 1 or s.output_len < 1:
+        raise SystemExit("concurrency, --input-len and --output-len must be >= 1")
+    if s.step_tokens < max(s.concurrencies + (s.shared_concurrency,)):
+        raise SystemExit(f"--step-tokens {s.step_tokens} must be >= every concurrency (each "
+                         "running sequence decodes in one step)")
+    if s.input_len + s.output_len > s.equal_memory_max_len:
+        raise SystemExit("--equal-memory-max-len must hold input + output")
+    return s
+
+
+# The float32 oracle: on the CPU every pair of runs agrees token for token with logits within
+# 1e-5 (observed ~2e-7; a 0.1% error in the attention scale gives 4e-5). On a GPU the kernels and
+# XLA's einsums round differently: a rare near-tie may flip a greedy token, a broken path changes
+# most generations.
+_F32_CPU_CHECK = {"min_identical": 1.0, "max_logits_rel_l2": 1e-5}
+_F32_GPU_CHECK = {"min_identical": 0.75, "max_logits_rel_l2": 1e-4}
+
+
+def _preflight(tiny: bool) -> None:
+    backend = jax.default_backend()
+    if backend != "cpu" and not jax_kvcm.cuda_extension_available():
+        raise SystemExit("jax runs on the GPU but jax_kvcm has no CUDA extension: reinstall "
+                         "jax_kvcm where nvcc is found (pip install --no-build-isolation "
+                         "--no-deps .)")
+    if not tiny and backend == "cpu":
+        raise SystemExit("the 8B-shaped benchmark needs a GPU (jax backend is cpu); "
+                         "use --tiny on a CPU")
+
+
+def _params(setup: Setup) -> Any:
+    t = time.perf_counter()
+    params = llama.init_params(setup.model, seed=setup.seed, on_device=True)
+    params = jax.block_until_ready(params)
+    n = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    _log(f"params: {n / 1e9:.2f} B parameters, {nbytes / 2**30:.1f} GiB {setup.model.dtype} "
+         f"(jax.random on {jax.devices()[0].platform}) in {time.perf_counter() - t:.1f} s"
+         f"{_mem_gib()}")
+    return params
+
+
+def main(argv=None) -> dict[str, Any]:
+    args = parse_args(argv)
+    setup = setup_from_args(args)
+    _preflight(args.tiny)
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    dev = jax.devices()[0]
+    t_start = time.perf_counter()
+    _log(f"jax {jax.__version__} on {dev.device_kind} ({jax.default_backend()}), jax_kvcm "
+         f"{jax_kvcm.__version__}, python {platform.python_version()}; setup {setup.name}")
+    _log(anchor_line())
+    out: dict[str, Any] = {"meta": {"jax": jax.__version__, "device": dev.device_kind,
+                                    "backend": jax.default_backend(),
+                                    "argv": list(sys.argv if argv is None else argv),
+                                    "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+                           "anchor": ANCHOR}
+    if not args.tiny and not args.no_check:
+        _log("check: tiny float32 model, paged vs dense vs no prefix reuse on this device")
+        t = time.perf_counter()
+        try:
+            chk = bench(CHECK_SETUP, _params(CHECK_SETUP), **_F32_GPU_CHECK,
+                        log=lambda *a: None)
+            if chk["errors"]:
+                raise RuntimeError("; ".join(f"{e['name']}: {e['error']}" for e in chk["errors"]))
+        except RuntimeError as e:
+            raise SystemExit(f"CHECK FAILED: {e}\n(--no-check skips this check)") from None
+        out["check"] = {"agreement": chk["agreement"]}
+        same = sum(a["identical"] for a in chk["agreement"])
+        total = sum(a["requests"] for a in chk["agreement"])
+        _log(f"check passed: {same}/{total} request pairs over {len(chk['agreement'])} pairs of "
+             f"runs generated identical tokens ({time.perf_counter() - t:.1f} s)")
+    params = _params(setup)
+    try:
+        tol = ({} if setup.model.dtype != "float32" else _F32_CPU_CHECK
+               if jax.default_backend() == "cpu" else _F32_GPU_CHECK)
+        res = bench(setup, params, **tol)
+    except RuntimeError as e:
+        raise SystemExit(f"FAILED: {e}") from None
+    out.update(res)
+    out["meta"]["total_s"] = time.perf_counter() - t_start
+    md = markdown(out)
+    _log("")
+    _log(md)
+    _log("")
+    _log(anchor_line())
+    _log(f"total {out['meta']['total_s']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=float))
+        _log(f"wrote {args.json}")
+    if out["errors"]:
+        raise SystemExit(f"FAILED: {len(out['errors'])} configuration(s) raised: "
+                         + "; ".join(e["name"] for e in out["errors"]))
+    return out
+
+
+if __name__ == "__main__":
+    main()
