@@ -4,11 +4,11 @@ The usual JAX approach to a KV cache, run through the same model code as the pag
 (``examples/llama/model.py``: its params, its layer loop ``_decoder`` under ``lax.scan``, its
 RoPE/RMSNorm/MLP and logits); only the cache and the attention differ:
 
-- **cache**: ``k, v [L, B, max_len, Hkv, Dh]``, one row (slot) per running sequence, allocated
-  for ``max_len`` tokens whatever the sequence's length;
+- **cache**: ``k, v [L, B, Hkv, max_len, Dh]`` (head-major), one row (slot) per running
+  sequence, allocated for ``max_len`` tokens whatever the sequence's length;
 - **prefill** (:func:`prefill`): ``G`` whole prompts padded to ``S`` tokens from position 0,
   causal attention over their own K/V (einsum, float32 softmax); returns the logits of each
-  prompt's last token and the K/V ``[L, G, S, Hkv, Dh]``. It takes no cache, so it compiles once
+  prompt's last token and the K/V ``[L, G, Hkv, S, Dh]``. It takes no cache, so it compiles once
   per ``(G, S)`` whatever the cache shape;
 - **insert** (:func:`insert`): ``lax.dynamic_update_slice`` of each prompt's K/V into its slot
   row (caches donated: in place);
@@ -46,8 +46,9 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def make_dense_caches(config: llama.LlamaConfig, batch: int, max_len: int):
-    """Zeroed ``(k, v)`` ``[L, batch, max_len, Hkv, Dh]`` in the model dtype."""
-    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads,
+    """Zeroed ``(k, v)`` ``[L, batch, Hkv, max_len, Dh]`` in the model dtype (head-major, as
+    HF/torch keep it: both attention matmuls then read the cache without a transpose)."""
+    shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len,
              config.head_dim)
     return jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype)
 
@@ -64,17 +65,19 @@ def _check(config: llama.LlamaConfig) -> None:
 
 
 def _attention(q, k, v, mask, scale):
-    """GQA attention: q ``[N, Q, H, Dh]``, k/v ``[N, K, Hkv, Dh]``, mask ``[N, Q, K]`` (True:
-    attend); float32 scores and softmax, float32 accumulation. Returns ``[N, Q, H, Dh]``."""
+    """GQA attention: q ``[N, Q, H, Dh]``, k/v ``[N, Hkv, K, Dh]``, mask ``[N, Q, K]`` (True:
+    attend); float32 scores and softmax, float32 accumulation. Returns ``[N, Q, H, Dh]``.
+    float32 models compute at HIGHEST precision (the CPU oracle check); bf16 at the default."""
     N, Q, H, Dh = q.shape
-    Hkv = k.shape[2]
+    Hkv = k.shape[1]
+    precision = _HIGHEST if q.dtype == jnp.float32 else None
     qg = q.reshape(N, Q, Hkv, H // Hkv, Dh)
-    s = jnp.einsum("nqkrd,nskd->nkrqs", qg, k, preferred_element_type=jnp.float32,
-                   precision=_HIGHEST) * scale
+    s = jnp.einsum("nqkrd,nksd->nkrqs", qg, k, preferred_element_type=jnp.float32,
+                   precision=precision) * scale
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("nkrqs,nskd->nqkrd", p.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32, precision=_HIGHEST)
+    o = jnp.einsum("nkrqs,nksd->nqkrd", p.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32, precision=precision)
     return o.reshape(N, Q, H, Dh).astype(q.dtype)
 
 
@@ -82,7 +85,7 @@ def _attention(q, k, v, mask, scale):
 def prefill(params, tokens, lengths, *, config: llama.LlamaConfig):
     """Whole prompts from position 0: ``tokens [G, S]`` int32 (row ``g`` valid up to
     ``lengths[g]``, the rest any token). Returns ``(logits [G, V] float32 at each prompt's last
-    token, k [L, G, S, Hkv, Dh], v)``."""
+    token, k [L, G, Hkv, S, Dh], v)``."""
     _check(config)
     c = config
     G, S = tokens.shape
@@ -91,13 +94,14 @@ def prefill(params, tokens, lengths, *, config: llama.LlamaConfig):
     scale = Dh ** -0.5
 
     def kv_attend(q, k, v, kc, vc, layer):
-        k4, v4 = k.reshape(G, S, Hkv, Dh), v.reshape(G, S, Hkv, Dh)
+        k4 = k.reshape(G, S, Hkv, Dh).transpose(0, 2, 1, 3)  # [G, Hkv, S, Dh]
+        v4 = v.reshape(G, S, Hkv, Dh).transpose(0, 2, 1, 3)
         kc = jax.lax.dynamic_update_slice(kc, k4[None], (layer, 0, 0, 0, 0))
         vc = jax.lax.dynamic_update_slice(vc, v4[None], (layer, 0, 0, 0, 0))
         o = _attention(q.reshape(G, S, -1, Dh), k4, v4, causal, scale)
         return o.reshape(G * S, -1, Dh), kc, vc
 
-    out = jnp.zeros((L, G, S, Hkv, Dh), c.jnp_dtype)
+    out = jnp.zeros((L, G, Hkv, S, Dh), c.jnp_dtype)
     positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), G)
     h, k, v = llama._decoder(params, c, out, out, tokens.reshape(-1), positions, kv_attend)
     last = jnp.arange(G, dtype=jnp.int32) * S + lengths - 1
@@ -106,7 +110,7 @@ def prefill(params, tokens, lengths, *, config: llama.LlamaConfig):
 
 @functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"))
 def insert(k_cache, v_cache, k, v, slots):
-    """Writes prefill K/V ``[L, G, S, Hkv, Dh]`` into slot rows ``slots [G]`` at position 0."""
+    """Writes prefill K/V ``[L, G, Hkv, S, Dh]`` into slot rows ``slots [G]`` at position 0."""
     for g in range(k.shape[1]):
         k_cache = jax.lax.dynamic_update_slice(k_cache, k[:, g:g + 1], (0, slots[g], 0, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v[:, g:g + 1], (0, slots[g], 0, 0, 0))
@@ -119,14 +123,14 @@ def decode(params, k_cache, v_cache, tokens, positions, *, config: llama.LlamaCo
     ``(logits [B, V] float32, k_cache, v_cache)`` (caches donated)."""
     _check(config)
     c = config
-    B, M = k_cache.shape[1], k_cache.shape[2]
+    B, M = k_cache.shape[1], k_cache.shape[3]
     rows = jnp.arange(B, dtype=jnp.int32)
     mask = (jnp.arange(M, dtype=jnp.int32)[None, :] <= positions[:, None])[:, None, :]
     scale = c.head_dim ** -0.5
 
     def kv_attend(q, k, v, kc, vc, layer):
-        kc = kc.at[layer, rows, positions].set(k)
-        vc = vc.at[layer, rows, positions].set(v)
+        kc = kc.at[layer, rows, :, positions].set(k)  # k [B, Hkv, Dh] at (b, :, pos_b)
+        vc = vc.at[layer, rows, :, positions].set(v)
         o = _attention(q[:, None], kc[layer], vc[layer], mask, scale)
         return o[:, 0], kc, vc
 

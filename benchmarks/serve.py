@@ -33,8 +33,8 @@ length); prompts are random token ids (fixed seed).
   chunked prefill in 4,096-token steps; pure-decode steps through ``paged_attention``, others
   through ``ragged_paged_attention``). One batch bucket (the concurrency) and one token bucket
   (4,096), so each concurrency compiles two step programs.
-- ``dense``: ``benchmarks/_dense_llama.DenseServer``: ``[layers, batch, max_len, kv_heads,
-  head_dim]`` caches, one slot per running request, whole-prompt prefill (einsum attention) in
+- ``dense``: ``benchmarks/_dense_llama.DenseServer``: ``[layers, batch, kv_heads, max_len,
+  head_dim]`` caches (head-major, so neither attention matmul transposes the cache), one slot per running request, whole-prompt prefill (einsum attention) in
   groups of 4,096 tokens, ``dynamic_update_slice`` writes, decode attention over the whole
   ``max_len`` row masked to the sequence's length. Equal batch: ``max_len`` = input + output.
 - Both sample with the runner's ``greedy_tokens`` and synchronize once per step.

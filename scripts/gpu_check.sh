@@ -6,7 +6,7 @@
 #   --no-bench      skip every benchmark
 #   --no-attention  skip benchmarks/attention.py
 #   --no-migration  skip benchmarks/migration.py
-#   --no-serve      skip examples/llama/run.py, benchmarks/manager_overhead.py and benchmarks/serve.py
+#   --no-serve      skip examples/llama/run.py and benchmarks/{manager_overhead,decode_step,serve}.py
 # Logs and JSON results go to $OUT (default /tmp/kvcm_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
@@ -66,6 +66,8 @@ if [ $serve = 1 ]; then  # the README's main job on the GPU, then the serving be
   tail -25 "$OUT/llama_run.log"
   step manager manager.log python3 benchmarks/manager_overhead.py
   tail -10 "$OUT/manager.log"
+  step decode-step decode_step.log python3 benchmarks/decode_step.py --json "$OUT/decode_step.json"
+  tail -8 "$OUT/decode_step.log"
 fi
 if [ $serve = 1 ] && [ -f benchmarks/serve.py ]; then
   step serve serve.log python3 benchmarks/serve.py --json "$OUT/serve.json"

@@ -26,7 +26,8 @@ HF conventions followed (checked against transformers in tests/test_llama_model.
 SwiGLU ``down(silu(gate(x)) * up(x))``, GQA head ``h`` -> kv head ``h // (H // Hkv)``, scale
 ``Dh ** -0.5``, and Mistral's sliding window W = the last W positions including the query
 (transformers: ``kv_idx > q_idx - W``), the ops' own convention. Matmuls use
-``Precision.HIGHEST`` (float32 stays float32 on GPUs: no TF32).
+``Precision.HIGHEST`` for float32 models (float32 stays float32 on GPUs: no TF32) and the default
+precision for bf16/f16 ones.
 """
 
 from __future__ import annotations
@@ -292,7 +293,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def _mm(x, w):
-    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
+    # HIGHEST keeps float32 models out of TF32; bf16/f16 products are exact in the default
+    # precision already (f32 accumulation), and HIGHEST could only cost there.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.matmul(x, w, precision=precision)
 
 
 def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, kv_attend):
@@ -341,7 +345,7 @@ def _paged(slot_mapping, attend):
 def _logits(params, config: LlamaConfig, h):
     x = rms_norm(h, params["norm"], config.rms_norm_eps)
     if config.tie_word_embeddings:
-        out = jnp.matmul(x, params["embed"].T, precision=jax.lax.Precision.HIGHEST)
+        out = _mm(x, params["embed"].T)
     else:
         out = _mm(x, params["lm_head"])
     return out.astype(jnp.float32)

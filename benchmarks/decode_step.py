@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Device time of one Llama decode step, paged vs dense, outside any serving loop (issue 5 probe).
+
+    python benchmarks/decode_step.py [--batch 64 256] [--context 1152] [--json PATH]
+    JAX_PLATFORMS=cpu python benchmarks/decode_step.py --tiny        # CPU smoke run
+
+For each batch B: the Llama-3.1-8B-shaped model of ``benchmarks/serve.py`` (random bf16 weights
+drawn on the device), every sequence at ``--context`` tokens, and
+- paged: ``examples/llama/model.decode_step`` (``write_kv`` + ``paged_attention``) over a pool of
+  exactly the pages the batch needs, each sequence's pages a random permutation of the pool;
+- dense: ``benchmarks/_dense_llama.decode`` over ``[L, B, Hkv, max_len, Dh]`` caches with
+  ``max_len = context + 128``.
+Both run back to back (caches donated, the step's outputs fed into the next call), timed as the
+median of ``--repeats`` calls after warm-up. The bytes a step must read at least (weights + the K/V
+of every sequence) over the time give an effective bandwidth. Comparing with the serving
+benchmark's "decode step ms" separates device time from the serving loop's host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_kvcm  # noqa: E402,F401  (first: the repo root below must not shadow the built package)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _dense_llama as dense  # noqa: E402
+from examples.llama import model as llama  # noqa: E402
+from serve import LLAMA_31_8B, TINY  # noqa: E402
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # compile + warm-up
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--context", type=int, default=1152, help="tokens per sequence (1,024 in + "
+                    "half of 256 out: the serving benchmark's average)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true", help="tiny float32 model (CPU smoke run)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    config = TINY if args.tiny else LLAMA_31_8B
+    if jax.default_backend() == "cpu" and not args.tiny:
+        print("the 8B-shaped probe needs a GPU (use --tiny on CPU)", file=sys.stderr)
+        return 2
+    c, P = config, args.page_size
+    L, Hkv, Dh = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    itemsize = jnp.dtype(c.jnp_dtype).itemsize
+    params = llama.init_params(c, on_device=jax.default_backend() != "cpu")
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, weights "
+          f"{weight_bytes / 2**30:.2f} GiB, context {args.context}, page {P}")
+    print("| path | batch | ms / step | K/V GiB read | min bytes / t (TB/s) |")
+    print("|---|---:|---:|---:|---:|")
+    for B in args.batch:
+        ctx = args.context
+        kv_bytes = 2 * L * B * ctx * Hkv * Dh * itemsize
+        tokens = jnp.asarray(rng.integers(0, c.vocab_size, B), jnp.int32)
+        positions = jnp.full((B,), ctx - 1, jnp.int32)
+        # paged: pages 1.. (0 is the null page), a random permutation over the batch
+        per_seq = -(-ctx // P)
+        num_pages = 1 + B * per_seq
+        table = (1 + rng.permutation(B * per_seq)).reshape(B, per_seq).astype(np.int32)
+        slots = table[:, (ctx - 1) // P] * P + (ctx - 1) % P
+        shape = (L, num_pages, P, Hkv, Dh)
+        state = {"k": jnp.zeros(shape, c.jnp_dtype), "v": jnp.zeros(shape, c.jnp_dtype)}
+        args_paged = (tokens, positions, jnp.asarray(slots, jnp.int32), jnp.asarray(table),
+                      jnp.full((B,), ctx, jnp.int32))
+
+        def paged_step():
+            logits, state["k"], state["v"] = llama.decode_step(
+                params, state["k"], state["v"], *args_paged, config=c)
+            logits.block_until_ready()
+
+        t = _time(paged_step, args.repeats)
+        rows.append({"path": "paged", "batch": B, "ms": t * 1e3, "kv_gib": kv_bytes / 2**30,
+                     "tbps": (weight_bytes + kv_bytes) / t / 1e12})
+        del state["k"], state["v"]
+        dk, dv = dense.make_dense_caches(c, B, ctx + 128)
+        dstate = {"k": dk, "v": dv}
+        del dk, dv
+
+        def dense_step():
+            logits, dstate["k"], dstate["v"] = dense.decode(params, dstate["k"], dstate["v"],
+                                                            tokens, positions, config=c)
+            logits.block_until_ready()
+
+        try:
+            t = _time(dense_step, args.repeats)
+            rows.append({"path": "dense", "batch": B, "ms": t * 1e3, "kv_gib": kv_bytes / 2**30,
+                         "tbps": (weight_bytes + kv_bytes) / t / 1e12})
+        except Exception as e:  # noqa: BLE001  (e.g. out of memory: report, go on)
+            rows.append({"path": "dense", "batch": B, "error": f"{type(e).__name__}: {e}"[:300]})
+        dstate.clear()
+        for r in rows[-2:]:
+            if "error" in r:
+                print(f"| {r['path']} | {B} | ERROR {r['error'][:120]} | | |")
+            else:
+                print(f"| {r['path']} | {B} | {r['ms']:.2f} | {r['kv_gib']:.2f} | "
+                      f"{r['tbps']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+                       "context": args.context, "weight_bytes": weight_bytes, "rows": rows}, f,
+                      indent=1)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
