@@ -24,7 +24,9 @@ length); prompts are random token ids (fixed seed).
 - ``shared``: 15 system prompts of 512 +- 32 tokens; request ``i`` = system prompt ``i % 15`` +
   a unique 512-token suffix, output 256; concurrency 64, 128 requests; prefix reuse on and off.
   Requests admitted in the same step cannot reuse each other's pages (nothing is committed yet):
-  the first wave computes the system prompts, the second wave finds them.
+  the first wave computes the system prompts, the second wave finds them. A third run ("warm")
+  serves the 15 system prompts once before the clock starts, as a running server has them
+  cached, so every timed request can hit. Hit rates count the timed requests only.
 
 **Paths.**
 
@@ -242,14 +244,22 @@ def random_requests(setup: Setup, n: int) -> list[serve.Request]:
                           max_new_tokens=setup.output_len, eos_token_ids=[]) for _ in range(n)]
 
 
-def shared_requests(setup: Setup) -> list[serve.Request]:
+def shared_system_prompts(setup: Setup) -> list[list[int]]:
+    """The shared set's system prompts (``shared_prompt_len`` +- ``shared_prompt_jitter``)."""
     rng = np.random.default_rng(setup.seed + 1)
-    V = setup.model.vocab_size
     j = setup.shared_prompt_jitter
-    systems = [rng.integers(0, V, setup.shared_prompt_len + int(rng.integers(-j, j + 1))).tolist()
-               for _ in range(setup.shared_prompts)]
+    return [rng.integers(0, setup.model.vocab_size,
+                         setup.shared_prompt_len + int(rng.integers(-j, j + 1))).tolist()
+            for _ in range(setup.shared_prompts)]
+
+
+def shared_requests(setup: Setup) -> list[serve.Request]:
+    """Request ``i``: system prompt ``i % shared_prompts`` + a unique suffix."""
+    systems = shared_system_prompts(setup)
+    rng = np.random.default_rng(setup.seed + 2)
     return [serve.Request(prompt=systems[i % len(systems)]
-                          + rng.integers(0, V, setup.shared_suffix_len).tolist(),
+                          + rng.integers(0, setup.model.vocab_size,
+                                         setup.shared_suffix_len).tolist(),
                           max_new_tokens=setup.shared_output_len, eos_token_ids=[])
             for i in range(setup.shared_requests)]
 
@@ -286,8 +296,13 @@ def _summary(label: str, path: str, workload: str, concurrency: int,
 
 
 def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, concurrency: int,
-              prefix: bool, workload: str, label: str) -> tuple[dict, list]:
-    """Warm-up on a throwaway server (same shapes), then the timed run on a fresh one."""
+              prefix: bool, workload: str, label: str,
+              warm_prompts: Sequence[list[int]] = ()) -> tuple[dict, list]:
+    """Warm-up on a throwaway server (same shapes), then the timed run on a fresh one.
+
+    ``warm_prompts``: served (one output token each) on the fresh server before the clock
+    starts, so their full pages sit committed in the prefix cache, as hot system prompts do in
+    a server that has been running."""
     scfg = _serve_config(setup, concurrency, prefix)
     t = time.perf_counter()
     warm = serve.Server(params, setup.model, scfg)
@@ -299,6 +314,9 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
 
     server = serve.Server(params, setup.model, scfg)
     mgr = server.manager
+    if warm_prompts:
+        server.generate([serve.Request(prompt=list(p), max_new_tokens=1, eos_token_ids=[])
+                         for p in warm_prompts])
     total = sum(r.max_new_tokens for r in requests)
     progress = _Progress(label, total)
     n_compiles = _COMPILES["n"]
@@ -336,7 +354,9 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     res = _summary(
         label, "paged", workload, concurrency, requests, [outs[i] for i in sorted(outs)],
         seconds, compiles, warmup_s, decode_ms, prefix_reuse=prefix,
-        prefix_hit_rate=rep["prefix_hit_rate"], peak_running=peak_active,
+        prefix_hit_rate=(sum(o.prefix_hit_tokens for o in outs.values())
+                         / max(1, sum(len(r.prompt) for r in requests))),
+        peak_running=peak_active,
         pages_used_peak=peak_pages, pool_pages=pool, page_size=setup.page_size,
         cache_bytes=pool * page_bytes,
         capacity_seqs=mgr.max_num_sequences(longest), capacity_seq_len=longest,
@@ -515,16 +535,21 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
             f"concurrency {cs}, {len(sreqs)} requests{_mem_gib()}")
         on, gon = attempt(f"paged shared c{cs} prefix on", run_paged, sreqs, concurrency=cs,
                           prefix=True, workload="shared")
+        warm, gwarm = attempt(f"paged shared c{cs} prefix on, warm", run_paged, sreqs,
+                              concurrency=cs, prefix=True, workload="shared",
+                              warm_prompts=shared_system_prompts(setup))
         off, goff = attempt(f"paged shared c{cs} prefix off", run_paged, sreqs, concurrency=cs,
                             prefix=False, workload="shared")
-        if on is not None and off is not None:
-            agree(on["name"], gon, off["name"], goff)
+        for run, gen in ((on, gon), (warm, gwarm)):
+            if run is None or off is None:
+                continue
+            agree(run["name"], gen, off["name"], goff)
             comparisons.append(dict(
-                kind="prefix_reuse", concurrency=cs, on=on["name"], off=off["name"],
-                tokens_per_s_on_over_off=on["output_tokens_per_s"] / off["output_tokens_per_s"],
-                ttft_p50_off_over_on=off["ttft_p50_s"] / max(on["ttft_p50_s"], 1e-9),
-                prefix_hit_rate=on["prefix_hit_rate"],
-                pages_used_on_over_off=on["pages_used_peak"] / max(off["pages_used_peak"], 1)))
+                kind="prefix_reuse", concurrency=cs, on=run["name"], off=off["name"],
+                tokens_per_s_on_over_off=run["output_tokens_per_s"] / off["output_tokens_per_s"],
+                ttft_p50_off_over_on=off["ttft_p50_s"] / max(run["ttft_p50_s"], 1e-9),
+                prefix_hit_rate=run["prefix_hit_rate"],
+                pages_used_on_over_off=run["pages_used_peak"] / max(off["pages_used_peak"], 1)))
 
     # Equal memory: the largest concurrency's paged pool against a dense cache of the same bytes.
     if big is not None:
@@ -578,7 +603,8 @@ def markdown(out: dict[str, Any]) -> str:
                          f"decode step time dense/paged "
                          f"{c['decode_step_time_dense_over_paged']:.2f}x |")
         elif c["kind"] == "prefix_reuse":
-            lines.append(f"| prefix reuse on / off tok/s, concurrency {c['concurrency']} | "
+            warm = ", warm cache" if c["on"].endswith("warm") else ""
+            lines.append(f"| prefix reuse on{warm} / off tok/s, concurrency {c['concurrency']} | "
                          f"{c['tokens_per_s_on_over_off']:.2f}x | hit rate "
                          f"{c['prefix_hit_rate']:.1%}; TTFT p50 off/on "
                          f"{c['ttft_p50_off_over_on']:.2f}x; pages used on/off "
