@@ -6,6 +6,7 @@ except a directory that shadows the installed package with an unbuilt `jax_kvcm/
 
     python benchmarks/migration.py [--json results.json]
     JAX_PLATFORMS=cpu python benchmarks/migration.py --quick        # CPU smoke test, tiny shapes
+    JAX_PLATFORMS=cpu python benchmarks/migration.py --disk-only --pages 1024   # host<->disk only
 
 Workload: one Llama-3-8B-shaped hot pool group (32 layers x {K, V}, 16 tokens per page, 8 kv heads,
 head dim 128, bf16): a hot page is 64 pieces of 32 KiB, a concatenated cold page 2 MiB. The hot
@@ -41,6 +42,8 @@ host <-> disk (concat pages; GB/s of bytes moved):
   --disk-uncached-reads asks for posix_fadvise(DONTNEED) on our own two files before each read.
   One untimed warm-up repetition of both sides, then --disk-repeats timed ones (medians), the
   order of the two sides alternating; no new repetition starts after --disk-budget-s seconds.
+  --disk-only runs this part alone (full-size pages, hot tier of --pages slots, no torch, no
+  hot<->host timing): it needs no GPU, so the disk tier can be measured on any machine.
   Both sides move the host tier's bytes: the manager from its slots, the plain write from the
   same pinned memory, the plain read into a separate pre-faulted buffer.
 
@@ -774,6 +777,39 @@ def bench_disk(sm: StorageManager, host_slots: np.ndarray, repeats: int, budget_
 # phases
 
 
+def _concat_hot_host(sm: StorageManager, slots_pool: np.ndarray, shape: Shape,
+                     args: argparse.Namespace, rng: np.random.Generator, name: str,
+                     results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hot <-> host part of the concat phase: verification, then timed cycles with and
+    without the batched copy."""
+    rows: list[dict[str, Any]] = []
+    batch = "one cuMemcpyBatchAsync per call" if jax.default_backend() == "gpu" else "CPU memcpy"
+    try:
+        v = verify_concat(sm, slots_pool, shape.pages, rng, args.sample_pages)
+    except Exception as e:  # noqa: BLE001
+        v = {"ok": False, "error": _err(e)}
+        traceback.print_exc()
+    results["verification"]["concat"] = v
+    _log(f"  concat check: {v}")
+    rows += time_cycles(sm, slots_pool, shape, args.repeats, rng, name, None,
+                        note=f"{batch}; check {'ok' if v.get('ok') else 'FAIL'}")
+    # The codec's fallback: one cudaMemcpyAsync per descriptor (read on every call).
+    os.environ[NO_BATCH_ENV] = "1"
+    try:
+        note = (f"one cudaMemcpyAsync per {shape.piece_bytes >> 10} KiB piece, from C++"
+                if jax.default_backend() == "gpu" else "no effect on CPU (same memcpy path)")
+        rows += time_cycles(sm, slots_pool, shape, args.piece_repeats, rng,
+                            f"concat[no-batch] ({NO_BATCH_ENV}=1)", None, note=note,
+                            warmup=1)
+    except Exception as e:  # noqa: BLE001
+        rows.append(row("hot<->host", f"concat[no-batch] ({NO_BATCH_ENV}=1)", "both",
+                        error=_err(e)))
+        _log(f"  concat[no-batch]: ERROR {_err(e)}")
+    finally:
+        os.environ.pop(NO_BATCH_ENV, None)
+    return rows
+
+
 def run_concat(shape: Shape, args: argparse.Namespace, disk_dir: str | None, disk_pages: int,
                results: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
@@ -795,30 +831,8 @@ def run_concat(shape: Shape, args: argparse.Namespace, disk_dir: str | None, dis
             "disk_slots": sm.disk_pools[0].num_slots if sm.disk_pools else 0,
             "setup_s": round(time.perf_counter() - t0, 2)}
         _log(f"  manager: {results['concat_manager']}")
-        batch = "one cuMemcpyBatchAsync per call" if jax.default_backend() == "gpu" else "CPU memcpy"
-        try:
-            v = verify_concat(sm, slots_pool, shape.pages, rng, args.sample_pages)
-        except Exception as e:  # noqa: BLE001
-            v = {"ok": False, "error": _err(e)}
-            traceback.print_exc()
-        results["verification"]["concat"] = v
-        _log(f"  concat check: {v}")
-        rows += time_cycles(sm, slots_pool, shape, args.repeats, rng, name, None,
-                            note=f"{batch}; check {'ok' if v.get('ok') else 'FAIL'}")
-        # The codec's fallback: one cudaMemcpyAsync per descriptor (read on every call).
-        os.environ[NO_BATCH_ENV] = "1"
-        try:
-            note = (f"one cudaMemcpyAsync per {shape.piece_bytes >> 10} KiB piece, from C++"
-                    if jax.default_backend() == "gpu" else "no effect on CPU (same memcpy path)")
-            rows += time_cycles(sm, slots_pool, shape, args.piece_repeats, rng,
-                                f"concat[no-batch] ({NO_BATCH_ENV}=1)", None, note=note,
-                                warmup=1)
-        except Exception as e:  # noqa: BLE001
-            rows.append(row("hot<->host", f"concat[no-batch] ({NO_BATCH_ENV}=1)", "both",
-                            error=_err(e)))
-            _log(f"  concat[no-batch]: ERROR {_err(e)}")
-        finally:
-            os.environ.pop(NO_BATCH_ENV, None)
+        if not args.disk_only:
+            rows += _concat_hot_host(sm, slots_pool, shape, args, rng, name, results)
         if disk_pages and not args.skip_disk:
             _log(f"\n[host <-> disk] {disk_pages} pages of {hp.slot_bytes / 2**20:.3g} MiB = "
                  f"{disk_pages * hp.slot_bytes / GiB:.3g} GiB in {disk_dir} "
@@ -990,16 +1004,19 @@ def plan_sizes(shape: Shape, args: argparse.Namespace, disk_dir: str | None
     page = shape.hot_page_bytes
     avail = meminfo().get("MemAvailable")
     # Peak host memory: the concat host tier + a plain-read buffer of the same size (disk part),
-    # or the torch per-piece loop's pinned buffer; plus a margin.
+    # or the torch per-piece loop's pinned buffer; plus a margin. --disk-only may run on a CPU
+    # backend, whose hot pools are host memory too.
+    hot_copies = 1 if args.disk_only and jax.default_backend() == "cpu" else 0
     if avail:
-        need = lambda p: 2 * (p + args.host_extra_pages) * page + 4 * GiB  # noqa: E731
+        need = lambda p: (2 + hot_copies) * (p + args.host_extra_pages) * page + 4 * GiB  # noqa: E731
         pages = shape.pages
         while pages > 16 and need(pages) > avail:
             pages //= 2
         if pages != shape.pages:
             notes.append(f"SCALED DOWN: {shape.pages} -> {pages} pages (MemAvailable "
                          f"{avail / GiB:.1f} GiB)")
-            shape = Shape(**{**shape.__dict__, "pages": pages, "hot_slots": 2 * pages})
+            shape = Shape(**{**shape.__dict__, "pages": pages,
+                             "hot_slots": pages if args.disk_only else 2 * pages})
     disk_pages = 0
     if disk_dir and not args.skip_disk:
         disk_pages = min(args.disk_pages or shape.pages, shape.pages)
@@ -1039,6 +1056,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-uncached-reads", action="store_true",
                    help="posix_fadvise(DONTNEED) our own two files before each timed read")
     p.add_argument("--skip-disk", action="store_true")
+    p.add_argument("--disk-only", action="store_true",
+                   help="only host<->disk (full-size pages, hot tier of --pages slots, no torch, "
+                        "no hot<->host timing, no int8): runs without a GPU")
     p.add_argument("--skip-torch", action="store_true",
                    help="skip the torch baselines (contiguous and per-piece loop)")
     p.add_argument("--skip-int8", action="store_true")
@@ -1054,6 +1074,12 @@ def main(argv: list[str] | None = None) -> int:
         args.sample_pages = min(args.sample_pages, 16)
     if args.pages:
         shape = Shape(**{**shape.__dict__, "pages": args.pages, "hot_slots": 2 * args.pages})
+    if args.disk_only:
+        if args.skip_disk:
+            p.error("--disk-only and --skip-disk exclude each other")
+        args.skip_torch = args.skip_int8 = True
+        # The hot pages only feed the host tier once: no second set for random draws.
+        shape = Shape(**{**shape.__dict__, "hot_slots": shape.pages})
     os.environ.pop(NO_BATCH_ENV, None)
 
     t_start = time.perf_counter()
@@ -1061,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = environment(disk_dir)
         _log("environment:", json.dumps(env))
-        if env["backend"] != "gpu" and not args.quick:
+        if env["backend"] != "gpu" and not (args.quick or args.disk_only):
             _log("WARNING: no GPU backend; full shapes on CPU will be very slow (use --quick)")
         shape, disk_pages, notes = plan_sizes(shape, args, disk_dir)
         for n in notes:
