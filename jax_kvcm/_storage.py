@@ -103,6 +103,8 @@ class StorageConfig:
       through slot counts; default: the hot split implied by ``device_slots``.
     - ``host_bytes`` / ``disk_bytes``: cold tier budgets (0 = no such tier); ``disk_dir`` is
       required with ``disk_bytes``.
+    - ``disk_io_threads``: native threads one disk read/write may use (default ``min(8, hardware
+      threads)``).
     """
 
     layer_groups: tuple[LayerGroupSpec, ...]
@@ -113,6 +115,7 @@ class StorageConfig:
     disk_dir: str | None = None
     disk_bytes: int = 0
     pinned_host: bool | None = None
+    disk_io_threads: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +276,9 @@ class StorageManager:
         if disk_bytes:
             split = split_cold_budget(CacheLevel.DISK, disk_bytes, weights, layouts)
             self.disk_pools = [DiskPool(config.disk_dir, f"jax_kvcm-{os.getpid()}-{id(self)}-{g}",
-                                        s.num_slots, s.slot_bytes) for g, s in enumerate(split)]
+                                        s.num_slots, s.slot_bytes,
+                                        io_threads=config.disk_io_threads)
+                               for g, s in enumerate(split)]
             limits[CacheLevel.DISK] = sum(s.nbytes for s in split)
             capacity = staging_ring_capacity(max(self.cold_slot_bytes))
             self._ring_buffer = allocate_host_buffer(capacity, pinned=config.pinned_host)
@@ -437,19 +442,15 @@ class StorageManager:
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
             self._wait_fences(g, src)
             self._hook("disk_write")
-            for s, d in _runs(src, dst):  # host source runs are contiguous memory
-                dpool.write(d, hpool.base_address + int(s[0]) * hpool.slot_bytes)
+            dpool.write(dst, hpool.base_address, src)  # one call: its pieces run in parallel
         elif path == (K, H):
             g = self.cold_group_of[lg]
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
             self._wait_fences(g, dst)
             self._hook("disk_read")
-            bad = []
-            for d, s in _runs(dst, src):  # host destination runs are contiguous memory
-                ok = dpool.read(s, hpool.base_address + int(d[0]) * hpool.slot_bytes)
-                bad.extend(s[~ok].tolist())
-            if bad:
-                raise CorruptPageError(lg, np.asarray(bad, np.int32))
+            ok = dpool.read(src, hpool.base_address, dst)
+            if not ok.all():
+                raise CorruptPageError(lg, src[~ok])
         elif path == (D, D):
             self._copy_hot(lg, src, dst)
         elif path == (H, H):
@@ -691,12 +692,3 @@ def _token(k: jax.Array, v: jax.Array) -> jax.Array:
     donated array cannot be waited on)."""
     return k.reshape(-1)[0].astype(jnp.float32) + v.reshape(-1)[0].astype(jnp.float32)
 
-
-def _runs(key: np.ndarray, other: np.ndarray):
-    """Splits parallel slot arrays into runs where ``key`` is contiguous (a host region addressed
-    by its first slot), yielding ``(key_run, other_run)``."""
-    start = 0
-    for i in range(1, len(key) + 1):
-        if i == len(key) or key[i] != key[i - 1] + 1:
-            yield key[start:i], other[start:i]
-            start = i
