@@ -31,8 +31,9 @@ hot <-> host (GB/s = 1e9 bytes per second of *uncompressed* hot bytes; int8 also
   call alone (Python bookkeeping + dispatch). Median of --repeats samples after one warm-up.
 
 host <-> disk (concat pages; GB/s of bytes moved):
-  manager          StorageManager.migrate HOST->DISK and DISK->HOST: coalesced pwrite/pread of the
-                   slot runs plus a CRC32C per page (computed on write, verified on read)
+  manager          StorageManager.migrate HOST->DISK and DISK->HOST: pwrite/pread of the slot runs
+                   in pieces of at most 4 MiB plus a CRC32C per page (computed on write, verified
+                   on read), spread over the disk tier's native I/O threads (min(8, cores))
   plain            os.pwrite / os.preadv of the same number of bytes, 1 GiB per call, to a
                    preallocated file in the same directory, from / into host memory
   NOTE: neither side calls fsync (the manager never does), so writes measure the copy into the
@@ -673,10 +674,11 @@ def bench_disk(sm: StorageManager, host_slots: np.ndarray, repeats: int, budget_
     nbytes = n * page
     read_note = ("page cache dropped for our two files (posix_fadvise DONTNEED after fsync)"
                  if uncached_reads else "served by the page cache (not dropped)")
-    m_w = row("host<->disk", "StorageManager.migrate (pwrite per slot run + CRC32C/page)",
+    threads = f"{dpool.io_threads} I/O threads"
+    m_w = row("host<->disk", f"StorageManager.migrate (pwrite per piece + CRC32C/page, {threads})",
               "host->disk", bytes=nbytes, note="no fsync (the manager never fsyncs)",
               fsync_samples_s=[])
-    m_r = row("host<->disk", "StorageManager.migrate (pread per slot run + CRC32C check)",
+    m_r = row("host<->disk", f"StorageManager.migrate (pread per piece + CRC32C check, {threads})",
               "disk->host", bytes=nbytes, note=read_note)
     p_w = row("host<->disk", f"plain os.pwrite, {IO_CHUNK >> 20} MiB calls", "host->disk",
               bytes=nbytes, note="no fsync; same directory, preallocated file",
@@ -1008,7 +1010,8 @@ def plan_sizes(shape: Shape, args: argparse.Namespace, disk_dir: str | None
     # backend, whose hot pools are host memory too.
     hot_copies = 1 if args.disk_only and jax.default_backend() == "cpu" else 0
     if avail:
-        need = lambda p: (2 + hot_copies) * (p + args.host_extra_pages) * page + 4 * GiB  # noqa: E731
+        def need(p: int) -> int:
+            return (2 + hot_copies) * (p + args.host_extra_pages) * page + 4 * GiB
         pages = shape.pages
         while pages > 16 and need(pages) > avail:
             pages //= 2
