@@ -292,10 +292,12 @@ struct FaultPlan {
   int kind = kNoFault;
 };
 
-// What a call did: the smallest failing piece (kNoPiece when none) and its errno.
+// What a call did: the smallest failing piece (kNoPiece when none), its errno, and how many
+// threads ran pieces (the caller included).
 struct Outcome {
   size_t piece = kNoPiece;
   int err = 0;
+  size_t workers = 0;
 };
 
 int64_t DefaultIoThreads() {
@@ -337,6 +339,7 @@ Outcome ForEachPiece(size_t num, size_t workers, const Body& body) {
   Outcome out;
   out.piece = first_failed.load();
   if (out.piece != kNoPiece) out.err = errs[out.piece];
+  out.workers = threads.size() + 1;
   return out;
 }
 
@@ -412,6 +415,7 @@ class DiskFile {
     if (n < 1) throw nb::value_error("_io_piece_bytes must be >= 1");
     piece_bytes_.store(n);
   }
+  int64_t last_workers() const { return last_workers_.load(); }
   int64_t min_thread_bytes() const { return min_thread_bytes_.load(); }
   void set_min_thread_bytes(int64_t n) {
     if (n < 1) throw nb::value_error("_min_thread_bytes must be >= 1");
@@ -511,6 +515,7 @@ class DiskFile {
       }
     }
     if (closed) throw nb::value_error("I/O on a closed DiskFile");
+    last_workers_.store(static_cast<int64_t>(outcome.workers));
     if (outcome.piece != kNoPiece) {
       RaiseOSError(outcome.err,
                    PieceText(is_write ? "writing" : "reading", slots, pieces[outcome.piece]),
@@ -768,6 +773,7 @@ class DiskFile {
   std::atomic<int64_t> io_threads_{1};
   std::atomic<int64_t> piece_bytes_{kDefaultPieceBytes};
   std::atomic<int64_t> min_thread_bytes_{kDefaultMinThreadBytes};
+  std::atomic<int64_t> last_workers_{0};
   std::mutex fault_mutex_;
   int64_t faults_[kNumFaultKinds];
 };
@@ -800,6 +806,8 @@ void BindDiskFile(nb::module_& m) {
       .def_prop_rw("_min_thread_bytes", &DiskFile::min_thread_bytes,
                    &DiskFile::set_min_thread_bytes,
                    "Test hook: a call uses one thread per this many bytes at most.")
+      .def_prop_ro("_last_workers", &DiskFile::last_workers,
+                   "Test hook: threads (the caller included) that ran the last write/read.")
       .def("write", &DiskFile::Write, nb::arg("slots"), nb::arg("src_address"),
            nb::arg("src_pages").none() = nb::none(),
            "Writes page i from src_address + src_pages[i] * slot_bytes (src_pages default: i) to "
