@@ -325,8 +325,9 @@ class StorageManager:
 
     def _validate_batching(self) -> None:
         """Each batching representative is configured, <= every member, maps to itself, and
-        shares the member's hot pool group, cold page size and index location (the cold pool
-        group is checked after the cold mapping is built: :meth:`_build_cold_groups`)."""
+        shares the member's hot pool group, cold page size and index location. (Its cold pool
+        group may differ under an explicit cold grouping: :meth:`_build_cold_groups` then
+        restricts the class to each cold pool group.)"""
         for lg, rep in enumerate(self.batching_id):
             if rep < 0 or rep >= len(self.specs):
                 raise ValueError(f"codec: layer group {lg} has an unknown batching id {rep}")
