@@ -6,6 +6,7 @@ except a directory that shadows the installed package with an unbuilt `jax_kvcm/
 
     python benchmarks/migration.py [--json results.json]
     JAX_PLATFORMS=cpu python benchmarks/migration.py --quick        # CPU smoke test, tiny shapes
+    JAX_PLATFORMS=cpu python benchmarks/migration.py --disk-only --pages 1024   # host<->disk only
 
 Workload: one Llama-3-8B-shaped hot pool group (32 layers x {K, V}, 16 tokens per page, 8 kv heads,
 head dim 128, bf16): a hot page is 64 pieces of 32 KiB, a concatenated cold page 2 MiB. The hot
@@ -32,8 +33,9 @@ hot <-> host (GB/s = 1e9 bytes per second of *uncompressed* hot bytes; int8 also
   call alone (Python bookkeeping + dispatch). Median of --repeats samples after one warm-up.
 
 host <-> disk (concat pages; GB/s of bytes moved):
-  manager          StorageManager.migrate HOST->DISK and DISK->HOST: coalesced pwrite/pread of the
-                   slot runs plus a CRC32C per page (computed on write, verified on read)
+  manager          StorageManager.migrate HOST->DISK and DISK->HOST: pwrite/pread of the slot runs
+                   in pieces of at most 4 MiB plus a CRC32C per page (computed on write, verified
+                   on read), spread over the disk tier's native I/O threads (min(8, cores))
   plain            os.pwrite / os.preadv of the same number of bytes, 1 GiB per call, to a
                    preallocated file in the same directory, from / into host memory
   NOTE: neither side calls fsync (the manager never does), so writes measure the copy into the
@@ -43,6 +45,8 @@ host <-> disk (concat pages; GB/s of bytes moved):
   --disk-uncached-reads asks for posix_fadvise(DONTNEED) on our own two files before each read.
   One untimed warm-up repetition of both sides, then --disk-repeats timed ones (medians), the
   order of the two sides alternating; no new repetition starts after --disk-budget-s seconds.
+  --disk-only runs this part alone (full-size pages, hot tier of --pages slots, no torch, no
+  hot<->host timing): it needs no GPU, so the disk tier can be measured on any machine.
   Both sides move the host tier's bytes: the manager from its slots, the plain write from the
   same pinned memory, the plain read into a separate pre-faulted buffer.
 
@@ -673,10 +677,11 @@ def bench_disk(sm: StorageManager, host_slots: np.ndarray, repeats: int, budget_
     nbytes = n * page
     read_note = ("page cache dropped for our two files (posix_fadvise DONTNEED after fsync)"
                  if uncached_reads else "served by the page cache (not dropped)")
-    m_w = row("host<->disk", "StorageManager.migrate (pwrite per slot run + CRC32C/page)",
+    threads = f"{dpool.io_threads} I/O threads"
+    m_w = row("host<->disk", f"StorageManager.migrate (pwrite per piece + CRC32C/page, {threads})",
               "host->disk", bytes=nbytes, note="no fsync (the manager never fsyncs)",
               fsync_samples_s=[])
-    m_r = row("host<->disk", "StorageManager.migrate (pread per slot run + CRC32C check)",
+    m_r = row("host<->disk", f"StorageManager.migrate (pread per piece + CRC32C check, {threads})",
               "disk->host", bytes=nbytes, note=read_note)
     p_w = row("host<->disk", f"plain os.pwrite, {IO_CHUNK >> 20} MiB calls", "host->disk",
               bytes=nbytes, note="no fsync; same directory, preallocated file",
@@ -777,6 +782,47 @@ def bench_disk(sm: StorageManager, host_slots: np.ndarray, repeats: int, budget_
 # phases
 
 
+def _concat_hot_host(sm: StorageManager, slots_pool: np.ndarray, shape: Shape,
+                     args: argparse.Namespace, rng: np.random.Generator, name: str,
+                     results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hot <-> host part of the concat phase: verification, then timed cycles of the
+    default mover and of the two memcpy movers."""
+    rows: list[dict[str, Any]] = []
+    batch = ("copy kernel, one launch per call" if jax.default_backend() == "gpu"
+             else "CPU memcpy")
+    try:
+        v = verify_concat(sm, slots_pool, shape.pages, rng, args.sample_pages)
+    except Exception as e:  # noqa: BLE001
+        v = {"ok": False, "error": _err(e)}
+        traceback.print_exc()
+    results["verification"]["concat"] = v
+    _log(f"  concat check: {v}")
+    rows += time_cycles(sm, slots_pool, shape, args.repeats, rng, name, None,
+                        note=f"{batch}; check {'ok' if v.get('ok') else 'FAIL'}")
+    # The memcpy movers (read on every call): one cuMemcpyBatchAsync per call (the seed's
+    # design), then one cudaMemcpyAsync per descriptor (the fallback before CUDA 12.8).
+    for label, env, note in (
+            ("concat[memcpy-batch]", {COPY_ENV: "memcpy"},
+             f"{COPY_ENV}=memcpy: one cuMemcpyBatchAsync per call, "
+             f"{shape.pages * 2 * shape.num_layers} descriptors"),
+            ("concat[no-batch]", {COPY_ENV: "memcpy", NO_BATCH_ENV: "1"},
+             f"{COPY_ENV}=memcpy {NO_BATCH_ENV}=1: one cudaMemcpyAsync per "
+             f"{shape.piece_bytes >> 10} KiB piece, from C++")):
+        if jax.default_backend() != "gpu":
+            note = "no effect on CPU (same memcpy path)"
+        os.environ.update(env)
+        try:
+            rows += time_cycles(sm, slots_pool, shape, args.piece_repeats, rng, label, None,
+                                note=note, warmup=1)
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("hot<->host", label, "both", error=_err(e)))
+            _log(f"  {label}: ERROR {_err(e)}")
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
+    return rows
+
+
 def run_concat(shape: Shape, args: argparse.Namespace, disk_dir: str | None, disk_pages: int,
                results: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
@@ -798,38 +844,8 @@ def run_concat(shape: Shape, args: argparse.Namespace, disk_dir: str | None, dis
             "disk_slots": sm.disk_pools[0].num_slots if sm.disk_pools else 0,
             "setup_s": round(time.perf_counter() - t0, 2)}
         _log(f"  manager: {results['concat_manager']}")
-        batch = ("copy kernel, one launch per call" if jax.default_backend() == "gpu"
-                 else "CPU memcpy")
-        try:
-            v = verify_concat(sm, slots_pool, shape.pages, rng, args.sample_pages)
-        except Exception as e:  # noqa: BLE001
-            v = {"ok": False, "error": _err(e)}
-            traceback.print_exc()
-        results["verification"]["concat"] = v
-        _log(f"  concat check: {v}")
-        rows += time_cycles(sm, slots_pool, shape, args.repeats, rng, name, None,
-                            note=f"{batch}; check {'ok' if v.get('ok') else 'FAIL'}")
-        # The memcpy movers (read on every call): one cuMemcpyBatchAsync per call (the seed's
-        # design), then one cudaMemcpyAsync per descriptor (the fallback before CUDA 12.8).
-        for label, env, note in (
-                ("concat[memcpy-batch]", {COPY_ENV: "memcpy"},
-                 f"{COPY_ENV}=memcpy: one cuMemcpyBatchAsync per call, "
-                 f"{shape.pages * 2 * shape.num_layers} descriptors"),
-                ("concat[no-batch]", {COPY_ENV: "memcpy", NO_BATCH_ENV: "1"},
-                 f"{COPY_ENV}=memcpy {NO_BATCH_ENV}=1: one cudaMemcpyAsync per "
-                 f"{shape.piece_bytes >> 10} KiB piece, from C++")):
-            if jax.default_backend() != "gpu":
-                note = "no effect on CPU (same memcpy path)"
-            os.environ.update(env)
-            try:
-                rows += time_cycles(sm, slots_pool, shape, args.piece_repeats, rng, label, None,
-                                    note=note, warmup=1)
-            except Exception as e:  # noqa: BLE001
-                rows.append(row("hot<->host", label, "both", error=_err(e)))
-                _log(f"  {label}: ERROR {_err(e)}")
-            finally:
-                for key in env:
-                    os.environ.pop(key, None)
+        if not args.disk_only:
+            rows += _concat_hot_host(sm, slots_pool, shape, args, rng, name, results)
         if disk_pages and not args.skip_disk:
             _log(f"\n[host <-> disk] {disk_pages} pages of {hp.slot_bytes / 2**20:.3g} MiB = "
                  f"{disk_pages * hp.slot_bytes / GiB:.3g} GiB in {disk_dir} "
@@ -1002,16 +1018,20 @@ def plan_sizes(shape: Shape, args: argparse.Namespace, disk_dir: str | None
     page = shape.hot_page_bytes
     avail = meminfo().get("MemAvailable")
     # Peak host memory: the concat host tier + a plain-read buffer of the same size (disk part),
-    # or the torch per-piece loop's pinned buffer; plus a margin.
+    # or the torch per-piece loop's pinned buffer; plus a margin. --disk-only may run on a CPU
+    # backend, whose hot pools are host memory too.
+    hot_copies = 1 if args.disk_only and jax.default_backend() == "cpu" else 0
     if avail:
-        need = lambda p: 2 * (p + args.host_extra_pages) * page + 4 * GiB  # noqa: E731
+        def need(p: int) -> int:
+            return (2 + hot_copies) * (p + args.host_extra_pages) * page + 4 * GiB
         pages = shape.pages
         while pages > 16 and need(pages) > avail:
             pages //= 2
         if pages != shape.pages:
             notes.append(f"SCALED DOWN: {shape.pages} -> {pages} pages (MemAvailable "
                          f"{avail / GiB:.1f} GiB)")
-            shape = Shape(**{**shape.__dict__, "pages": pages, "hot_slots": 2 * pages})
+            shape = Shape(**{**shape.__dict__, "pages": pages,
+                             "hot_slots": pages if args.disk_only else 2 * pages})
     disk_pages = 0
     if disk_dir and not args.skip_disk:
         disk_pages = min(args.disk_pages or shape.pages, shape.pages)
@@ -1051,6 +1071,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-uncached-reads", action="store_true",
                    help="posix_fadvise(DONTNEED) our own two files before each timed read")
     p.add_argument("--skip-disk", action="store_true")
+    p.add_argument("--disk-only", action="store_true",
+                   help="only host<->disk (full-size pages, hot tier of --pages slots, no torch, "
+                        "no hot<->host timing, no int8): runs without a GPU")
     p.add_argument("--skip-torch", action="store_true",
                    help="skip the torch baselines (contiguous and per-piece loop)")
     p.add_argument("--skip-int8", action="store_true")
@@ -1066,6 +1089,12 @@ def main(argv: list[str] | None = None) -> int:
         args.sample_pages = min(args.sample_pages, 16)
     if args.pages:
         shape = Shape(**{**shape.__dict__, "pages": args.pages, "hot_slots": 2 * args.pages})
+    if args.disk_only:
+        if args.skip_disk:
+            p.error("--disk-only and --skip-disk exclude each other")
+        args.skip_torch = args.skip_int8 = True
+        # The hot pages only feed the host tier once: no second set for random draws.
+        shape = Shape(**{**shape.__dict__, "hot_slots": shape.pages})
     os.environ.pop(NO_BATCH_ENV, None)
     os.environ.pop(COPY_ENV, None)
 
@@ -1074,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = environment(disk_dir)
         _log("environment:", json.dumps(env))
-        if env["backend"] != "gpu" and not args.quick:
+        if env["backend"] != "gpu" and not (args.quick or args.disk_only):
             _log("WARNING: no GPU backend; full shapes on CPU will be very slow (use --quick)")
         shape, disk_pages, notes = plan_sizes(shape, args, disk_dir)
         for n in notes:

@@ -4,10 +4,13 @@
 ``num_slots * slot_bytes`` so a full disk shows up at construction) through the native
 ``_kvcm_cpu.DiskFile``, and keeps the slot free list (:class:`~jax_kvcm._slots.SlotAllocator`).
 
-I/O moves whole cold pages between disk slots and a contiguous host staging region: page ``i`` of a
-call lives at ``address + i * slot_bytes`` in host memory and in slot ``slots[i]`` on disk. Runs of
-adjacent slots (``slots[i+1] == slots[i] + 1``) are one pread/pwrite; the native code runs with the
-GIL released. A CRC32C per page is recorded when its write succeeds and verified on every read.
+I/O moves whole cold pages between disk slots and host memory: page ``i`` of a call lives at
+``address + pages[i] * slot_bytes`` in host memory (``pages`` defaults to ``0, 1, ...``: a
+contiguous staging region) and in slot ``slots[i]`` on disk. Pages adjacent both on disk and in
+host memory are coalesced into pieces of at most 4 MiB, one pread/pwrite each; the native code
+runs with the GIL released, a call's pieces spread over up to ``io_threads`` native threads
+(default ``min(8, hardware threads)``), each doing the checksums and the syscall of its pieces. A
+CRC32C per page is recorded when its write succeeds and verified on every read.
 
 Errors:
 
@@ -18,9 +21,12 @@ Errors:
 - Misuse (slots out of range or not allocated, bad dtype/shape, a closed pool) raises
   ``ValueError`` before any I/O.
 
-NOTE: a failed ``write`` may have written the runs before the failing one (their checksums are
-recorded); the failing run's slots read as missing; later runs are untouched. Callers treat a failed
-write as failed whole: they free the slots (which drops every checksum) and keep the source.
+NOTE: a failed ``write`` may have written the pieces before the failing one (their checksums are
+recorded); the failing piece's slots read as missing; later pieces are untouched, except, with more
+than one I/O thread and a real (not injected) I/O error, those another thread had already started
+(they hold the new data with valid checksums, or read as missing). Which error is raised does not
+depend on the threads: the first failing piece's. Callers treat a failed write as failed whole:
+they free the slots (which drops every checksum) and keep the source.
 """
 
 from __future__ import annotations
@@ -63,13 +69,22 @@ def _check_name(name: object) -> str:
     return name
 
 
+def _host_pages(pages, n: int, name: str) -> np.ndarray | None:
+    if pages is None:
+        return None
+    arr = as_slot_array(pages, name)
+    if arr.size != n:
+        raise ValueError(f"{name} has {arr.size} entries for {n} slots")
+    return arr
+
+
 class DiskPool:
     """``num_slots`` cold-page slots of ``slot_bytes`` each in ``<directory>/<name>.kvcm``."""
 
     __slots__ = ("_file", "_allocator", "_directory", "_name", "_num_slots", "_slot_bytes")
 
     def __init__(self, directory: str | os.PathLike[str], name: str, num_slots: int,
-                 slot_bytes: int) -> None:
+                 slot_bytes: int, *, io_threads: int | None = None) -> None:
         self._file = None
         try:
             directory = os.fspath(directory)
@@ -84,12 +99,13 @@ class DiskPool:
         self._name = _check_name(name)
         self._num_slots = check_count(num_slots, "num_slots", minimum=1)
         self._slot_bytes = check_count(slot_bytes, "slot_bytes", minimum=1)
+        threads = 0 if io_threads is None else check_count(io_threads, "io_threads", minimum=1)
         self._allocator = SlotAllocator(self._num_slots)
         from jax_kvcm import _kvcm_cpu
 
         path = os.path.join(directory, name + DISK_FILE_SUFFIX)
         try:
-            self._file = _kvcm_cpu.DiskFile(path, self._num_slots, self._slot_bytes)
+            self._file = _kvcm_cpu.DiskFile(path, self._num_slots, self._slot_bytes, threads)
         except OSError as e:
             raise _disk_error(e) from e
 
@@ -121,8 +137,13 @@ class DiskPool:
 
     @property
     def num_io_calls(self) -> int:
-        """pread/pwrite syscalls issued so far (one per run of adjacent slots, normally)."""
+        """pread/pwrite syscalls issued so far (one per piece of adjacent pages, normally)."""
         return 0 if self._file is None else self._file.num_io_calls
+
+    @property
+    def io_threads(self) -> int:
+        """The most native threads one read/write call uses."""
+        return self._check_open().io_threads
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -147,28 +168,32 @@ class DiskPool:
 
     # -- I/O -----------------------------------------------------------------------------------
 
-    def write(self, slots, src_address: int) -> None:
-        """Writes page ``i`` from ``src_address + i * slot_bytes`` to slot ``slots[i]``.
+    def write(self, slots, src_address: int, src_pages=None) -> None:
+        """Writes page ``i`` from ``src_address + src_pages[i] * slot_bytes`` (``src_pages``
+        default: ``i``) to slot ``slots[i]``.
 
         DiskFullError / DiskIOError on failure (see the module notes for partial effects).
         """
         file = self._check_open()
         arr = self._check_io_slots(slots)
+        pages = _host_pages(src_pages, arr.size, "src_pages")
         try:
-            file.write(arr, int(src_address))
+            file.write(arr, int(src_address), pages)
         except OSError as e:
             raise _disk_error(e) from e
 
-    def read(self, slots, dst_address: int) -> np.ndarray:
-        """Reads slot ``slots[i]`` into ``dst_address + i * slot_bytes``; returns a bool mask,
-        False for pages that fail their checksum or hold nothing (misses: do not use them).
+    def read(self, slots, dst_address: int, dst_pages=None) -> np.ndarray:
+        """Reads slot ``slots[i]`` into ``dst_address + dst_pages[i] * slot_bytes`` (``dst_pages``
+        default: ``i``); returns a bool mask, False for pages that fail their checksum or hold
+        nothing (misses: do not use them).
 
         DiskIOError on I/O errors and short reads.
         """
         file = self._check_open()
         arr = self._check_io_slots(slots)
+        pages = _host_pages(dst_pages, arr.size, "dst_pages")
         try:
-            return file.read(arr, int(dst_address))
+            return file.read(arr, int(dst_address), pages)
         except OSError as e:
             raise _disk_error(e) from e
 
@@ -209,6 +234,16 @@ class DiskPool:
 
     def _clear_faults(self) -> None:
         self._check_open()._clear_faults()
+
+    def _set_io_tuning(self, *, piece_bytes: int | None = None,
+                       min_thread_bytes: int | None = None) -> None:
+        """Test hook: the most bytes per piece (one syscall) and the bytes per extra thread, so
+        that small test pages can exercise the multi-threaded path."""
+        file = self._check_open()
+        if piece_bytes is not None:
+            file._io_piece_bytes = piece_bytes
+        if min_thread_bytes is not None:
+            file._min_thread_bytes = min_thread_bytes
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -99,20 +99,28 @@ class StorageConfig:
     - ``device_slots``: usable slots per hot pool group (the null slot 0 comes on top).
     - ``hot_pool_groups``: layer-group ids per hot pool group (identical hot layouts share one
       slot space and one K/V array pair); default one group per layer group.
+    - ``cold_pool_groups``: layer-group ids per cold pool group (one slot space and one pool per
+      cold tier, HOST and DISK alike), independent of the hot grouping; members must encode to
+      the same cold page size. Default: one group per distinct cold page size (ascending), so
+      every layer group that can share a cold pool does.
     - ``pool_ratio``: per layer group, its share of hot bytes, projected into the cold tiers
       through slot counts; default: the hot split implied by ``device_slots``.
     - ``host_bytes`` / ``disk_bytes``: cold tier budgets (0 = no such tier); ``disk_dir`` is
       required with ``disk_bytes``.
+    - ``disk_io_threads``: native threads one disk read/write may use (default ``min(8, hardware
+      threads)``).
     """
 
     layer_groups: tuple[LayerGroupSpec, ...]
     device_slots: tuple[int, ...]
     hot_pool_groups: tuple[tuple[int, ...], ...] | None = None
+    cold_pool_groups: tuple[tuple[int, ...], ...] | None = None
     pool_ratio: tuple[float, ...] | None = None
     host_bytes: int = 0
     disk_dir: str | None = None
     disk_bytes: int = 0
     pinned_host: bool | None = None
+    disk_io_threads: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,11 +248,8 @@ class StorageManager:
             self.cold_page_bytes.append(int(nbytes))
             self.index_location.append(PageIndexLocation(loc))
             self.batching_id.append(int(self._codec.batching_layer_group_id(lg)))
-        # Cold pool groups: layer groups with equal encoded page size share one.
-        sizes = sorted(set(self.cold_page_bytes))
-        self.cold_group_of = [sizes.index(b) for b in self.cold_page_bytes]
-        self.cold_slot_bytes = sizes
         self._validate_batching()
+        self._build_cold_groups(config.cold_pool_groups)
 
         # 6. Cold tiers, sized by the pool ratios projected through slot counts.
         layouts = [LayerGroupLayout(lg, PoolGroupIndex(self.hot_group_of[lg]),
@@ -273,7 +278,9 @@ class StorageManager:
         if disk_bytes:
             split = split_cold_budget(CacheLevel.DISK, disk_bytes, weights, layouts)
             self.disk_pools = [DiskPool(config.disk_dir, f"jax_kvcm-{os.getpid()}-{id(self)}-{g}",
-                                        s.num_slots, s.slot_bytes) for g, s in enumerate(split)]
+                                        s.num_slots, s.slot_bytes,
+                                        io_threads=config.disk_io_threads)
+                               for g, s in enumerate(split)]
             limits[CacheLevel.DISK] = sum(s.nbytes for s in split)
             capacity = staging_ring_capacity(max(self.cold_slot_bytes))
             self._ring_buffer = allocate_host_buffer(capacity, pinned=config.pinned_host)
@@ -283,9 +290,44 @@ class StorageManager:
             limits[CacheLevel.HOST] = limits.get(CacheLevel.HOST, 0) + capacity
         self.governor = MemoryGovernor(limits)
 
+    def _build_cold_groups(self, groups: Sequence[Sequence[int]] | None) -> None:
+        """The cold lifecycle -> pool-group mapping (``cold_group_of``, ``cold_slot_bytes``), then
+        the batching representatives restricted to it.
+
+        A codec's batching class lies in one hot pool group and has one cold page size, but the
+        cold grouping is the manager's choice: when it splits a class, pairs of members in
+        different cold pools cannot share a codec call (one cold base address per call), so each
+        member's representative becomes the smallest class member in its own cold pool group.
+        With the default grouping (by size) this changes nothing."""
+        sizes = self.cold_page_bytes
+        if groups is None:
+            distinct = sorted(set(sizes))
+            groups = [[lg for lg in range(len(sizes)) if sizes[lg] == b] for b in distinct]
+        groups = tuple(tuple(g) for g in groups)
+        members = sorted(lg for g in groups for lg in g)
+        if members != list(range(len(sizes))) or not all(groups):
+            raise ValueError("config.cold_pool_groups must assign every layer group id "
+                             f"0..{len(sizes) - 1} to exactly one non-empty group, got {groups}")
+        for g in groups:
+            if len({sizes[lg] for lg in g}) != 1:
+                raise ValueError(f"config.cold_pool_groups: layer groups {g} encode to different "
+                                 f"cold page sizes {[sizes[lg] for lg in g]}")
+        self.cold_groups = groups
+        self.cold_group_of = [0] * len(sizes)
+        for c, g in enumerate(groups):
+            for lg in g:
+                self.cold_group_of[lg] = c
+        self.cold_slot_bytes = [sizes[g[0]] for g in groups]
+        self.batching_id = [min(m for m in range(len(sizes))
+                                if self.batching_id[m] == self.batching_id[lg]
+                                and self.cold_group_of[m] == self.cold_group_of[lg])
+                            for lg in range(len(sizes))]
+
     def _validate_batching(self) -> None:
         """Each batching representative is configured, <= every member, maps to itself, and
-        shares the member's hot and cold pool groups, cold page size and index location."""
+        shares the member's hot pool group, cold page size and index location. (Its cold pool
+        group may differ under an explicit cold grouping: :meth:`_build_cold_groups` then
+        restricts the class to each cold pool group.)"""
         for lg, rep in enumerate(self.batching_id):
             if rep < 0 or rep >= len(self.specs):
                 raise ValueError(f"codec: layer group {lg} has an unknown batching id {rep}")
@@ -293,12 +335,11 @@ class StorageManager:
                 raise ValueError(f"codec: batching id {rep} of layer group {lg} is not the "
                                  "smallest member of its class or does not map to itself")
             same = (self.hot_group_of[rep] == self.hot_group_of[lg]
-                    and self.cold_group_of[rep] == self.cold_group_of[lg]
                     and self.cold_page_bytes[rep] == self.cold_page_bytes[lg]
                     and self.index_location[rep] == self.index_location[lg])
             if not same:
                 raise ValueError(f"codec: layer group {lg} and its batching representative {rep} "
-                                 "differ in pool groups, cold page size or index location")
+                                 "differ in hot pool group, cold page size or index location")
 
     # -- public state ------------------------------------------------------------------------
 
@@ -437,19 +478,15 @@ class StorageManager:
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
             self._wait_fences(g, src)
             self._hook("disk_write")
-            for s, d in _runs(src, dst):  # host source runs are contiguous memory
-                dpool.write(d, hpool.base_address + int(s[0]) * hpool.slot_bytes)
+            dpool.write(dst, hpool.base_address, src)  # one call: its pieces run in parallel
         elif path == (K, H):
             g = self.cold_group_of[lg]
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
             self._wait_fences(g, dst)
             self._hook("disk_read")
-            bad = []
-            for d, s in _runs(dst, src):  # host destination runs are contiguous memory
-                ok = dpool.read(s, hpool.base_address + int(d[0]) * hpool.slot_bytes)
-                bad.extend(s[~ok].tolist())
-            if bad:
-                raise CorruptPageError(lg, np.asarray(bad, np.int32))
+            ok = dpool.read(src, hpool.base_address, dst)
+            if not ok.all():
+                raise CorruptPageError(lg, src[~ok])
         elif path == (D, D):
             self._copy_hot(lg, src, dst)
         elif path == (H, H):
@@ -691,12 +728,3 @@ def _token(k: jax.Array, v: jax.Array) -> jax.Array:
     donated array cannot be waited on)."""
     return k.reshape(-1)[0].astype(jnp.float32) + v.reshape(-1)[0].astype(jnp.float32)
 
-
-def _runs(key: np.ndarray, other: np.ndarray):
-    """Splits parallel slot arrays into runs where ``key`` is contiguous (a host region addressed
-    by its first slot), yielding ``(key_run, other_run)``."""
-    start = 0
-    for i in range(1, len(key) + 1):
-        if i == len(key) or key[i] != key[i - 1] + 1:
-            yield key[start:i], other[start:i]
-            start = i

@@ -646,3 +646,259 @@ def test_real_enospc_on_a_tiny_filesystem(tmp_path):
                         sys.executable, script], capture_output=True, text=True, env=env,
                        cwd=str(tmp_path), timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-threaded I/O: a call's pieces spread over threads give the same bytes, checksums, syscall
+# counts and (injected) failures as one thread.
+
+THREADS = 4
+
+
+def tuned_file(path, threads: int, piece_pages: int, num_slots: int = 64) -> _kvcm_cpu.DiskFile:
+    """A DiskFile cutting runs every ``piece_pages`` pages and using a thread per piece."""
+    f = _kvcm_cpu.DiskFile(str(path), num_slots, SLOT, threads)
+    f._io_piece_bytes = piece_pages * SLOT
+    f._min_thread_bytes = 1
+    return f
+
+
+def pieces_of(slots, pages, piece_pages: int) -> list[list[int]]:
+    """The slots of each piece: runs adjacent on disk and in memory, cut every piece_pages."""
+    out: list[list[int]] = []
+    for i, s in enumerate(slots):
+        if (out and len(out[-1]) < piece_pages and s == slots[i - 1] + 1
+                and pages[i] == pages[i - 1] + 1):
+            out[-1].append(int(s))
+        else:
+            out.append([int(s)])
+    return out
+
+
+def piece_text(piece: list[int]) -> str:
+    return f"slot {piece[0]}" if len(piece) == 1 else f"slots {piece[0]}..{piece[-1]}"
+
+
+def random_runs(rng: np.random.Generator, n: int, num_slots: int) -> np.ndarray:
+    """``n`` distinct slots in runs of 1..6 adjacent slots, runs in random order."""
+    slots: list[int] = []
+    while len(slots) < n:
+        start = int(rng.integers(0, num_slots))
+        slots += [s for s in range(start, min(start + int(rng.integers(1, 7)), num_slots))
+                  if s not in slots]
+    return np.array(slots[:n], np.int32)
+
+
+def random_pages(rng: np.random.Generator, n: int, capacity: int) -> np.ndarray:
+    """Host page numbers: contiguous, sorted-with-gaps or shuffled (distinct, < capacity)."""
+    kind = int(rng.integers(0, 3))
+    if kind == 0:
+        start = int(rng.integers(0, capacity - n + 1))
+        return np.arange(start, start + n, dtype=np.int32)
+    pages = rng.choice(capacity, n, replace=False).astype(np.int32)
+    return np.sort(pages) if kind == 1 else pages
+
+
+def whole_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_threads_match_one_thread_byte_for_byte(tmp_path, seed):
+    """Random writes and reads (runs, scattered host pages, a duplicated slot now and then) on a
+    one-thread file and a THREADS-thread file: identical files, masks, read bytes, syscall counts;
+    and the bytes are the ones written (last write wins)."""
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    piece_pages = 2
+    files = {t: tuned_file(tmp_path / f"t{t}.kvcm", t, piece_pages) for t in (1, THREADS)}
+    src = Staging(48)
+    dst = {t: Staging(64) for t in files}  # NOTE: the last read takes every slot of the file
+    expected: dict[int, np.ndarray] = {}
+    try:
+        for step in range(10):
+            n = int(rng.integers(2, 41))
+            slots = random_runs(rng, n, 64)
+            if step % 4 == 3:  # a slot written twice in one call: the later page wins
+                slots = np.concatenate([slots, slots[:1]]).astype(np.int32)
+            pages = random_pages(rng, len(slots), 48)
+            data = src.fill(rng, 48)
+            calls = {}
+            for t, f in files.items():
+                before = f.num_io_calls
+                f.write(slots, src.address, pages)
+                calls[t] = (f.num_io_calls - before, f._last_workers)
+            for i, s in enumerate(slots):
+                expected[int(s)] = data[pages[i]]
+            num_pieces = len(pieces_of(slots, pages, piece_pages))
+            assert calls[1][0] == calls[THREADS][0] == num_pieces, f"seed={seed} step={step}"
+            if step % 4 != 3:  # duplicates run in order on one thread
+                assert calls[THREADS][1] == min(THREADS, num_pieces), f"seed={seed}: {calls}"
+            # Read every slot written so far, in a random order, into scattered host pages.
+            order = rng.permutation(np.array(sorted(expected), np.int32))[:48]
+            dpages = random_pages(rng, len(order), 48)
+            masks = {}
+            for t, f in files.items():
+                dst[t].pages[:] = 0xA5
+                masks[t] = f.read(order, dst[t].address, dpages)
+            assert masks[1].all() and masks[THREADS].all(), f"seed={seed} step={step}"
+            assert np.array_equal(dst[1].pages, dst[THREADS].pages), f"seed={seed} step={step}"
+            for i, s in enumerate(order):
+                assert np.array_equal(dst[1].pages[dpages[i]], expected[int(s)]), (
+                    f"slot {s} seed={seed} step={step}")
+        assert whole_file(files[1].path) == whole_file(files[THREADS].path), f"seed={seed}"
+        # A flipped bit is a miss on both, for exactly that page.
+        victim = int(rng.choice(sorted(expected)))
+        offset = victim * SLOT + int(rng.integers(0, SLOT))
+        order = np.array(sorted(expected), np.int32)
+        for t, f in files.items():
+            flip_byte(f.path, offset)
+            got = f.read(order, dst[t].address)
+            assert np.array_equal(got, order != victim), f"threads={t} seed={seed}"
+    finally:
+        for f in files.values():
+            f.close()
+
+
+# Three runs, cut every 2 pages: pieces [0, 1] [2, 3] [4] [10, 11] [12, 13] [20, 21] [22].
+FAULT_SLOTS = i32(0, 1, 2, 3, 4, 10, 11, 12, 13, 20, 21, 22)
+FAULT_PIECES = pieces_of(FAULT_SLOTS, np.arange(12), 2)
+
+
+@pytest.mark.parametrize("after", [0, 3, 6])
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_threads_injected_fault_matches_one_thread(tmp_path, kind, after):
+    """An injected fault in the piece of one thread: the same typed error naming that piece, the
+    same syscalls, and the same state as with one thread (pieces before: written and valid; the
+    failing piece: missing; pieces after: untouched, never issued); a retry succeeds."""
+    assert len(FAULT_PIECES) == 7
+    rng = np.random.default_rng(after)
+    files = {t: tuned_file(tmp_path / f"t{t}.kvcm", t, 2) for t in (1, THREADS)}
+    src, old = Staging(12), None
+    dst = {t: Staging(12) for t in files}
+    is_write = kind in WRITE_FAULTS
+    want_errno = WRITE_FAULTS[kind] if is_write else READ_FAULTS[kind]
+    failing = FAULT_PIECES[after]
+    try:
+        old = src.fill(rng, 12)
+        for f in files.values():
+            f.write(FAULT_SLOTS, src.address)
+        new = src.fill(rng, 12)
+        states = {}
+        for t, f in files.items():
+            dst[t].pages[:] = 0x5A
+            f._inject_fault(kind, after_ios=after)
+            before = f.num_io_calls
+            with pytest.raises(OSError) as e:
+                if is_write:
+                    f.write(FAULT_SLOTS, src.address)
+                else:
+                    f.read(FAULT_SLOTS, dst[t].address)
+            assert e.value.errno == want_errno, (t, e.value)
+            assert piece_text(failing) in str(e.value), (t, str(e.value))
+            # Nothing after the failing piece is issued, so `after + 1` pieces ran.
+            assert f._last_workers == min(t, after + 1), (t, f._last_workers)
+            syscalls = f.num_io_calls - before
+            landed = dst[t].pages.copy()  # what the failed read put in host memory
+            check = Staging(12)
+            mask = f.read(FAULT_SLOTS, check.address)
+            states[t] = dict(syscalls=np.array(syscalls), landed=landed, mask=mask,
+                             pages=check.pages.copy(),
+                             file=np.frombuffer(whole_file(f.path), np.uint8))
+        for name, value in states[1].items():
+            assert np.array_equal(states[THREADS][name], value), f"{name} differs"
+        # The one-thread state is the documented sequential one.
+        landed, mask, pages = (states[1][k] for k in ("landed", "mask", "pages"))
+        index = 0
+        for p, piece in enumerate(FAULT_PIECES):
+            for _ in piece:
+                if is_write:
+                    assert mask[index] == (p != after), (p, index)
+                    if p < after:
+                        assert np.array_equal(pages[index], new[index])
+                    elif p > after:
+                        assert np.array_equal(pages[index], old[index]), "touched after the fault"
+                else:
+                    assert mask[index], "a failed read changed an entry"
+                    if p < after:
+                        assert np.array_equal(landed[index], old[index])
+                    elif p > after:
+                        assert (landed[index] == 0x5A).all(), "read after the fault"
+                index += 1
+        # One-shot: a retry succeeds on both.
+        for t, f in files.items():
+            if is_write:
+                f.write(FAULT_SLOTS, src.address)
+            assert f.read(FAULT_SLOTS, dst[t].address).all()
+            assert np.array_equal(dst[t].pages, new if is_write else old)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def test_io_threads_setting(tmp_path):
+    default = max(1, min(8, os.cpu_count() or 1))
+    f = _kvcm_cpu.DiskFile(str(tmp_path / "a.kvcm"), 4, SLOT)
+    try:
+        assert f.io_threads == default
+        f.io_threads = 3
+        assert f.io_threads == 3
+        f.io_threads = 0
+        assert f.io_threads == default
+        with pytest.raises(ValueError, match="io_threads"):
+            f.io_threads = -1
+        for hook in ("_io_piece_bytes", "_min_thread_bytes"):
+            with pytest.raises(ValueError, match=hook):
+                setattr(f, hook, 0)
+    finally:
+        f.close()
+    with pytest.raises(ValueError, match="io_threads"):
+        _kvcm_cpu.DiskFile(str(tmp_path / "b.kvcm"), 4, SLOT, -2)
+    assert not os.path.exists(tmp_path / "b.kvcm")
+    with DiskPool(tmp_path, "p", 4, SLOT, io_threads=2) as pool:
+        assert pool.io_threads == 2
+    with DiskPool(tmp_path, "q", 4, SLOT) as pool:
+        assert pool.io_threads == default
+    with pytest.raises(ValueError, match="io_threads"):
+        DiskPool(tmp_path, "r", 4, SLOT, io_threads=0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([0, 1], np.int64), "src_pages"),
+    (np.array([0], np.int32), "src_pages"),
+    (np.array([0, -1], np.int32), r"src_pages\[1\] = -1"),
+    ([0, 1], "src_pages"),
+])
+def test_bad_host_pages_rejected_before_io(dfile, bad, match):
+    src = Staging(2)
+    before = dfile.num_io_calls
+    with pytest.raises(ValueError, match=match):
+        dfile.write(i32(0, 1), src.address, bad)
+    with pytest.raises(ValueError, match=match.replace("src", "dst")):
+        dfile.read(i32(0, 1), src.address, bad)
+    assert dfile.num_io_calls == before
+    assert not dfile.read(i32(0, 1), src.address).any(), "a refused write recorded entries"
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_pool_threaded_typed_errors(tmp_path, kind):
+    """DiskPool with several threads and one page per piece: the fault in the third piece is the
+    same typed error as with one thread; the pool's slots stay allocated (the caller frees)."""
+    with DiskPool(tmp_path, "t", 16, SLOT, io_threads=THREADS) as pool:
+        pool._set_io_tuning(piece_bytes=1, min_thread_bytes=1)
+        slots = pool.allocate(6)
+        src = Staging(12)
+        src.fill(np.random.default_rng(3), 12)
+        pages = i32(11, 3, 7, 0, 5, 9)  # scattered host pages: six pieces
+        pool.write(slots, src.address, pages)
+        assert pool.read(slots, src.address, pages).all()  # negative control
+        pool._inject_fault(kind, after_ios=2)
+        op = pool.write if kind in WRITE_FAULTS else pool.read
+        want = DiskFullError if kind == "enospc" else DiskIOError
+        with pytest.raises(want) as e:
+            op(slots, src.address, pages)
+        assert e.value.errno == (errno.ENOSPC if kind == "enospc" else errno.EIO)
+        assert e.value.filename == pool.path and f"slot {slots[2]}" in str(e.value)
+        assert pool._file._last_workers == 3
+        assert pool.num_free == 10

@@ -29,12 +29,13 @@ SPECS = (
 
 
 def make_manager(tmp_path, *, host=True, disk=True, device_slots=(12, 12, 12), codec=None,
-                 specs=SPECS, hot_pool_groups=None):
+                 specs=SPECS, hot_pool_groups=None, disk_io_threads=None):
     config = StorageConfig(layer_groups=specs, device_slots=device_slots,
                            hot_pool_groups=hot_pool_groups,
                            host_bytes=(1 << 20) if host else 0,
                            disk_dir=str(tmp_path) if disk else None,
-                           disk_bytes=(1 << 20) if disk else 0)
+                           disk_bytes=(1 << 20) if disk else 0,
+                           disk_io_threads=disk_io_threads)
     return StorageManager(config, codec, device=jax.devices("cpu")[0])
 
 
@@ -124,6 +125,178 @@ def test_layer_groups_sharing_a_hot_pool_group_share_slots(tmp_path):
         wa, wb = fill_random(m, 0, a, 3), fill_random(m, 1, b, 4)
         np.testing.assert_array_equal(hot_pages(m, 0, m.migrate(0, K, m.migrate(0, D, a, K), D)), wa)
         np.testing.assert_array_equal(hot_pages(m, 1, m.migrate(1, K, m.migrate(1, D, b, K), D)), wb)
+    finally:
+        m.close()
+
+
+# Layer-group layouts for the concat round trips: (specs, hot_pool_groups, cold_pool_groups). With
+# the concatenating codec a cold page is the hot page, so layer groups of one hot layout encode to
+# equal sizes and share a cold pool group by default; an explicit cold grouping splits them.
+A = SPECS[0]  # 2 layers x 2 heads, f32: 4 KiB pages
+B = SPECS[1]  # 4 layers x 1 head, f32: another hot layout, also 4 KiB pages
+C = SPECS[2]  # bf16, 8 KiB pages
+LAYOUTS = {
+    # lg0/lg1: different hot layouts, one cold pool group (shared cold, not hot).
+    "cold-shared": ((A, B, C), None, None),
+    # lg0/lg1: one hot pool group and one cold pool group.
+    "hot-and-cold-shared": ((A, A, C), ((0, 1), (2,)), None),
+    # lg0/lg1: one hot pool group, two cold pool groups (shared hot, not cold).
+    "hot-shared-cold-split": ((A, A, C), ((0, 1), (2,)), ((0,), (1,), (2,))),
+    # lg0/lg1: the same hot layout in two hot pool groups, one cold pool group.
+    "same-layout-hot-split": ((A, A, C), ((0,), (1,), (2,)), None),
+    # Both at once: lg1 shares its hot pool group with lg0 and its cold pool group with lg2 (a
+    # different hot layout of the same page size), lg3 alone in both.
+    "both": ((A, A, B, C), ((0, 1), (2,), (3,)), ((0,), (1, 2), (3,))),
+}
+
+
+def make_layout_manager(tmp_path, name, *, disk_io_threads=None):
+    specs, hot, cold = LAYOUTS[name]
+    num_hot = len(hot) if hot is not None else len(specs)
+    config = StorageConfig(layer_groups=specs, device_slots=(24,) * num_hot, hot_pool_groups=hot,
+                           cold_pool_groups=cold, host_bytes=1 << 20, disk_dir=str(tmp_path),
+                           disk_bytes=1 << 20, disk_io_threads=disk_io_threads)
+    return StorageManager(config, device=jax.devices("cpu")[0])
+
+
+def raw_hot_pages(m: StorageManager, lg: int, slots: np.ndarray) -> np.ndarray:
+    """``[n, cold_page_bytes]`` uint8: the pages' bytes as the concat codec lays them out."""
+    k, v = m.pools[m.hot_group_of[lg]]
+    idx = jnp.asarray(np.asarray(slots, np.int32))
+    kk, vv = np.asarray(k[:, idx]), np.asarray(v[:, idx])  # [L, n, P, H, D]
+    pages = np.stack([np.moveaxis(kk, 1, 0), np.moveaxis(vv, 1, 0)], axis=2)  # [n, L, 2, ...]
+    return pages.reshape(len(slots), -1).view(np.uint8)
+
+
+def wait_host(m: StorageManager, cold_group: int, slots: np.ndarray) -> None:
+    """Waits for the encodes that last wrote these host slots (the manager's own fences)."""
+    fences = {id(f): f for f in m._host_fences[cold_group][slots] if f is not None}
+    for f in fences.values():
+        f.wait()
+
+
+def test_layouts_have_the_groupings_they_claim(tmp_path):
+    expect = {  # name: (hot_group_of, cold_group_of)
+        "cold-shared": ([0, 1, 2], [0, 0, 1]),
+        "hot-and-cold-shared": ([0, 0, 1], [0, 0, 1]),
+        "hot-shared-cold-split": ([0, 0, 1], [0, 1, 2]),
+        "same-layout-hot-split": ([0, 1, 2], [0, 0, 1]),
+        "both": ([0, 0, 1, 2], [0, 1, 1, 2]),
+    }
+    for name, (hot, cold) in expect.items():
+        m = make_layout_manager(tmp_path, name)
+        try:
+            assert (m.hot_group_of, m.cold_group_of) == (hot, cold), name
+            assert len(m.host_pools) == len(m.disk_pools) == max(cold) + 1, name
+            if name == "hot-shared-cold-split":  # equal hot shares -> equal cold slot counts
+                assert m.host_pools[0].num_slots == m.host_pools[1].num_slots > 0
+                assert m.disk_pools[0].num_slots == m.disk_pools[1].num_slots > 0
+        finally:
+            m.close()
+
+
+@pytest.mark.parametrize("cold, match", [
+    (((0,), (1,)), "exactly one"),             # layer group 2 missing
+    (((0, 1), (1, 2)), "exactly one"),         # layer group 1 twice
+    (((0, 1), (2,), ()), "exactly one"),       # an empty group
+    (((0, 2), (1,)), "different cold page sizes"),
+])
+def test_bad_cold_pool_groups_are_refused(tmp_path, cold, match):
+    config = StorageConfig(layer_groups=SPECS, device_slots=(4, 4, 4), cold_pool_groups=cold,
+                           host_bytes=1 << 20)
+    with pytest.raises(ValueError, match=match):
+        StorageManager(config, device=jax.devices("cpu")[0])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_concat_round_trips_over_layouts(tmp_path, name, seed):
+    """hot->host->disk->host->hot and hot->disk->hot with the concat codec, every layer group at
+    once over random page sets, interleaved in random order so the pages of layer groups that
+    share a pool group sit side by side in it: every page comes back byte-exact, the host tier
+    holds the concatenated layout, pages that stayed hot are untouched, and layer groups sharing
+    a pool group never share a slot."""
+    print(f"seed={seed} layout={name}")
+    rng = np.random.default_rng(seed)
+    m = make_layout_manager(tmp_path, name, disk_io_threads=1 + seed)
+    lgs = list(range(len(m.specs)))
+    try:
+        # Fill a random number of hot pages per layer group (hot groups shared -> interleaved).
+        held: dict[int, np.ndarray] = {lg: np.zeros(0, np.int32) for lg in lgs}
+        for _ in range(3):
+            for lg in rng.permutation(lgs):
+                lg = int(lg)
+                got = m.allocate(D, lg, int(rng.integers(1, 4)))
+                held[lg] = np.concatenate([held[lg], got])
+        for lg in lgs:
+            fill_random(m, lg, held[lg], seed * 100 + lg)
+        want = {lg: raw_hot_pages(m, lg, held[lg]) for lg in lgs}  # [page, bytes], held's order
+
+        def check_hot(where: dict[int, np.ndarray], what: str) -> None:
+            for lg in lgs:
+                got = raw_hot_pages(m, lg, where[lg])
+                np.testing.assert_array_equal(got, want[lg], err_msg=f"{what} lg={lg} {name} "
+                                                                     f"seed={seed}")
+
+        def migrate_all(slots: dict[int, np.ndarray], src, dst, level_name: str):
+            """Moves every layer group's ``slots`` from src to dst, layer groups in random order;
+            returns the new slots (same order)."""
+            out = dict(slots)
+            for lg in rng.permutation(lgs):
+                lg = int(lg)
+                moved = m.migrate(lg, src, slots[lg], dst)
+                assert moved is not None, f"{level_name} lg={lg} {name} seed={seed}"
+                out[lg] = moved
+            if dst is not D:  # layer groups sharing a cold pool group: disjoint slots
+                for g in set(m.cold_group_of):
+                    members = [lg for lg in lgs if m.cold_group_of[lg] == g]
+                    flat = np.concatenate([out[lg] for lg in members])
+                    assert np.unique(flat).size == flat.size, f"{level_name} cold group {g}"
+            return out
+
+        # Fragment the cold pools: keep a random half of some allocated cold slots, so the
+        # migrations below get scattered (non-adjacent) host and disk slots.
+        fillers = []
+        for level in (H, K):
+            for lg in lgs:
+                slots = m.allocate(level, lg, 12)
+                keep = rng.random(12) < 0.5
+                m.free(level, lg, slots[~keep])
+                fillers.append((level, lg, slots[keep]))
+        # A random subset (order shuffled) of each layer group's pages travels; the rest stays.
+        pick = {lg: rng.permutation(len(held[lg]))[:max(1, len(held[lg]) * 2 // 3)] for lg in lgs}
+        for chain in ("hot->host->disk->host->hot", "hot->disk->hot"):
+            src = {lg: held[lg][pick[lg]] for lg in lgs}
+            stay = {lg: np.delete(held[lg], pick[lg]) for lg in lgs}
+            stay_bytes = {lg: raw_hot_pages(m, lg, stay[lg]) for lg in lgs}
+            if chain.startswith("hot->host"):
+                h1 = migrate_all(src, D, H, "D->H")
+                for lg in lgs:  # the host tier holds the concatenated layout
+                    g = m.cold_group_of[lg]
+                    wait_host(m, g, h1[lg])
+                    np.testing.assert_array_equal(
+                        m.host_pools[g].view()[h1[lg]][:, :m.cold_page_bytes[lg]],
+                        want[lg][pick[lg]], err_msg=f"host bytes lg={lg} {name} seed={seed}")
+                k1 = migrate_all(h1, H, K, "H->K")
+                h2 = migrate_all(k1, K, H, "K->H")
+                back = migrate_all(h2, H, D, "H->D")
+            else:
+                back = migrate_all(migrate_all(src, D, K, "D->K"), K, D, "K->D")
+            for lg in lgs:
+                np.testing.assert_array_equal(raw_hot_pages(m, lg, back[lg]), want[lg][pick[lg]],
+                                              err_msg=f"{chain} lg={lg} {name} seed={seed}")
+                np.testing.assert_array_equal(raw_hot_pages(m, lg, stay[lg]), stay_bytes[lg],
+                                              err_msg=f"{chain}: a page that stayed hot changed, "
+                                                      f"lg={lg} {name} seed={seed}")
+                held[lg] = np.concatenate([stay[lg], back[lg]])
+                order = np.concatenate([np.delete(np.arange(len(want[lg])), pick[lg]), pick[lg]])
+                want[lg] = want[lg][order]
+                pick[lg] = rng.permutation(len(held[lg]))[:max(1, len(held[lg]) // 2)]
+            check_hot(held, f"after {chain}")
+        # Everything went home: the cold tiers hold only the fillers.
+        for level, lg, slots in fillers:
+            m.free(level, lg, slots)
+        assert m.governor.usage(H).current == 0 and m.governor.usage(K).current == 0
     finally:
         m.close()
 
@@ -258,6 +431,45 @@ def test_injectors_fire(tmp_path):
             with pytest.raises(OSError):
                 m.migrate(0, src, slots, dst)
             assert m.migrate(0, src, slots, dst) is not None
+    finally:
+        m.close()
+
+
+def _threaded_disk_fault_cases():
+    """Every disk path with each native fault it can meet."""
+    for src, dst in PATHS:
+        faults = (["enospc", "short_write"] if dst is K else []) + (
+            ["short_read", "eio_read"] if src is K else [])
+        for fault in faults:
+            yield pytest.param(src, dst, fault, id=f"{src.name}-{dst.name}-{fault}")
+
+
+@pytest.mark.parametrize("after", [0, 2, 4])
+@pytest.mark.parametrize("src,dst,fault", list(_threaded_disk_fault_cases()))
+def test_threaded_disk_fault_changes_nothing_and_retry_succeeds(tmp_path, src, dst, fault, after):
+    """Disk migrations whose pages run as separate pieces on several native threads: an injected
+    fault in the (after+1)-th piece raises, leaves ledgers, free counts, stats and the source as
+    they were, and a retry moves the pages byte-exactly."""
+    lg, n = 0, 6
+    m = make_manager(tmp_path, disk_io_threads=4)
+    try:
+        g = m.cold_group_of[lg]
+        pool = m.disk_pools[g]
+        pool._set_io_tuning(piece_bytes=1, min_thread_bytes=1)  # one piece per page
+        src_slots, want = place(m, lg, src, n, seed=11 + after)
+        before = snapshot(m)
+        src_bytes = cold_bytes(m, lg, src, src_slots)
+        pool._inject_fault(fault, after_ios=after)
+        with pytest.raises(OSError):
+            m.migrate(lg, src, src_slots, dst)
+        assert pool._file._last_workers == min(4, after + 1)
+        assert snapshot(m) == before, f"{fault} after {after}: state changed"
+        if src_bytes is not None:
+            np.testing.assert_array_equal(cold_bytes(m, lg, src, src_slots), src_bytes)
+        out = m.migrate(lg, src, src_slots, dst)
+        assert out is not None
+        assert pool._file._last_workers > 1, "the retry ran on one thread"
+        np.testing.assert_array_equal(read_back(m, lg, dst, out), want)
     finally:
         m.close()
 

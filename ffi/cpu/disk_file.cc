@@ -1,28 +1,44 @@
 // Disk tier: one preallocated, slot-addressed file per cold pool group, with a checksum per page.
 //
-// DiskFile(path, num_slots, slot_bytes) creates ``path`` exclusively (O_CREAT | O_EXCL, mode 0600)
-// and preallocates num_slots * slot_bytes bytes with posix_fallocate, so a full disk is reported
-// at construction rather than in the middle of a migration. Slot s lives at byte offset
-// s * slot_bytes. The file is closed and unlinked by close() and on destruction.
+// DiskFile(path, num_slots, slot_bytes, io_threads=0) creates ``path`` exclusively (O_CREAT |
+// O_EXCL, mode 0600) and preallocates num_slots * slot_bytes bytes with posix_fallocate, so a full
+// disk is reported at construction rather than in the middle of a migration. Slot s lives at byte
+// offset s * slot_bytes. The file is closed and unlinked by close() and on destruction.
 //
-// I/O. write(slots, src_address) / read(slots, dst_address) move page i between file offset
-// slots[i] * slot_bytes and host address base + i * slot_bytes (a contiguous staging region).
-// Runs of adjacent slots (slots[i+1] == slots[i] + 1) are coalesced into one pwrite/pread: one I/O
-// syscall per run unless the kernel transfers less, in which case the loop continues where it
-// stopped (a transfer that makes no progress is EIO). EINTR is retried. All I/O runs with the GIL
-// released; arguments are validated (ValueError naming the argument) before any I/O.
+// I/O. write(slots, src_address, src_pages=None) / read(slots, dst_address, dst_pages=None) move
+// page i between file offset slots[i] * slot_bytes and host address base + pages[i] * slot_bytes
+// (pages default to 0, 1, ...: a contiguous staging region). Pages adjacent both on disk and in
+// host memory (slots[i+1] == slots[i] + 1 and pages[i+1] == pages[i] + 1) are coalesced into
+// *pieces* of at most 4 MiB (at least one page): one pwrite/pread per piece unless the kernel
+// transfers less, in which case the loop continues where it stopped (a transfer that makes no
+// progress is EIO). EINTR is retried. All I/O runs with the GIL released; arguments are validated
+// (ValueError naming the argument) before any I/O.
+//
+// Threads. A call runs its pieces on up to io_threads threads (default min(8, hardware threads);
+// the calling thread is one of them; one thread per MiB of data at most, so small calls stay on
+// the caller): each thread takes the next piece in order and does its checksums and its syscall,
+// so one thread's checksums overlap another's I/O. The pieces, their syscalls and the fault
+// numbering (below) do not depend on the number of threads. A call that writes a slot twice (or
+// reads into one host page twice) runs its pieces in order, so the later page wins. Every thread
+// is joined before the call returns.
 //
 // Checksums. A CRC32C (Castagnoli) per page is kept in an in-memory table indexed by slot; it is
-// computed from the source bytes and recorded only after the write of the page's run succeeded.
+// computed from the source bytes and recorded only after the write of the page's piece succeeded.
 // read() verifies every page against the table: a mismatch or a slot with no entry yields False for
 // that page (a miss, never served, never an exception). The table is not persisted: the file is
 // removed when it is closed.
 //
-// Failure semantics of write(): runs are written in order. Before a run is written its slots'
-// entries are dropped; after it succeeds they are recorded. So when a call fails (OSError), the
-// slots of runs written before the failure hold the new data with valid entries, the failing run's
-// slots have no entry (reads of them return False), and the slots of later runs are untouched (file
-// bytes and entries). The caller treats a failed call as failed whole and frees its slots.
+// Failure semantics of write(). Before a piece is written its slots' entries are dropped; after it
+// succeeds they are recorded. Once a piece fails, no piece after it (in call order) is started;
+// every piece before it runs to the end. The call raises the error of the first failing piece
+// (OSError naming its slots). So after a failed call: the pieces before the first failing one hold
+// the new data with valid entries; the failing piece's slots have no entry (reads of them return
+// False); a piece after it is untouched (file bytes and entries) unless another thread had already
+// started it, in which case it holds the new data with valid entries, or reads as missing if it
+// failed too. With one thread, and for injected faults (whatever the number of threads: the
+// faulting piece is known before any I/O and nothing after it is issued), every piece after the
+// failing one is untouched. Either way a valid entry always describes the slot's bytes. The caller
+// treats a failed call as failed whole and frees its slots. A failed read() changes no entry.
 //
 // Thread safety: the table entries are atomics; concurrent I/O calls on one file are allowed (they
 // hold a shared lock), close() takes the lock exclusively and so waits for in-flight I/O.
@@ -44,6 +60,7 @@
 #define KVCM_CRC32C_ARM 1
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -52,6 +69,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace nb = nanobind;
@@ -237,7 +255,8 @@ uint32_t Crc32c(const void* data, size_t n) {
 
 // ------------------------------------------------------------------------------------------------
 // Fault injection (tests only): one-shot faults on the (after_ios + 1)-th following I/O syscall of
-// the matching direction.
+// the matching direction. Syscalls are numbered in piece order whatever the number of threads (see
+// PlanFaults).
 
 enum FaultKind : int { kEnospc = 0, kShortWrite, kShortRead, kEioRead, kNumFaultKinds };
 constexpr const char* kFaultNames[kNumFaultKinds] = {"enospc", "short_write", "short_read",
@@ -245,16 +264,89 @@ constexpr const char* kFaultNames[kNumFaultKinds] = {"enospc", "short_write", "s
 constexpr bool kFaultIsWrite[kNumFaultKinds] = {true, true, false, false};
 constexpr int kNoFault = -1;
 
+// The most one pread/pwrite asks for: Linux transfers at most 0x7ffff000 bytes per call (with 4 KiB
+// pages; 0x7fff0000 with 64 KiB pages), so a request of this size is never cut by that limit and
+// the number of syscalls of a piece is known before it runs.
+constexpr size_t kMaxSyscallBytes = 0x7fff0000;
+constexpr size_t kNoPiece = SIZE_MAX;
+
+// Defaults of the I/O engine (see the module notes).
+constexpr int64_t kMaxDefaultIoThreads = 8;
+constexpr int64_t kDefaultPieceBytes = 4 << 20;
+constexpr int64_t kDefaultMinThreadBytes = 1 << 20;
+
 using BoolArray = nb::ndarray<nb::numpy, bool, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-struct Run {
-  size_t first;  // index into slots
-  size_t count;  // pages in the run
+struct Piece {
+  size_t first;  // index into slots (and host pages)
+  size_t count;  // pages in the piece
 };
+
+// The injected fault one call meets: the (syscall + 1)-th syscall of piece `piece` gets `kind`.
+// The call runs pieces [0, num_pieces) only: as when pieces ran one after the other, nothing after
+// the failing piece is started.
+struct FaultPlan {
+  size_t num_pieces = 0;
+  size_t piece = kNoPiece;
+  size_t syscall = 0;
+  int kind = kNoFault;
+};
+
+// What a call did: the smallest failing piece (kNoPiece when none), its errno, and how many
+// threads ran pieces (the caller included).
+struct Outcome {
+  size_t piece = kNoPiece;
+  int err = 0;
+  size_t workers = 0;
+};
+
+int64_t DefaultIoThreads() {
+  const int64_t hw = static_cast<int64_t>(std::thread::hardware_concurrency());
+  return std::max<int64_t>(1, std::min(kMaxDefaultIoThreads, hw));
+}
+
+// Runs body(p) for p in [0, num) on `workers` threads (the caller is one of them; fewer when
+// threads cannot be created), handing indices out in increasing order. body returns 0 or an errno.
+// Once a piece has failed, pieces above the smallest failing one are not started; pieces below it
+// were all handed out before it and run to the end. Every thread is joined before this returns.
+template <class Body>
+Outcome ForEachPiece(size_t num, size_t workers, const Body& body) {
+  std::vector<int> errs(num, 0);
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> first_failed{kNoPiece};
+  auto work = [&]() noexcept {
+    for (;;) {
+      const size_t p = next.fetch_add(1);
+      if (p >= num || p > first_failed.load()) return;
+      const int err = body(p);
+      if (err != 0) {
+        errs[p] = err;
+        size_t seen = first_failed.load();
+        while (p < seen && !first_failed.compare_exchange_weak(seen, p)) {
+        }
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  try {
+    threads.reserve(workers > 1 ? workers - 1 : 0);
+    for (size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+  } catch (...) {
+    // NOTE: no thread (or no memory) for more workers: the ones started and the caller finish
+  }
+  work();
+  for (std::thread& t : threads) t.join();
+  Outcome out;
+  out.piece = first_failed.load();
+  if (out.piece != kNoPiece) out.err = errs[out.piece];
+  out.workers = threads.size() + 1;
+  return out;
+}
 
 class DiskFile {
  public:
-  DiskFile(std::string path, int64_t num_slots, int64_t slot_bytes) : path_(std::move(path)) {
+  DiskFile(std::string path, int64_t num_slots, int64_t slot_bytes, int64_t io_threads)
+      : path_(std::move(path)) {
     if (path_.empty() || path_.find('\0') != std::string::npos) {
       throw nb::value_error("path must be a non-empty string without NUL bytes");
     }
@@ -268,6 +360,7 @@ class DiskFile {
     if (num_slots > INT64_MAX / slot_bytes) {
       throw nb::value_error("num_slots * slot_bytes overflows a 64-bit file size");
     }
+    set_io_threads(io_threads);
     num_slots_ = num_slots;
     slot_bytes_ = slot_bytes;
     for (auto& f : faults_) f = kNoFault;
@@ -312,82 +405,32 @@ class DiskFile {
   bool closed() const { return closed_.load(); }
   uint64_t num_io_calls() const { return num_io_calls_.load(); }
 
-  void Write(nb::handle slots_obj, uintptr_t src_address) {
-    std::vector<int64_t> slots = CheckSlots(slots_obj);
-    CheckAddress(slots.size(), src_address, "src_address");
-    const std::vector<Run> runs = Runs(slots);
-    int err = 0;
-    size_t failed_run = 0;
-    {
-      nb::gil_scoped_release release;
-      std::shared_lock<std::shared_mutex> lock(io_mutex_);
-      if (closed_) {
-        err = -1;
-      } else {
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(src_address);
-        const size_t sb = static_cast<size_t>(slot_bytes_);
-        std::vector<uint32_t> crcs;
-        for (size_t r = 0; r < runs.size(); ++r) {
-          const Run& run = runs[r];
-          const uint8_t* base = src + run.first * sb;
-          crcs.resize(run.count);
-          for (size_t k = 0; k < run.count; ++k) crcs[k] = Crc32c(base + k * sb, sb);
-          // NOTE: drop the old entries first: if the write fails half-way, the slot's bytes are
-          // neither old nor new, and it must read as missing.
-          for (size_t k = 0; k < run.count; ++k) Entry(slots[run.first + k]).store(0);
-          err = PwriteAll(base, run.count * sb, static_cast<off_t>(slots[run.first]) * sb);
-          if (err != 0) {
-            failed_run = r;
-            break;
-          }
-          for (size_t k = 0; k < run.count; ++k) {
-            Entry(slots[run.first + k]).store((uint64_t{1} << 32) | crcs[k]);
-          }
-        }
-      }
-    }
-    if (err == -1) throw nb::value_error("I/O on a closed DiskFile");
-    if (err != 0) RaiseOSError(err, RunText("writing", slots, runs[failed_run]), path_);
+  int64_t io_threads() const { return io_threads_.load(); }
+  void set_io_threads(int64_t n) {
+    if (n < 0) throw nb::value_error(("io_threads must be >= 0, got " + std::to_string(n)).c_str());
+    io_threads_.store(n == 0 ? DefaultIoThreads() : n);
+  }
+  int64_t piece_bytes() const { return piece_bytes_.load(); }
+  void set_piece_bytes(int64_t n) {
+    if (n < 1) throw nb::value_error("_io_piece_bytes must be >= 1");
+    piece_bytes_.store(n);
+  }
+  int64_t last_workers() const { return last_workers_.load(); }
+  int64_t min_thread_bytes() const { return min_thread_bytes_.load(); }
+  void set_min_thread_bytes(int64_t n) {
+    if (n < 1) throw nb::value_error("_min_thread_bytes must be >= 1");
+    min_thread_bytes_.store(n);
   }
 
-  BoolArray Read(nb::handle slots_obj, uintptr_t dst_address) {
-    std::vector<int64_t> slots = CheckSlots(slots_obj);
-    CheckAddress(slots.size(), dst_address, "dst_address");
-    const std::vector<Run> runs = Runs(slots);
-    const size_t n = slots.size();
-    std::unique_ptr<bool[]> ok(new bool[n ? n : 1]);
-    for (size_t i = 0; i < n; ++i) ok[i] = false;
-    int err = 0;
-    size_t failed_run = 0;
-    {
-      nb::gil_scoped_release release;
-      std::shared_lock<std::shared_mutex> lock(io_mutex_);
-      if (closed_) {
-        err = -1;
-      } else {
-        uint8_t* dst = reinterpret_cast<uint8_t*>(dst_address);
-        const size_t sb = static_cast<size_t>(slot_bytes_);
-        for (size_t r = 0; r < runs.size(); ++r) {
-          const Run& run = runs[r];
-          uint8_t* base = dst + run.first * sb;
-          err = PreadAll(base, run.count * sb, static_cast<off_t>(slots[run.first]) * sb);
-          if (err != 0) {
-            failed_run = r;
-            break;
-          }
-          for (size_t k = 0; k < run.count; ++k) {
-            const uint64_t entry = Entry(slots[run.first + k]).load();
-            ok[run.first + k] =
-                entry != 0 && static_cast<uint32_t>(entry) == Crc32c(base + k * sb, sb);
-          }
-        }
-      }
-    }
-    if (err == -1) throw nb::value_error("I/O on a closed DiskFile");
-    if (err != 0) RaiseOSError(err, RunText("reading", slots, runs[failed_run]), path_);
-    bool* data = ok.release();
+  void Write(nb::handle slots_obj, uintptr_t src_address, nb::handle src_pages_obj) {
+    (void)Move(true, slots_obj, src_address, src_pages_obj);
+  }
+
+  BoolArray Read(nb::handle slots_obj, uintptr_t dst_address, nb::handle dst_pages_obj) {
+    Mask mask = Move(false, slots_obj, dst_address, dst_pages_obj);
+    bool* data = mask.ok.release();
     nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<bool*>(p); });
-    size_t shape[1] = {n};
+    size_t shape[1] = {mask.n};
     return BoolArray(data, 1, shape, owner);
   }
 
@@ -431,6 +474,85 @@ class DiskFile {
  private:
   std::atomic<uint64_t>& Entry(int64_t slot) { return table_[static_cast<size_t>(slot)]; }
 
+  struct Mask {
+    std::unique_ptr<bool[]> ok;
+    size_t n;
+  };
+
+  // write() (is_write) or read(): validates, plans the pieces and the injected fault, runs the
+  // pieces on the I/O threads with the GIL released, raises the smallest failing piece's error.
+  // Returns the read mask (all false for writes).
+  Mask Move(bool is_write, nb::handle slots_obj, uintptr_t address, nb::handle pages_obj) {
+    const char* address_name = is_write ? "src_address" : "dst_address";
+    const char* pages_name = is_write ? "src_pages" : "dst_pages";
+    const std::vector<int64_t> slots = CheckSlots(slots_obj);
+    CheckAddress(slots.size(), address, address_name);
+    const std::vector<int64_t> pages = CheckPages(pages_obj, slots.size(), address, pages_name);
+    const size_t n = slots.size();
+    const size_t sb = static_cast<size_t>(slot_bytes_);
+    const std::vector<Piece> pieces = Pieces(slots, pages, PagesPerPiece());
+    std::unique_ptr<bool[]> ok(new bool[n ? n : 1]());
+    std::vector<uint32_t> crcs(is_write ? n : 0);
+    bool closed = false;
+    Outcome outcome;
+    {
+      nb::gil_scoped_release release;
+      std::shared_lock<std::shared_mutex> lock(io_mutex_);
+      closed = closed_;
+      if (!closed) {
+        const FaultPlan plan = PlanFaults(is_write, pieces);
+        size_t workers = Workers(pieces, plan.num_pieces);
+        // NOTE: a slot written twice (a host page read into twice) in one call keeps the later
+        // page, as documented: such calls run their pieces in order.
+        if (workers > 1 && HasDuplicates(is_write ? slots : pages)) workers = 1;
+        uint8_t* base = reinterpret_cast<uint8_t*>(address);
+        outcome = ForEachPiece(plan.num_pieces, workers, [&](size_t p) {
+          const Piece& piece = pieces[p];
+          return MovePiece(is_write, piece, base + static_cast<size_t>(pages[piece.first]) * sb,
+                           slots, crcs.data(), ok.get(),
+                           p == plan.piece ? plan.syscall : kNoPiece, plan.kind);
+        });
+      }
+    }
+    if (closed) throw nb::value_error("I/O on a closed DiskFile");
+    last_workers_.store(static_cast<int64_t>(outcome.workers));
+    if (outcome.piece != kNoPiece) {
+      RaiseOSError(outcome.err,
+                   PieceText(is_write ? "writing" : "reading", slots, pieces[outcome.piece]),
+                   path_);
+    }
+    return {std::move(ok), n};
+  }
+
+  // One piece at host address `host`: a write computes its pages' checksums into crcs, drops
+  // their entries, writes and records them; a read reads and verifies them into ok. Returns 0 or
+  // an errno.
+  int MovePiece(bool is_write, const Piece& piece, uint8_t* host,
+                const std::vector<int64_t>& slots, uint32_t* crcs, bool* ok,
+                size_t fault_syscall, int fault_kind) noexcept {
+    const size_t sb = static_cast<size_t>(slot_bytes_);
+    if (is_write) {
+      for (size_t k = 0; k < piece.count; ++k) crcs[piece.first + k] = Crc32c(host + k * sb, sb);
+      // NOTE: drop the old entries first: if the write fails half-way, the slot's bytes are
+      // neither old nor new, and it must read as missing.
+      for (size_t k = 0; k < piece.count; ++k) Entry(slots[piece.first + k]).store(0);
+    }
+    const int err = TransferAll(is_write, host, piece.count * sb,
+                                static_cast<off_t>(slots[piece.first] * slot_bytes_),
+                                fault_syscall, fault_kind);
+    if (err != 0) return err;
+    for (size_t k = 0; k < piece.count; ++k) {
+      const size_t i = piece.first + k;
+      if (is_write) {
+        Entry(slots[i]).store((uint64_t{1} << 32) | crcs[i]);
+      } else {
+        const uint64_t entry = Entry(slots[i]).load();
+        ok[i] = entry != 0 && static_cast<uint32_t>(entry) == Crc32c(host + k * sb, sb);
+      }
+    }
+    return 0;
+  }
+
   std::vector<int64_t> CheckSlots(nb::handle obj) const {
     nb::ndarray<nb::ro, nb::device::cpu> arr;
     if (!nb::try_cast(obj, arr, /*convert=*/false)) {
@@ -458,32 +580,89 @@ class DiskFile {
     return slots;
   }
 
+  // Host page of each call page: 0, 1, ... when obj is None, else an int32 [n] array of
+  // non-negative page numbers whose byte addresses fit in the address space.
+  std::vector<int64_t> CheckPages(nb::handle obj, size_t n, uintptr_t address,
+                                  const char* name) const {
+    std::vector<int64_t> pages(n);
+    if (obj.is_none()) {
+      for (size_t i = 0; i < n; ++i) pages[i] = static_cast<int64_t>(i);
+      return pages;
+    }
+    nb::ndarray<nb::ro, nb::device::cpu> arr;
+    if (!nb::try_cast(obj, arr, /*convert=*/false) || arr.ndim() != 1 ||
+        arr.dtype() != nb::dtype<int32_t>() || arr.shape(0) != n) {
+      throw nb::value_error((std::string(name) + " must be None or a 1-D int32 array as long as "
+                             "slots (" + std::to_string(n) + ")")
+                                .c_str());
+    }
+    const int64_t stride = arr.stride(0);
+    const int32_t* data = static_cast<const int32_t*>(arr.data());
+    const uint64_t limit = (UINTPTR_MAX - address) / static_cast<uint64_t>(slot_bytes_);
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t page = data[static_cast<int64_t>(i) * stride];
+      if (page < 0 || static_cast<uint64_t>(page) >= limit) {
+        throw nb::value_error((std::string(name) + "[" + std::to_string(i) + "] = " +
+                               std::to_string(page) + " is negative or beyond the address space")
+                                  .c_str());
+      }
+      pages[i] = page;
+    }
+    return pages;
+  }
+
   static void CheckAddress(size_t n, uintptr_t address, const char* name) {
     if (n > 0 && address == 0) throw nb::value_error((std::string(name) + " is null").c_str());
   }
 
-  static std::vector<Run> Runs(const std::vector<int64_t>& slots) {
-    std::vector<Run> runs;
+  size_t PagesPerPiece() const {
+    return static_cast<size_t>(std::max<int64_t>(1, piece_bytes_.load() / slot_bytes_));
+  }
+
+  // Runs of pages adjacent both on disk (slots) and in host memory (pages), cut into pieces of at
+  // most max_pages pages.
+  static std::vector<Piece> Pieces(const std::vector<int64_t>& slots,
+                                   const std::vector<int64_t>& pages, size_t max_pages) {
+    std::vector<Piece> pieces;
     size_t i = 0;
     while (i < slots.size()) {
       size_t j = i + 1;
-      while (j < slots.size() && slots[j] == slots[j - 1] + 1) ++j;
-      runs.push_back({i, j - i});
+      while (j < slots.size() && j - i < max_pages && slots[j] == slots[j - 1] + 1 &&
+             pages[j] == pages[j - 1] + 1) {
+        ++j;
+      }
+      pieces.push_back({i, j - i});
       i = j;
     }
-    return runs;
+    return pieces;
   }
 
-  static std::string RunText(const char* verb, const std::vector<int64_t>& slots, const Run& run) {
+  static bool HasDuplicates(std::vector<int64_t> slots) {
+    std::sort(slots.begin(), slots.end());
+    return std::adjacent_find(slots.begin(), slots.end()) != slots.end();
+  }
+
+  // Threads for the first `num` pieces: at most io_threads, one per piece, one per
+  // min_thread_bytes of data (a thread costs tens of microseconds to start).
+  size_t Workers(const std::vector<Piece>& pieces, size_t num) const {
+    uint64_t pages = 0;
+    for (size_t p = 0; p < num; ++p) pages += pieces[p].count;
+    const uint64_t by_bytes = pages * static_cast<uint64_t>(slot_bytes_) /
+                              static_cast<uint64_t>(min_thread_bytes_.load());
+    const uint64_t cap = static_cast<uint64_t>(io_threads_.load());
+    return static_cast<size_t>(std::max<uint64_t>(1, std::min({cap, uint64_t{num}, by_bytes})));
+  }
+
+  static std::string PieceText(const char* verb, const std::vector<int64_t>& slots,
+                               const Piece& piece) {
     std::string text = std::string(verb) + " slot";
-    if (run.count == 1) return text + " " + std::to_string(slots[run.first]);
-    return text + "s " + std::to_string(slots[run.first]) + ".." +
-           std::to_string(slots[run.first + run.count - 1]);
+    if (piece.count == 1) return text + " " + std::to_string(slots[piece.first]);
+    return text + "s " + std::to_string(slots[piece.first]) + ".." +
+           std::to_string(slots[piece.first + piece.count - 1]);
   }
 
-  // The fault that fires on this syscall of the given direction, or kNoFault.
-  int TakeFault(bool is_write) {
-    std::lock_guard<std::mutex> lock(fault_mutex_);
+  // The fault that fires on this syscall of the given direction, or kNoFault (fault_mutex_ held).
+  int TakeFaultLocked(bool is_write) {
     int fired = kNoFault;
     for (int k = 0; k < kNumFaultKinds; ++k) {
       if (kFaultIsWrite[k] != is_write || faults_[k] == kNoFault) continue;
@@ -499,10 +678,41 @@ class DiskFile {
     return fired;
   }
 
-  // pwrite (is_write) or pread until done, with the direction's injected faults. Returns 0 or an
-  // errno (EIO for a transfer that made no progress: a short write, or end of file inside the
-  // preallocated file).
-  int TransferAll(bool is_write, uint8_t* buf, size_t len, off_t off) {
+  // Consumes the pending faults of the direction for the call's syscalls, numbered in piece order
+  // (ceil(bytes / kMaxSyscallBytes) per piece), as if the pieces ran one after the other; stops at
+  // the first that fires. So which piece fails, and what the call leaves behind, does not depend
+  // on the number of threads.
+  FaultPlan PlanFaults(bool is_write, const std::vector<Piece>& pieces) {
+    FaultPlan plan;
+    plan.num_pieces = pieces.size();
+    std::lock_guard<std::mutex> lock(fault_mutex_);
+    bool pending = false;
+    for (int k = 0; k < kNumFaultKinds; ++k) {
+      pending |= kFaultIsWrite[k] == is_write && faults_[k] != kNoFault;
+    }
+    if (!pending) return plan;
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      const size_t len = pieces[p].count * static_cast<size_t>(slot_bytes_);
+      const size_t syscalls = (len + kMaxSyscallBytes - 1) / kMaxSyscallBytes;
+      for (size_t j = 0; j < syscalls; ++j) {
+        const int kind = TakeFaultLocked(is_write);
+        if (kind != kNoFault) {
+          plan.num_pieces = p + 1;
+          plan.piece = p;
+          plan.syscall = j;
+          plan.kind = kind;
+          return plan;
+        }
+      }
+    }
+    return plan;
+  }
+
+  // pwrite (is_write) or pread until done, at most kMaxSyscallBytes per syscall; the fault `kind`
+  // replaces syscall number `fault_syscall` (kNoPiece: none). Returns 0 or an errno (EIO for a
+  // transfer that made no progress: a short write, or end of file inside the preallocated file).
+  int TransferAll(bool is_write, uint8_t* buf, size_t len, off_t off, size_t fault_syscall,
+                  int kind) noexcept {
     const int error_fault = is_write ? kEnospc : kEioRead;
     const int error_errno = is_write ? ENOSPC : EIO;
     const int short_fault = is_write ? kShortWrite : kShortRead;
@@ -510,20 +720,23 @@ class DiskFile {
       return is_write ? ::pwrite(fd_, buf, n, off) : ::pread(fd_, buf, n, off);
     };
     bool zero_next = false;
-    while (len > 0) {
+    for (size_t syscall = 0; len > 0;) {
       num_io_calls_.fetch_add(1);
+      const size_t want = std::min(len, kMaxSyscallBytes);
       ssize_t n;
-      const int fault = zero_next ? kNoFault : TakeFault(is_write);
-      if (zero_next) {
+      if (zero_next) {  // the syscall after a short transfer: no progress (not a counted one)
         n = 0;
-      } else if (fault == error_fault) {
-        n = -1;
-        errno = error_errno;
-      } else if (fault == short_fault) {
-        n = len / 2 ? io(len / 2) : 0;
-        zero_next = true;
       } else {
-        n = io(len);
+        const int fault = syscall++ == fault_syscall ? kind : kNoFault;
+        if (fault == error_fault) {
+          n = -1;
+          errno = error_errno;
+        } else if (fault == short_fault) {
+          n = want / 2 ? io(want / 2) : 0;
+          zero_next = true;
+        } else {
+          n = io(want);
+        }
       }
       if (n < 0) {
         if (errno == EINTR) continue;
@@ -536,11 +749,6 @@ class DiskFile {
     }
     return 0;
   }
-
-  int PwriteAll(const uint8_t* buf, size_t len, off_t off) {
-    return TransferAll(true, const_cast<uint8_t*>(buf), len, off);  // NOTE: pwrite only reads buf
-  }
-  int PreadAll(uint8_t* buf, size_t len, off_t off) { return TransferAll(false, buf, len, off); }
 
   // Closes and unlinks once; returns the unlink errno (0 when removed or already closed).
   int CloseImpl() {
@@ -562,6 +770,10 @@ class DiskFile {
   std::shared_mutex io_mutex_;                       // shared: I/O, exclusive: close
   std::atomic<bool> closed_{false};
   std::atomic<uint64_t> num_io_calls_{0};
+  std::atomic<int64_t> io_threads_{1};
+  std::atomic<int64_t> piece_bytes_{kDefaultPieceBytes};
+  std::atomic<int64_t> min_thread_bytes_{kDefaultMinThreadBytes};
+  std::atomic<int64_t> last_workers_{0};
   std::mutex fault_mutex_;
   int64_t faults_[kNumFaultKinds];
 };
@@ -572,26 +784,41 @@ void BindDiskFile(nb::module_& m) {
   nb::class_<DiskFile>(m, "DiskFile",
                        "A preallocated, slot-addressed file with a CRC32C per page, removed on "
                        "close (the disk tier of one cold pool group).")
-      .def(nb::init<std::string, int64_t, int64_t>(), nb::arg("path"), nb::arg("num_slots"),
-           nb::arg("slot_bytes"),
+      .def(nb::init<std::string, int64_t, int64_t, int64_t>(), nb::arg("path"),
+           nb::arg("num_slots"), nb::arg("slot_bytes"), nb::arg("io_threads") = 0,
            "Creates ``path`` exclusively (mode 0600) and preallocates num_slots * slot_bytes "
            "bytes. OSError (errno preserved, e.g. ENOSPC, EEXIST) on failure; the half-created "
-           "file is removed.")
+           "file is removed. ``io_threads``: threads per write/read call (0: min(8, hardware "
+           "threads)).")
       .def_prop_ro("path", &DiskFile::path)
       .def_prop_ro("num_slots", &DiskFile::num_slots)
       .def_prop_ro("slot_bytes", &DiskFile::slot_bytes)
       .def_prop_ro("closed", &DiskFile::closed)
       .def_prop_ro("num_io_calls", &DiskFile::num_io_calls,
-                   "pread/pwrite syscalls issued so far (one per run of adjacent slots unless "
-                   "the kernel transferred less); injected faults count too.")
+                   "pread/pwrite syscalls issued so far (one per piece: a run of slots adjacent on "
+                   "disk and in host memory, cut every 4 MiB, unless the kernel transferred "
+                   "less); injected faults count too.")
+      .def_prop_rw("io_threads", &DiskFile::io_threads, &DiskFile::set_io_threads,
+                   "The most threads one write/read call uses (set 0 for the default, min(8, "
+                   "hardware threads)).")
+      .def_prop_rw("_io_piece_bytes", &DiskFile::piece_bytes, &DiskFile::set_piece_bytes,
+                   "Test hook: the most bytes of one piece (one syscall), at least one page.")
+      .def_prop_rw("_min_thread_bytes", &DiskFile::min_thread_bytes,
+                   &DiskFile::set_min_thread_bytes,
+                   "Test hook: a call uses one thread per this many bytes at most.")
+      .def_prop_ro("_last_workers", &DiskFile::last_workers,
+                   "Test hook: threads (the caller included) that ran the last write/read.")
       .def("write", &DiskFile::Write, nb::arg("slots"), nb::arg("src_address"),
-           "Writes page i from src_address + i * slot_bytes to slot slots[i] (int32 [n]), one "
-           "I/O per run of adjacent slots, and records each page's CRC32C after its run is "
-           "written. OSError on failure (see the module notes for what stays written).")
+           nb::arg("src_pages").none() = nb::none(),
+           "Writes page i from src_address + src_pages[i] * slot_bytes (src_pages default: i) to "
+           "slot slots[i] (int32 [n]), one I/O per piece, and records each page's CRC32C after "
+           "its piece is written. OSError on failure (see the module notes for what stays "
+           "written).")
       .def("read", &DiskFile::Read, nb::arg("slots"), nb::arg("dst_address"),
-           "Reads slot slots[i] into dst_address + i * slot_bytes; returns a bool [n] mask, "
-           "False where the checksum does not match or the slot holds no recorded page. "
-           "OSError on I/O errors and short reads (EIO).")
+           nb::arg("dst_pages").none() = nb::none(),
+           "Reads slot slots[i] into dst_address + dst_pages[i] * slot_bytes (dst_pages default: "
+           "i); returns a bool [n] mask, False where the checksum does not match or the slot "
+           "holds no recorded page. OSError on I/O errors and short reads (EIO).")
       .def("invalidate", &DiskFile::Invalidate, nb::arg("slots"),
            "Drops the checksum entries of ``slots``: reads of them return False until rewritten.")
       .def("close", &DiskFile::Close, "Closes and removes the file; idempotent.")
