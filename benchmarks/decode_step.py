@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model (CPU smoke run)")
+    ap.add_argument("--unroll", action="store_true", help="also time the paged step with the "
+                    "layer scan fully unrolled (examples/llama/model.LAYER_SCAN_UNROLL = True)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     config = TINY if args.tiny else LLAMA_31_8B
@@ -99,6 +101,15 @@ def main() -> int:
         t = _time(paged_step, args.repeats)
         rows.append({"path": "paged", "batch": B, "ms": t * 1e3, "kv_gib": kv_bytes / 2**30,
                      "tbps": (weight_bytes + kv_bytes) / t / 1e12})
+        if args.unroll:
+            llama.LAYER_SCAN_UNROLL = True
+            jax.clear_caches()
+            t = _time(paged_step, args.repeats)
+            rows.append({"path": "paged, layers unrolled", "batch": B, "ms": t * 1e3,
+                         "kv_gib": kv_bytes / 2**30,
+                         "tbps": (weight_bytes + kv_bytes) / t / 1e12})
+            llama.LAYER_SCAN_UNROLL = 1
+            jax.clear_caches()
         del state["k"], state["v"]
         dk, dv = dense.make_dense_caches(c, B, ctx + 128)
         dstate = {"k": dk, "v": dv}
@@ -116,7 +127,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001  (e.g. out of memory: report, go on)
             rows.append({"path": "dense", "batch": B, "error": f"{type(e).__name__}: {e}"[:300]})
         dstate.clear()
-        for r in rows[-2:]:
+        for r in [r for r in rows if r["batch"] == B]:
             if "error" in r:
                 print(f"| {r['path']} | {B} | ERROR {r['error'][:120]} | | |")
             else:

@@ -66,7 +66,7 @@ if [ $serve = 1 ]; then  # the README's main job on the GPU, then the serving be
   tail -25 "$OUT/llama_run.log"
   step manager manager.log python3 benchmarks/manager_overhead.py
   tail -10 "$OUT/manager.log"
-  step decode-step decode_step.log python3 benchmarks/decode_step.py --json "$OUT/decode_step.json"
+  step decode-step decode_step.log python3 benchmarks/decode_step.py --unroll --json "$OUT/decode_step.json"
   tail -8 "$OUT/decode_step.log"
 fi
 if [ $serve = 1 ] && [ -f benchmarks/serve.py ]; then

@@ -292,6 +292,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
+# lax.scan's `unroll` for the layer loop, read when a step is traced (benchmarks/decode_step.py
+# compares 1 with True; call jax.clear_caches() after changing it).
+LAYER_SCAN_UNROLL: int | bool = 1
+
+
 def _mm(x, w):
     # HIGHEST keeps float32 models out of TF32; bf16/f16 products are exact in the default
     # precision already (f32 accumulation), and HIGHEST could only cost there.
@@ -329,7 +334,7 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, k
 
     layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
     (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, k_cache, v_cache),
-                                            (params["layers"], layers))
+                                            (params["layers"], layers), unroll=LAYER_SCAN_UNROLL)
     return h, k_cache, v_cache
 
 
