@@ -22,7 +22,14 @@ NOTE: migrations release device source slots immediately (StorageManager's trans
 safe because the encode takes the pools as operands and so is ordered after the step on XLA's
 stream, and any later writer of the slot is ordered after the encode.
 
-Page accounting (checked by :meth:`KVCacheManager.check_invariants`): on every tier and layer group
+Plan, then act. Every allocation first checks that it fits once every cached page at that tier is
+evicted and every pending free reclaimed (:meth:`KVCacheManager._room`); only then does it evict.
+So a refusal (``OutOfPagesError``, ``MUST_RECOMPUTE``, ``resume`` -> False, a prefix hit left on a
+lower tier) changes nothing, not even where cached pages are. Moves that belong together (a
+suspend, a resume, an onboarding: several tiers, layer groups and disk chunks) are one storage
+transaction (``StorageManager.migrate_many``): all of it happens or none of it.
+
+Page accounting (checked by :meth:`KVCacheManager.check_invariants`): on every tier and pool
 ``free + pending + referenced + cached == capacity``.
 """
 
@@ -41,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvcm._codec import ColdPageCodec
-from jax_kvcm._prefix_tree import BlockNode, PrefixTree, salt_bytes
+from jax_kvcm._prefix_tree import NO_PAGE, BlockNode, PrefixTree, salt_bytes
 from jax_kvcm._step_batch import StepBatch, default_buckets, pick_bucket
 from jax_kvcm._storage import (CorruptPageError, LayerGroupSpec, StorageConfig, StorageEvent,
                                StorageManager)
@@ -61,6 +68,7 @@ __all__ = [
 
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
 _LITTLE = np.little_endian
+_COUNT_KEYS = ("capacity", "free", "pending", "referenced", "cached")
 
 
 def _le_bytes(tokens: np.ndarray) -> bytes:
@@ -69,8 +77,8 @@ def _le_bytes(tokens: np.ndarray) -> bytes:
 
 
 class OutOfPagesError(RuntimeError):
-    """``prepare_step`` could not get the pages it needs even after evicting every cached page;
-    nothing was scheduled (cached pages may have moved down the tiers)."""
+    """``prepare_step`` cannot get the pages it needs even by evicting every cached page;
+    nothing changed (it plans before it evicts)."""
 
 
 class StepInFlightError(RuntimeError):
@@ -295,8 +303,15 @@ class KVCacheManager:
             StorageConfig(layer_groups=specs, device_slots=tuple(config.device_pages),
                           host_bytes=config.host_bytes, disk_dir=config.disk_dir,
                           disk_bytes=config.disk_bytes), cold_page_codec, device=device)
-        self.tree = PrefixTree(_hash_fn)
+        self.tree = PrefixTree(_hash_fn, self._G)
         self._levels = [lv for lv in CacheLevel if self.storage.has_level(lv)]
+        # Pool of each layer group per level (cold layer groups with equal page sizes share one).
+        self._pool_of = {lv: np.asarray([id(self.storage.allocator(lv, g)) for g in range(self._G)])
+                         for lv in self._levels}
+        for lv, ids in self._pool_of.items():
+            self._pool_of[lv] = np.unique(ids, return_inverse=True)[1].reshape(-1)
+        self._page_bytes = {lv: np.asarray([self.storage.page_bytes(lv, g) for g in range(self._G)])
+                            for lv in self._levels}
         self._disk_chunk = 1 << 30
         if self.storage._ring is not None:
             self._disk_chunk = max(1, self.storage._ring.capacity
@@ -324,8 +339,9 @@ class KVCacheManager:
         self._ready_upto = 0        # every step <= this is known complete
         # NOTE: pending frees: (step index that must complete, slots [G, n]); step index None
         # means "the step in flight" (tagged at complete_step).
+        # Entries NO_PAGE are no page (a layer group with nothing to free there).
         self._pending: list[list[Any]] = []
-        self._num_pending = 0
+        self._num_pending = np.zeros(self._G, np.int64)
 
     # -- small helpers -----------------------------------------------------------------------
 
@@ -377,8 +393,10 @@ class KVCacheManager:
         f = self._fence
         if f is None or self._ready_upto >= self._step_index:
             return
-        if f.is_deleted():  # donated into a later step: only that step's fence can tell
-            return
+        if f.is_deleted():
+            # NOTE: donated into a later migration (a decode or a hot copy): the pools it
+            # produced depend on the step's outputs, so their readiness implies the step's.
+            f = self.storage.pools[0][0]
         if block:
             self._stats.num_fence_waits += 1
             f.block_until_ready()
@@ -394,89 +412,118 @@ class KVCacheManager:
         for step, slots in self._pending:
             if step is not None and step <= self._ready_upto:
                 for g in range(self._G):
-                    self.storage.free(D, g, slots[g])
-                n += slots.shape[1]
+                    s = slots[g]
+                    s = s[s >= 0]
+                    self.storage.free(D, g, s)
+                    self._num_pending[g] -= s.size
+                    n += s.size
             else:
                 keep.append([step, slots])
         self._pending = keep
-        self._num_pending -= n
         return n
 
     def _defer_free(self, slots: np.ndarray) -> None:
-        """Device slots ``[G, n]`` to free once the last step that may read them completed."""
+        """Device slots ``[G, n]`` (``NO_PAGE`` entries skipped) to free once the last step that
+        may read them completed."""
         if slots.shape[1] == 0:
             return
         step = None if self._in_step is not None else self._step_index
         self._pending.append([step, slots])
-        self._num_pending += slots.shape[1]
+        self._num_pending += np.count_nonzero(slots >= 0, axis=1)
 
-    # -- eviction ----------------------------------------------------------------------------
+    # -- room: free, pending, cached pages per pool ------------------------------------------
 
     def _num_free(self, level: CacheLevel) -> int:
         return min(self.storage.num_free(level, g) for g in range(self._G))
 
-    def _fits(self, level: CacheLevel, n: int) -> bool:
-        if self._num_free(level) < n:
+    def _per_pool(self, level: CacheLevel, per_group: np.ndarray) -> np.ndarray:
+        return np.bincount(self._pool_of[level], weights=per_group).astype(np.int64)
+
+    def _pool_free(self, level: CacheLevel) -> np.ndarray:
+        pools = self._pool_of[level]
+        free = np.zeros(int(pools.max()) + 1, np.int64)
+        for g in range(self._G):
+            free[pools[g]] = self.storage.num_free(level, g)
+        return free
+
+    def _fits(self, level: CacheLevel, need: np.ndarray) -> bool:
+        """Whether ``need[g]`` pages of every layer group can be allocated at ``level`` now."""
+        if (self._pool_free(level) < self._per_pool(level, need)).any():
             return False
-        nbytes = sum(n * self.storage.page_bytes(level, g) for g in range(self._G))
-        return self.storage.governor.available(level) >= nbytes
+        return self.storage.governor.available(level) >= int(need @ self._page_bytes[level])
+
+    def _reclaimable(self, level: CacheLevel) -> np.ndarray:
+        """Pages per layer group that eviction (cached pages) and waiting (pending device frees)
+        can add to the free ones at ``level``."""
+        out = self.tree.num_cached[level].copy()
+        if level is D:
+            out += self._num_pending
+        return out
+
+    def _room(self, level: CacheLevel, need: np.ndarray) -> bool:
+        """Whether ``need`` fits at ``level`` once every cached page there is evicted and every
+        pending free is reclaimed: the plan made before anything is evicted."""
+        extra = self._reclaimable(level)
+        if (self._pool_free(level) + self._per_pool(level, extra)
+                < self._per_pool(level, need)).any():
+            return False
+        return (self.storage.governor.available(level) + int(extra @ self._page_bytes[level])
+                >= int(need @ self._page_bytes[level]))
+
+    def _victims(self, level: CacheLevel, need: np.ndarray) -> list[BlockNode]:
+        """The least recently used cached nodes at ``level`` with pages of the layer groups
+        whose pools lack free pages for ``need``, as many as the largest shortfall."""
+        lack = self._per_pool(level, need) - self._pool_free(level)
+        short = lack[self._pool_of[level]] > 0
+        return self.tree.lru_nodes(level, max(1, int(lack.max())),
+                                   short if short.any() else None)  # else bytes are short
+
+    # -- moves -------------------------------------------------------------------------------
+
+    def _move(self, parts: list[tuple[CacheLevel, np.ndarray, CacheLevel]]
+              ) -> list[np.ndarray] | None:
+        """``(src_level, slots [G, n], dst_level)`` moves (``NO_PAGE`` entries stay) as one
+        storage transaction; the destination ``[G, n]`` of each, or None when refused. Nothing
+        changed on refusal or failure (an exception)."""
+        moves, where = [], []
+        for p, (src_level, src, dst_level) in enumerate(parts):
+            chunk = 1 << 30
+            if K in (src_level, dst_level) and src_level != dst_level:
+                # NOTE: disk hops go through the staging ring; a lease larger than the ring
+                # fails, so split them (the ring is at least 3 pages; a third of it per chunk).
+                chunk = max(1, self._disk_chunk)
+            for g in range(self._G):
+                cols = np.flatnonzero(src[g] >= 0)
+                for start in range(0, cols.size, chunk):
+                    c = cols[start:start + chunk]
+                    moves.append((g, src_level, src[g, c], dst_level))
+                    where.append((p, g, c))
+        out = self.storage.migrate_many(moves)
+        if out is None:
+            return None
+        res = [np.full(src.shape, NO_PAGE, np.int32) for _, src, _ in parts]
+        for (p, g, c), dst in zip(where, out):
+            res[p][g, c] = dst
+        return res
 
     def _migrate_nodes(self, nodes: list[BlockNode], dst: CacheLevel) -> bool:
-        """Moves nodes (all at one level) to ``dst`` for every layer group; False (nothing moved)
-        when the destination refused."""
+        """Moves nodes (all at one level) to ``dst``; False (nothing moved) when refused."""
         if not nodes:
             return True
-        src_level = nodes[0].level
-        src = np.stack([n.slots for n in nodes], axis=1)  # [G, n]
-        try:
-            out = self._migrate(src_level, src, dst)
-        except BaseException:
-            out = None
-            raise
-        finally:
-            if out is None:  # rolled back: the pages are at src_level, maybe in other slots
-                for i, n in enumerate(nodes):
-                    n.slots = src[:, i].copy()
+        out = self._move([(nodes[0].level, self._node_slots(nodes), dst)])
         if out is None:
             return False
         for i, n in enumerate(nodes):
-            self.tree.move(n, dst, out[:, i].copy())
+            self.tree.move(n, dst, out[0][:, i].copy())
         return True
 
-    def _migrate(self, src_level: CacheLevel, src: np.ndarray,
-                 dst_level: CacheLevel) -> np.ndarray | None:
-        """``[G, n]`` slots from one level to another, all groups or none (best effort rollback
-        of earlier groups when a later one is refused)."""
-        n = src.shape[1]
-        chunk = max(1, n)
-        if K in (src_level, dst_level) and src_level != dst_level:
-            # NOTE: disk hops go through the staging ring; a lease larger than the ring fails,
-            # so split them (the ring is at least 3 pages; use a third of it per chunk).
-            chunk = max(1, self._disk_chunk)
-        done: list[tuple[int, int, np.ndarray]] = []  # (group, start, destination slots)
-        out = np.zeros((self._G, n), np.int32)
+    @staticmethod
+    def _node_slots(nodes: list[BlockNode]) -> np.ndarray:
+        if not nodes:
+            return np.zeros((0, 0), np.int32)
+        return np.stack([n.slots for n in nodes], axis=1)
 
-        def rollback() -> None:
-            for gg, st, back in reversed(done):
-                restored = self.storage.migrate(gg, dst_level, back, src_level)
-                if restored is None:  # pragma: no cover - the source slots were just freed
-                    raise RuntimeError("could not roll back a partial migration")
-                src[gg, st:st + back.size] = restored
-
-        for g in range(self._G):
-            for start in range(0, n, chunk):
-                try:
-                    part = self.storage.migrate(g, src_level, src[g, start:start + chunk],
-                                                dst_level)
-                except BaseException:  # I/O error, corrupt page: undo the earlier chunks
-                    rollback()
-                    raise
-                if part is None:
-                    rollback()
-                    return None
-                out[g, start:start + part.size] = part
-                done.append((g, start, part))
-        return out
+    # -- eviction ----------------------------------------------------------------------------
 
     def _drop(self, node: BlockNode) -> None:
         """Drops a cached node and its subtree from the tree and frees their pages."""
@@ -489,17 +536,22 @@ class KVCacheManager:
             if cold:
                 s = np.stack(cold, axis=1)
                 for g in range(self._G):
-                    self.storage.free(lv, g, s[g])
+                    self.storage.free(lv, g, s[g][s[g] >= 0])
         self._stats.num_dropped_pages += len(removed)
         self._emit(ManagerEvent("dropped", len(removed)))
 
-    def _make_room_cold(self, level: CacheLevel, n: int) -> bool:
-        """Frees room for ``n`` pages at a cold level by moving its cached pages down (or
-        dropping them). True when ``n`` pages fit afterwards."""
-        while not self._fits(level, n):
-            victims = self.tree.lru_nodes(level, max(1, n - self._num_free(level)))
-            if not victims:
-                return False
+    def _make_room_cold(self, level: CacheLevel, need: np.ndarray) -> bool:
+        """Frees room for ``need[g]`` pages at a cold level by moving its cached pages down (or
+        dropping them). True when they fit afterwards; False (nothing evicted) when even
+        evicting every cached page there would not make them fit."""
+        if self._fits(level, need):
+            return True
+        if not self._room(level, need):
+            return False
+        while not self._fits(level, need):
+            victims = self._victims(level, need)
+            if not victims:  # pragma: no cover - _room counted them
+                raise RuntimeError(f"{level.name}: planned room not found")
             self._evict(victims, level)
         return True
 
@@ -508,7 +560,8 @@ class KVCacheManager:
         for lower in self._levels:
             if lower <= level:
                 continue
-            if self._make_room_cold(lower, len(victims)):
+            if self._make_room_cold(lower, np.count_nonzero(self._node_slots(victims) >= 0,
+                                                            axis=1)):
                 victims = [v for v in victims if v.alive]  # cascades may have dropped some
                 if self._migrate_nodes(victims, lower):
                     self._stats.num_evicted_pages[lower] += len(victims)
@@ -518,30 +571,32 @@ class KVCacheManager:
             if v.alive:
                 self._drop(v)
 
-    def _reserve_device(self, n: int) -> bool:
-        """Makes ``n`` device pages allocatable (every layer group); False when impossible."""
+    def _reserve_device(self, need: np.ndarray) -> bool:
+        """Makes ``need[g]`` device pages of every layer group allocatable; False, with nothing
+        evicted or reclaimed, when even evicting every cached page would not do."""
+        if not self._fits(D, need) and not self._room(D, need):
+            return False
         self._reclaim()
-        while not self._fits(D, n):
-            short = n - self._num_free(D)
-            if self._num_pending and self._reclaim() > 0:
+        while not self._fits(D, need):
+            if self._num_pending.any() and self._reclaim() > 0:
                 continue
-            victims = self.tree.lru_nodes(D, max(1, short))
+            victims = self._victims(D, need)
             if victims:
                 self._need_pools("eviction")
                 self._evict(victims, D)
                 self._reclaim()
                 continue
-            if self._num_pending and self._in_step is None:
+            if self._num_pending.any() and self._in_step is None:
                 if self._reclaim(block=True) > 0:
                     continue
-            return False
+            raise RuntimeError("device: planned room not found")  # pragma: no cover
         return True
 
     def _allocate_device(self, n: int) -> np.ndarray | None:
-        """``[G, n]`` device slots, or None (nothing allocated)."""
+        """``[G, n]`` device slots, or None (nothing changed)."""
         if n == 0:
             return np.zeros((self._G, 0), np.int32)
-        if not self._reserve_device(n):
+        if not self._reserve_device(np.full(self._G, n, np.int64)):
             return None
         out = []
         for g in range(self._G):
@@ -573,10 +628,7 @@ class KVCacheManager:
                 max_pages = (toks.size - 1) // self._tpp
                 self._stats.num_prefix_queries += 1
                 self._stats.num_prefix_query_tokens += int(toks.size)
-                nodes = self.tree.match(toks, salt_b, self._tpp, max_pages)
-                for n in nodes:
-                    self.tree.incref(n)
-                nodes = self._onboard(nodes)
+                nodes = self._onboard(self.tree.match(toks, salt_b, self._tpp, max_pages))
             if not self._free_rows:
                 self._grow_rows(self._len.size * 2)
             row = self._free_rows.pop()
@@ -599,40 +651,48 @@ class KVCacheManager:
             return seq
 
     def _onboard(self, nodes: list[BlockNode]) -> list[BlockNode]:
-        """Brings matched lower-tier nodes to the device; returns the usable prefix (the rest
-        is released)."""
+        """Takes a reference on the matched nodes that are usable: those on the device, then
+        the lower-tier ones after them if they can all be brought to the device (one
+        transaction). Lower-tier hits that cannot are left untouched (not even their LRU
+        position changes); an I/O error releases every reference taken and propagates."""
         first_cold = next((i for i, n in enumerate(nodes) if n.level is not D), len(nodes))
-        if first_cold == len(nodes):
-            return nodes
-        keep = first_cold
         cold = nodes[first_cold:]
+        need = np.count_nonzero(self._node_slots(cold) >= 0, axis=1)
+        if not cold or self._in_step is not None or not (self._fits(D, need)
+                                                         or self._room(D, need)):
+            for n in nodes[:first_cold]:
+                self.tree.incref(n)
+            return nodes[:first_cold]
+        for n in nodes:  # NOTE: held while room is made, so eviction cannot take them
+            self.tree.incref(n)
         corrupt: list[BlockNode] = []
-        if self._in_step is None and self._reserve_device(len(cold)):
-            ok = True
-            for lv in (H, K):
-                batch = [n for n in cold if n.level is lv]
+        out = None
+        try:
+            if self._reserve_device(need):
+                by_level = [[n for n in cold if n.level is lv] for lv in (K, H)]  # disk first
                 try:
-                    moved = self._migrate_nodes(batch, D)
-                except CorruptPageError as e:  # a miss; the bad pages are dropped below
+                    out = self._move([(lv, self._node_slots(b), D)
+                                      for lv, b in zip((K, H), by_level) if b])
+                except CorruptPageError as e:  # a miss; nothing moved; bad pages dropped below
                     bad = set(e.slots.tolist())
-                    corrupt = [n for n in batch if int(n.slots[e.layer_group]) in bad]
-                    moved = False
-                if not moved:
-                    ok = False
-                    break
-                if batch:
-                    self._stats.num_onboarded_pages += len(batch)
-                    self._emit(ManagerEvent("onboarded", len(batch), D))
-            if ok:
-                keep = len(nodes)
-            else:
-                keep = next((i for i, n in enumerate(nodes) if n.level is not D), len(nodes))
-        for n in nodes[keep:]:
-            self.tree.decref(n)
-        for n in corrupt:  # never served again (unless still held by a suspended sequence)
-            if n.alive and all(d.refcount == 0 for d in self.tree.subtree(n)):
-                self._drop(n)
-        return nodes[:keep]
+                    corrupt = [n for n in by_level[0] if int(n.slots[e.layer_group]) in bad]
+        except BaseException:
+            for n in nodes:
+                self.tree.decref(n)
+            raise
+        if out is None:
+            for n in cold:
+                self.tree.decref(n)
+            for n in corrupt:  # never served again (unless still held by a suspended sequence)
+                if n.alive and all(d.refcount == 0 for d in self.tree.subtree(n)):
+                    self._drop(n)
+            return nodes[:first_cold]
+        for batch, slots in zip([b for b in by_level if b], out):
+            for i, n in enumerate(batch):
+                self.tree.move(n, D, slots[:, i].copy())
+        self._stats.num_onboarded_pages += len(cold)
+        self._emit(ManagerEvent("onboarded", len(cold), D))
+        return nodes
 
     def close(self, seq: Sequence) -> None:
         """Releases the sequence; its committed pages stay cached until evicted."""
@@ -641,11 +701,11 @@ class KVCacheManager:
             row = seq._row
             k = len(seq._nodes)
             if seq.state is SequenceState.ACTIVE:
-                self._defer_free(self._table[:, row, k:self._npages[row]].copy())
+                self._defer_free(self._private(seq))
             elif seq._parked is not None:
                 lv, slots = seq._parked
                 for g in range(self._G):
-                    self.storage.free(lv, g, slots[g])
+                    self.storage.free(lv, g, slots[g][slots[g] >= 0])
             for n in reversed(seq._nodes):
                 self.tree.decref(n)
             seq._nodes = []
@@ -726,8 +786,8 @@ class KVCacheManager:
             if total:
                 slots = self._allocate_device(total)
                 if slots is None:
-                    raise OutOfPagesError(f"{total} device pages needed, "
-                                          f"{self._num_free(D)} free and no cached page left")
+                    raise OutOfPagesError(f"{total} device pages needed, {self._num_free(D)} "
+                                          "free: evicting every cached page would not do")
                 rep = np.repeat(rows, need)
                 starts = np.cumsum(need) - need
                 off = np.arange(total) - np.repeat(starts - npages, need)
@@ -841,74 +901,84 @@ class KVCacheManager:
     # -- suspend / resume --------------------------------------------------------------------
 
     def _private(self, seq: Sequence) -> np.ndarray:
+        """The device slots ``[G, n]`` of the sequence's uncommitted pages (``NO_PAGE`` where
+        the page table holds the null page)."""
         r = seq._row
-        return self._table[:, r, len(seq._nodes):self._npages[r]].copy()
+        t = self._table[:, r, len(seq._nodes):self._npages[r]]
+        return np.where(t > 0, t, NO_PAGE).astype(np.int32)
+
+    def _set_table(self, seq: Sequence, private: np.ndarray) -> None:
+        """Writes the page-table row of an ACTIVE sequence: its nodes' slots, then ``private``
+        (``NO_PAGE`` -> the null page)."""
+        r, k = seq._row, len(seq._nodes)
+        if k:
+            self._table[:, r, :k] = np.maximum(self._node_slots(seq._nodes), 0)
+        self._table[:, r, k:self._npages[r]] = np.maximum(private, 0)
 
     def suspend(self, seq: Sequence) -> SuspendResult:
-        """Moves the sequence's device pages that only it holds to host (else disk). Reserves
-        every destination first; when none can take them the sequence is unchanged and the
-        answer is ``MUST_RECOMPUTE``."""
+        """Moves the sequence's device pages that only it holds to host (else disk), as one
+        transaction. When no tier can take them (even by evicting cached pages there) nothing
+        changes and the answer is ``MUST_RECOMPUTE``."""
         with self._lock:
             self._check_seq(seq, SequenceState.ACTIVE)
             self._need_pools("suspend")
             own = [n for n in seq._nodes if n.level is D and n.refcount == 1]
             private = self._private(seq)
-            n = len(own) + private.shape[1]
+            own_slots = self._node_slots(own)
+            need = np.count_nonzero(private >= 0, axis=1)
+            if own:
+                need += np.count_nonzero(own_slots >= 0, axis=1)
             for lv in self._levels[1:]:
-                if not self._make_room_cold(lv, n):
+                if not self._make_room_cold(lv, need):
                     continue
-                moved = self._migrate(D, private, lv)
-                if moved is None:  # rolled back (maybe into other device slots)
-                    r = seq._row
-                    self._table[:, r, len(seq._nodes):self._npages[r]] = private
+                out = self._move([(D, private, lv)] + ([(D, own_slots, lv)] if own else []))
+                if out is None:  # pragma: no cover - room was made
                     continue
-                if not self._migrate_nodes(own, lv):  # pragma: no cover - room was made
-                    back = self._migrate(lv, moved, D)
-                    if back is None:
-                        raise RuntimeError("suspend: could not restore after a refusal")
-                    r = seq._row
-                    self._table[:, r, len(seq._nodes):self._npages[r]] = back
-                    continue
-                seq._parked = (lv, moved)
+                for i, n in enumerate(own):
+                    self.tree.move(n, lv, out[1][:, i].copy())
+                seq._parked = (lv, out[0])
                 seq.state = SequenceState.SUSPENDED
                 self._stats.num_suspended += 1
-                self._emit(ManagerEvent("suspended", n, lv))
+                self._emit(ManagerEvent("suspended", len(own) + private.shape[1], lv))
                 return SuspendResult.SUSPENDED
             self._stats.num_refused_suspends += 1
             return SuspendResult.MUST_RECOMPUTE
 
     def resume(self, seq: Sequence) -> bool:
-        """Brings a suspended sequence back to the device byte-identical; False (still
-        suspended, nothing changed but cached pages evicted) when the device cannot take it."""
+        """Brings a suspended sequence back to the device byte-identical, as one transaction
+        (every device page reserved before anything moves). False when the device cannot take
+        it even by evicting every cached page: then nothing changed at all. A failure (e.g.
+        :class:`CorruptPageError` from disk) also leaves the sequence suspended exactly as it
+        was (cached pages evicted to make room stay evicted); the caller then closes it and
+        recomputes."""
         with self._lock:
             self._check_seq(seq, SequenceState.SUSPENDED)
             self._need_pools("resume")
             lv, parked = seq._parked
-            cold_nodes = [n for n in seq._nodes if n.level is not D]
-            n = len(cold_nodes) + parked.shape[1]
-            if not self._reserve_device(n):
+            cold = [[n for n in seq._nodes if n.level is level] for level in (K, H)]
+            parts = [(level, self._node_slots(b), D) for level, b in zip((K, H), cold) if b]
+            parts.append((lv, parked, D))
+            parts.sort(key=lambda p: p[0] is not K)  # disk first: only disk reads can fail
+            need = sum(np.count_nonzero(p[1] >= 0, axis=1) for p in parts)
+            if not self._reserve_device(need):
                 self._stats.num_refused_resumes += 1
                 return False
-            # NOTE: shared (node) pages first: a node on the device is valid for a suspended
-            # sequence, so a failure (CorruptPageError from disk) below leaves it SUSPENDED and
-            # consistent; the caller then closes it and recomputes.
-            for level in (H, K):
-                if not self._migrate_nodes([c for c in cold_nodes if c.level is level], D):
-                    self._stats.num_refused_resumes += 1  # pragma: no cover - reserved above
-                    return False
-            back = self._migrate(lv, parked, D)
-            if back is None:  # pragma: no cover - reserved above
+            out = self._move(parts)
+            if out is None:  # pragma: no cover - reserved above
                 self._stats.num_refused_resumes += 1
                 return False
+            back = None
+            for (level, src, _), dst in zip(parts, out):
+                if src is parked:
+                    back = dst
+                    continue
+                for i, n in enumerate(cold[level is H]):
+                    self.tree.move(n, D, dst[:, i].copy())
             seq._parked = None
-            r = seq._row
-            k = len(seq._nodes)
-            if k:
-                self._table[:, r, :k] = np.stack([nd.slots for nd in seq._nodes], axis=1)
-            self._table[:, r, k:self._npages[r]] = back
             seq.state = SequenceState.ACTIVE
+            self._set_table(seq, back)
             self._stats.num_resumed += 1
-            self._emit(ManagerEvent("resumed", n, D))
+            self._emit(ManagerEvent("resumed", sum(map(len, cold)) + parked.shape[1], D))
             return True
 
     # -- planning and stats ------------------------------------------------------------------
@@ -931,30 +1001,48 @@ class KVCacheManager:
         return min(self.config.max_seq_len, (self.device_capacity_pages // n) * self._tpp)
 
     def stats(self) -> dict[str, Any]:
+        """Counters, and ``pages[level]``: ``capacity == free + pending + referenced + cached``
+        summed over the level's pools (``pages_per_pool[level]``: one such dict per pool, with
+        its ``layer_groups``). ``pending``: freed device pages waiting for a step's fence;
+        ``cached``: unreferenced committed pages (evictable)."""
         with self._lock:
             out = dataclasses.asdict(self._stats)
             out["num_active"] = sum(s.state is SequenceState.ACTIVE for s in self._seqs.values())
             out["num_suspended_now"] = len(self._seqs) - out["num_active"]
             out["num_committed_now"] = len(self.tree)
-            out["pages"] = {lv.name.lower(): self._page_counts(lv) for lv in self._levels}
+            per_pool = {lv.name.lower(): self._page_counts(lv) for lv in self._levels}
+            out["pages"] = {lv: {k: sum(c[k] for c in pools) for k in _COUNT_KEYS}
+                            for lv, pools in per_pool.items()}
+            out["pages_per_pool"] = per_pool
             out["storage"] = self.storage.stats()
             return out
 
-    def _page_counts(self, level: CacheLevel) -> dict[str, int]:
-        cached = len(self.tree.lru[level])
-        referenced = sum(1 for n in self.tree.nodes.values()
-                         if n.level is level and n.refcount > 0)
+    def _page_counts(self, level: CacheLevel) -> list[dict[str, Any]]:
+        """One dict per pool at ``level`` (see :meth:`stats`)."""
+        G = self._G
+        referenced = np.zeros(G, np.int64)
+        for n in self.tree.nodes.values():
+            if n.level is level and n.refcount > 0:
+                referenced += n.slots >= 0
         for s in self._seqs.values():
             if level is D and s.state is SequenceState.ACTIVE:
-                referenced += int(self._npages[s._row]) - len(s._nodes)
+                r = s._row
+                referenced += np.count_nonzero(self._table[:, r, len(s._nodes):self._npages[r]],
+                                               axis=1)
             elif s._parked is not None and s._parked[0] is level:
-                referenced += s._parked[1].shape[1]
-        pending = self._num_pending if level is D else 0
-        cap = min(self.storage.allocator(level, g).num_slots for g in range(self._G))
-        if level is D:
-            cap -= 1  # the null page
-        return dict(capacity=cap, free=self._num_free(level), pending=pending,
-                    referenced=referenced, cached=cached)
+                referenced += np.count_nonzero(s._parked[1] >= 0, axis=1)
+        cached = self.tree.num_cached[level]
+        pending = self._num_pending if level is D else np.zeros(G, np.int64)
+        pools = self._pool_of[level]
+        out = []
+        for p in range(int(pools.max()) + 1):
+            groups = np.flatnonzero(pools == p)
+            alloc = self.storage.allocator(level, int(groups[0]))
+            out.append(dict(capacity=alloc.num_slots - (1 if level is D else 0),  # null page
+                            free=alloc.num_free, pending=int(pending[groups].sum()),
+                            referenced=int(referenced[groups].sum()),
+                            cached=int(cached[groups].sum()), layer_groups=groups.tolist()))
+        return out
 
     # -- invariants (tests) ------------------------------------------------------------------
 
@@ -964,7 +1052,7 @@ class KVCacheManager:
             self._check_invariants()
 
     def _check_invariants(self) -> None:
-        st = self.storage
+        st, G = self.storage, self._G
         holders: dict[int, int] = {}
         for s in self._seqs.values():
             for n in s._nodes:
@@ -976,40 +1064,57 @@ class KVCacheManager:
                 k = len(s._nodes)
                 if k:
                     assert np.array_equal(self._table[:, r, :k],
-                                          np.stack([n.slots for n in s._nodes], axis=1))
+                                          np.maximum(self._node_slots(s._nodes), 0))
                     assert all(n.level is D for n in s._nodes)
         for n in self.tree.nodes.values():
             assert n.refcount == holders.get(id(n), 0), f"{n!r} has {holders.get(id(n), 0)}"
             assert (id(n) in self.tree.lru[n.level]) == (n.refcount == 0)
+        cached = np.zeros((len(CacheLevel), G), np.int64)
         for lv in CacheLevel:
             for n in self.tree.lru[lv].values():
                 assert n.level is lv and n.alive and n.key in self.tree.nodes
+                cached[lv] += n.slots >= 0
+        assert np.array_equal(cached, self.tree.num_cached), (cached, self.tree.num_cached)
+        pending = np.zeros(G, np.int64)
+        for _, slots in self._pending:
+            pending += np.count_nonzero(slots >= 0, axis=1)
+        assert np.array_equal(pending, self._num_pending), (pending, self._num_pending)
         for lv in self._levels:
-            for g in range(self._G):
-                used: list[np.ndarray] = [n.slots[g:g + 1] for n in self.tree.nodes.values()
-                                          if n.level is lv]
-                for s in self._seqs.values():
+            used: list[list[np.ndarray]] = [[] for _ in range(G)]
+            for n in self.tree.nodes.values():
+                if n.level is lv:
+                    for g in range(G):
+                        used[g].append(n.slots[g:g + 1])
+            for s in self._seqs.values():
+                for g in range(G):
                     if lv is D and s.state is SequenceState.ACTIVE:
-                        used.append(self._table[g, s._row, len(s._nodes):self._npages[s._row]])
+                        t = self._table[g, s._row, len(s._nodes):self._npages[s._row]]
+                        used[g].append(t[t != 0])
                     elif s._parked is not None and s._parked[0] is lv:
-                        used.append(s._parked[1][g])
-                if lv is D:
-                    used.extend(p[1][g] for p in self._pending)
-                allu = np.concatenate(used) if used else np.zeros(0, np.int32)
-                alloc = st.allocator(lv, g)
-                assert np.unique(allu).size == allu.size, f"{lv.name} g{g}: a page in two places"
+                        used[g].append(s._parked[1][g])
+            if lv is D:
+                for _, slots in self._pending:
+                    for g in range(G):
+                        used[g].append(slots[g])
+            pools = self._pool_of[lv]
+            counts = self._page_counts(lv)
+            expect_bytes = 0
+            for p, c in enumerate(counts):
+                groups = np.flatnonzero(pools == p)
+                parts = [x for g in groups for x in used[g]]
+                allu = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+                allu = allu[allu >= 0]
+                alloc = st.allocator(lv, int(groups[0]))
+                assert np.unique(allu).size == allu.size, f"{lv.name} pool {p}: a page in two places"
                 assert (allu != 0).all() if lv is D else True, "the null page is in use"
                 assert all(alloc.is_allocated(int(x)) for x in allu), f"{lv.name}: not allocated"
                 extra = 1 if lv is D else 0
                 num_allocated = alloc.num_slots - alloc.num_free
                 assert num_allocated == allu.size + extra, (
-                    f"{lv.name} g{g}: {num_allocated - extra} allocated, {allu.size} known")
-            c = self._page_counts(lv)
-            assert c["free"] + c["pending"] + c["referenced"] + c["cached"] == c["capacity"] or \
-                self._G > 1, c
+                    f"{lv.name} pool {p}: {num_allocated - extra} allocated, {allu.size} known")
+                assert c["free"] + c["pending"] + c["referenced"] + c["cached"] == c["capacity"], c
+                expect_bytes += (num_allocated - extra) * st.page_bytes(lv, int(groups[0]))
             # Governor ledger == recomputation from the allocators.
-            expect = sum((st.allocator(lv, g).num_slots - st.allocator(lv, g).num_free
-                          - (1 if lv is D else 0))
-                         * st.page_bytes(lv, g) for g in range(self._G))
             u = st.governor.usage(lv)
-            assert u.committed == expect and u.transient == 0 and u.reserved == 0, (lv, u, expect)
+            assert u.committed == expect_bytes and u.transient == 0 and u.reserved == 0, (
+                lv, u, expect_bytes)

@@ -152,6 +152,16 @@ class Harness:
         self.check_values()
 
 
+def flip_disk_bit(h: Harness, slot: int) -> None:
+    """Corrupts one byte of disk slot ``slot`` (layer group 0's pool): its checksum fails."""
+    pool = h.mgr.storage.disk_pools[0]
+    with open(pool.path, "r+b") as f:
+        f.seek(int(slot) * pool.slot_bytes + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
 @pytest.fixture
 def diskdir():
     with tempfile.TemporaryDirectory() as d:
@@ -468,12 +478,7 @@ def test_corrupt_disk_page_on_resume_leaves_it_suspended(diskdir):
     h.run([(a, 12)])
     assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
     lv, parked = a._parked
-    pool = h.mgr.storage.disk_pools[0]
-    with open(pool.path, "r+b") as f:
-        f.seek(int(parked[0, -1]) * pool.slot_bytes + 5)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_disk_bit(h, parked[0, -1])
     free = h.mgr.stats()["pages"]["device"]["free"]
     with pytest.raises(CorruptPageError):
         h.mgr.resume(a)
@@ -481,6 +486,56 @@ def test_corrupt_disk_page_on_resume_leaves_it_suspended(diskdir):
     assert h.mgr.stats()["pages"]["device"]["free"] == free
     h.check()
     h.mgr.close(a)  # drop and recompute
+    h.check()
+
+
+def test_resume_is_all_or_nothing(diskdir):
+    """A sequence parked on disk with its own committed pages (two moves back: the nodes, then
+    the private page). The private page fails its checksum after the nodes came back: resume
+    raises and leaves everything exactly as before (nodes still on disk, ledger, free counts)."""
+    from jax_kvcm._storage import CorruptPageError
+    h = make(tiny_config(device_pages=10, disk_dir=diskdir, disk_pages=10))
+    a = h.add(list(range(13)))
+    h.run([(a, 13)], as_ids=[True])
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    lv, parked = a._parked
+    assert lv is K and len(a._nodes) == 3 and all(n.level is K for n in a._nodes)
+    flip_disk_bit(h, parked[0, -1])
+    st = h.mgr.storage
+    before = (st.governor.ledger(), [st.num_free(lv_, 0) for lv_ in (D, K)],
+              [n.slots.copy() for n in a._nodes], parked.copy(), st.stats())
+    with pytest.raises(CorruptPageError):
+        h.mgr.resume(a)
+    assert a.state is SequenceState.SUSPENDED and all(n.level is K for n in a._nodes)
+    after = (st.governor.ledger(), [st.num_free(lv_, 0) for lv_ in (D, K)],
+             [n.slots.copy() for n in a._nodes], a._parked[1].copy(), st.stats())
+    assert repr(after) == repr(before)
+    h.check()
+    h.mgr.close(a)  # drop and recompute: the good nodes stay cached on disk
+    h.check()
+    c = h.add(list(range(13)))
+    assert c.num_reused_tokens == 12
+    h.run([(c, 1)])
+    h.check()
+
+
+def test_resume_refusal_changes_nothing(diskdir):
+    """Not enough device room even after evicting every cached page: resume refuses before
+    evicting anything (cached pages stay where they were)."""
+    h = make(tiny_config(device_pages=8, host_pages=8))
+    a = h.add(list(range(100, 113)))
+    h.run([(a, 13)], as_ids=[True])
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED  # 4 pages parked on host
+    c = h.add(list(range(9)))
+    h.run([(c, 9)], as_ids=[True])
+    h.mgr.close(c)                                       # 2 cached device pages
+    b = h.add(list(range(50, 70)))
+    h.run([(b, 20)])                                     # 5 private pages: 1 free + 2 cached
+    st = h.mgr.storage
+    before = (st.governor.ledger(), h.mgr.stats()["pages"], st.stats())
+    assert h.mgr.resume(a) is False and a.state is SequenceState.SUSPENDED
+    after = (st.governor.ledger(), h.mgr.stats()["pages"], st.stats())
+    assert after[0] == before[0] and after[1] == before[1] and after[2] == before[2]
     h.check()
 
 
@@ -496,12 +551,7 @@ def test_corrupt_disk_hit_is_a_miss_and_is_dropped(diskdir):
     assert len(nodes) >= 2
     first = h.mgr.tree.match(np.arange(9, dtype=np.int32), b"", TPP, 2)[0]
     assert first.level is K
-    pool = h.mgr.storage.disk_pools[0]
-    with open(pool.path, "r+b") as f:
-        f.seek(int(first.slots[0]) * pool.slot_bytes + 5)
-        x = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([x[0] ^ 0x10]))
+    flip_disk_bit(h, first.slots[0])
     c = h.add(list(range(9)))
     assert c.num_reused_tokens == 0 and not first.alive
     h.check()
@@ -536,6 +586,76 @@ def test_device_exhaustion_is_typed_and_changes_nothing():
     assert h.mgr.storage.governor.ledger() == ledger
     h.check()
     h.run([(a, 1)])  # still usable afterwards
+    h.check()
+
+
+def _state(h):
+    """Everything a refusal must leave alone: ledger (peaks too), page counts, storage and
+    manager stats, and where every committed page is (LRU order included)."""
+    m = h.mgr
+    st = m.stats()
+    nodes = [(n.key, n.level, n.slots.tolist(), n.refcount) for n in m.tree.nodes.values()]
+    lru = [[n.key for n in m.tree.lru[lv].values()] for lv in CacheLevel]
+    return repr((m.storage.governor.ledger(), st.get("pages_per_pool", st["pages"]), st["storage"],
+                 st["num_evicted_pages"], st["num_dropped_pages"], nodes, lru))
+
+
+def test_refused_step_evicts_nothing():
+    """Cached pages that could move to host do not, when even evicting all of them (and waiting
+    for every pending free) would not make room: the refusal happens before eviction."""
+    h = make(tiny_config(device_pages=6, host_pages=3))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)                      # 2 cached device pages, 1 pending
+    b = h.add(list(range(100, 104)))
+    h.run([(b, 4)])
+    c = h.add(list(range(50, 74)))
+    before = _state(h)
+    with pytest.raises(OutOfPagesError):
+        h.mgr.prepare_step([(c, 24)])   # 6 pages: 3 free + 2 cached + 1 pending is 6, b holds 1
+    assert _state(h) == before
+    h.check()
+    h.run([(c, 20)])                    # 5 pages fit: now the cached ones do move to host
+    assert h.mgr.stats()["num_evicted_pages"][H] == 2
+    h.check()
+
+
+def test_refused_suspend_evicts_nothing():
+    """A host tier holding cached pages but too small for the sequence even without them:
+    MUST_RECOMPUTE, and the cached host pages were not dropped to find that out."""
+    h = make(tiny_config(device_pages=6, host_pages=3))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(50, 74)))
+    h.run([(b, 24)])                    # evicts a's 2 cached pages to host
+    assert h.mgr.stats()["pages"]["host"]["cached"] == 2
+    before = _state(h)
+    assert h.mgr.suspend(b) is SuspendResult.MUST_RECOMPUTE  # 6 pages > 3 host pages
+    assert _state(h) == before
+    h.check()
+
+
+def test_refused_onboarding_evicts_nothing(diskdir):
+    """A prefix hit on host that the device cannot take even by evicting: the sequence is added
+    without it and no cached page moved."""
+    h = make(tiny_config(device_pages=4, host_pages=4))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(50, 59)))
+    h.run([(b, 9)], as_ids=[True])      # a's 2 pages go to host; b: 2 committed + 1 private
+    h.mgr.close(b)
+    c = h.add(list(range(70, 74)))
+    h.run([(c, 4)])                     # c: 1 private; b's 2 cached pages stay on the device
+    d = h.add([9, 9, 9, 9, 9])
+    h.run([(d, 5)])                     # d: 2 private: device full (1 + 2 + 2 cached... )
+    free = h.mgr.stats()["pages"]["device"]
+    assert free["free"] + free["pending"] + free["cached"] < 2, free
+    before = _state(h)
+    e = h.add(list(range(9)))           # hit on host: 2 pages, no room for them
+    assert e.num_reused_tokens == 0
+    assert _state(h).replace("'num_active': 3", "") == before.replace("'num_active': 3", "")
     h.check()
 
 

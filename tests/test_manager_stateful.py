@@ -20,11 +20,11 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from jax_kvcm._manager import OutOfPagesError, SequenceState, SuspendResult
-from test_manager import Harness, make, tiny_config
+from test_manager import Harness, _state, make, tiny_config
 
 EXAMPLES = int(os.environ.get("KVCM_STATEFUL_EXAMPLES", "200"))
 COUNTS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, "recompute": 0,
-          "resumed": 0, "reused": 0}
+          "resumed": 0, "refused_resume": 0, "reused": 0}
 PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
 
 
@@ -83,14 +83,16 @@ class ManagerMachine(RuleBasedStateMachine):
         if not work:
             return
         before = {s.seq_id: (s.num_tokens, s.page_ids()) for s, _ in work}
+        state = _state(self.h)
         try:
             self.h.run(work, as_ids=ids)
             COUNTS["steps"] += 1
         except OutOfPagesError:
             COUNTS["oop"] += 1
-            for s, _ in work:  # refused: nothing scheduled
+            for s, _ in work:  # refused: nothing scheduled, nothing evicted
                 n, pages = before[s.seq_id]
                 assert s.num_tokens == n and np.array_equal(s.page_ids(), pages)
+            assert _state(self.h) == state
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -105,15 +107,13 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         s = data.draw(st.sampled_from(active))
         n, pages = s.num_tokens, s.page_ids()
-        ledger = self.h.mgr.storage.governor.ledger()
+        state = _state(self.h)
         res = self.h.mgr.suspend(s)
         COUNTS["suspended" if res is SuspendResult.SUSPENDED else "recompute"] += 1
-        if res is SuspendResult.MUST_RECOMPUTE:
+        if res is SuspendResult.MUST_RECOMPUTE:  # nothing changed, nothing evicted
             assert s.state is SequenceState.ACTIVE and s.num_tokens == n
             assert np.array_equal(s.page_ids(), pages)
-            # Cached pages may have moved down to make room; the sequence's own did not.
-            if not self.h.mgr.storage.has_level(1) and not self.h.mgr.storage.has_level(2):
-                assert self.h.mgr.storage.governor.ledger() == ledger
+            assert _state(self.h) == state
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -122,10 +122,13 @@ class ManagerMachine(RuleBasedStateMachine):
         if not sus:
             return
         s = data.draw(st.sampled_from(sus))
+        state = _state(self.h)
         if self.h.mgr.resume(s):
             COUNTS["resumed"] += 1
-        else:
+        else:  # refused: nothing changed, nothing evicted
             assert s.state is SequenceState.SUSPENDED
+            assert _state(self.h) == state
+            COUNTS["refused_resume"] += 1
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -159,7 +162,7 @@ def test_machine_covered_every_path():
     if COUNTS["examples"] == 0:
         import pytest
         pytest.skip("the machine did not run in this session")
-    for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused"):
+    for key in ("steps", "oop", "suspended", "recompute", "resumed", "refused_resume", "reused"):
         assert COUNTS[key] > 0, COUNTS
     assert COUNTS["rules"] >= 20 * COUNTS["examples"], COUNTS
     assert COUNTS["steps"] >= 5 * COUNTS["examples"], COUNTS
