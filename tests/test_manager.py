@@ -397,6 +397,23 @@ def test_freed_pages_wait_for_the_last_step_fence():
     h.check()
 
 
+def test_fence_donated_into_a_migration_still_tells():
+    """The latest step's fence array was donated into a later migration (a decode donates the
+    pools): the pending frees must still come back, through the pools that migration made."""
+    h = make(tiny_config(device_pages=4, prefix=False))
+    a = h.add(list(range(16)))
+    h.run([(a, 16)])
+    mgr = h.mgr
+    donated = jnp.zeros(1)
+    donated.delete()
+    mgr._fence, mgr._ready_upto = donated, 0
+    mgr.close(a)
+    assert mgr.stats()["pages"]["device"]["pending"] == 4
+    b = h.add([1, 2, 3])
+    h.run([(b, 3)])  # every page is pending behind the donated fence
+    h.check()
+
+
 def test_close_during_step_waits_for_that_step(diskdir):
     h = make(tiny_config(device_pages=4, prefix=False))
     mgr = h.mgr
