@@ -2,7 +2,9 @@
 
 One :class:`~jax_kvcm._storage.StorageManager` underneath (one hot pool group per layer group).
 Every sequence has one page per layer group per ``tokens_per_page`` tokens, allocated in lockstep
-over the layer groups.
+over the layer groups. In a sliding-window group, pages that left the window of every future query
+of the sequence are released as it grows (see "sliding windows" below), so what it holds there
+is bounded; its page-table entries for them are the null page.
 
 Hot-path layout (DESIGN.md §4, seed 001: no per-page Python objects per step): the manager owns a
 row table ``_table[G, R, P]`` int32 and per-row ``_len / _npages / _ncommit / _known`` arrays and a
@@ -38,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence as _Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,7 +257,9 @@ class Sequence:
         return int(self._mgr._npages[self._row]) if self.state is not SequenceState.CLOSED else 0
 
     def page_ids(self, layer_group: int = 0) -> np.ndarray:
-        """Device slots of this sequence's pages (a copy; ACTIVE sequences only)."""
+        """Device slots of this sequence's pages (a copy; ACTIVE sequences only). In a
+        sliding-window layer group, pages no future query of the sequence can see are released
+        and read 0 (the null page)."""
         m = self._mgr
         return m._table[layer_group, self._row, :m._npages[self._row]].copy()
 
@@ -274,6 +278,7 @@ class _Stats:
     num_evicted_pages: list[int] = field(default_factory=lambda: [0, 0, 0])
     num_dropped_pages: int = 0
     num_onboarded_pages: int = 0
+    num_window_released_pages: int = 0
     num_suspended: int = 0
     num_resumed: int = 0
     num_refused_suspends: int = 0
@@ -304,12 +309,19 @@ class KVCacheManager:
                           host_bytes=config.host_bytes, disk_dir=config.disk_dir,
                           disk_bytes=config.disk_bytes), cold_page_codec, device=device)
         self.tree = PrefixTree(_hash_fn, self._G)
+        # Sliding-window layer groups (see _advance_windows).
+        self._window = np.asarray([g.sliding_window or 0 for g in config.layer_groups], np.int64)
+        self._wg = [g for g in range(self._G) if self._window[g]]
+        # NOTE: wlru[g]: referenced device nodes whose page of group g no holder's window
+        # covers (need[g] == 0): cached like an unreferenced node's pages (dropped under
+        # pressure, oldest first), but only that one page.
+        self._wlru: list[OrderedDict[int, BlockNode]] = [OrderedDict() for _ in range(self._G)]
         self._levels = [lv for lv in CacheLevel if self.storage.has_level(lv)]
         # Pool of each layer group per level (cold layer groups with equal page sizes share one).
-        self._pool_of = {lv: np.asarray([id(self.storage.allocator(lv, g)) for g in range(self._G)])
-                         for lv in self._levels}
-        for lv, ids in self._pool_of.items():
-            self._pool_of[lv] = np.unique(ids, return_inverse=True)[1].reshape(-1)
+        self._pool_of: dict[CacheLevel, np.ndarray] = {}
+        for lv in self._levels:
+            ids = [id(self.storage.allocator(lv, g)) for g in range(self._G)]
+            self._pool_of[lv] = np.asarray([list(dict.fromkeys(ids)).index(i) for i in ids])
         self._page_bytes = {lv: np.asarray([self.storage.page_bytes(lv, g) for g in range(self._G)])
                             for lv in self._levels}
         self._disk_chunk = 1 << 30
@@ -328,6 +340,7 @@ class KVCacheManager:
         self._known = np.zeros(0, np.int64)
         self._ncommit = np.zeros(0, np.int64)    # == len(seq._nodes)
         self._commit_ok = np.zeros(0, np.int64)  # 1 while the sequence may commit pages
+        self._wrel = np.zeros((self._G, 0), np.int64)  # leading pages released, per group
         self._free_rows: list[int] = []
         self._grow_rows(16)
         self._seqs: dict[int, Sequence] = {}
@@ -342,6 +355,7 @@ class KVCacheManager:
         # Entries NO_PAGE are no page (a layer group with nothing to free there).
         self._pending: list[list[Any]] = []
         self._num_pending = np.zeros(self._G, np.int64)
+        self._closed_in_step = False
 
     # -- small helpers -----------------------------------------------------------------------
 
@@ -352,7 +366,9 @@ class KVCacheManager:
         table[:, :old] = self._table
         tokens = np.zeros((new, self._tokens.shape[1]), np.int32)
         tokens[:old] = self._tokens
-        self._table, self._tokens = table, tokens
+        wrel = np.zeros((self._G, new), np.int64)
+        wrel[:, :old] = self._wrel
+        self._table, self._tokens, self._wrel = table, tokens, wrel
         for name in ("_len", "_npages", "_known", "_ncommit", "_commit_ok"):
             arr = np.zeros(new, np.int64)
             arr[:old] = getattr(self, name)
@@ -455,28 +471,48 @@ class KVCacheManager:
     def _reclaimable(self, level: CacheLevel) -> np.ndarray:
         """Pages per layer group that eviction (cached pages) and waiting (pending device frees)
         can add to the free ones at ``level``."""
-        out = self.tree.num_cached[level].copy()
+        out = self.tree.cached_pages(level)
         if level is D:
             out += self._num_pending
+            for g in self._wg:
+                out[g] += len(self._wlru[g])
         return out
 
-    def _room(self, level: CacheLevel, need: np.ndarray) -> bool:
-        """Whether ``need`` fits at ``level`` once every cached page there is evicted and every
-        pending free is reclaimed: the plan made before anything is evicted."""
+    def _room(self, level: CacheLevel, need: np.ndarray, keep: np.ndarray | None = None) -> bool:
+        """Whether ``need`` fits at ``level`` once every cached page there (but ``keep[g]`` of
+        them, which the caller is about to take) is evicted and every pending free is
+        reclaimed: the plan made before anything is evicted."""
         extra = self._reclaimable(level)
+        if keep is not None:
+            extra = extra - keep
         if (self._pool_free(level) + self._per_pool(level, extra)
                 < self._per_pool(level, need)).any():
             return False
         return (self.storage.governor.available(level) + int(extra @ self._page_bytes[level])
                 >= int(need @ self._page_bytes[level]))
 
-    def _victims(self, level: CacheLevel, need: np.ndarray) -> list[BlockNode]:
-        """The least recently used cached nodes at ``level`` with pages of the layer groups
-        whose pools lack free pages for ``need``, as many as the largest shortfall."""
+    def _evict_some(self, level: CacheLevel, need: np.ndarray) -> bool:
+        """Evicts cached pages at ``level`` toward ``need`` (those of layer groups whose pools
+        lack pages that pending frees will not bring back, least recently used first; window
+        pages of referenced nodes before whole nodes); False when there is nothing to evict."""
         lack = self._per_pool(level, need) - self._pool_free(level)
-        short = lack[self._pool_of[level]] > 0
-        return self.tree.lru_nodes(level, max(1, int(lack.max())),
-                                   short if short.any() else None)  # else bytes are short
+        if level is D:
+            lack -= self._per_pool(D, self._num_pending)
+        pools = self._pool_of[level]
+        short = lack[pools] > 0
+        if level is D:
+            for g in self._wg:
+                if short[g] and self._wlru[g]:
+                    self._drop_window_pages(g, int(lack[pools[g]]))
+                    return True
+        victims = self.tree.lru_nodes(level, max(1, int(lack.max())),
+                                      short if short.any() else None)  # else bytes are short
+        if not victims:
+            return False
+        if level is D:
+            self._need_pools("eviction")
+        self._evict(victims, level)
+        return True
 
     # -- moves -------------------------------------------------------------------------------
 
@@ -523,6 +559,115 @@ class KVCacheManager:
             return np.zeros((0, 0), np.int32)
         return np.stack([n.slots for n in nodes], axis=1)
 
+    # -- sliding windows ---------------------------------------------------------------------
+    #
+    # In a layer group with window W, the next query of a sequence of L tokens sits at position L
+    # and sees positions [L + 1 - W, L]: the first wrel = (L + 1 - W) // P pages are dead to it
+    # (_wrel_at). complete_step releases them as the window moves (_advance_windows): a private
+    # page is freed behind the fence of the step that last read it; a committed page (a node,
+    # maybe shared) loses this holder's need; at need 0 its page of that group becomes cached in
+    # wlru (the node's other groups stay referenced). The holder's page-table entries of released
+    # pages are 0 (the null page), which the attention ops never read for tokens outside the
+    # window. So a sequence holds at most ceil((W + n - 2) / P) + 1 pages of such a group during
+    # a step of n new tokens: ceil((W - 1) / P) + 1 when decoding (the seed's ceil(W / P) + 1).
+
+    def _wrel_at(self, num_tokens: int) -> np.ndarray:
+        """Leading dead pages of a sequence of ``num_tokens`` tokens, per layer group."""
+        return np.where(self._window > 0,
+                        np.maximum(0, (num_tokens + 1 - self._window) // self._tpp), 0)
+
+    def _take(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
+        """Window bookkeeping of a new holder of ``node`` (already incref'd) at depth ``j`` whose
+        windows start at pages ``wr``."""
+        need = node.need
+        if need is None:
+            return
+        fresh = node.refcount == 1  # was cached: its pages no one needs become wlru entries
+        for g in self._wg:
+            if j >= wr[g]:
+                if need[g] == 0 and not fresh:
+                    self._wlru[g].pop(id(node), None)
+                need[g] += 1
+            elif fresh and node.level is D and node.slots[g] >= 0:
+                self._wlru[g][id(node)] = node
+
+    def _drop_hold(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
+        """A holder at depth ``j`` (windows from pages ``wr``) lets go of ``node``."""
+        need = node.need
+        if need is not None:
+            for g in self._wg:
+                if j >= wr[g]:
+                    need[g] -= 1
+        self.tree.decref(node)
+        if need is None:
+            return
+        for g in self._wg:
+            if node.refcount == 0:  # cached as a whole now
+                self._wlru[g].pop(id(node), None)
+            elif need[g] == 0 and node.slots[g] >= 0 and node.level is D:
+                self._wlru[g][id(node)] = node
+
+    def _drop_window_pages(self, g: int, n: int) -> None:
+        """Frees the ``n`` oldest wlru pages of group ``g`` (their nodes keep the others)."""
+        out = []
+        wlru = self._wlru[g]
+        while wlru and len(out) < n:
+            _, node = wlru.popitem(last=False)
+            out.append(node.slots[g])
+            self.tree.set_page(node, g, NO_PAGE)
+        slots = np.full((self._G, len(out)), NO_PAGE, np.int32)
+        slots[g] = out
+        self._defer_free(slots)
+        self._stats.num_dropped_pages += len(out)
+
+    def _advance_windows(self, seqs: list[Sequence], rows: np.ndarray) -> None:
+        """Releases the pages the step's sequences' windows left (called after the commit, so a
+        committed page is released as a node page)."""
+        tpp = self._tpp
+        if self._closed_in_step:  # NOTE: a row closed during the step may hold a new sequence
+            live = np.fromiter((s.state is SequenceState.ACTIVE for s in seqs), bool, len(seqs))
+            seqs = [s for s, ok in zip(seqs, live) if ok]
+            rows = rows[live]
+        length = self._len[rows]
+        for g in self._wg:
+            new = np.maximum(0, (length + 1 - self._window[g]) // tpp)
+            old = self._wrel[g, rows]
+            idx = np.flatnonzero(new > old)
+            if idx.size == 0:
+                continue
+            cnt = new[idx] - old[idx]
+            which = np.repeat(idx, cnt)
+            rep = rows[which]
+            j = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt) + old[which]
+            private = j >= self._ncommit[rep]
+            slots = np.full((self._G, int(private.sum())), NO_PAGE, np.int32)
+            slots[g] = self._table[g, rep[private], j[private]]
+            self._defer_free(slots)
+            wlru = self._wlru[g]
+            shared = ~private
+            for i, jj in zip(which[shared].tolist(), j[shared].tolist()):  # once per node page
+                node = seqs[i]._nodes[jj]
+                need = node.need
+                need[g] -= 1
+                if need[g] == 0:
+                    wlru[id(node)] = node
+            self._table[g, rep, j] = 0
+            self._wrel[g, rows[idx]] = new[idx]
+            self._stats.num_window_released_pages += j.size
+
+    def _usable_prefix(self, nodes: list[BlockNode]) -> list[BlockNode]:
+        """The longest prefix of matched nodes whose pages a new holder's windows need are all
+        there (a node may have lost a window page no earlier holder needed)."""
+        if not self._wg:
+            return nodes
+        k = len(nodes)
+        while k:
+            wr = self._wrel_at(k * self._tpp)
+            if all(nodes[j].slots[g] >= 0 for g in self._wg for j in range(wr[g], k)):
+                break
+            k -= 1
+        return nodes[:k]
+
     # -- eviction ----------------------------------------------------------------------------
 
     def _drop(self, node: BlockNode) -> None:
@@ -549,10 +694,8 @@ class KVCacheManager:
         if not self._room(level, need):
             return False
         while not self._fits(level, need):
-            victims = self._victims(level, need)
-            if not victims:  # pragma: no cover - _room counted them
+            if not self._evict_some(level, need):  # pragma: no cover - _room counted them
                 raise RuntimeError(f"{level.name}: planned room not found")
-            self._evict(victims, level)
         return True
 
     def _evict(self, victims: list[BlockNode], level: CacheLevel) -> None:
@@ -574,22 +717,25 @@ class KVCacheManager:
     def _reserve_device(self, need: np.ndarray) -> bool:
         """Makes ``need[g]`` device pages of every layer group allocatable; False, with nothing
         evicted or reclaimed, when even evicting every cached page would not do."""
+        assert self._in_step is None, "device allocation needs the pools"
         if not self._fits(D, need) and not self._room(D, need):
             return False
         self._reclaim()
         while not self._fits(D, need):
-            if self._num_pending.any() and self._reclaim() > 0:
-                continue
-            victims = self._victims(D, need)
-            if victims:
-                self._need_pools("eviction")
-                self._evict(victims, D)
-                self._reclaim()
-                continue
-            if self._num_pending.any() and self._in_step is None:
-                if self._reclaim(block=True) > 0:
+            # NOTE: evict only what pending frees will not bring back, else wait for them.
+            if self._num_pending.any():
+                if self._reclaim() > 0:
                     continue
-            raise RuntimeError("device: planned room not found")  # pragma: no cover
+                if (self._pool_free(D) + self._per_pool(D, self._num_pending)
+                        >= self._per_pool(D, need)).all():
+                    self._reclaim(block=True)
+                    continue
+            if self._evict_some(D, need):
+                self._reclaim()
+            elif self._num_pending.any():
+                self._reclaim(block=True)
+            else:  # pragma: no cover - _room counted every page
+                raise RuntimeError("device: planned room not found")
         return True
 
     def _allocate_device(self, n: int) -> np.ndarray | None:
@@ -628,7 +774,8 @@ class KVCacheManager:
                 max_pages = (toks.size - 1) // self._tpp
                 self._stats.num_prefix_queries += 1
                 self._stats.num_prefix_query_tokens += int(toks.size)
-                nodes = self._onboard(self.tree.match(toks, salt_b, self._tpp, max_pages))
+                nodes = self._onboard(self._usable_prefix(
+                    self.tree.match(toks, salt_b, self._tpp, max_pages)))
             if not self._free_rows:
                 self._grow_rows(self._len.size * 2)
             row = self._free_rows.pop()
@@ -636,12 +783,12 @@ class KVCacheManager:
             self._next_id += 1
             k = len(nodes)
             seq._nodes = nodes
-            if k:
-                self._table[:, row, :k] = np.stack([n.slots for n in nodes], axis=1)
-            self._table[:, row, k:] = 0
             self._tokens[row, :toks.size] = toks
             self._len[row] = k * self._tpp
             self._npages[row] = k
+            self._wrel[:, row] = self._wrel_at(k * self._tpp)
+            self._table[:, row] = 0
+            self._set_table(seq, np.zeros((self._G, 0), np.int32))
             self._known[row] = toks.size
             self._ncommit[row] = k
             self._commit_ok[row] = int(self.config.enable_prefix_reuse)
@@ -651,48 +798,86 @@ class KVCacheManager:
             return seq
 
     def _onboard(self, nodes: list[BlockNode]) -> list[BlockNode]:
-        """Takes a reference on the matched nodes that are usable: those on the device, then
-        the lower-tier ones after them if they can all be brought to the device (one
-        transaction). Lower-tier hits that cannot are left untouched (not even their LRU
-        position changes); an I/O error releases every reference taken and propagates."""
-        first_cold = next((i for i, n in enumerate(nodes) if n.level is not D), len(nodes))
-        cold = nodes[first_cold:]
-        need = np.count_nonzero(self._node_slots(cold) >= 0, axis=1)
-        if not cold or self._in_step is not None or not (self._fits(D, need)
-                                                         or self._room(D, need)):
-            for n in nodes[:first_cold]:
-                self.tree.incref(n)
-            return nodes[:first_cold]
-        for n in nodes:  # NOTE: held while room is made, so eviction cannot take them
+        """Takes the matched nodes that are usable for a new holder: those on the device up to
+        the first lower-tier one, and all of them if the lower-tier pages needed can be brought
+        to the device (one transaction; window pages no one needs are freed instead). Lower-tier
+        hits that cannot are left untouched (not even their LRU position changes); an I/O error
+        releases every reference taken and propagates."""
+        lower = [j for j, n in enumerate(nodes) if n.level is not D]
+        wr = self._wrel_at(len(nodes) * self._tpp)
+        if lower and self._in_step is None:
+            # NOTE: pages this holder's windows need, or another holder's (a suspended one).
+            slots = self._node_slots([nodes[j] for j in lower])
+            wanted = (slots >= 0) & ((np.asarray(lower)[None, :] >= wr[:, None])
+                                     | (self._window == 0)[:, None])
+            for i, j in enumerate(lower):
+                if nodes[j].need is not None:
+                    wanted[:, i] |= (np.asarray(nodes[j].need) > 0) & (slots[:, i] >= 0)
+            need = np.count_nonzero(wanted, axis=1)
+            if self._fits(D, need) or self._room(D, need, self._kept(nodes, wr)):
+                if self._onboard_lower(nodes, lower, wr, np.where(wanted, slots, NO_PAGE)):
+                    return nodes
+        nodes = self._usable_prefix(nodes[:lower[0]] if lower else nodes)
+        wr = self._wrel_at(len(nodes) * self._tpp)
+        for j, n in enumerate(nodes):
             self.tree.incref(n)
+            self._take(n, j, wr)
+        return nodes
+
+    def _kept(self, nodes: list[BlockNode], wr: np.ndarray) -> np.ndarray:
+        """Per layer group, the cached device pages among ``nodes`` that a new holder with
+        windows from ``wr`` would take (and so no eviction could free)."""
+        out = np.zeros(self._G, np.int64)
+        for j, n in enumerate(nodes):
+            if n.level is not D:
+                continue
+            if n.refcount == 0:
+                out += (n.slots >= 0) & ((self._window == 0) | (j >= wr))
+            else:
+                for g in self._wg:
+                    out[g] += j >= wr[g] and id(n) in self._wlru[g]
+        return out
+
+    def _onboard_lower(self, nodes: list[BlockNode], lower: list[int], wr: np.ndarray,
+                       src: np.ndarray) -> bool:
+        """Takes every node and brings pages ``src[:, i]`` of ``nodes[lower[i]]`` to the
+        device (room was planned), freeing their other pages; False (every reference given
+        back, nothing moved) when it failed."""
+        for j, n in enumerate(nodes):  # NOTE: held while room is made: eviction cannot take them
+            self.tree.incref(n)
+            self._take(n, j, wr)
+        cols = [[i for i, j in enumerate(lower) if nodes[j].level is lv] for lv in (K, H)]
+        parts = [(lv, src[:, c], D) for lv, c in zip((K, H), cols) if c]  # disk first: it can fail
         corrupt: list[BlockNode] = []
         out = None
         try:
-            if self._reserve_device(need):
-                by_level = [[n for n in cold if n.level is lv] for lv in (K, H)]  # disk first
+            if self._reserve_device(np.count_nonzero(src >= 0, axis=1)):
                 try:
-                    out = self._move([(lv, self._node_slots(b), D)
-                                      for lv, b in zip((K, H), by_level) if b])
+                    out = self._move(parts)
                 except CorruptPageError as e:  # a miss; nothing moved; bad pages dropped below
                     bad = set(e.slots.tolist())
-                    corrupt = [n for n in by_level[0] if int(n.slots[e.layer_group]) in bad]
+                    corrupt = [nodes[lower[i]] for i in cols[0]
+                               if int(nodes[lower[i]].slots[e.layer_group]) in bad]
         except BaseException:
-            for n in nodes:
-                self.tree.decref(n)
+            for j, n in enumerate(nodes):
+                self._drop_hold(n, j, wr)
             raise
         if out is None:
-            for n in cold:
-                self.tree.decref(n)
+            for j, n in enumerate(nodes):
+                self._drop_hold(n, j, wr)
             for n in corrupt:  # never served again (unless still held by a suspended sequence)
                 if n.alive and all(d.refcount == 0 for d in self.tree.subtree(n)):
                     self._drop(n)
-            return nodes[:first_cold]
-        for batch, slots in zip([b for b in by_level if b], out):
-            for i, n in enumerate(batch):
-                self.tree.move(n, D, slots[:, i].copy())
-        self._stats.num_onboarded_pages += len(cold)
-        self._emit(ManagerEvent("onboarded", len(cold), D))
-        return nodes
+            return False
+        for c, dst in zip([c for c in cols if c], out):
+            for k, i in enumerate(c):
+                n = nodes[lower[i]]
+                for g in np.flatnonzero((n.slots >= 0) & (src[:, i] < 0)).tolist():
+                    self.storage.free(n.level, g, n.slots[g:g + 1])  # pages no window needs
+                self.tree.move(n, D, dst[:, k].copy())
+        self._stats.num_onboarded_pages += len(lower)
+        self._emit(ManagerEvent("onboarded", len(lower), D))
+        return True
 
     def close(self, seq: Sequence) -> None:
         """Releases the sequence; its committed pages stay cached until evicted."""
@@ -702,12 +887,15 @@ class KVCacheManager:
             k = len(seq._nodes)
             if seq.state is SequenceState.ACTIVE:
                 self._defer_free(self._private(seq))
+                if self._in_step is not None:
+                    self._closed_in_step = True
             elif seq._parked is not None:
                 lv, slots = seq._parked
                 for g in range(self._G):
                     self.storage.free(lv, g, slots[g][slots[g] >= 0])
-            for n in reversed(seq._nodes):
-                self.tree.decref(n)
+            wr = self._wrel[:, row]
+            for j in range(k - 1, -1, -1):
+                self._drop_hold(seq._nodes[j], j, wr)
             seq._nodes = []
             self._ncommit[row] = 0
             seq._parked = None
@@ -715,6 +903,7 @@ class KVCacheManager:
             self._len[row] = self._npages[row] = self._known[row] = 0
             self._ncommit[row] = self._commit_ok[row] = 0
             self._table[:, row] = 0
+            self._wrel[:, row] = 0
             self._free_rows.append(row)
             del self._seqs[seq.seq_id]
 
@@ -849,6 +1038,9 @@ class KVCacheManager:
             self._stats.num_steps += 1
             if self.config.enable_prefix_reuse:
                 self._commit(seqs, rows)
+            if self._wg:
+                self._advance_windows(seqs, rows)
+            self._closed_in_step = False
 
     def _commit(self, seqs: list[Sequence], rows: np.ndarray) -> None:
         tpp, tree, hash_fn = self._tpp, self.tree, self.tree.hash_fn
@@ -871,10 +1063,17 @@ class KVCacheManager:
             # NOTE: one bytes object for all new pages; the table column block for all groups.
             blob = _le_bytes(self._tokens[r, first * tpp:last * tpp])
             cols = self._table[:, r, first:last].T.copy()
-            for j in range(last - first):
+            if self._wg:  # a page a window released before it could be committed ends the chain
+                gone = np.flatnonzero((cols == 0).any(axis=1))
+                if gone.size:
+                    cols = cols[:gone[0]]
+                    self._commit_ok[r] = 0
+            for j in range(cols.shape[0]):
                 toks = blob[j * page_bytes:(j + 1) * page_bytes]
                 key = hash_fn(pkey + toks + seq._salt)
                 node = tree.insert(key, parent, toks, D, cols[j])
+                if node is not None and self._wg:
+                    node.need = [int(w > 0) for w in self._window]  # this holder's windows
                 if node is None:
                     node = tree.nodes[key]
                     if (node.parent is not parent or node.tokens != toks
@@ -884,10 +1083,17 @@ class KVCacheManager:
                         self._commit_ok[r] = 0
                         break
                     # NOTE: a duplicate (another sequence computed the same page first): adopt
-                    # the committed page, free ours once the step that wrote it completed.
+                    # the committed page, free ours once the step that wrote it completed; but
+                    # where its window page was released, it takes ours instead.
                     tree.incref(node)
+                    ours = cols[j].copy()
+                    for g in self._wg:
+                        if node.slots[g] < 0:
+                            tree.set_page(node, g, ours[g])
+                            ours[g] = NO_PAGE
+                    self._take(node, first + j, self._wrel[:, r])
                     self._table[:, r, first + j] = node.slots
-                    self._defer_free(cols[j][:, None].copy())
+                    self._defer_free(ours[:, None])
                     self._stats.num_adopted_pages += 1
                 else:
                     n0 += 1
@@ -909,11 +1115,13 @@ class KVCacheManager:
 
     def _set_table(self, seq: Sequence, private: np.ndarray) -> None:
         """Writes the page-table row of an ACTIVE sequence: its nodes' slots, then ``private``
-        (``NO_PAGE`` -> the null page)."""
+        (``NO_PAGE`` -> the null page), and the null page where its windows released pages."""
         r, k = seq._row, len(seq._nodes)
         if k:
             self._table[:, r, :k] = np.maximum(self._node_slots(seq._nodes), 0)
         self._table[:, r, k:self._npages[r]] = np.maximum(private, 0)
+        for g in self._wg:
+            self._table[g, r, :self._wrel[g, r]] = 0
 
     def suspend(self, seq: Sequence) -> SuspendResult:
         """Moves the sequence's device pages that only it holds to host (else disk), as one
@@ -925,6 +1133,10 @@ class KVCacheManager:
             own = [n for n in seq._nodes if n.level is D and n.refcount == 1]
             private = self._private(seq)
             own_slots = self._node_slots(own)
+            if own and self._wg:  # window pages it does not need (wlru) are dropped, not moved
+                unneeded = np.stack([np.asarray(n.need) == 0 for n in own], axis=1)
+                unneeded[self._window == 0] = False
+                own_slots = np.where(unneeded, NO_PAGE, own_slots)
             need = np.count_nonzero(private >= 0, axis=1)
             if own:
                 need += np.count_nonzero(own_slots >= 0, axis=1)
@@ -935,6 +1147,10 @@ class KVCacheManager:
                 if out is None:  # pragma: no cover - room was made
                     continue
                 for i, n in enumerate(own):
+                    for g in self._wg:
+                        if self._wlru[g].pop(id(n), None) is not None:
+                            self._defer_free(np.where(np.arange(self._G) == g, n.slots,
+                                                      NO_PAGE)[:, None].astype(np.int32))
                     self.tree.move(n, lv, out[1][:, i].copy())
                 seq._parked = (lv, out[0])
                 seq.state = SequenceState.SUSPENDED
@@ -985,20 +1201,36 @@ class KVCacheManager:
 
     @property
     def device_capacity_pages(self) -> int:
+        """The smallest layer group's device page budget."""
         return min(self.config.device_pages)
+
+    def _peak_pages(self, seq_len: int) -> np.ndarray:
+        """Device pages per layer group one sequence of ``seq_len`` tokens may hold at once.
+        Full attention: all of them; window W: ``ceil((W + n - 2) / P) + 1`` during a step of
+        ``n <= max_tokens_per_step`` new tokens."""
+        pages = -(-seq_len // self._tpp)
+        n = min(seq_len, self.config.max_tokens_per_step)
+        bound = -(-(self._window + n - 2) // self._tpp) + 1
+        return np.where(self._window > 0, np.minimum(pages, bound), pages)
 
     def max_num_sequences(self, seq_len: int) -> int:
         """How many sequences of ``seq_len`` tokens fit on the device at once (0 when one does
-        not fit; ``seq_len`` is clamped to ``max_seq_len``)."""
-        seq_len = check_count(seq_len, "seq_len", minimum=1)
-        pages = -(-min(seq_len, self.config.max_seq_len) // self._tpp)
-        return self.device_capacity_pages // pages
+        not fit; ``seq_len`` is clamped to ``max_seq_len``). Sliding-window groups count the
+        pages a sequence holds at its peak (see :meth:`_peak_pages`), not all of them."""
+        seq_len = min(check_count(seq_len, "seq_len", minimum=1), self.config.max_seq_len)
+        return int((np.asarray(self.config.device_pages) // self._peak_pages(seq_len)).min())
 
     def max_seq_len_for(self, num_sequences: int) -> int:
         """The largest length (a whole number of pages, clamped to ``max_seq_len``) such that
         ``num_sequences`` sequences fit on the device at once; 0 when not even one page each."""
         n = check_count(num_sequences, "num_sequences", minimum=1)
-        return min(self.config.max_seq_len, (self.device_capacity_pages // n) * self._tpp)
+        cap = self.config.max_seq_len
+        out = cap
+        for g, pages in enumerate(self.config.device_pages):
+            each = pages // n
+            if self._peak_pages(cap)[g] > each:  # NOTE: a window's bound only grows with n
+                out = min(out, each * self._tpp)
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Counters, and ``pages[level]``: ``capacity == free + pending + referenced + cached``
@@ -1031,7 +1263,11 @@ class KVCacheManager:
                                                axis=1)
             elif s._parked is not None and s._parked[0] is level:
                 referenced += np.count_nonzero(s._parked[1] >= 0, axis=1)
-        cached = self.tree.num_cached[level]
+        cached = self.tree.cached_pages(level)
+        if level is D:
+            for g in self._wg:  # window pages of referenced nodes that no window needs
+                cached[g] += len(self._wlru[g])
+                referenced[g] -= len(self._wlru[g])
         pending = self._num_pending if level is D else np.zeros(G, np.int64)
         pools = self._pool_of[level]
         out = []
@@ -1052,29 +1288,60 @@ class KVCacheManager:
             self._check_invariants()
 
     def _check_invariants(self) -> None:
-        st, G = self.storage, self._G
+        st, G, tpp = self.storage, self._G, self._tpp
         holders: dict[int, int] = {}
+        needs: dict[int, np.ndarray] = {}
         for s in self._seqs.values():
-            for n in s._nodes:
+            r = s._row
+            k = len(s._nodes)
+            wr = self._wrel[:, r]
+            assert np.array_equal(wr, self._wrel_at(int(self._len[r]))), (s, wr)
+            for j, n in enumerate(s._nodes):
                 holders[id(n)] = holders.get(id(n), 0) + 1
+                needs[id(n)] = needs.get(id(n), 0) + (j >= wr)
                 assert n.alive, f"{s!r} holds a dropped node"
-            assert self._ncommit[s._row] == len(s._nodes)
+            assert self._ncommit[r] == k
             if s.state is SequenceState.ACTIVE:
-                r = s._row
-                k = len(s._nodes)
+                want = np.zeros((G, int(self._npages[r])), np.int32)
                 if k:
-                    assert np.array_equal(self._table[:, r, :k],
-                                          np.maximum(self._node_slots(s._nodes), 0))
+                    want[:, :k] = np.maximum(self._node_slots(s._nodes), 0)
                     assert all(n.level is D for n in s._nodes)
+                want[:, k:] = self._table[:, r, k:self._npages[r]]
+                for g in self._wg:
+                    want[g, :wr[g]] = 0
+                    # NOTE: the bound on what a windowed sequence holds.
+                    assert self._npages[r] - wr[g] <= -(-(self._window[g] - 1) // tpp) + 1, s
+                assert (want > 0).all(axis=1)[self._window == 0].all()
+                for g in self._wg:
+                    assert (want[g, wr[g]:] > 0).all(), (s, g, want[g])
+                assert np.array_equal(self._table[:, r, :self._npages[r]], want), (s, want)
+                assert not self._table[:, r, self._npages[r]:].any()
         for n in self.tree.nodes.values():
             assert n.refcount == holders.get(id(n), 0), f"{n!r} has {holders.get(id(n), 0)}"
             assert (id(n) in self.tree.lru[n.level]) == (n.refcount == 0)
+            if n.need is None:
+                assert not self._wg
+                continue
+            need = needs.get(id(n), np.zeros(G, np.int64))
+            for g in self._wg:
+                assert n.need[g] == need[g], (n, g, n.need, need)
+                assert n.need[g] == 0 or n.slots[g] >= 0, (n, "a needed window page is gone")
+                unneeded = n.refcount > 0 and n.need[g] == 0 and n.slots[g] >= 0
+                assert (id(n) in self._wlru[g]) == (unneeded and n.level is D), (n, g)
+                assert not unneeded or n.level is D, (n, "an unneeded page moved off the device")
+        for g in range(G):
+            assert g in self._wg or not self._wlru[g]
+            for n in self._wlru[g].values():
+                assert n.alive and n.key in self.tree.nodes
         cached = np.zeros((len(CacheLevel), G), np.int64)
         for lv in CacheLevel:
             for n in self.tree.lru[lv].values():
                 assert n.level is lv and n.alive and n.key in self.tree.nodes
                 cached[lv] += n.slots >= 0
-        assert np.array_equal(cached, self.tree.num_cached), (cached, self.tree.num_cached)
+        counted = np.stack([self.tree.cached_pages(lv) for lv in CacheLevel])
+        assert np.array_equal(cached, counted), (cached, counted)
+        for n in self.tree.nodes.values():
+            assert n.whole == bool((n.slots >= 0).all()), n
         pending = np.zeros(G, np.int64)
         for _, slots in self._pending:
             pending += np.count_nonzero(slots >= 0, axis=1)

@@ -12,7 +12,7 @@ drops its whole subtree (nothing below it is reachable any more).
 Unreferenced nodes are *cached*: they sit in one LRU per cache level (``OrderedDict``, oldest
 first) and are the only eviction candidates. A node may lack the page of some layer group
 (``slots[g] == NO_PAGE``: a sliding-window page released once no holder's window covered it);
-:attr:`PrefixTree.num_cached` counts the pages cached nodes do have, per level and layer group.
+:meth:`PrefixTree.cached_pages` counts the pages cached nodes do have, per level and layer group.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class BlockNode:
     the manager keeps it, ``None`` without such groups)."""
 
     __slots__ = ("key", "parent", "tokens", "level", "slots", "refcount", "children", "alive",
-                 "need")
+                 "need", "whole")
 
     def __init__(self, key: bytes, parent: BlockNode | None, tokens: bytes,
                  level: CacheLevel, slots: np.ndarray) -> None:
@@ -81,6 +81,7 @@ class BlockNode:
         self.children: dict[bytes, BlockNode] = {}
         self.alive = True
         self.need: list[int] | None = None
+        self.whole = True  # a page in every layer group (kept by PrefixTree.move / set_page)
 
     def __repr__(self) -> str:
         return (f"BlockNode({self.key[:4].hex()}, level={self.level.name}, "
@@ -94,18 +95,30 @@ class PrefixTree:
         self.hash_fn: HashFn = hash_fn or _sha256
         self.nodes: dict[bytes, BlockNode] = {}
         self.roots: dict[bytes, BlockNode] = {}
-        # NOTE: lru[level] holds exactly the nodes at `level` with refcount 0, oldest first;
-        # num_cached[level, g] counts their pages of layer group g (slots[g] != NO_PAGE).
+        # NOTE: lru[level] holds exactly the nodes at `level` with refcount 0, oldest first.
+        # Their pages per layer group: _num_whole[level] (nodes with every page, the common
+        # case, counted without numpy) + _partial[level, g].
         self.lru: list[OrderedDict[int, BlockNode]] = [OrderedDict() for _ in CacheLevel]
-        self.num_cached = np.zeros((len(CacheLevel), num_groups), np.int64)
+        self._num_whole = [0] * len(CacheLevel)
+        self._partial = np.zeros((len(CacheLevel), num_groups), np.int64)
+
+    def cached_pages(self, level: CacheLevel) -> np.ndarray:
+        """Pages of cached nodes at ``level`` per layer group (a new array)."""
+        return self._partial[level] + self._num_whole[level]
 
     def _cache(self, node: BlockNode) -> None:
         self.lru[node.level][id(node)] = node
-        self.num_cached[node.level] += node.slots >= 0
+        if node.whole:
+            self._num_whole[node.level] += 1
+        else:
+            self._partial[node.level] += node.slots >= 0
 
     def _uncache(self, node: BlockNode) -> None:
         del self.lru[node.level][id(node)]
-        self.num_cached[node.level] -= node.slots >= 0
+        if node.whole:
+            self._num_whole[node.level] -= 1
+        else:
+            self._partial[node.level] -= node.slots >= 0
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -157,13 +170,22 @@ class PrefixTree:
             self._cache(node)
 
     def move(self, node: BlockNode, level: CacheLevel, slots: np.ndarray) -> None:
-        """Records a migration of ``node`` (or, at the same level, a change of its slots)."""
+        """Records a migration of ``node`` (``slots``: its pages at ``level``, or NO_PAGE)."""
         if node.refcount == 0:
             self._uncache(node)
         node.level = level
         node.slots = slots
+        node.whole = bool((slots >= 0).all())
         if node.refcount == 0:
             self._cache(node)
+
+    def set_page(self, node: BlockNode, group: int, slot: int) -> None:
+        """Gives a referenced ``node`` another page of one layer group (or NO_PAGE), at its
+        level (a released or a donated window page)."""
+        if node.refcount == 0:
+            raise RuntimeError(f"set_page of cached {node!r}")
+        node.slots[group] = slot
+        node.whole = bool((node.slots >= 0).all())
 
     def lru_nodes(self, level: CacheLevel, n: int,
                   groups: np.ndarray | None = None) -> list[BlockNode]:
