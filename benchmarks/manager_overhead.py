@@ -6,6 +6,10 @@ back: no device step), then decode steps of one new token id per sequence. Per s
 pools: this measures bookkeeping, not a model). Median over many steps; prefix reuse on (every
 ``tokens_per_page``-th step commits one page per sequence, which is included).
 
+The third row per size adds a second layer group with a 512-token sliding window: pages leave
+its window as the sequences decode and are released (one page per sequence every
+``tokens_per_page`` steps, as commits are).
+
 Usage: ``JAX_PLATFORMS=cpu python benchmarks/manager_overhead.py [--steps 400] [--sizes 64 256 1024]``
 Target (issue 4): <= 300 us per step at 256 sequences.
 """
@@ -26,11 +30,14 @@ TPP = 16
 CONTEXT = 1024
 
 
-def run(num_seqs: int, steps: int, *, ids: bool = True, prefix: bool = True) -> dict:
+def run(num_seqs: int, steps: int, *, ids: bool = True, prefix: bool = True,
+        window: int | None = None) -> dict:
     max_len = CONTEXT + steps + TPP
     pages = num_seqs * (-(-max_len // TPP)) + 16
-    cfg = KVCacheConfig(tokens_per_page=TPP,
-                        layer_groups=(LayerGroupConfig(1, 1, 8, jnp.float32),),
+    groups = (LayerGroupConfig(1, 1, 8, jnp.float32),)
+    if window:
+        groups += (LayerGroupConfig(1, 1, 8, jnp.float32, sliding_window=window),)
+    cfg = KVCacheConfig(tokens_per_page=TPP, layer_groups=groups,
                         device_pages=pages, enable_prefix_reuse=prefix, max_batch=num_seqs,
                         max_tokens_per_step=max(num_seqs, 4096), max_seq_len=2048)
     mgr = KVCacheManager(cfg, device=jax.devices("cpu")[0])
@@ -67,9 +74,11 @@ def main() -> None:
     print("| sequences | work | median us | p90 us | mean us |")
     print("|---:|---|---:|---:|---:|")
     for n in args.sizes:
-        for ids, prefix, label in ((True, True, "token ids, prefix reuse on"),
-                                   (False, False, "counts, prefix reuse off")):
-            r = run(n, args.steps, ids=ids, prefix=prefix)
+        for ids, prefix, window, label in (
+                (True, True, None, "token ids, prefix reuse on"),
+                (False, False, None, "counts, prefix reuse off"),
+                (True, True, 512, "token ids, prefix reuse on, + a window-512 group")):
+            r = run(n, args.steps, ids=ids, prefix=prefix, window=window)
             print(f"| {n} | {label} | {r['median_us']:.0f} | {r['p90_us']:.0f} | "
                   f"{r['mean_us']:.0f} |", flush=True)
 

@@ -10,7 +10,9 @@ prefix chain). So an unreferenced node has only unreferenced descendants, and dr
 drops its whole subtree (nothing below it is reachable any more).
 
 Unreferenced nodes are *cached*: they sit in one LRU per cache level (``OrderedDict``, oldest
-first) and are the only eviction candidates.
+first) and are the only eviction candidates. A node may lack the page of some layer group
+(``slots[g] == NO_PAGE``: a sliding-window page released once no holder's window covered it);
+:meth:`PrefixTree.cached_pages` counts the pages cached nodes do have, per level and layer group.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import numpy as np
 
 from jax_kvcm._types import CacheLevel
 
-__all__ = ["BlockNode", "PrefixTree", "block_key", "salt_bytes", "token_bytes"]
+__all__ = ["NO_PAGE", "BlockNode", "PrefixTree", "block_key", "salt_bytes", "token_bytes"]
+
+NO_PAGE = -1  # in a node's (or any [G, n] slot array's) entry: that layer group has no page
 
 HashFn = Callable[[bytes], bytes]
 
@@ -59,9 +63,12 @@ def block_key(parent_key: bytes, tokens: np.ndarray | bytes, salt: bytes,
 
 
 class BlockNode:
-    """One committed page. ``slots[g]`` is its slot of layer group ``g`` at ``level``."""
+    """One committed page. ``slots[g]`` is its slot of layer group ``g`` at ``level`` (or
+    ``NO_PAGE``); ``need[g]``: how many holders' windows still cover it (sliding-window groups;
+    the manager keeps it, ``None`` without such groups)."""
 
-    __slots__ = ("key", "parent", "tokens", "level", "slots", "refcount", "children", "alive")
+    __slots__ = ("key", "parent", "tokens", "level", "slots", "refcount", "children", "alive",
+                 "need", "whole")
 
     def __init__(self, key: bytes, parent: BlockNode | None, tokens: bytes,
                  level: CacheLevel, slots: np.ndarray) -> None:
@@ -73,6 +80,8 @@ class BlockNode:
         self.refcount = 0
         self.children: dict[bytes, BlockNode] = {}
         self.alive = True
+        self.need: list[int] | None = None
+        self.whole = True  # a page in every layer group (kept by PrefixTree.move / set_page)
 
     def __repr__(self) -> str:
         return (f"BlockNode({self.key[:4].hex()}, level={self.level.name}, "
@@ -82,12 +91,34 @@ class BlockNode:
 class PrefixTree:
     """Committed pages by block key; reference counts; per-level LRUs of cached pages."""
 
-    def __init__(self, hash_fn: HashFn | None = None) -> None:
+    def __init__(self, hash_fn: HashFn | None = None, num_groups: int = 1) -> None:
         self.hash_fn: HashFn = hash_fn or _sha256
         self.nodes: dict[bytes, BlockNode] = {}
         self.roots: dict[bytes, BlockNode] = {}
         # NOTE: lru[level] holds exactly the nodes at `level` with refcount 0, oldest first.
+        # Their pages per layer group: _num_whole[level] (nodes with every page, the common
+        # case, counted without numpy) + _partial[level, g].
         self.lru: list[OrderedDict[int, BlockNode]] = [OrderedDict() for _ in CacheLevel]
+        self._num_whole = [0] * len(CacheLevel)
+        self._partial = np.zeros((len(CacheLevel), num_groups), np.int64)
+
+    def cached_pages(self, level: CacheLevel) -> np.ndarray:
+        """Pages of cached nodes at ``level`` per layer group (a new array)."""
+        return self._partial[level] + self._num_whole[level]
+
+    def _cache(self, node: BlockNode) -> None:
+        self.lru[node.level][id(node)] = node
+        if node.whole:
+            self._num_whole[node.level] += 1
+        else:
+            self._partial[node.level] += node.slots >= 0
+
+    def _uncache(self, node: BlockNode) -> None:
+        del self.lru[node.level][id(node)]
+        if node.whole:
+            self._num_whole[node.level] -= 1
+        else:
+            self._partial[node.level] -= node.slots >= 0
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -128,7 +159,7 @@ class PrefixTree:
 
     def incref(self, node: BlockNode) -> None:
         if node.refcount == 0:
-            del self.lru[node.level][id(node)]
+            self._uncache(node)
         node.refcount += 1
 
     def decref(self, node: BlockNode) -> None:
@@ -136,23 +167,36 @@ class PrefixTree:
             raise RuntimeError(f"decref of unreferenced {node!r}")
         node.refcount -= 1
         if node.refcount == 0:
-            self.lru[node.level][id(node)] = node
+            self._cache(node)
 
     def move(self, node: BlockNode, level: CacheLevel, slots: np.ndarray) -> None:
-        """Records a migration of ``node``."""
+        """Records a migration of ``node`` (``slots``: its pages at ``level``, or NO_PAGE)."""
         if node.refcount == 0:
-            del self.lru[node.level][id(node)]
-            self.lru[level][id(node)] = node
+            self._uncache(node)
         node.level = level
         node.slots = slots
+        node.whole = bool((slots >= 0).all())
+        if node.refcount == 0:
+            self._cache(node)
 
-    def lru_nodes(self, level: CacheLevel, n: int) -> list[BlockNode]:
-        """Up to ``n`` least recently released cached nodes at ``level``."""
+    def set_page(self, node: BlockNode, group: int, slot: int) -> None:
+        """Gives a referenced ``node`` another page of one layer group (or NO_PAGE), at its
+        level (a released or a donated window page)."""
+        if node.refcount == 0:
+            raise RuntimeError(f"set_page of cached {node!r}")
+        node.slots[group] = slot
+        node.whole = bool((node.slots >= 0).all())
+
+    def lru_nodes(self, level: CacheLevel, n: int,
+                  groups: np.ndarray | None = None) -> list[BlockNode]:
+        """Up to ``n`` least recently released cached nodes at ``level`` (with ``groups``, a
+        bool ``[G]`` mask: only nodes having a page of one of those layer groups)."""
         out = []
         for node in self.lru[level].values():
             if len(out) >= n:
                 break
-            out.append(node)
+            if groups is None or (groups & (node.slots >= 0)).any():
+                out.append(node)
         return out
 
     def subtree(self, node: BlockNode) -> Iterator[BlockNode]:
@@ -172,6 +216,6 @@ class PrefixTree:
         del siblings[node.key]
         for n in removed:
             del self.nodes[n.key]
-            del self.lru[n.level][id(n)]
+            self._uncache(n)
             n.alive = False
         return removed

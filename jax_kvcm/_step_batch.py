@@ -10,6 +10,13 @@ tokens_per_page)``, ``G`` the number of layer groups when > 1):
 - ``slot_mapping`` ``[T]`` (``[G, T]``): flat slot ``page * tokens_per_page + offset``, padding -1;
 - ``positions``    ``[T]``: position of each new token in its sequence (padding 0).
 
+Layer groups own their pages, so with ``G > 1`` the page table and slot mapping have a leading
+group axis: group ``g``'s ``write_kv`` takes ``slot_mapping[g]`` and its attention
+``page_table[g]`` (with its own pools and ``sliding_window``); token counts, lengths and positions
+are the same for every group. In a sliding-window group, entries of pages wholly before the
+window of every query of the row are 0 (the manager released them); the attention ops never read
+keys outside the window, so those entries are never dereferenced for data.
+
 NOTE: every field is a data field (no static metadata), so the pytree structure never changes and
 a jitted step compiles once per (B, T) bucket.
 """

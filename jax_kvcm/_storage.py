@@ -17,6 +17,8 @@ Every migration is one transaction (DESIGN.md §3):
 A failure in steps 1-3 releases what the call allocated, leaves the source pages intact and
 retryable, and returns the governor ledger, free counts and stats to their values before the call.
 Allocation failure (budget or slots) is returned as ``None``; I/O failures and corrupt pages raise.
+:meth:`StorageManager.migrate_many` runs several moves (layer groups, chunks, paths) as one such
+transaction: all destinations first, all submissions, then all ownership transfers.
 
 NOTE: device work is ordered by XLA's stream (every encode/decode takes the pools as operands), so
 fences only guard host-side accesses: the staging ring, host slots read by disk writes, host slots
@@ -415,46 +417,91 @@ class StorageManager:
         """Moves pages of layer group ``lg`` from ``src_level`` to ``dst_level``; returns the
         destination slots (``dst[i]`` holds ``src_slots[i]``), or ``None`` when the destination
         cannot take them (nothing changed). The source slots are released on success."""
+        out = self.migrate_many([(lg, src_level, src_slots, dst_level)])
+        return None if out is None else out[0]
+
+    def migrate_many(self, moves: Sequence[tuple[int, CacheLevel, np.ndarray, CacheLevel]]
+                     ) -> list[np.ndarray] | None:
+        """Several migrations ``(lg, src_level, src_slots [n], dst_level)`` as *one* transaction:
+        every destination is reserved and allocated before anything is submitted; any refusal
+        returns ``None`` and any failure (I/O error, corrupt page) raises, and then nothing
+        changed (ledger, peaks, free counts, stats, events; the sources are intact). On success
+        returns the destination slots of each move, in order, and releases every source."""
         self._check_open()
-        src_level, dst_level = CacheLevel(src_level), CacheLevel(dst_level)
-        src = np.ascontiguousarray(src_slots, np.int32).reshape(-1)
-        if not self.has_level(dst_level) or not self.has_level(src_level):
-            raise ValueError(f"no {src_level.name} -> {dst_level.name} path in this configuration")
-        if not 0 <= lg < len(self.specs):
-            raise ValueError(f"layer group {lg} does not exist")
-        src_alloc = self.allocator(src_level, lg)
-        if src.size == 0:
-            return np.zeros(0, np.int32)
-        if np.unique(src).size != src.size or not _all_allocated(src_alloc, src):
-            raise ValueError(f"src_slots {src.tolist()} are not distinct allocated "
-                             f"{src_level.name} slots of layer group {lg}")
-        nbytes = src.size * self.page_bytes(dst_level, lg)
+        plan = []
+        for lg, src_level, src_slots, dst_level in moves:
+            src_level, dst_level = CacheLevel(src_level), CacheLevel(dst_level)
+            src = np.ascontiguousarray(src_slots, np.int32).reshape(-1)
+            if not self.has_level(dst_level) or not self.has_level(src_level):
+                raise ValueError(f"no {src_level.name} -> {dst_level.name} path in this "
+                                 "configuration")
+            if not 0 <= lg < len(self.specs):
+                raise ValueError(f"layer group {lg} does not exist")
+            if src.size and (np.unique(src).size != src.size
+                             or not _all_allocated(self.allocator(src_level, lg), src)):
+                raise ValueError(f"src_slots {src.tolist()} are not distinct allocated "
+                                 f"{src_level.name} slots of layer group {lg}")
+            plan.append((lg, src_level, src, dst_level))
+        by_pool: dict[tuple[int, int], list[np.ndarray]] = {}
+        for lg, src_level, src, _ in plan:
+            by_pool.setdefault((src_level, id(self.allocator(src_level, lg))), []).append(src)
+        for (level, _), arrays in by_pool.items():
+            if len(arrays) > 1:
+                allsrc = np.concatenate(arrays)
+                if np.unique(allsrc).size != allsrc.size:
+                    raise ValueError(f"src_slots: a {CacheLevel(level).name} slot is moved twice")
         # 1. Reserve and allocate every destination first.
-        lease = self._reserve(dst_level, nbytes)
-        if lease is None:
-            return None
-        dst = self.allocator(dst_level, lg).allocate(src.size)
-        if dst is None:
-            lease.release()
-            return None
+        taken: list[tuple[Lease | None, np.ndarray | None]] = []
+
+        def unwind() -> None:
+            for (lg, _, _, dst_level), (lease, dst) in zip(plan, taken):
+                if dst is not None and dst.size:
+                    self.allocator(dst_level, lg).free(dst)
+                if lease is not None:
+                    lease.release()
+
+        for lg, _, src, dst_level in plan:
+            if src.size == 0:
+                taken.append((None, np.zeros(0, np.int32)))
+                continue
+            lease = self._reserve(dst_level, src.size * self.page_bytes(dst_level, lg))
+            if lease is None:
+                unwind()
+                return None
+            dst = self.allocator(dst_level, lg).allocate(src.size)
+            taken.append((lease, dst))
+            if dst is None:
+                unwind()
+                return None
+        # 2-3. Submit everything; staging charges are replayed only once all of it succeeded.
+        staged: list[int] = []
         try:
-            self._hook("submit")
-            self._transfer(lg, src_level, src, dst_level, dst)  # 2-3
+            for (lg, src_level, src, dst_level), (_, dst) in zip(plan, taken):
+                if src.size:
+                    self._hook("submit")
+                    self._transfer(lg, src_level, src, dst_level, dst, staged)
         except BaseException:
-            self.allocator(dst_level, lg).free(dst)
-            lease.release()
+            unwind()
             raise
+        for nbytes in staged:  # NOTE: the same usage as when each ran: peaks come out equal
+            charge = self.governor.reserve(CacheLevel.HOST, nbytes, transient=True)
+            charge.commit()
+            charge.release()
         # 4-5. Ownership moves; the source slots are released.
-        lease.commit()
-        self._stats.num_migrations += 1
-        self._stats.num_pages_migrated += src.size
-        self._stats.bytes_migrated += nbytes
-        self._emit(StorageEvent("migrated", lg, dst_level, dst, src_level, src))
-        self.free(src_level, lg, src)
-        return dst
+        for (lg, src_level, src, dst_level), (lease, dst) in zip(plan, taken):
+            if lease is None:
+                continue
+            lease.commit()
+            self._stats.num_migrations += 1
+            self._stats.num_pages_migrated += src.size
+            self._stats.bytes_migrated += src.size * self.page_bytes(dst_level, lg)
+            self._emit(StorageEvent("migrated", lg, dst_level, dst, src_level, src))
+            self.free(src_level, lg, src)
+        return [dst for _, dst in taken]
 
     def _transfer(self, lg: int, src_level: CacheLevel, src: np.ndarray, dst_level: CacheLevel,
-                  dst: np.ndarray) -> None:
+                  dst: np.ndarray, staged: list[int]) -> None:
+        """Submits one move (steps 2-3); disk hops append their staging bytes to ``staged``."""
         D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
         path = (src_level, dst_level)
         if path == (D, H):
@@ -470,9 +517,9 @@ class StorageManager:
             self._host_fences[g][src] = self._decode(lg, src, dst, pool.device_address,
                                                      pool.num_slots)
         elif path == (D, K):
-            self._device_to_disk(lg, src, dst)
+            self._device_to_disk(lg, src, dst, staged)
         elif path == (K, D):
-            self._disk_to_device(lg, src, dst)
+            self._disk_to_device(lg, src, dst, staged)
         elif path == (H, K):
             g = self.cold_group_of[lg]
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
@@ -496,7 +543,7 @@ class StorageManager:
             view[dst] = view[src]
         else:  # (K, K): through the staging ring
             pool = self.disk_pools[self.cold_group_of[lg]]
-            with self._staging(lg, src.size) as (address, _):
+            with self._staging(lg, src.size, staged) as (address, _):
                 self._hook("disk_read")
                 ok = pool.read(src, address)
                 if not ok.all():
@@ -504,9 +551,10 @@ class StorageManager:
                 self._hook("disk_write")
                 pool.write(dst, address)
 
-    def _device_to_disk(self, lg: int, src: np.ndarray, dst: np.ndarray) -> None:
+    def _device_to_disk(self, lg: int, src: np.ndarray, dst: np.ndarray,
+                        staged: list[int]) -> None:
         pool = self.disk_pools[self.cold_group_of[lg]]
-        scope = self._staging(lg, src.size)
+        scope = self._staging(lg, src.size, staged)
         with scope as (address, lease_box):
             window_address, window_slots, num_cold = scope.codec_window()
             fence = self._encode(lg, src, window_slots, window_address, num_cold)
@@ -515,9 +563,10 @@ class StorageManager:
             self._hook("disk_write")
             pool.write(dst, address)
 
-    def _disk_to_device(self, lg: int, src: np.ndarray, dst: np.ndarray) -> None:
+    def _disk_to_device(self, lg: int, src: np.ndarray, dst: np.ndarray,
+                        staged: list[int]) -> None:
         pool = self.disk_pools[self.cold_group_of[lg]]
-        scope = self._staging(lg, src.size)
+        scope = self._staging(lg, src.size, staged)
         with scope as (address, lease_box):
             self._hook("disk_read")
             ok = pool.read(src, address)
@@ -619,10 +668,12 @@ class StorageManager:
 
     class _StagingScope:
         """A staging-ring lease for ``num_pages`` cold pages of ``lg``, charged as transient
-        HOST bytes; the body stores the fence of its last use of the bytes in ``box[0]``."""
+        HOST bytes; the body stores the fence of its last use of the bytes in ``box[0]``. On
+        success the charged bytes are appended to ``staged`` (the transaction records them)."""
 
-        def __init__(self, manager: StorageManager, lg: int, num_pages: int) -> None:
-            self.m, self.lg, self.n = manager, lg, num_pages
+        def __init__(self, manager: StorageManager, lg: int, num_pages: int,
+                     staged: list[int]) -> None:
+            self.m, self.lg, self.n, self.staged = manager, lg, num_pages, staged
             self.lease = None
             self.charge: Lease | None = None
             self.box: list[Any] = [None]
@@ -657,16 +708,17 @@ class StorageManager:
 
         def __exit__(self, exc_type: Any, *exc: Any) -> None:
             self.m._ring.release(self.lease, self.box[0])
-            # NOTE: the charge stays PENDING while in use, so a failed migration rolls it back
-            # exactly (peaks included); a successful one records its transient peak.
+            # NOTE: the charge stays PENDING while in use and is always rolled back exactly here
+            # (peaks included); a transaction that succeeds as a whole replays it (migrate_many).
             if exc_type is None:
-                self.charge.commit()
+                self.staged.append(self.charge.nbytes)
             self.charge.release()
 
-    def _staging(self, lg: int, num_pages: int) -> StorageManager._StagingScope:
+    def _staging(self, lg: int, num_pages: int,
+                 staged: list[int]) -> StorageManager._StagingScope:
         if self._ring is None:
             raise ValueError("no staging ring: there is no disk tier")
-        return StorageManager._StagingScope(self, lg, num_pages)
+        return StorageManager._StagingScope(self, lg, num_pages, staged)
 
     def _reserve(self, level: CacheLevel, nbytes: int, *, transient: bool = False) -> Lease | None:
         self._hook("reserve")

@@ -31,9 +31,16 @@ TPP = 4
 
 
 def tiny_config(*, device_pages=12, host_pages=0, disk_dir=None, disk_pages=0, groups=1,
-                prefix=True, max_batch=4, max_tokens=32, max_seq_len=64) -> KVCacheConfig:
-    lgs = tuple(LayerGroupConfig(num_layers=1 + (g % 2), num_kv_heads=1 + (g % 2), head_dim=8,
-                                 dtype=jnp.float32) for g in range(groups))
+                prefix=True, max_batch=4, max_tokens=32, max_seq_len=64, windows=None,
+                same_layout=False) -> KVCacheConfig:
+    """``windows``: a sliding window (or None) per layer group; ``same_layout``: every group
+    1 layer x 1 kv head (then their cold pages are equal and share one cold pool)."""
+    windows = windows or (None,) * groups
+    groups = len(windows)
+    lgs = tuple(LayerGroupConfig(num_layers=1 + (g % 2) * (not same_layout),
+                                 num_kv_heads=1 + (g % 2) * (not same_layout), head_dim=8,
+                                 dtype=jnp.float32, sliding_window=w)
+                for g, w in enumerate(windows))
     # Cold pages of the default codec are a little larger than hot ones: size by hot bytes + 25%.
     hot = sum(2 * g.num_layers * TPP * g.num_kv_heads * g.head_dim * 4 for g in lgs)
     return KVCacheConfig(tokens_per_page=TPP, layer_groups=lgs, device_pages=device_pages,
@@ -94,7 +101,12 @@ class Harness:
     def run(self, work, as_ids=None):
         """work: [(seq, n)]; prompt tokens first, then new random tokens (passed as ids when
         ``as_ids`` says so, else as counts the manager does not know)."""
-        mgr, cfg = self.mgr, self.mgr.config
+        batch, spans = self.prepare(work, as_ids)
+        self.mgr.complete_step(self.write(batch, spans))
+        return batch
+
+    def prepare(self, work, as_ids=None):
+        """``prepare_step`` for ``work`` (see :meth:`run`); returns (batch, spans)."""
         items, spans = [], []
         for i, (seq, n) in enumerate(work):
             toks = self.tokens[seq.seq_id]
@@ -104,7 +116,11 @@ class Harness:
             ids = as_ids[i] if as_ids is not None else bool(self.rng.integers(0, 2))
             items.append((seq, np.asarray(toks[start:start + n], np.int32) if ids else n))
             spans.append((seq.seq_id, start, n))
-        batch = mgr.prepare_step(items)
+        return self.mgr.prepare_step(items), spans
+
+    def write(self, batch, spans):
+        """The fake model's write_kv of the new tokens; returns the new caches."""
+        mgr, cfg = self.mgr, self.mgr.config
         vals = []
         Tb = batch.positions.shape[0]
         for lg in cfg.layer_groups:
@@ -116,9 +132,7 @@ class Harness:
                                                      lg.num_layers, lg.num_kv_heads, lg.head_dim)
                 t += n
             vals.append(jnp.asarray(val))
-        caches = fake_step(mgr.caches, batch, vals)
-        mgr.complete_step(caches)
-        return batch
+        return fake_step(mgr.caches, batch, vals)
 
     def check_values(self) -> int:
         mgr = self.mgr
@@ -131,11 +145,15 @@ class Harness:
             if n == 0:
                 continue
             toks = self.tokens[seq.seq_id][:n]
-            pos = np.arange(n)
             for g, lg in enumerate(mgr.config.layer_groups):
+                pos = np.arange(n)
                 pages = seq.page_ids(g)
+                if lg.sliding_window:  # pages outside every future query's window: released
+                    first = max(0, (n + 1 - lg.sliding_window) // TPP)
+                    assert (pages[:first] == 0).all() and (pages[first:] > 0).all(), pages
+                    pos = pos[first * TPP:]
                 slots = pages[pos // TPP] * TPP + pos % TPP
-                want = expected_values(prefix_hashes(toks), pos, lg.num_layers,
+                want = expected_values(prefix_hashes(toks)[pos], pos, lg.num_layers,
                                        lg.num_kv_heads, lg.head_dim)
                 k, v = pools[g]
                 for kv, arr in enumerate((k, v)):
@@ -150,6 +168,32 @@ class Harness:
     def check(self) -> None:
         self.mgr.check_invariants()
         self.check_values()
+
+
+class NotReadyFence:
+    """Stands for the output array of a step that has not finished until waited on."""
+
+    def __init__(self) -> None:
+        self.ready = False
+
+    def is_deleted(self) -> bool:
+        return False
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def block_until_ready(self) -> None:
+        self.ready = True
+
+
+def flip_disk_bit(h: Harness, slot: int) -> None:
+    """Corrupts one byte of disk slot ``slot`` (layer group 0's pool): its checksum fails."""
+    pool = h.mgr.storage.disk_pools[0]
+    with open(pool.path, "r+b") as f:
+        f.seek(int(slot) * pool.slot_bytes + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
 
 
 @pytest.fixture
@@ -355,27 +399,31 @@ def test_eviction_cascades_and_onboards(tiers, diskdir):
     assert total > 0
 
 
+def test_onboarding_a_chain_with_device_pages_after_a_host_one():
+    """A prefix whose first page was suspended to host with the sequence holding it, and whose
+    second page stayed cached on the device: the hit brings the first back, keeps the second."""
+    h = make(tiny_config(host_pages=4))
+    a = h.add(list(range(1, 9)))
+    h.run([(a, 8)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add([1, 2, 3, 4, 0])
+    assert b.num_reused_tokens == 4
+    assert h.mgr.suspend(b) is SuspendResult.SUSPENDED
+    c = h.add(list(range(1, 9)) + [0])
+    assert c.num_reused_tokens == 8 and all(n.level is D for n in c._nodes)
+    h.check()
+    h.run([(c, 1)])
+    assert h.mgr.resume(b)
+    h.check()
+
+
 def test_freed_pages_wait_for_the_last_step_fence():
     h = make(tiny_config(device_pages=4, prefix=False))
     a = h.add(list(range(16)))
     h.run([(a, 16)])
     mgr = h.mgr
     fence = mgr._fence
-
-    class NotReady:  # the step that last read a's pages has "not finished"
-        def __init__(self):
-            self.ready = False
-
-        def is_deleted(self):
-            return False
-
-        def is_ready(self):
-            return self.ready
-
-        def block_until_ready(self):
-            self.ready = True
-
-    mgr._fence = NotReady()
+    mgr._fence = NotReadyFence()  # the step that last read a's pages has "not finished"
     mgr._ready_upto = 0
     mgr.close(a)
     assert mgr.stats()["pages"]["device"]["pending"] == 4
@@ -384,6 +432,23 @@ def test_freed_pages_wait_for_the_last_step_fence():
     assert mgr.stats()["pages"]["device"]["pending"] == 4  # not ready: not reclaimed
     h.run([(b, 3)])  # nothing else is free: blocks on the fence, then reuses
     assert mgr._stats.num_fence_waits == 1 and mgr._fence is not fence
+    h.check()
+
+
+def test_fence_donated_into_a_migration_still_tells():
+    """The latest step's fence array was donated into a later migration (a decode donates the
+    pools): the pending frees must still come back, through the pools that migration made."""
+    h = make(tiny_config(device_pages=4, prefix=False))
+    a = h.add(list(range(16)))
+    h.run([(a, 16)])
+    mgr = h.mgr
+    donated = jnp.zeros(1)
+    donated.delete()
+    mgr._fence, mgr._ready_upto = donated, 0
+    mgr.close(a)
+    assert mgr.stats()["pages"]["device"]["pending"] == 4
+    b = h.add([1, 2, 3])
+    h.run([(b, 3)])  # every page is pending behind the donated fence
     h.check()
 
 
@@ -468,12 +533,7 @@ def test_corrupt_disk_page_on_resume_leaves_it_suspended(diskdir):
     h.run([(a, 12)])
     assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
     lv, parked = a._parked
-    pool = h.mgr.storage.disk_pools[0]
-    with open(pool.path, "r+b") as f:
-        f.seek(int(parked[0, -1]) * pool.slot_bytes + 5)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_disk_bit(h, parked[0, -1])
     free = h.mgr.stats()["pages"]["device"]["free"]
     with pytest.raises(CorruptPageError):
         h.mgr.resume(a)
@@ -481,6 +541,56 @@ def test_corrupt_disk_page_on_resume_leaves_it_suspended(diskdir):
     assert h.mgr.stats()["pages"]["device"]["free"] == free
     h.check()
     h.mgr.close(a)  # drop and recompute
+    h.check()
+
+
+def test_resume_is_all_or_nothing(diskdir):
+    """A sequence parked on disk with its own committed pages (two moves back: the nodes, then
+    the private page). The private page fails its checksum after the nodes came back: resume
+    raises and leaves everything exactly as before (nodes still on disk, ledger, free counts)."""
+    from jax_kvcm._storage import CorruptPageError
+    h = make(tiny_config(device_pages=10, disk_dir=diskdir, disk_pages=10))
+    a = h.add(list(range(13)))
+    h.run([(a, 13)], as_ids=[True])
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    lv, parked = a._parked
+    assert lv is K and len(a._nodes) == 3 and all(n.level is K for n in a._nodes)
+    flip_disk_bit(h, parked[0, -1])
+    st = h.mgr.storage
+    before = (st.governor.ledger(), [st.num_free(lv_, 0) for lv_ in (D, K)],
+              [n.slots.copy() for n in a._nodes], parked.copy(), st.stats())
+    with pytest.raises(CorruptPageError):
+        h.mgr.resume(a)
+    assert a.state is SequenceState.SUSPENDED and all(n.level is K for n in a._nodes)
+    after = (st.governor.ledger(), [st.num_free(lv_, 0) for lv_ in (D, K)],
+             [n.slots.copy() for n in a._nodes], a._parked[1].copy(), st.stats())
+    assert repr(after) == repr(before)
+    h.check()
+    h.mgr.close(a)  # drop and recompute: the good nodes stay cached on disk
+    h.check()
+    c = h.add(list(range(13)))
+    assert c.num_reused_tokens == 12
+    h.run([(c, 1)])
+    h.check()
+
+
+def test_resume_refusal_changes_nothing(diskdir):
+    """Not enough device room even after evicting every cached page: resume refuses before
+    evicting anything (cached pages stay where they were)."""
+    h = make(tiny_config(device_pages=8, host_pages=8))
+    a = h.add(list(range(100, 113)))
+    h.run([(a, 13)], as_ids=[True])
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED  # 4 pages parked on host
+    c = h.add(list(range(9)))
+    h.run([(c, 9)], as_ids=[True])
+    h.mgr.close(c)                                       # 2 cached device pages
+    b = h.add(list(range(50, 70)))
+    h.run([(b, 20)])                                     # 5 private pages: 1 free + 2 cached
+    st = h.mgr.storage
+    before = (st.governor.ledger(), h.mgr.stats()["pages"], st.stats())
+    assert h.mgr.resume(a) is False and a.state is SequenceState.SUSPENDED
+    after = (st.governor.ledger(), h.mgr.stats()["pages"], st.stats())
+    assert after[0] == before[0] and after[1] == before[1] and after[2] == before[2]
     h.check()
 
 
@@ -496,16 +606,42 @@ def test_corrupt_disk_hit_is_a_miss_and_is_dropped(diskdir):
     assert len(nodes) >= 2
     first = h.mgr.tree.match(np.arange(9, dtype=np.int32), b"", TPP, 2)[0]
     assert first.level is K
-    pool = h.mgr.storage.disk_pools[0]
-    with open(pool.path, "r+b") as f:
-        f.seek(int(first.slots[0]) * pool.slot_bytes + 5)
-        x = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([x[0] ^ 0x10]))
+    flip_disk_bit(h, first.slots[0])
     c = h.add(list(range(9)))
     assert c.num_reused_tokens == 0 and not first.alive
     h.check()
     h.run([(c, 9)], as_ids=[True])
+    h.check()
+
+
+def test_io_error_while_onboarding_gives_back_every_reference(diskdir):
+    """A disk read fails with an I/O error while a prefix hit is brought back: add_sequence
+    raises, the hit's pages did not move and no reference is left behind (cached pages evicted
+    to make room stay evicted: a failure is not a refusal); the retry succeeds."""
+    h = make(tiny_config(device_pages=4, disk_dir=diskdir, disk_pages=10, windows=(None, 6)))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(50, 66)))
+    h.run([(b, 16)])  # pushes a's two cached pages to disk
+    h.mgr.close(b)
+    hit = h.mgr.tree.match(np.arange(9, dtype=np.int32), b"", TPP, 2)
+    before = [(n.level, n.slots.tolist(), n.refcount) for n in hit]
+    assert [lv for lv, _, _ in before] == [K, K]
+
+    def hook(point):
+        if point == "disk_read":
+            raise OSError(5, "injected")
+    h.mgr.storage._fault_hook = hook
+    with pytest.raises(OSError):
+        h.add(list(range(9)))
+    h.mgr.storage._fault_hook = None
+    assert [(n.level, n.slots.tolist(), n.refcount) for n in hit] == before
+    assert len(h.mgr._seqs) == 0
+    h.check()
+    c = h.add(list(range(9)))
+    assert c.num_reused_tokens == 8
+    h.run([(c, 1)])
     h.check()
 
 
@@ -539,6 +675,76 @@ def test_device_exhaustion_is_typed_and_changes_nothing():
     h.check()
 
 
+def _state(h):
+    """Everything a refusal must leave alone: ledger (peaks too), page counts, storage and
+    manager stats, and where every committed page is (LRU order included)."""
+    m = h.mgr
+    st = m.stats()
+    nodes = [(n.key, n.level, n.slots.tolist(), n.refcount) for n in m.tree.nodes.values()]
+    lru = [[n.key for n in m.tree.lru[lv].values()] for lv in CacheLevel]
+    return repr((m.storage.governor.ledger(), st.get("pages_per_pool", st["pages"]), st["storage"],
+                 st["num_evicted_pages"], st["num_dropped_pages"], nodes, lru))
+
+
+def test_refused_step_evicts_nothing():
+    """Cached pages that could move to host do not, when even evicting all of them (and waiting
+    for every pending free) would not make room: the refusal happens before eviction."""
+    h = make(tiny_config(device_pages=6, host_pages=3))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)                      # 2 cached device pages, 1 pending
+    b = h.add(list(range(100, 104)))
+    h.run([(b, 4)])
+    c = h.add(list(range(50, 74)))
+    before = _state(h)
+    with pytest.raises(OutOfPagesError):
+        h.mgr.prepare_step([(c, 24)])   # 6 pages: 3 free + 2 cached + 1 pending is 6, b holds 1
+    assert _state(h) == before
+    h.check()
+    h.run([(c, 20)])                    # 5 pages fit: now the cached ones do move to host
+    assert h.mgr.stats()["num_evicted_pages"][H] == 2
+    h.check()
+
+
+def test_refused_suspend_evicts_nothing():
+    """A host tier holding cached pages but too small for the sequence even without them:
+    MUST_RECOMPUTE, and the cached host pages were not dropped to find that out."""
+    h = make(tiny_config(device_pages=6, host_pages=3))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(50, 74)))
+    h.run([(b, 24)])                    # evicts a's 2 cached pages to host
+    assert h.mgr.stats()["pages"]["host"]["cached"] == 2
+    before = _state(h)
+    assert h.mgr.suspend(b) is SuspendResult.MUST_RECOMPUTE  # 6 pages > 3 host pages
+    assert _state(h) == before
+    h.check()
+
+
+def test_refused_onboarding_evicts_nothing(diskdir):
+    """A prefix hit on host that the device cannot take even by evicting: the sequence is added
+    without it and no cached page moved."""
+    h = make(tiny_config(device_pages=4, host_pages=4))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(50, 59)))
+    h.run([(b, 9)], as_ids=[True])      # a's 2 pages go to host; b: 2 committed + 1 private
+    h.mgr.close(b)
+    c = h.add(list(range(70, 74)))
+    h.run([(c, 4)])                     # c: 1 private; b's 2 cached pages stay on the device
+    d = h.add([9, 9, 9, 9, 9])
+    h.run([(d, 5)])                     # d: 2 private: device full (1 + 2 + 2 cached... )
+    free = h.mgr.stats()["pages"]["device"]
+    assert free["free"] + free["pending"] + free["cached"] < 2, free
+    before = _state(h)
+    e = h.add(list(range(9)))           # hit on host: 2 pages, no room for them
+    assert e.num_reused_tokens == 0
+    assert _state(h).replace("'num_active': 3", "") == before.replace("'num_active': 3", "")
+    h.check()
+
+
 def test_misuse_is_an_error():
     h = make(tiny_config())
     a = h.add([1, 2, 3])
@@ -555,6 +761,307 @@ def test_misuse_is_an_error():
     with pytest.raises(ValueError):
         h.add(list(range(65)))
     h.check()
+
+
+# -- sliding windows -------------------------------------------------------------------------
+
+
+def window_bound(w: int, n: int = 1) -> int:
+    """Pages a sequence holds at most in a window-``w`` group during a step of ``n`` new
+    tokens (ceil(w / TPP) + 1 in the seed, for n = 1)."""
+    return -(-(w + n - 2) // TPP) + 1
+
+
+@pytest.mark.parametrize("w", [1, 4, 5, 8])
+def test_window_pages_are_released_as_the_window_moves(w):
+    """One full-attention group and one window-``w`` group: the windowed group holds a bounded
+    number of pages however long the sequence gets, the full group all of them; released pages
+    come back to the allocator (after the fence), entries read 0, in-window values check."""
+    h = make(tiny_config(device_pages=20, windows=(None, w), max_seq_len=64, prefix=False))
+    a = h.add(list(range(6)))
+    h.run([(a, 6)])
+    h.check()
+    held = []
+    for _ in range(50):
+        batch = h.run([(a, 1)])  # what the step's page table shows
+        held.append(int(np.count_nonzero(batch.page_table[1, 0])))
+        assert held[-1] <= window_bound(w) <= -(-w // TPP) + 1
+        assert np.count_nonzero(batch.page_table[0, 0]) == a.num_pages  # full: every page
+        h.check()
+    assert a.num_tokens == 56 and a.num_pages == 14 and max(held) == window_bound(w)
+    held.append(int(np.count_nonzero(a.page_ids(1))))  # after the step
+    c = h.mgr.stats()["pages_per_pool"]["device"]
+    assert c[1]["referenced"] == held[-1] and c[0]["referenced"] == 14
+    assert c[1]["free"] + c[1]["pending"] == 20 - held[-1]
+    assert h.mgr.stats()["num_window_released_pages"] == 14 - held[-1]
+    # A second sequence fills the full group but still fits: window pages were reused.
+    b = h.add(list(range(100, 124)))
+    h.run([(b, 24)])
+    h.check()
+
+
+def test_window_release_waits_for_the_step_that_last_read_it():
+    """Two device pages, window 4: every page the window leaves is needed again four steps
+    later; it is not handed out before the step that last read it is known complete."""
+    h = make(tiny_config(device_pages=2, windows=(4,), prefix=False))
+    a = h.add(list(range(8)))
+    h.run([(a, 8)])
+    mgr = h.mgr
+    for _ in range(12):  # every 4 steps a page leaves the window and a new one is needed
+        fence = mgr._fence = NotReadyFence()  # the last step has "not finished"
+        mgr._ready_upto = 0  # no step is known complete
+        h.run([(a, 1)])
+        h.check()
+        if a.num_tokens % 4 == 1:  # this step needed the page the previous crossing released
+            assert fence.ready
+    assert mgr._stats.num_fence_waits == 3
+
+
+def test_window_prefix_reuse_shares_and_bounds_pages():
+    """Sequences sharing a prompt: shared window pages stay while some holder's window covers
+    them; once none does they are cached (evictable), and a later request for the same prompt
+    still reuses them; a prefix whose needed window pages are gone is not reused that far."""
+    h = make(tiny_config(device_pages=40, windows=(None, 6), same_layout=True, max_batch=4))
+    prompt = list(range(1, 14))
+    a = h.add(prompt)
+    h.run([(a, 13)], as_ids=[True])
+    b = h.add(prompt + [50])
+    assert b.num_reused_tokens == 12
+    h.run([(b, 2)])
+    h.check()
+    for _ in range(12):  # both decode: their windows leave the shared pages
+        h.run([(a, 1), (b, 1)])
+        h.check()
+    shared = a._nodes[:3]
+    assert all(n.refcount == 2 and n.need[1] == 0 for n in shared)
+    assert all(n.slots[1] > 0 for n in shared)  # cached in wlru: still there
+    assert h.mgr.stats()["pages"]["device"]["cached"] == 3
+    c = h.add(prompt + [60])  # same prompt again: its window needs the last shared pages
+    assert c.num_reused_tokens == 12
+    h.run([(c, 2)])
+    h.check()
+    # Drop the wlru pages (pressure) and ask again: the match is cut where pages are missing.
+    h.mgr._drop_window_pages(1, 10)
+    h.mgr._reclaim(block=True)
+    h.check()
+    d = h.add(prompt + [70])
+    n = d.num_reused_tokens
+    assert n < 12
+    h.run([(d, 14 - n)])
+    h.check()
+    for s in (a, b, c, d):
+        h.mgr.close(s)
+    h.check()
+
+
+def test_window_duplicate_page_donates_a_released_window_page():
+    """Two identical prompts computed in the same step: the second adopts the first's pages;
+    later, a duplicate of a node whose window page was dropped gives it its own."""
+    h = make(tiny_config(device_pages=30, windows=(None, 4), same_layout=True))
+    prompt = list(range(1, 11))
+    a, b = h.add(prompt), h.add(prompt)
+    h.run([(a, 10), (b, 10)], as_ids=[True, True])
+    h.check()
+    assert np.array_equal(a.page_ids(0)[:2], b.page_ids(0)[:2])
+    h.mgr.close(b)
+    for _ in range(8):
+        h.run([(a, 1)])
+    h.check()
+    node = a._nodes[1]
+    h.mgr._drop_window_pages(1, 10)
+    assert node.slots[1] == -1
+    h.check()
+    c, d = h.add(prompt[:8] + [3]), h.add(prompt[:8] + [3])
+    assert c.num_reused_tokens == 0  # the window pages of pages 0 and 1 are gone: no reuse
+    h.run([(c, 9), (d, 9)], as_ids=[True, True])
+    h.check()
+    assert node.slots[1] > 0  # c computed page 1 again; its page went into the node
+    h.check_values()
+
+
+@pytest.mark.parametrize("tiers", ["host", "disk"])
+def test_window_suspend_resume_and_tiers(tiers, diskdir):
+    cfg = tiny_config(device_pages=14, host_pages=12 if tiers == "host" else 0,
+                      disk_dir=diskdir if tiers == "disk" else None,
+                      disk_pages=12 if tiers == "disk" else 0, windows=(None, 5))
+    h = make(cfg)
+    prompt = list(range(1, 18))
+    a = h.add(prompt)
+    h.run([(a, 17)], as_ids=[True])
+    for _ in range(6):
+        h.run([(a, 1)])
+    h.check()
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    h.check()
+    b = h.add(prompt)  # matches a's parked nodes: needs their window pages, which moved too
+    h.check()
+    h.run([(b, 17 - b.num_reused_tokens)], as_ids=[True])
+    h.check()
+    assert h.mgr.resume(a)
+    h.check()
+    h.run([(a, 2), (b, 1)])
+    h.check()
+    h.mgr.close(b)
+    h.mgr.close(a)
+    h.check()
+    for p in range(4):  # pressure: cached pages with partial window pages go down the tiers
+        s = h.add([p * 7] * 13)
+        h.run([(s, 13)], as_ids=[True])
+        h.check()
+        h.mgr.close(s)
+        h.check()
+    c = h.add(prompt + [1])
+    h.run([(c, 18 - c.num_reused_tokens)], as_ids=[True])
+    h.check()
+
+
+def test_window_onboarding_takes_only_the_window_pages_it_needs():
+    """A prompt's committed pages all pushed to host; a hit brings back every full-attention
+    page but only the window pages its window needs (the others are freed, not moved). Under
+    pressure, device-resident cached hits are not counted as evictable room for the rest."""
+    h = make(tiny_config(device_pages=8, host_pages=10, windows=(None, 4)))
+    prompt = list(range(1, 18))
+    a = h.add(prompt)
+    h.run([(a, 17)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(50, 82)))
+    h.run([(b, 32)], as_ids=[True])     # 8 pages: a's 4 cached pages go to host
+    h.mgr.close(b)
+    nodes = h.mgr.tree.match(np.asarray(prompt, np.int32), b"", TPP, 4)
+    assert [n.level for n in nodes] == [H] * 4 and all((n.slots >= 0).all() for n in nodes)
+    seen = len(h.mgr.events)
+    c = h.add(prompt + [99])            # window 4 at 16 tokens: only page 3's window page
+    assert c.num_reused_tokens == 16 and all(n.level is D for n in nodes)
+    assert [int(n.slots[1] >= 0) for n in nodes] == [0, 0, 0, 1]
+    onboarded = [0, 0]
+    for e in list(h.mgr.events)[seen:]:
+        if getattr(e, "kind", None) == "migrated" and e.src_level is H and e.level is D:
+            onboarded[e.layer_group] += e.slots.size
+    assert onboarded == [4, 1]
+    h.check()
+    h.run([(c, 2)])
+    h.check()
+    # Pressure: nodes 0-2 on the device (cached), node 3 on host; the device is full. The hit
+    # cannot count its own cached device pages as room: it stops at the device prefix.
+    h2 = make(tiny_config(device_pages=8, host_pages=8, windows=(None, 4)))
+    a = h2.add(prompt)
+    h2.run([(a, 17)], as_ids=[True])
+    h2.mgr.close(a)
+    b = h2.add(list(range(50, 70)))
+    h2.run([(b, 20)])                   # 5 pages: the oldest cached page (page 3) goes to host
+    nodes = h2.mgr.tree.match(np.asarray(prompt, np.int32), b"", TPP, 4)
+    assert [n.level for n in nodes] == [D, D, D, H]
+    before = h2.mgr.stats()["pages"]
+    c = h2.add(prompt + [99])
+    assert c.num_reused_tokens == 12 and nodes[3].level is H
+    assert h2.mgr.stats()["pages"]["host"] == before["host"]
+    h2.check()
+    with pytest.raises(OutOfPagesError):  # the full-attention group is full: 5 + 3 pages
+        h2.run([(c, 6)])
+    h2.mgr.close(b)
+    h2.run([(c, 6)])
+    h2.check()
+
+
+def test_window_close_during_step_with_row_reuse():
+    """A sequence closed while its step is in flight, its row taken by a new sequence before
+    complete_step: the window release at complete_step leaves the new sequence alone."""
+    h = make(tiny_config(device_pages=20, windows=(4,), prefix=False))
+    a, b = h.add(list(range(12))), h.add(list(range(30, 42)))
+    h.run([(a, 12), (b, 12)])
+    mgr = h.mgr
+    mgr.prepare_step([(a, 4), (b, 4)])
+    caches = mgr.storage.pools
+    row = a._row
+    mgr.close(a)
+    c = h.add(list(range(60, 63)))
+    assert c._row == row
+    mgr.complete_step(caches)
+    h.tokens[b.seq_id].extend([0] * 4)  # b's values are not checked past here
+    mgr.check_invariants()
+    assert c.num_tokens == 0 and c.page_ids(0).size == 0
+    h.run([(c, 3)])
+    mgr.check_invariants()
+    assert (c.page_ids(0) > 0).all()
+
+
+def dense_attention(q, keys, values, q_pos, window):
+    """q [n, H, D] at positions q_pos over keys/values [S, Hkv, D] (positions 0..S-1), float64."""
+    group = q.shape[1] // keys.shape[1]
+    k = np.repeat(keys, group, axis=1).astype(np.float64)
+    v = np.repeat(values, group, axis=1).astype(np.float64)
+    out = np.zeros(q.shape, np.float64)
+    for i, p in enumerate(q_pos):
+        lo = max(0, p + 1 - window) if window else 0
+        logits = np.einsum("hd,shd->hs", q[i], k[lo:p + 1]) / np.sqrt(q.shape[-1])
+        w = np.exp(logits - logits.max(axis=1, keepdims=True))
+        out[i] = np.einsum("hs,shd->hd", w / w.sum(axis=1, keepdims=True), v[lo:p + 1])
+    return out
+
+
+@pytest.mark.parametrize("impl", ["op", "reference"])
+def test_step_batch_per_group_drives_attention(impl):
+    """A full-attention group (1 kv head) and a window-6 group (2 kv heads, 2 layers), so the
+    groups have different page assignments: the StepBatch's [G, ...] page_table and
+    slot_mapping give each group's write_kv and attention what they need. The null page is NaN:
+    an attention that read a released (null) entry of the windowed group would return NaN."""
+    from jax_kvcm.ops import reference
+    fn = {"op": (jax_kvcm.ragged_paged_attention, jax_kvcm.paged_attention),
+          "reference": (reference.ragged_paged_attention, reference.paged_attention)}[impl]
+    h = make(tiny_config(device_pages=30, windows=(None, 6), max_seq_len=64, max_tokens=32))
+    mgr, rng = h.mgr, np.random.default_rng(3)
+    a, b = h.add(list(range(1, 12))), h.add(list(range(20, 27)))
+    num_heads = 4
+    checked = 0
+    for step in range(24):
+        work = [(a, 11), (b, 7)] if step == 0 else [(a, 1), (b, int(rng.integers(1, 4)))]
+        batch, spans = h.prepare(work, as_ids=[True, True])
+        assert batch.page_table.shape[0] == 2 and batch.slot_mapping.shape[0] == 2
+        Tb = batch.positions.shape[0]
+        caches = h.write(batch, spans)
+        caches = [(k.at[:, 0].set(jnp.nan), v.at[:, 0].set(jnp.nan)) for k, v in caches]
+        for g, lg in enumerate(mgr.config.layer_groups):
+            # NOTE: cached values are ~1e6: small queries keep the logits O(1).
+            q = (rng.standard_normal((Tb, num_heads, lg.head_dim)) * 1e-6).astype(np.float32)
+            k, v = caches[g]
+            layer = lg.num_layers - 1
+            pt, sl, qs = (jnp.asarray(x) for x in (batch.page_table[g], batch.seq_lens,
+                                                   batch.query_start))
+            out = np.asarray(fn[0](jnp.asarray(q), k, v, pt, sl, qs, layer=layer,
+                                   sliding_window=lg.sliding_window))
+            t = 0
+            for sid, start, n in spans:
+                ev = expected_values(prefix_hashes(h.tokens[sid][:start + n]),
+                                     np.arange(start + n), lg.num_layers, lg.num_kv_heads,
+                                     lg.head_dim)[layer]
+                want = dense_attention(q[t:t + n], ev[0], ev[1], np.arange(start, start + n),
+                                       lg.sliding_window)
+                np.testing.assert_allclose(out[t:t + n], want, rtol=1e-4)
+                t += n
+                checked += 1
+            if all(n == 1 for _, _, n in spans):  # a decode batch: the decode op too
+                dec = np.asarray(fn[1](jnp.asarray(q[:sl.shape[0]]), k, v, pt, sl,
+                                       layer=layer, sliding_window=lg.sliding_window))
+                np.testing.assert_allclose(dec[:len(spans)], out[:len(spans)], rtol=1e-4)
+        mgr.complete_step(caches)
+        h.check()
+    assert checked == 2 * 2 * 24
+    assert np.count_nonzero(a.page_ids(1)) < a.num_pages  # the window did release pages
+
+
+def test_window_capacity_planning():
+    h = make(tiny_config(device_pages=(20, 8), windows=(None, 8), max_tokens=8,
+                         max_seq_len=64))
+    m = h.mgr
+    # window 8, steps of up to 8 tokens: ceil(14 / 4) + 1 = 5 pages at most per sequence.
+    assert m.max_num_sequences(64) == 1          # 16 full pages; 5 window pages
+    assert m.max_num_sequences(16) == 2          # 4 pages in both groups
+    assert m.max_num_sequences(8) == 4           # 2 pages in both groups
+    assert m.max_seq_len_for(1) == 64
+    assert m.max_seq_len_for(2) == 16            # 4 window pages each < 5: 4 pages long
+    assert m.max_seq_len_for(4) == 8
+    for n in range(1, 9):
+        assert m.max_seq_len_for(n) == 0 or m.max_num_sequences(m.max_seq_len_for(n)) >= n
 
 
 # -- capacity planning -----------------------------------------------------------------------

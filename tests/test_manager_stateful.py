@@ -4,6 +4,8 @@ accounting per tier, refcounts == holders, no page in two places, governor ledge
 and every cached K/V value of every active sequence, read back through its page table.
 
 Tiny tiers so every path runs: device 12 pages, host ~4, disk ~6 (some machines without one tier).
+Layer groups: one or two full-attention groups, sliding-window groups (windows 1 to 11 tokens, 4
+tokens per page) alone or beside a full one, with distinct or shared cold pools.
 ``KVCM_STATEFUL_EXAMPLES`` raises the number of examples (default 200, up to 50 steps each).
 """
 
@@ -20,11 +22,11 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from jax_kvcm._manager import OutOfPagesError, SequenceState, SuspendResult
-from test_manager import Harness, make, tiny_config
+from test_manager import Harness, _state, make, tiny_config
 
 EXAMPLES = int(os.environ.get("KVCM_STATEFUL_EXAMPLES", "200"))
 COUNTS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, "recompute": 0,
-          "resumed": 0, "reused": 0}
+          "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0}
 PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
 
 
@@ -35,12 +37,19 @@ class ManagerMachine(RuleBasedStateMachine):
         self.h: Harness | None = None
 
     @initialize(tiers=st.sampled_from(["none", "host", "disk", "host+disk"]),
-                groups=st.sampled_from([1, 1, 2]), hash_kind=st.sampled_from(["sha", "const"]))
-    def setup(self, tiers, groups, hash_kind):
+                groups=st.sampled_from(["1", "1", "2", "w", "1+w", "1+w shared", "w+w"]),
+                window=st.sampled_from([1, 3, 4, 6, 9]),
+                hash_kind=st.sampled_from(["sha", "const"]))
+    def setup(self, tiers, groups, window, hash_kind):
+        # "w": a sliding-window group; "shared": same layouts, so one cold pool for both.
+        windows = {"1": (None,), "2": (None, None), "w": (window,), "1+w": (None, window),
+                   "1+w shared": (None, window), "w+w": (window, window + 2)}[groups]
         cfg = tiny_config(device_pages=12, host_pages=4 if "host" in tiers else 0,
                           disk_dir=self.dir if "disk" in tiers else None,
-                          disk_pages=6 if "disk" in tiers else 0, groups=groups, max_batch=4,
-                          max_tokens=32, max_seq_len=48)
+                          disk_pages=6 if "disk" in tiers else 0, windows=windows,
+                          same_layout="shared" in groups, max_batch=4, max_tokens=32,
+                          max_seq_len=48)
+        COUNTS["windowed"] += "w" in groups
         kw = {"_hash_fn": (lambda b: b"k")} if hash_kind == "const" else {}
         self.h = make(cfg, **kw)
         COUNTS["examples"] += 1
@@ -83,14 +92,16 @@ class ManagerMachine(RuleBasedStateMachine):
         if not work:
             return
         before = {s.seq_id: (s.num_tokens, s.page_ids()) for s, _ in work}
+        state = _state(self.h)
         try:
             self.h.run(work, as_ids=ids)
             COUNTS["steps"] += 1
         except OutOfPagesError:
             COUNTS["oop"] += 1
-            for s, _ in work:  # refused: nothing scheduled
+            for s, _ in work:  # refused: nothing scheduled, nothing evicted
                 n, pages = before[s.seq_id]
                 assert s.num_tokens == n and np.array_equal(s.page_ids(), pages)
+            assert _state(self.h) == state
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -105,15 +116,13 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         s = data.draw(st.sampled_from(active))
         n, pages = s.num_tokens, s.page_ids()
-        ledger = self.h.mgr.storage.governor.ledger()
+        state = _state(self.h)
         res = self.h.mgr.suspend(s)
         COUNTS["suspended" if res is SuspendResult.SUSPENDED else "recompute"] += 1
-        if res is SuspendResult.MUST_RECOMPUTE:
+        if res is SuspendResult.MUST_RECOMPUTE:  # nothing changed, nothing evicted
             assert s.state is SequenceState.ACTIVE and s.num_tokens == n
             assert np.array_equal(s.page_ids(), pages)
-            # Cached pages may have moved down to make room; the sequence's own did not.
-            if not self.h.mgr.storage.has_level(1) and not self.h.mgr.storage.has_level(2):
-                assert self.h.mgr.storage.governor.ledger() == ledger
+            assert _state(self.h) == state
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -122,10 +131,13 @@ class ManagerMachine(RuleBasedStateMachine):
         if not sus:
             return
         s = data.draw(st.sampled_from(sus))
+        state = _state(self.h)
         if self.h.mgr.resume(s):
             COUNTS["resumed"] += 1
-        else:
+        else:  # refused: nothing changed, nothing evicted
             assert s.state is SequenceState.SUSPENDED
+            assert _state(self.h) == state
+            COUNTS["refused_resume"] += 1
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -141,8 +153,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.h is not None:
             self.h.check()
 
+    def teardown_counts(self):
+        COUNTS["window_released"] += self.h.mgr.stats()["num_window_released_pages"]
+
     def teardown(self):
         if self.h is not None:
+            self.teardown_counts()
             self.h.mgr.storage.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -159,7 +175,8 @@ def test_machine_covered_every_path():
     if COUNTS["examples"] == 0:
         import pytest
         pytest.skip("the machine did not run in this session")
-    for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused"):
+    for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused", "windowed",
+                "window_released"):
         assert COUNTS[key] > 0, COUNTS
     assert COUNTS["rules"] >= 20 * COUNTS["examples"], COUNTS
     assert COUNTS["steps"] >= 5 * COUNTS["examples"], COUNTS

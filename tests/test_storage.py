@@ -419,6 +419,66 @@ def test_failed_migration_changes_nothing_and_retry_succeeds(tmp_path, src, dst,
         m.close()
 
 
+@pytest.mark.parametrize("fault", ["bitflip", "submit", "refused"])
+def test_migrate_many_is_one_transaction(tmp_path, fault):
+    """A later move failing (corrupt disk page, submission error) or refused (no destination
+    room) after earlier moves were submitted: nothing changed at all (ledger with its peaks,
+    free counts, stats, source bytes); the retry moves everything."""
+    m = make_manager(tmp_path)
+    events = []
+    m.add_observer(events.append)
+    try:
+        hs, want_h = place(m, 0, H, 2, seed=3)    # host -> device first (submitted, then undone)
+        ds, want_d = place(m, 0, K, 3, seed=4)    # disk -> device second (fails)
+        ks, want_k = place(m, 2, D, 2, seed=5)    # device -> disk (staging), lg 2
+        moves = [(0, H, hs, D), (2, D, ks, K), (0, K, ds, D)]
+        hog = None
+        if fault == "refused":  # the last move cannot get its destination slots
+            hog = m.allocate(D, 0, m.num_free(D, 0) - 2)
+        before = snapshot(m)
+        host_bytes = cold_bytes(m, 0, H, hs)
+        n_events = len(events)
+        if fault == "bitflip":
+            pool = m.disk_pools[m.cold_group_of[0]]
+            with open(pool.path, "r+b") as f:
+                f.seek(int(ds[2]) * pool.slot_bytes + 5)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x10]))
+            with pytest.raises(CorruptPageError):
+                m.migrate_many(moves)
+        elif fault == "submit":
+            calls = []
+
+            def hook(point):
+                calls.append(point)
+                if point == "submit" and calls.count("submit") == 3:
+                    raise Boom(point)
+            m._fault_hook = hook
+            with pytest.raises(Boom):
+                m.migrate_many(moves)
+            m._fault_hook = None
+        else:
+            assert m.migrate_many(moves) is None
+        assert snapshot(m) == before
+        assert len(events) == n_events
+        np.testing.assert_array_equal(cold_bytes(m, 0, H, hs), host_bytes)
+        if fault == "bitflip":
+            m.free(K, 0, ds[2:])
+            ds, want_d = ds[:2], want_d[:2]
+            moves[2] = (0, K, ds, D)
+        if hog is not None:
+            m.free(D, 0, hog)
+        out = m.migrate_many(moves)
+        np.testing.assert_array_equal(hot_pages(m, 0, out[0]), want_h)
+        np.testing.assert_array_equal(read_back(m, 2, K, out[1]), want_k)
+        np.testing.assert_array_equal(hot_pages(m, 0, out[2]), want_d)
+        with pytest.raises(ValueError, match="moved twice"):
+            m.migrate_many([(0, D, out[0][:1], H), (0, D, out[0], H)])
+    finally:
+        m.close()
+
+
 def test_injectors_fire(tmp_path):
     """Negative control: every native injector makes the next matching call fail."""
     m = make_manager(tmp_path)

@@ -38,9 +38,13 @@ def _attend(q, k_seq, v_seq, q_pos, kv_len, scale, sliding_window, soft_cap):
     num_heads, num_kv_heads = q.shape[1], k_seq.shape[1]
     group = num_heads // num_kv_heads
     kv_pos = jnp.arange(k_seq.shape[0])
-    # Slots past kv_len (tail of the last page, null-page padding) may hold anything, NaN
+    # Slots past kv_len (tail of the last page, null-page padding) and before every query's
+    # window (pages a sliding-window manager released to the null page) may hold anything, NaN
     # included: zero them so that a masked weight times garbage cannot poison the output.
-    live = (kv_pos < kv_len)[:, None, None]
+    live = kv_pos < kv_len
+    if sliding_window is not None:
+        live &= kv_pos > jnp.min(q_pos) - sliding_window
+    live = live[:, None, None]
     k = jnp.repeat(jnp.where(live, k_seq.astype(jnp.float32), 0.0), group, axis=1)
     v = jnp.repeat(jnp.where(live, v_seq.astype(jnp.float32), 0.0), group, axis=1)
     logits = jnp.einsum("nhd,shd->nhs", q.astype(jnp.float32), k,
