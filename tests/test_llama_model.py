@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import random_hf_llama
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,24 +59,8 @@ INIT = {"tied": (0.5, 1.5)}  # (embedding std, layer weight scale); default (1.0
 
 
 def _hf_model(kind: str, extra: dict, seed: int, init=(1.0, 0.6)):
-    cfg_cls = transformers.MistralConfig if kind == "mistral" else transformers.LlamaConfig
-    model_cls = (transformers.MistralForCausalLM if kind == "mistral"
-                 else transformers.LlamaForCausalLM)
-    cfg = cfg_cls(**{**BASE, **extra})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    # Larger-than-default random weights: the default init (std 0.02) gives near-uniform logits
-    # and generations that repeat one token, which would make the token-for-token checks weak.
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                std = init[0] if "embed" in name else init[1] / p.shape[1] ** 0.5
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-    return model.to(torch.float32)
+    return random_hf_llama(kind, {**BASE, **extra}, seed, embed_std=init[0],
+                           weight_scale=init[1])
 
 
 _CASES: dict[str, dict] = {}

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import random_hf_llama
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,23 +45,7 @@ CONFIGS = {"llama": ("llama", dict(rope_theta=10000.0)),
 
 
 def _hf_model(kind: str, extra: dict, seed: int):
-    cfg_cls = transformers.MistralConfig if kind == "mistral" else transformers.LlamaConfig
-    model_cls = (transformers.MistralForCausalLM if kind == "mistral"
-                 else transformers.LlamaForCausalLM)
-    cfg = cfg_cls(**{**BASE, **extra})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    # Larger-than-default weights (HF's std 0.02 gives generations that repeat one token).
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                std = 1.0 if "embed" in name else 0.6 / p.shape[1] ** 0.5
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-    return model.to(torch.float32)
+    return random_hf_llama(kind, {**BASE, **extra}, seed)
 
 
 _CASES: dict[str, dict] = {}
