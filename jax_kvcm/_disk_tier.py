@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-from types import TracebackType
 
 import numpy as np
 
-from jax_kvcm._slots import SlotAllocator, as_slot_array
+from jax_kvcm._slots import SlotAllocator, SlotPool, as_slot_array
 from jax_kvcm._types import check_count
 
 __all__ = ["DISK_FILE_SUFFIX", "DiskFullError", "DiskIOError", "DiskPool"]
@@ -78,7 +77,7 @@ def _host_pages(pages, n: int, name: str) -> np.ndarray | None:
     return arr
 
 
-class DiskPool:
+class DiskPool(SlotPool):
     """``num_slots`` cold-page slots of ``slot_bytes`` each in ``<directory>/<name>.kvcm``."""
 
     __slots__ = ("_file", "_allocator", "_directory", "_name", "_num_slots", "_slot_bytes")
@@ -147,24 +146,12 @@ class DiskPool:
 
     # -- slots ---------------------------------------------------------------------------------
 
-    @property
-    def num_free(self) -> int:
-        return self._allocator.num_free
-
-    def allocate(self, n: int) -> np.ndarray | None:
-        """``n`` free slots (int32, lowest first, so they tend to coalesce) or ``None``."""
-        self._check_open()
-        return self._allocator.allocate(n)
-
     def free(self, slots) -> None:
         """Returns ``slots`` and drops their checksums (a freed slot never reads as valid)."""
         file = self._check_open()
         arr = as_slot_array(slots)
         self._allocator.free(arr)  # NOTE: validates everything before changing anything
         file.invalidate(arr)
-
-    def is_allocated(self, slot: int) -> bool:
-        return self._allocator.is_allocated(slot)
 
     # -- I/O -----------------------------------------------------------------------------------
 
@@ -212,13 +199,6 @@ class DiskPool:
                 file.close()
             except OSError as e:
                 raise _disk_error(e) from e
-
-    def __enter__(self) -> DiskPool:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"num_free={self.num_free}"

@@ -18,11 +18,10 @@ after :meth:`HostPool.close` the memory is released once the last view is gone.
 
 from __future__ import annotations
 
-from types import TracebackType
 
 import numpy as np
 
-from jax_kvcm._slots import SlotAllocator
+from jax_kvcm._slots import SlotAllocator, SlotPool
 from jax_kvcm._types import check_count
 
 __all__ = ["HostOOMError", "HostPool", "allocate_host_buffer", "pinned_memory_default"]
@@ -92,7 +91,7 @@ def allocate_host_buffer(nbytes: int, *, pinned: bool | None = None):
         raise HostOOMError(f"cannot allocate {nbytes} bytes of {kind} host memory: {e}") from e
 
 
-class HostPool:
+class HostPool(SlotPool):
     """``num_slots`` cold-page slots of ``slot_bytes`` each in one native host buffer."""
 
     __slots__ = ("_buffer", "_allocator", "_num_slots", "_slot_bytes", "_base_address",
@@ -148,22 +147,10 @@ class HostPool:
 
     # -- slots ---------------------------------------------------------------------------------
 
-    @property
-    def num_free(self) -> int:
-        return self._allocator.num_free
-
-    def allocate(self, n: int) -> np.ndarray | None:
-        """``n`` free slots (int32, lowest first) or ``None`` when fewer are free."""
-        self._check_open()
-        return self._allocator.allocate(n)
-
     def free(self, slots) -> None:
         """Returns ``slots``; ValueError (nothing changes) on out-of-range or double free."""
         self._check_open()
         self._allocator.free(slots)
-
-    def is_allocated(self, slot: int) -> bool:
-        return self._allocator.is_allocated(slot)
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -183,13 +170,6 @@ class HostPool:
     def close(self) -> None:
         """Drops the pool's reference to its memory (idempotent); outstanding views keep it."""
         self._buffer = None
-
-    def __enter__(self) -> HostPool:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"num_free={self.num_free}"

@@ -19,12 +19,16 @@ Thread-safety: none inside; the owning manager serializes its calls.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import TracebackType
+from typing import TypeVar
 
 import numpy as np
 
 from jax_kvcm._types import check_count
 
-__all__ = ["SlotAllocator", "as_slot_array"]
+__all__ = ["SlotAllocator", "SlotPool", "as_slot_array"]
+
+_Pool = TypeVar("_Pool", bound="SlotPool")
 
 
 def as_slot_array(slots: object, name: str = "slots") -> np.ndarray:
@@ -132,3 +136,33 @@ class SlotAllocator:
 
     def __repr__(self) -> str:
         return f"SlotAllocator(num_slots={self._num_slots}, num_free={self._num_free})"
+
+
+class SlotPool:
+    """Slot bookkeeping shared by the host and disk pools (``HostPool``, ``DiskPool``).
+
+    A subclass sets ``self._allocator`` (a :class:`SlotAllocator`) and defines ``_check_open()``
+    (raises once closed), ``free(slots)`` and ``close()``; it is its own context manager.
+    """
+
+    __slots__ = ()
+
+    @property
+    def num_free(self) -> int:
+        return self._allocator.num_free
+
+    def allocate(self, n: int) -> np.ndarray | None:
+        """``n`` free slots (int32, lowest first, so they tend to be adjacent) or ``None`` when
+        fewer are free (nothing changes)."""
+        self._check_open()
+        return self._allocator.allocate(n)
+
+    def is_allocated(self, slot: int) -> bool:
+        return self._allocator.is_allocated(slot)
+
+    def __enter__(self: _Pool) -> _Pool:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
