@@ -17,6 +17,30 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
+def short_error(e: BaseException) -> str:
+    """``Type: message`` on one line, without ``|`` (markdown tables), at most 300 characters."""
+    msg = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
+    return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
+_torch_import: list[tuple[Any, str | None]] = []  # [(torch or None, why not)] after the 1st try
+
+
+def import_torch(*, need_cuda: bool = False) -> tuple[Any, str | None]:
+    """``(torch, None)``, or ``(None, why)`` when torch does not import (or, with ``need_cuda``,
+    sees no CUDA device). Imported on the first call: after JAX owns the device."""
+    if not _torch_import:
+        try:
+            import torch
+            _torch_import.append((torch, None))
+        except Exception as e:  # noqa: BLE001
+            _torch_import.append((None, f"torch unavailable ({short_error(e)})"))
+    torch, why = _torch_import[0]
+    if torch is not None and need_cuda and not torch.cuda.is_available():
+        return None, "torch has no CUDA device"
+    return torch, why
+
+
 def time_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int = 3,
              repeats: int = 7, target_s: float = 0.05, min_iters: int = 3,
              max_iters: int = 200) -> dict[str, Any]:

@@ -83,9 +83,7 @@ QUICK_PREFILL_SHAPES = [(2, 64), (1, 128)]
 # small utilities
 
 
-def _err(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
-    return msg if len(msg) <= 300 else msg[:297] + "..."
+_err = _timing.short_error
 
 
 def _log(*a: Any) -> None:
@@ -124,23 +122,9 @@ def free() -> None:
         t.cuda.empty_cache()
 
 
-_TORCH: Any = None
-_TORCH_ERR: str | None = None
-
-
 def _torch() -> Any:
-    """torch if importable with CUDA available (imported lazily, after JAX owns the device)."""
-    global _TORCH, _TORCH_ERR
-    if _TORCH is None and _TORCH_ERR is None:
-        try:
-            import torch
-            if not torch.cuda.is_available():
-                _TORCH_ERR = "torch has no CUDA device"
-            else:
-                _TORCH = torch
-        except Exception as e:  # noqa: BLE001
-            _TORCH_ERR = f"torch unavailable ({_err(e)})"
-    return _TORCH
+    """torch with a CUDA device, or None (``_timing.import_torch`` says why)."""
+    return _timing.import_torch(need_cuda=True)[0]
 
 
 def to_torch(x: jax.Array) -> Any:
@@ -259,7 +243,7 @@ def bench_decode(b: int, s: int, seed: int, args: argparse.Namespace) -> list[di
     torch = _torch()
     if torch is None:
         for m in ("torch-sdpa", "copy (torch)"):
-            rows.append(row("decode", shape, m, kv_bytes=kv_bytes, error=f"skipped: {_TORCH_ERR}"))
+            rows.append(row("decode", shape, m, kv_bytes=kv_bytes, error=f"skipped: {_timing.import_torch(need_cuda=True)[1]}"))
     else:
         rows.extend(bench_torch_decode(torch, q_check, q_time, k_cache, v_cache, page_table, ref,
                                        shape, kv_bytes, args))
@@ -648,7 +632,8 @@ def environment() -> dict[str, Any]:
         "jax_kvcm_cuda_extension": jax_kvcm.cuda_extension_available(),
     }
     torch = _torch()
-    env["torch"] = torch.__version__ if torch is not None else _TORCH_ERR
+    env["torch"] = (torch.__version__ if torch is not None
+                    else _timing.import_torch(need_cuda=True)[1])
     try:
         import triton
         env["triton"] = triton.__version__

@@ -86,6 +86,11 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+try:
+    from benchmarks import _timing  # python -m benchmarks.migration
+except ImportError:
+    import _timing  # python benchmarks/migration.py (the script's directory is on sys.path)
+
 import jax_kvcm  # noqa: E402
 from jax_kvcm._codec import ConcatCodec, Int8Codec, int8_cold_page_layout  # noqa: E402
 from jax_kvcm._storage import LayerGroupSpec, StorageConfig, StorageManager  # noqa: E402
@@ -147,9 +152,7 @@ QUICK = Shape(4, 16, 2, 64, pages=64, hot_slots=128, contig_bytes=16 << 20)
 # small utilities
 
 
-def _err(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
-    return msg if len(msg) <= 300 else msg[:297] + "..."
+_err = _timing.short_error
 
 
 def _log(*a: Any) -> None:
@@ -193,20 +196,9 @@ def log_row(r: dict[str, Any]) -> None:
          f"{extra}{sub}{fs} (samples ms: {[round(s * 1e3, 2) for s in r['samples_s']]})")
 
 
-_TORCH: Any = None
-_TORCH_ERR: str | None = None
-
-
 def _torch() -> Any:
-    """torch if importable (imported lazily, after JAX owns the device)."""
-    global _TORCH, _TORCH_ERR
-    if _TORCH is None and _TORCH_ERR is None:
-        try:
-            import torch
-            _TORCH = torch
-        except Exception as e:  # noqa: BLE001
-            _TORCH_ERR = f"torch unavailable ({_err(e)})"
-    return _TORCH
+    """torch, or None (``_timing.import_torch`` says why)."""
+    return _timing.import_torch()[0]
 
 
 def torch_device(torch: Any) -> str:
@@ -217,7 +209,7 @@ def torch_unusable(torch: Any) -> str | None:
     """Why the torch baselines cannot run here (None when they can). A CPU stand-in is only used
     when JAX has no GPU either (the --quick smoke test): never as a GPU baseline."""
     if torch is None:
-        return f"skipped: {_TORCH_ERR}"
+        return f"skipped: {_timing.import_torch()[1]}"
     if jax.default_backend() == "gpu" and not torch.cuda.is_available():
         return f"skipped: torch {torch.__version__} sees no CUDA device"
     return None
@@ -230,7 +222,7 @@ def torch_sync(torch: Any) -> None:
 
 def free_memory() -> None:
     gc.collect()
-    torch = _TORCH
+    torch = sys.modules.get("torch")  # only if a baseline imported it
     if torch is not None and torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -329,7 +321,7 @@ def environment(disk_dir: str | None) -> dict[str, Any]:
     env["mem_available_gib"] = round(mi.get("MemAvailable", 0) / GiB, 1)
     torch = _torch()
     if torch is None:
-        env["torch"] = _TORCH_ERR
+        env["torch"] = _timing.import_torch()[1]
     else:
         env["torch"] = torch.__version__
         env["torch_cuda"] = getattr(torch.version, "cuda", None)
