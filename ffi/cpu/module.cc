@@ -14,6 +14,7 @@ XLA_FFI_Error* KvcmRaggedPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
 // Cold-tier pieces, each in its own file.
 void BindHostMemory(nb::module_& m);        // host_memory.cc
 void BindDiskFile(nb::module_& m);          // disk_file.cc
+void BindArena(nb::module_& m);             // arena_cpu.cc (the contiguous arena's memory)
 void AddCodecRegistrations(nb::dict& d);    // codec_cpu.cc
 
 template <typename Fn>
@@ -33,4 +34,5 @@ NB_MODULE(_kvcm_cpu, m) {
   }, "Handler capsules by FFI target name.");
   BindHostMemory(m);
   BindDiskFile(m);
+  BindArena(m);
 }

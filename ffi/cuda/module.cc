@@ -13,6 +13,7 @@ XLA_FFI_Error* KvcmRaggedPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
 
 // Cold-tier pieces, each in its own file.
 void BindPinnedMemory(nb::module_& m);        // pinned_memory.cc
+void BindArenaVmm(nb::module_& m);            // arena_vmm.cc (the contiguous arena's memory)
 void AddCodecRegistrationsCuda(nb::dict& d);  // codec.cu (declared with C++ linkage there)
 
 template <typename Fn>
@@ -31,4 +32,5 @@ NB_MODULE(_kvcm_cuda, m) {
     return d;
   }, "Handler capsules by FFI target name.");
   BindPinnedMemory(m);
+  BindArenaVmm(m);
 }
