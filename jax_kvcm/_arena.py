@@ -278,6 +278,8 @@ class Arena:
         self.super_pages_per_chunk = chunk_pl // sp  # per pool-layer
         self.num_pool_layers = 2 * layout.num_layers
         self.chunks_per_range = -(-config.max_pages_per_sequence // self.pages_per_chunk)
+        # NOTE: only chunks that can be full (all pages within the per-request maximum) alias.
+        self.max_span_chunks = config.max_pages_per_sequence // self.pages_per_chunk
         self.num_chunks = 1 + config.max_sequences * self.chunks_per_range
         self.num_slots = self.num_chunks * self.pages_per_chunk
         self._pool_layer_bytes = self.num_slots * sb
@@ -387,7 +389,7 @@ class Arena:
     def _registered_prefix(self, keys: Sequence[Hashable]) -> list[_Chunk]:
         out = []
         if self.config.prefix_aliasing:
-            for k in keys[:self.chunks_per_range]:
+            for k in keys[:self.max_span_chunks]:
                 c = self._registry.get(k)
                 if c is None:
                     break
@@ -494,7 +496,7 @@ class Arena:
         rng.seq = None
         sig: list[Hashable] = []
         if self.config.prefix_aliasing:
-            for i, key in enumerate(list(committed_keys)[:self.chunks_per_range]):
+            for i, key in enumerate(list(committed_keys)[:self.max_span_chunks]):
                 c = rng.chunks[i]
                 if c is None:
                     break

@@ -1,0 +1,547 @@
+"""The contiguous arena on CPU: the memfd reservation for real, the allocator/budget, adoption,
+prefix aliasing, fence-gated reclaim, suspend/resume and the seed's four bugs.
+
+Oracles: numpy copies of what was written (read back through the arena, through other mapped
+addresses of the same physical memory, or through the paged-attention op against the pure-JAX
+reference), and the native reservation's own counters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_kvcm import _ffi
+from jax_kvcm._arena import (Arena, ArenaConfig, ArenaHostStore, ArenaIndexRing, ArenaLayout,
+                             ArenaSuspend)
+
+GRAN = _ffi._kvcm_cpu.arena_granularity()
+LAYOUT = ArenaLayout(num_layers=2, tokens_per_page=4, num_kv_heads=2, head_dim=16)  # 512 B slots
+PPC = GRAN // LAYOUT.slot_bytes  # pages per chunk with one-granule super-pages
+
+
+class Fence:
+    """A step's completion as the arena sees it: not ready until ``finish()`` or a wait.
+
+    ``on_wait`` runs when a waiter blocks on it (the test checks what the arena did before)."""
+
+    def __init__(self, on_wait=None) -> None:
+        self.done = False
+        self.num_waits = 0
+        self.on_wait = on_wait
+
+    def is_ready(self) -> bool:
+        return self.done
+
+    def block_until_ready(self) -> Fence:
+        if not self.done:
+            self.num_waits += 1
+            if self.on_wait is not None:
+                self.on_wait()
+            self.done = True
+        return self
+
+
+def make_arena(*, max_sequences=4, max_pages=2 * PPC, budget_chunks=8, **kw) -> Arena:
+    chunk_bytes = 2 * LAYOUT.num_layers * GRAN
+    cfg = ArenaConfig(max_sequences=max_sequences, max_pages_per_sequence=max_pages,
+                      budget_bytes=budget_chunks * chunk_bytes, super_page_bytes=GRAN, **kw)
+    return Arena(cfg, LAYOUT, backend="cpu")
+
+
+def pages(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    shape = (LAYOUT.num_layers, n, LAYOUT.tokens_per_page, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return (rng.standard_normal(shape).astype(np.float32),
+            rng.standard_normal(shape).astype(np.float32))
+
+
+# -- the native reservation ------------------------------------------------------------------
+
+
+def test_reservation_maps_shares_and_counts():
+    r = _ffi._kvcm_cpu.ArenaReservation(8 * GRAN, GRAN)
+    view = r.view()
+    h = r.create_physical()
+    r.map(0, h)
+    r.map(3 * GRAN, h)  # the same physical page at a second address
+    assert r.is_mapped(0) and r.is_mapped(3 * GRAN) and not r.is_mapped(GRAN)
+    assert r.handle_at(3 * GRAN) == h and r.handle_at(GRAN) == -1
+    assert not view[:GRAN].any()  # fresh physical memory reads zero
+    data = np.random.default_rng(0).integers(0, 256, GRAN, dtype=np.uint8)
+    view[:GRAN] = data
+    assert np.array_equal(view[3 * GRAN:4 * GRAN], data)  # written through one, seen in the other
+    with pytest.raises(ValueError, match="still mapped"):
+        r.release_physical(h)
+    with pytest.raises(ValueError, match="already mapped"):
+        r.map(0, h)
+    with pytest.raises(ValueError, match="unmapped super-page"):
+        r.read(0, np.empty(2 * GRAN, np.uint8).ctypes.data, 2 * GRAN)
+    r.unmap(0)
+    r.unmap(3 * GRAN)
+    r.release_physical(h)
+    h2 = r.create_physical()  # the released page comes back zeroed (hole punched)
+    r.map(GRAN, h2)
+    assert not view[GRAN:2 * GRAN].any()
+    assert (r.num_map_calls, r.num_unmap_calls, r.num_create_calls, r.num_release_calls) == \
+        (3, 2, 2, 1)
+    assert r.mapped_bytes == GRAN and r.physical_bytes == GRAN
+    r.close()
+    assert r.closed and r.num_unmap_calls == 3 and r.num_release_calls == 2
+    assert r.mapped_bytes == 0 and r.physical_bytes == 0
+    with pytest.raises(ValueError, match="closed"):
+        r.create_physical()
+
+
+def test_reservation_bad_arguments():
+    with pytest.raises(ValueError, match="super_page_bytes must be a positive multiple"):
+        _ffi._kvcm_cpu.ArenaReservation(8 * GRAN, GRAN // 2)
+    with pytest.raises(ValueError, match="nbytes must be a positive multiple"):
+        _ffi._kvcm_cpu.ArenaReservation(GRAN + 1, GRAN)
+    with pytest.raises(MemoryError, match="address space"):
+        _ffi._kvcm_cpu.ArenaReservation(1 << 62, GRAN)
+    r = _ffi._kvcm_cpu.ArenaReservation(4 * GRAN, GRAN)
+    with pytest.raises(ValueError, match="offset must be a multiple"):
+        r.map(GRAN + 8, r.create_physical())
+    with pytest.raises(ValueError, match="not a live physical handle"):
+        r.map(0, 99)
+    with pytest.raises(ValueError, match="not mapped"):
+        r.unmap(0)
+    r.close()
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,exc", [
+    ("max_sequences", 0, ValueError), ("max_pages_per_sequence", -1, ValueError),
+    ("budget_bytes", 0, ValueError), ("super_page_bytes", 3 * 4096, ValueError),
+    ("super_page_bytes", 2.0, TypeError), ("adoption", 1, TypeError),
+    ("prefix_aliasing", None, TypeError), ("protected_span_fraction", 1.0, ValueError),
+    ("protected_span_fraction", -0.1, ValueError)])
+def test_config_names_the_bad_field(field, value, exc):
+    kw = dict(max_sequences=2, max_pages_per_sequence=8, budget_bytes=1 << 20)
+    kw[field] = value
+    with pytest.raises(exc, match=f"ArenaConfig.{field}"):
+        ArenaConfig(**kw)
+
+
+def test_arena_construction_errors_name_the_field():
+    ok = dict(max_sequences=2, max_pages_per_sequence=8, budget_bytes=1 << 22)
+    with pytest.raises(ValueError, match="ArenaConfig.super_page_bytes .* granularity"):
+        Arena(ArenaConfig(**ok, super_page_bytes=GRAN // 2), LAYOUT, backend="cpu")
+    with pytest.raises(ValueError, match="ArenaConfig.max_sequences"):
+        Arena(ArenaConfig(max_sequences=1 << 30, max_pages_per_sequence=1 << 20,
+                          budget_bytes=1 << 22, super_page_bytes=GRAN), LAYOUT, backend="cpu")
+    with pytest.raises(ValueError, match="ArenaConfig.budget_bytes"):
+        Arena(ArenaConfig(max_sequences=2, max_pages_per_sequence=8, budget_bytes=GRAN,
+                          super_page_bytes=GRAN), LAYOUT, backend="cpu")
+    with pytest.raises(ValueError, match="ArenaLayout.head_dim"):
+        ArenaLayout(num_layers=1, tokens_per_page=4, num_kv_heads=1, head_dim=0)
+
+
+# -- growth, adoption, capacity --------------------------------------------------------------
+
+
+def test_growth_maps_chunks_on_demand_and_fails_as_a_value():
+    with make_arena(max_sequences=3, max_pages=3 * PPC, budget_chunks=4) as a:
+        base_maps = a.stats().num_map_calls
+        per_chunk = 2 * LAYOUT.num_layers  # one super-page per pool-layer
+        s = a.admit()
+        assert s.base_slot == a.chunks_per_range * 0 * PPC + PPC  # range 0 starts after chunk 0
+        assert a.ensure(s, 1) and a.stats().num_map_calls == base_maps + per_chunk
+        assert a.ensure(s, PPC) and a.stats().num_map_calls == base_maps + per_chunk  # same chunk
+        assert a.ensure(s, PPC + 1) and a.stats().used_chunks == 3
+        t = a.admit()
+        assert t.base_slot == s.base_slot + 3 * PPC  # ranges are contiguous and disjoint
+        assert a.ensure(t, PPC)
+        before = a.stats()
+        assert not a.ensure(t, 2 * PPC)  # budget exhausted, nothing parked: refused
+        assert a.stats() == before and t.num_pages == PPC
+        np.testing.assert_array_equal(t.page_table(), np.arange(t.base_slot, t.base_slot + PPC))
+        with pytest.raises(ValueError, match="max_pages_per_sequence"):
+            a.ensure(t, 3 * PPC + 1)
+        assert a.max_num_sequences(PPC) == 3 and a.max_num_sequences(2 * PPC) == 1
+
+
+def test_adoption_steady_state_has_no_map_calls_and_flat_memory():
+    rng = np.random.default_rng(1)
+    print("seed 1")
+    with make_arena(max_sequences=4, max_pages=2 * PPC, budget_chunks=9) as a:
+        live = [a.admit() for _ in range(4)]
+        for s in live:
+            assert a.ensure(s, 2 * PPC)
+        warm = a.stats()
+        for cycle in range(1000):
+            i = int(rng.integers(4))
+            a.close(live[i])
+            live[i] = a.admit()
+            assert a.ensure(live[i], int(rng.integers(1, 2 * PPC + 1)))
+        st = a.stats()
+        assert st.num_map_calls == warm.num_map_calls and st.num_unmap_calls == 0
+        assert st.mapped_bytes == warm.mapped_bytes and st.num_adoptions == 1000
+        # The adopted range still holds the previous owner's bytes; the new one overwrites them.
+        k, v = pages(rng, 2 * PPC)
+        a.write_pages(live[0], 0, k, v)
+        got = a.read_pages(live[0], 0, 2 * PPC)
+        np.testing.assert_array_equal(got[0], k)
+        np.testing.assert_array_equal(got[1], v)
+
+
+def test_create_close_cycles_without_adoption_keep_mapped_bytes_flat():
+    with make_arena(max_sequences=2, budget_chunks=3, adoption=False) as a:
+        floor = a.stats().mapped_bytes
+        for _ in range(1000):
+            s = a.admit()
+            assert a.ensure(s, 2 * PPC)
+            a.close(s)
+            assert a.stats().mapped_bytes == floor
+        st = a.stats()
+        assert st.num_map_calls - 2 * LAYOUT.num_layers == st.num_unmap_calls  # null chunk stays
+
+
+def test_admission_refused_when_every_range_is_active():
+    with make_arena(max_sequences=2) as a:
+        s, t = a.admit(), a.admit()
+        assert a.admit() is None
+        a.close(s)
+        assert a.admit() is not None
+        with pytest.raises(ValueError, match="not an active sequence"):
+            a.ensure(s, 1)
+        a.close(t)
+        with pytest.raises(ValueError, match="not an active sequence"):
+            a.close(t)
+
+
+def test_teardown_returns_every_range_and_handle():
+    with make_arena(max_sequences=4, budget_chunks=8) as a:
+        seqs = [a.admit(keys) for keys in ((), ("p0",), (), ())]
+        for s in seqs:
+            a.ensure(s, 2 * PPC)
+        a.close(seqs[0], ("p0", "p1"))
+        t = a.admit(("p0", "p1"))  # aliases both chunks
+        a.record_step([t], Fence())
+        a.close(seqs[2])
+        a.close_arena()
+        n = a.native_counters()
+        assert n["num_map_calls"] == n["num_unmap_calls"] > 0
+        assert n["num_create_calls"] == n["num_release_calls"] > 0
+        assert n["mapped_bytes"] == n["physical_bytes"] == n["num_physical"] == 0
+        assert a._res.closed
+        with pytest.raises(ValueError, match="closed"):
+            a.admit()
+
+
+# -- prefix aliasing -------------------------------------------------------------------------
+
+
+def _owner_with_prefix(a: Arena, rng, keys=("a", "b")):
+    s = a.admit()
+    assert a.ensure(s, 2 * PPC)
+    k, v = pages(rng, 2 * PPC)
+    a.write_pages(s, 0, k, v)
+    return s, k, v
+
+
+def test_alias_maps_the_same_physical_pages_with_zero_budget():
+    rng = np.random.default_rng(2)
+    with make_arena() as a:
+        s, k, v = _owner_with_prefix(a, rng)
+        a.close(s, ("a", "b"))
+        used = a.stats().used_chunks
+        t = a.admit(("a", "x"))  # only the first chunk matches
+        assert t.num_aliased_pages == PPC and t.base_slot != s.base_slot or True
+        assert a.stats().used_chunks == used  # zero budget for the alias
+        got_k, got_v = a.read_pages(t, 0, PPC)
+        np.testing.assert_array_equal(got_k, k[:, :PPC])
+        np.testing.assert_array_equal(got_v, v[:, :PPC])
+        # A second admission with the full prefix (while t lives): a different range, same pages.
+        u = a.admit(("a", "b"))
+        assert u.num_aliased_pages == 2 * PPC and u.base_slot != t.base_slot
+        k2, _ = pages(rng, 1)
+        a.write_pages(u, 0, k2, k2)  # NOTE: written through u: shared, so t sees it
+        np.testing.assert_array_equal(a.read_pages(t, 0, 1)[0], k2)
+        assert a.stats().num_alias_hits == 2
+
+
+@pytest.mark.parametrize("order", ["owner_first", "alias_first", "both_then_pressure",
+                                   "under_pressure"])
+def test_alias_refcount_matrix(order):
+    rng = np.random.default_rng(3)
+    budget = 4 if order == "under_pressure" else 6
+    with make_arena(max_sequences=3, budget_chunks=budget, protected_span_fraction=0.0) as a:
+        owner, k, v = _owner_with_prefix(a, rng)
+        if order == "owner_first":
+            a.close(owner, ("a", "b"))
+            alias = a.admit(("a", "b"))
+            assert alias.num_aliased_pages == 2 * PPC
+            a.close(alias, ("a", "b"))
+        elif order == "alias_first":
+            a.close(owner, ("a", "b"))
+            alias = a.admit(("a", "b"))
+            other = a.admit(("a",))
+            a.close(alias, ("a", "b"))
+            np.testing.assert_array_equal(a.read_pages(other, 0, PPC)[0], k[:, :PPC])
+            a.close(other, ("a",))
+        elif order == "both_then_pressure":
+            a.close(owner, ("a", "b"))
+            alias = a.admit(("a", "b"))
+            a.close(alias, ("a", "b"))
+        else:  # pressure while the alias lives: the spans it maps must survive
+            a.close(owner, ("a", "b"))
+            alias = a.admit(("a", "b"))
+            a.close(a.admit())  # a parked range with nothing mapped
+            big = a.admit()
+            # null + 2 span chunks + 1 = 4 of 4: a second chunk would need a span the alias maps.
+            assert a.ensure(big, PPC) and not a.ensure(big, 2 * PPC)
+            assert a.stats().num_spans == 2
+            got = a.read_pages(alias, 0, 2 * PPC)
+            np.testing.assert_array_equal(got[0], k)
+            np.testing.assert_array_equal(got[1], v)
+            a.close(alias)  # now only the registry holds them: pressure may spill one
+            assert a.ensure(big, 2 * PPC)
+            assert a.stats().num_spans == 1 and a.stats().num_spilled_spans == 1
+            a.close(big)
+        # Everything closed: full pressure frees every chunk but the null one.
+        a.trim()
+        st = a.stats()
+        assert st.used_chunks == 1 and st.num_spans == 0
+        n = a.native_counters()
+        assert n["physical_bytes"] == a.chunk_bytes and n["num_physical"] == 2 * LAYOUT.num_layers
+
+
+def test_prefix_affine_adoption_reuses_the_range_mapping_the_span():
+    rng = np.random.default_rng(4)
+    with make_arena(max_sequences=3) as a:
+        s, _, _ = _owner_with_prefix(a, rng)
+        plain = a.admit()
+        a.ensure(plain, PPC)
+        a.close(plain)  # parked first (older): private only
+        a.close(s, ("a", "b"))
+        maps = a.stats().num_map_calls
+        t = a.admit(("a", "b"))
+        assert t.base_slot == s.base_slot  # the owner's range, its span already in place
+        assert a.stats().num_map_calls == maps  # nothing mapped
+        u = a.admit()  # a plain admission gets the private parked range, not the span's
+        assert u.base_slot == plain.base_slot and a.stats().num_unmap_calls == 0
+
+
+def test_span_spill_protection_keeps_a_bounded_fraction():
+    rng = np.random.default_rng(5)
+    # budget 9 chunks, 25% protected: the 2 newest span chunks survive any pressure.
+    with make_arena(max_sequences=4, budget_chunks=9, protected_span_fraction=0.25) as a:
+        for key in ("a", "b", "c"):
+            s = a.admit()
+            a.ensure(s, PPC)
+            a.write_pages(s, 0, *pages(rng, 1))
+            a.close(s, (key,))
+        assert a.stats().num_spans == 3
+        hogs = [a.admit() for _ in range(3)]
+        got = [a.ensure(h, 2 * PPC) for h in hogs]
+        # 1 null + 3 spans + 3 x 2 = 10 > 9: the LRU span ("a") is spilled for the last hog.
+        assert got == [True, True, True]
+        st = a.stats()
+        assert st.num_spans == 2 and st.num_spilled_spans == 1
+        a.close(hogs[0])
+        assert a.admit(("a",)).num_aliased_pages == 0
+        assert not a.can_grow(1)  # what is left is protected (or in use)
+        b = a.admit(("b",))
+        assert b.num_aliased_pages == PPC  # a protected span, still there
+
+
+def test_span_spill_unprotected_spills_everything_under_pressure():
+    with make_arena(max_sequences=4, budget_chunks=4, protected_span_fraction=0.0) as a:
+        for key in ("a", "b"):
+            s = a.admit()
+            a.ensure(s, PPC)
+            a.close(s, (key,))
+        h = a.admit()
+        assert a.ensure(h, 2 * PPC)
+        assert a.stats().num_spans == 1  # one spilled, one still free to keep
+        h2 = a.admit()
+        assert not a.ensure(h2, 2 * PPC)
+
+
+# -- fences and the seed's bugs --------------------------------------------------------------
+
+
+def test_bug_c_unmap_waits_for_the_step_reading_the_range():
+    with make_arena(max_sequences=2, budget_chunks=3) as a:
+        s = a.admit()
+        u = a.admit()
+        a.ensure(s, 2 * PPC)
+        unmaps_at_wait = []
+        fence = Fence(on_wait=lambda: unmaps_at_wait.append(a.stats().num_unmap_calls))
+        a.record_step([s], fence)
+        a.close(s)  # parked; the step may still be reading it
+        assert a.ensure(u, 2 * PPC)  # forces the parked range out
+        assert fence.num_waits == 1 and unmaps_at_wait == [0]  # waited before the first unmap
+        assert a.stats().num_unmap_calls == 4 * LAYOUT.num_layers
+
+
+def test_bug_c_teardown_and_trim_wait_too():
+    with make_arena(max_sequences=2, budget_chunks=3, adoption=False) as a:
+        s = a.admit()
+        a.ensure(s, PPC)
+        seen = []
+        f = Fence(on_wait=lambda: seen.append(a.stats().num_unmap_calls))
+        a.record_step([s], f)
+        a.close(s)  # adoption off: reclaimed now, after the fence
+        assert seen == [0]
+        t = a.admit()
+        a.ensure(t, PPC)
+        g = Fence(on_wait=lambda: seen.append(a.stats().num_unmap_calls))
+        a.record_step([t], g)
+        unmaps = a.stats().num_unmap_calls
+    assert seen == [0, unmaps]  # close_arena waited before unmapping t's range
+
+
+def test_bug_b_pending_fence_does_not_deadlock_allocation():
+    """Frees whose fence is still pending are reclaimed by a blocking drain inside the
+    allocation (then retried), instead of failing it while the memory is about to come free."""
+    with make_arena(max_sequences=3, budget_chunks=5) as a:
+        busy, pending = a.admit(), a.admit()
+        for s in (busy, pending):
+            a.ensure(s, 2 * PPC)
+        new = a.admit()  # admitted in the same scheduling pass, before the step's fence is known
+        waiting = Fence()
+        a.record_step([busy, pending], waiting)
+        a.close(pending)  # the scheduler's own eviction: its fence is still pending
+        assert a.ensure(new, 2 * PPC)  # blocking drain of that fence, then the retry succeeds
+        assert waiting.num_waits == 1 and a.stats().num_blocking_drains == 1
+
+
+def test_bug_b_ready_ranges_are_reclaimed_before_blocking():
+    with make_arena(max_sequences=4, budget_chunks=6, adoption=True) as a:
+        seqs = [a.admit() for _ in range(2)]
+        for s in seqs:
+            a.ensure(s, 2 * PPC)
+        pending = Fence()
+        ready = Fence()
+        ready.done = True
+        a.record_step([seqs[0]], pending)
+        a.record_step([seqs[1]], ready)
+        a.close(seqs[0])
+        a.close(seqs[1])
+        busy = [a.admit(), a.admit(), a.admit()]
+        assert busy[0].base_slot == seqs[0].base_slot and busy[1].base_slot == seqs[1].base_slot
+        a.close(busy[0])
+        a.close(busy[1])
+        assert a.ensure(busy[2], 2 * PPC)
+        assert pending.num_waits == 0  # the ready range was enough
+
+
+def test_bug_a_index_ring_never_rewrites_a_buffer_a_pending_step_reads():
+    with make_arena(max_sequences=3) as a:
+        seqs = [a.admit() for _ in range(3)]
+        for s in seqs:
+            a.ensure(s, PPC)
+        ring = ArenaIndexRing(2, rows=3, width=PPC)
+        b0 = ring.fill(seqs, [PPC, 1, 2])
+        snapshot = b0.copy()
+        f0 = Fence()
+        ring.publish(f0)
+        b1 = ring.fill(seqs[:1], [3])
+        assert b1 is not b0 and np.array_equal(b0, snapshot)  # step 0's indices untouched
+        ring.publish(Fence())
+        read_at_wait = []
+        f0.on_wait = lambda: read_at_wait.append(b0.copy())
+        b2 = ring.fill(seqs[:2], [1, 1])  # the ring wraps to b0: it must wait for step 0
+        assert b2 is b0 and f0.num_waits == 1 and ring.num_waits == 1
+        np.testing.assert_array_equal(read_at_wait[0], snapshot)
+        np.testing.assert_array_equal(snapshot[0], np.arange(seqs[0].base_slot,
+                                                             seqs[0].base_slot + PPC))
+        assert (snapshot[1, 1:] == 0).all()  # padded with the null page
+
+
+def test_bug_d_host_exhaustion_during_suspend_leaves_the_sequence_intact():
+    rng = np.random.default_rng(6)
+    with make_arena() as a:
+        s = a.admit()
+        a.ensure(s, 2 * PPC)
+        k, v = pages(rng, 2 * PPC)
+        a.write_pages(s, 0, k, v)
+        need = 2 * PPC * 2 * LAYOUT.num_layers * LAYOUT.slot_bytes
+        host = ArenaHostStore(need - 1)
+        before = a.stats()
+        assert a.suspend(s, host) is ArenaSuspend.MUST_RECOMPUTE
+        assert s.active and host.used_bytes == 0 and a.stats() == before
+        got = a.read_pages(s, 0, 2 * PPC)
+        np.testing.assert_array_equal(got[0], k)
+        host = ArenaHostStore(need)
+        assert a.suspend(s, host) is ArenaSuspend.SUSPENDED and not s.active
+        assert host.used_bytes == need
+        # Someone else adopts the range and overwrites it.
+        t = a.admit()
+        a.ensure(t, 2 * PPC)
+        a.write_pages(t, 0, *pages(rng, 2 * PPC))
+        assert a.resume(s, host)
+        got = a.read_pages(s, 0, 2 * PPC)
+        np.testing.assert_array_equal(got[0], k)
+        np.testing.assert_array_equal(got[1], v)
+        assert host.used_bytes == 0 and s.base_slot != t.base_slot
+
+
+def test_resume_without_room_stays_suspended():
+    with make_arena(max_sequences=1, budget_chunks=3) as a:
+        s = a.admit()
+        a.ensure(s, PPC)
+        host = ArenaHostStore(1 << 20)
+        assert a.suspend(s, host) is ArenaSuspend.SUSPENDED
+        t = a.admit()
+        assert not a.resume(s, host)  # the only range is t's
+        assert s.suspended is not None and not s.active
+        a.close(t)
+        assert a.resume(s, host)
+
+
+# -- XLA reads the arena itself --------------------------------------------------------------
+
+
+def test_ops_read_the_arena_in_place_on_cpu():
+    """The pools imported with DLPack are the arena's own bytes (same pointer) and the decode
+    op reads a sequence's pages through ``base + arange`` page tables, unmapped chunks and all."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_kvcm
+    from jax_kvcm.ops import reference
+
+    seed = 7
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    with make_arena(max_sequences=4, max_pages=2 * PPC, budget_chunks=8) as a:
+        seqs = [a.admit() for _ in range(3)]
+        lens = [5, PPC * LAYOUT.tokens_per_page + 3, 2 * PPC * LAYOUT.tokens_per_page]
+        data = []
+        for s, n in zip(seqs, lens):
+            np_ = -(-n // LAYOUT.tokens_per_page)
+            assert a.ensure(s, np_)
+            k, v = pages(rng, np_)
+            a.write_pages(s, 0, k, v)
+            data.append((k, v))
+        kp, vp = a.pool_arrays()
+        assert kp.unsafe_buffer_pointer() == a.base_address
+        ring = ArenaIndexRing(2, rows=4, width=2 * PPC)
+        table = ring.fill(seqs, [-(-n // LAYOUT.tokens_per_page) for n in lens])
+        q = rng.standard_normal((4, 4, LAYOUT.head_dim)).astype(np.float32)
+        seq_lens = np.array(lens + [0], np.int32)
+        for layer in range(LAYOUT.num_layers):
+            out = jax_kvcm.paged_attention(jnp.asarray(q), kp, vp, jnp.asarray(table),
+                                           jnp.asarray(seq_lens), layer=layer)
+            ring.publish(out)
+            # Oracle: a dense pool built from the numpy copies, same page tables.
+            dense_k = np.zeros((1, 1 + 3 * 2 * PPC) + kp.shape[2:], np.float32)
+            dense_v = np.zeros_like(dense_k)
+            dense_table = np.zeros_like(table)
+            for b, (k, v) in enumerate(data):
+                n = k.shape[1]
+                dense_k[0, 1 + b * 2 * PPC:1 + b * 2 * PPC + n] = k[layer]
+                dense_v[0, 1 + b * 2 * PPC:1 + b * 2 * PPC + n] = v[layer]
+                dense_table[b, :n] = np.arange(1 + b * 2 * PPC, 1 + b * 2 * PPC + n)
+            want = reference.paged_attention(jnp.asarray(q), jnp.asarray(dense_k),
+                                             jnp.asarray(dense_v), jnp.asarray(dense_table),
+                                             jnp.asarray(seq_lens), layer=0)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+            table = ring.fill(seqs, [-(-n // LAYOUT.tokens_per_page) for n in lens])
+        del kp, vp
+        jax.clear_caches()
