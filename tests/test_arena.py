@@ -325,6 +325,24 @@ def test_prefix_affine_adoption_reuses_the_range_mapping_the_span():
         assert u.base_slot == plain.base_slot and a.stats().num_unmap_calls == 0
 
 
+def test_adoption_by_another_prefix_never_writes_into_a_span():
+    rng = np.random.default_rng(8)
+    with make_arena(max_sequences=1, budget_chunks=6) as a:
+        s, k, v = _owner_with_prefix(a, rng)
+        a.close(s, ("a", "b"))
+        t = a.admit(("z",))  # the only range maps spans a and b: they leave it first
+        assert t.base_slot == s.base_slot and t.num_aliased_pages == 0
+        assert a.stats().num_unmap_calls == 2 * 2 * LAYOUT.num_layers
+        assert a.ensure(t, 2 * PPC)
+        a.write_pages(t, 0, *pages(rng, 2 * PPC))
+        a.close(t)
+        u = a.admit(("a", "b"))
+        assert u.num_aliased_pages == 2 * PPC
+        got = a.read_pages(u, 0, 2 * PPC)
+        np.testing.assert_array_equal(got[0], k)
+        np.testing.assert_array_equal(got[1], v)
+
+
 def test_span_spill_protection_keeps_a_bounded_fraction():
     rng = np.random.default_rng(5)
     # budget 9 chunks, 25% protected: the 2 newest span chunks survive any pressure.
