@@ -563,3 +563,56 @@ def test_ops_read_the_arena_in_place_on_cpu():
             table = ring.fill(seqs, [-(-n // LAYOUT.tokens_per_page) for n in lens])
         del kp, vp
         jax.clear_caches()
+
+
+def test_bug_c_unmap_waits_for_a_real_kernel_still_reading():
+    """A jitted attention loop (XLA runs it asynchronously on CPU too) still reads a parked range
+    when pressure asks for its memory: the unmap waits for it, and its result is right."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_kvcm
+    from jax_kvcm.ops import reference
+
+    seed = 9
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    # NOTE: XLA's CPU client runs small computations inline at dispatch; pages of 16 tokens x 64
+    # dims make the loop big enough to run asynchronously, as a GPU step does.
+    lay = ArenaLayout(num_layers=2, tokens_per_page=16, num_kv_heads=2, head_dim=64)
+    cfg = ArenaConfig(max_sequences=2, max_pages_per_sequence=1, super_page_bytes=2 * GRAN,
+                      budget_bytes=2 * 4 * 2 * GRAN)
+    with Arena(cfg, lay, backend="cpu") as a:
+        assert a.pages_per_chunk == 1
+        s, u = a.admit(), a.admit()
+        assert a.ensure(s, 1)
+        shape = (2, 1, 16, 2, 64)
+        k = rng.standard_normal(shape).astype(np.float32)
+        v = rng.standard_normal(shape).astype(np.float32)
+        a.write_pages(s, 0, k, v)
+        kp, vp = a.pool_arrays()
+        q = jnp.asarray(rng.standard_normal((2, 4, 64)).astype(np.float32))
+        table = jnp.asarray(np.tile(s.page_table(1), (2, 1)))
+        lens = jnp.asarray([16, 5], jnp.int32)
+
+        @jax.jit
+        def reader(q, k, v, table, lens):
+            def body(i, acc):
+                return jnp.maximum(acc, jax_kvcm.paged_attention(q + i * 0.0, k, v, table, lens,
+                                                               layer=1))
+            return jax.lax.fori_loop(0, 20000, body, jnp.full(q.shape, -jnp.inf, jnp.float32))
+
+        reader(q, kp, vp, table, lens).block_until_ready()
+        out = reader(q, kp, vp, table, lens)
+        a.record_step([s], out)
+        a.close(s)
+        running = not out.is_ready()
+        assert a.ensure(u, 1)  # needs s's chunk: waits for the reader, then unmaps
+        assert running and a.stats().num_blocking_drains == 1
+        dense = np.concatenate([np.zeros_like(k[:, :1]), k], 1)
+        dense_v = np.concatenate([np.zeros_like(v[:, :1]), v], 1)
+        want = reference.paged_attention(q, jnp.asarray(dense), jnp.asarray(dense_v),
+                                         jnp.asarray(np.ones((2, 1), np.int32)),
+                                         lens, layer=1)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+        del kp, vp
