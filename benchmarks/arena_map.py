@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Arena map/unmap microbenchmark: the cost of one super-page's physical lifecycle.
+
+Run on the GPU machine (after `pip install .` with the CUDA extension), from anywhere except a
+directory that shadows the installed package with an unbuilt `jax_kvcm/`:
+
+    python benchmarks/arena_map.py [--json results.json]
+    python benchmarks/arena_map.py --cpu --quick     # the memfd path (CPU builds), a smoke test
+
+For each super-page size (2, 4, 8, 16 MiB; --cpu: 4 KiB to 2 MiB) one reservation of
+``--pages`` super-pages is made and the native calls are timed in batches over all of them
+(median of --repeats batches, microseconds per super-page):
+
+  create     cuMemCreate (CPU: a memfd page handle, ftruncate on growth)
+  map        cuMemMap + cuMemSetAccess (CPU: mmap MAP_FIXED | MAP_SHARED)
+  unmap      cuMemUnmap (CPU: mmap PROT_NONE over it)
+  release    cuMemRelease (CPU: fallocate PUNCH_HOLE)
+  remap      unmap + map of an already created handle (what adoption saves per super-page)
+
+plus, at the arena level (jax_kvcm._arena.Arena, 8B-shaped layout: 32 layers x {K, V}, 16
+tokens x 8 kv heads x 128 dims bf16 per slot, i.e. 64 super-pages per chunk):
+
+  grow chunk   Arena.ensure mapping one fresh chunk (64 x create + map)
+  adopt        close + admit + ensure of a parked range (steady state: no map call)
+  reclaim      a parked range unmapped under pressure (64 x unmap + release per chunk)
+
+The host-side cost is what is measured: the driver calls are synchronous on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _median_us(fn, n: int, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / n)
+    return statistics.median(samples)
+
+
+def native_rows(native, cpu: bool, sizes: list[int], pages: int, repeats: int) -> list[dict]:
+    rows = []
+    for sp in sizes:
+        res = (native.ArenaReservation(pages * sp, sp) if cpu
+               else native.VmmReservation(pages * sp, sp))
+        offs = [i * sp for i in range(pages)]
+        handles: list[int] = []
+        t = {"create": [], "map": [], "unmap": [], "release": [], "remap": []}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            handles = [res.create_physical() for _ in offs]
+            t1 = time.perf_counter()
+            for off, h in zip(offs, handles):
+                res.map(off, h)
+            t2 = time.perf_counter()
+            for off in offs:
+                res.unmap(off)
+            t3 = time.perf_counter()
+            for off, h in zip(offs, handles):
+                res.map(off, h)
+            for off in offs:
+                res.unmap(off)
+            t4 = time.perf_counter()
+            for h in handles:
+                res.release_physical(h)
+            t5 = time.perf_counter()
+            for name, dt in (("create", t1 - t0), ("map", t2 - t1), ("unmap", t3 - t2),
+                             ("remap", t4 - t3), ("release", t5 - t4)):
+                t[name].append(dt * 1e6 / pages)
+        rows.append({"super_page_bytes": sp, "pages": pages,
+                     **{f"{k}_us": round(statistics.median(v), 3) for k, v in t.items()},
+                     "num_map_calls": res.num_map_calls, "num_unmap_calls": res.num_unmap_calls})
+        res.close()
+    return rows
+
+
+def arena_rows(cpu: bool, repeats: int, quick: bool) -> list[dict]:
+    from jax_kvcm._arena import Arena, ArenaConfig, ArenaLayout
+
+    layers = 2 if quick else 32
+    lay = ArenaLayout(num_layers=layers, tokens_per_page=16, num_kv_heads=8, head_dim=128,
+                      dtype="bfloat16")
+    sp = 2 << 20
+    per_chunk = 2 * layers * sp
+    cfg = ArenaConfig(max_sequences=8, max_pages_per_sequence=64, budget_bytes=5 * per_chunk,
+                      super_page_bytes=sp)
+    rows = []
+    with Arena(cfg, lay, backend="cpu" if cpu else "cuda") as a:
+        seqs = [a.admit() for _ in range(4)]
+        grow = []
+        for s in seqs:
+            t0 = time.perf_counter()
+            assert a.ensure(s, 1)
+            grow.append((time.perf_counter() - t0) * 1e6)
+        before = a.stats()
+
+        def adopt():
+            for i, s in enumerate(seqs):
+                a.close(s)
+                seqs[i] = a.admit()
+                assert a.ensure(seqs[i], 1)
+
+        adopt_us = _median_us(adopt, len(seqs), repeats)
+        after = a.stats()
+        reclaim = []
+        for _ in range(repeats):
+            fresh = a.admit()  # nothing parked: a fresh range
+            a.close(seqs[0])  # parked, still mapped; the budget is full
+            t0 = time.perf_counter()
+            ok = a.ensure(fresh, 1)  # reclaims the parked range, then maps a new chunk
+            reclaim.append((time.perf_counter() - t0) * 1e6)
+            assert ok
+            seqs[0] = fresh
+        rows.append({"layout": f"{layers} layers x KV, 32 KiB slots", "super_pages_per_chunk":
+                     2 * layers, "grow_chunk_us": round(statistics.median(grow), 1),
+                     "adopt_us": round(adopt_us, 1),
+                     "adopt_map_calls": after.num_map_calls - before.num_map_calls,
+                     "adopt_unmap_calls": after.num_unmap_calls - before.num_unmap_calls,
+                     "reclaim_and_grow_us": round(statistics.median(reclaim), 1)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--cpu", action="store_true", help="time the CPU memfd reservation")
+    ap.add_argument("--quick", action="store_true", help="few pages, small arena layout")
+    ap.add_argument("--pages", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from jax_kvcm import _ffi
+
+    if args.cpu:
+        native = _ffi._kvcm_cpu
+        sizes = [4 << 10, 64 << 10, 2 << 20]
+    else:
+        native = _ffi._kvcm_cuda
+        if native is None:
+            print(f"no CUDA extension: {_ffi.CUDA_IMPORT_ERROR} (use --cpu)", file=sys.stderr)
+            return 1
+        sizes = [2 << 20, 4 << 20, 8 << 20, 16 << 20]
+    pages = args.pages or (16 if args.quick else 256)
+    result = {"backend": "cpu" if args.cpu else "cuda",
+              "native": native_rows(native, args.cpu, sizes, pages, args.repeats),
+              "arena": arena_rows(args.cpu, args.repeats, args.quick)}
+    print(f"backend {result['backend']}: microseconds per super-page (median of "
+          f"{args.repeats} batches of {pages})")
+    print("| super-page | create | map | unmap | release | unmap+map |")
+    print("|---|---|---|---|---|---|")
+    for r in result["native"]:
+        print(f"| {r['super_page_bytes'] >> 10} KiB | {r['create_us']} | {r['map_us']} | "
+              f"{r['unmap_us']} | {r['release_us']} | {r['remap_us']} |")
+    for r in result["arena"]:
+        print(f"arena ({r['layout']}, {r['super_pages_per_chunk']} super-pages per chunk): "
+              f"grow one chunk {r['grow_chunk_us']} us; adoption cycle {r['adopt_us']} us per "
+              f"sequence with {r['adopt_map_calls']} map / {r['adopt_unmap_calls']} unmap calls; "
+              f"reclaim + grow {r['reclaim_and_grow_us']} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
