@@ -129,7 +129,7 @@ def test_unmap_waits_for_a_kernel_still_reading_the_range():
         q = rng.standard_normal((B, H, LAYOUT.head_dim)).astype(np.float32)
         table = np.tile(s.page_table(n), (B, 1))
         lens = np.array([n * LAYOUT.tokens_per_page - 3 * b for b in range(B)], np.int32)
-        reader = _long_reader(4000)
+        reader = _long_reader(20000)
         args = (jnp.asarray(q), kp, vp, jnp.asarray(table), jnp.asarray(lens))
         reader(*args).block_until_ready()  # compile and warm up
         out = reader(*args)
