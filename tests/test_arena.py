@@ -616,3 +616,33 @@ def test_bug_c_unmap_waits_for_a_real_kernel_still_reading():
                                          lens, layer=1)
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
         del kp, vp
+
+
+def test_bug_a_a_dispatched_step_reads_its_own_page_table():
+    """JAX dispatches asynchronously and, on CPU, reads a numpy argument when the step runs, not
+    when it is dispatched (measured: rewriting the buffer right after dispatch changes the
+    result). The ring makes the next fill wait for the step that reads the buffer."""
+    import jax
+    import jax.numpy as jnp
+
+    with make_arena(max_sequences=2, budget_chunks=4) as a:
+        s, t = a.admit(), a.admit()
+        ring = ArenaIndexRing(1, rows=2, width=PPC)
+        big = jnp.ones((1000, 1000), jnp.float32)
+
+        @jax.jit
+        def step(big, table):
+            x = big
+            for _ in range(20):
+                x = x @ big * 1e-3
+            # NOTE: the table is read in a fusion that needs x: after the busy part.
+            return (table + (x[0, 0] * 0).astype(jnp.int32)).sum()
+
+        step(big, ring.fill([s], [1])).block_until_ready()
+        ring.publish(jnp.zeros(()))
+        table = ring.fill([s, t], [PPC, PPC])
+        want = int(table.sum())
+        out = step(big, table)
+        ring.publish(out)
+        ring.fill([s], [1])  # the only buffer again: must wait for ``out``
+        assert ring.num_waits == 1 and int(out) == want

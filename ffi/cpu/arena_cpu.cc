@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "kvcm/arena_dtype.h"
+
 namespace nb = nanobind;
 
 namespace {
@@ -253,18 +255,6 @@ class ArenaReservation {
 
 using ByteView = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-nb::dlpack::dtype DType(const std::string& name) {
-  using nb::dlpack::dtype_code;
-  if (name == "float32") return {static_cast<uint8_t>(dtype_code::Float), 32, 1};
-  if (name == "float16") return {static_cast<uint8_t>(dtype_code::Float), 16, 1};
-  if (name == "bfloat16") return {static_cast<uint8_t>(dtype_code::Bfloat), 16, 1};
-  if (name == "int8") return {static_cast<uint8_t>(dtype_code::Int), 8, 1};
-  if (name == "uint8") return {static_cast<uint8_t>(dtype_code::UInt), 8, 1};
-  if (name == "int32") return {static_cast<uint8_t>(dtype_code::Int), 32, 1};
-  throw nb::value_error(("dtype must be float32, float16, bfloat16, int8, uint8 or int32, got " +
-                         name).c_str());
-}
-
 }  // namespace
 
 void BindArena(nb::module_& m) {
@@ -301,7 +291,7 @@ void BindArena(nb::module_& m) {
           [](nb::handle self, int64_t offset, std::vector<size_t> shape, const std::string& dt) {
             ArenaReservation& a = nb::cast<ArenaReservation&>(self);
             if (a.closed()) throw nb::value_error("the arena reservation is closed");
-            nb::dlpack::dtype d = DType(dt);
+            nb::dlpack::dtype d = kvcm::ArenaDType(dt);
             size_t count = 1;
             for (size_t s : shape) count *= s;
             if (offset < 0 || offset + count * (d.bits / 8) > a.nbytes()) {

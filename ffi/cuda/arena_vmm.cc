@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "kvcm/arena_dtype.h"
+
 namespace nb = nanobind;
 
 namespace {
@@ -135,18 +137,6 @@ int64_t Granularity(int device) {
   CUresult r = Api().granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
   if (r != CUDA_SUCCESS) Raise(PyExc_RuntimeError, CuText("cuMemGetAllocationGranularity", r));
   return static_cast<int64_t>(g);
-}
-
-nb::dlpack::dtype DType(const std::string& name) {
-  using nb::dlpack::dtype_code;
-  if (name == "float32") return {static_cast<uint8_t>(dtype_code::Float), 32, 1};
-  if (name == "float16") return {static_cast<uint8_t>(dtype_code::Float), 16, 1};
-  if (name == "bfloat16") return {static_cast<uint8_t>(dtype_code::Bfloat), 16, 1};
-  if (name == "int8") return {static_cast<uint8_t>(dtype_code::Int), 8, 1};
-  if (name == "uint8") return {static_cast<uint8_t>(dtype_code::UInt), 8, 1};
-  if (name == "int32") return {static_cast<uint8_t>(dtype_code::Int), 32, 1};
-  throw nb::value_error(("dtype must be float32, float16, bfloat16, int8, uint8 or int32, got " +
-                         name).c_str());
 }
 
 class VmmReservation {
@@ -284,7 +274,7 @@ class VmmReservation {
   nb::ndarray<nb::array_api> DLPack(nb::handle self, int64_t offset, std::vector<size_t> shape,
                        const std::string& dtype) {
     CheckOpen();
-    nb::dlpack::dtype dt = DType(dtype);
+    nb::dlpack::dtype dt = kvcm::ArenaDType(dtype);
     size_t count = 1;
     for (size_t s : shape) count *= s;
     if (offset < 0 || offset + count * (dt.bits / 8) > nbytes_) {
