@@ -658,7 +658,8 @@ class Arena:
                  write: bool) -> None:
         lay, sb = self.layout, self.layout.slot_bytes
         n = k.shape[1]
-        if k.shape != v.shape or k.shape[0] != lay.num_layers or k.nbytes != lay.num_layers * n * sb:
+        if (k.shape != v.shape or k.shape[0] != lay.num_layers
+                or k.nbytes != lay.num_layers * n * sb):
             raise ValueError(f"k and v must be [{lay.num_layers}, n, {lay.tokens_per_page}, "
                              f"{lay.num_kv_heads}, {lay.head_dim}] of {lay.dtype}, got "
                              f"{k.shape} and {v.shape}")

@@ -297,8 +297,8 @@ void BindArena(nb::module_& m) {
             if (offset < 0 || offset + count * (d.bits / 8) > a.nbytes()) {
               throw nb::value_error("shape and offset describe bytes outside the reservation");
             }
-            return nb::ndarray<nb::array_api>(a.data() + offset, shape.size(), shape.data(), self, nullptr, d,
-                                 nb::device::cpu::value, 0);
+            return nb::ndarray<nb::array_api>(a.data() + offset, shape.size(), shape.data(), self,
+                                              nullptr, d, nb::device::cpu::value, 0);
           },
           nb::arg("offset"), nb::arg("shape"), nb::arg("dtype"),
           "An array (DLPack, kDLCPU) of ``shape``/``dtype`` at byte ``offset``, no copy.")

@@ -280,8 +280,9 @@ class VmmReservation {
     if (offset < 0 || offset + count * (dt.bits / 8) > nbytes_) {
       throw nb::value_error("shape and offset describe bytes outside the reservation");
     }
-    return nb::ndarray<nb::array_api>(reinterpret_cast<void*>(base_ + offset), shape.size(), shape.data(),
-                         self, nullptr, dt, nb::device::cuda::value, device_);
+    return nb::ndarray<nb::array_api>(reinterpret_cast<void*>(base_ + offset), shape.size(),
+                                      shape.data(), self, nullptr, dt, nb::device::cuda::value,
+                                      device_);
   }
 
   void Close() noexcept {
