@@ -37,11 +37,14 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from jax_kvcm._types import check_count
+
+if TYPE_CHECKING:
+    from jax_kvcm._step_batch import StepBatch
 
 __all__ = [
     "Arena",
@@ -144,7 +147,7 @@ class ArenaSequence:
     """One admitted sequence: ``base_slot + i`` is the slot of its page ``i``.
 
     ``num_aliased_pages`` pages at the front were found in the span registry at admission (their
-    contents are already in place: skip their prefill). ``num_pages`` is how many pages are
+    contents are already in place: skip their prefill; ``num_tokens`` starts after them). ``num_pages`` is how many pages are
     mapped for it (``ensure``). ``suspended`` holds its saved bytes while suspended.
     """
 
@@ -153,6 +156,7 @@ class ArenaSequence:
     num_aliased_pages: int
     num_pages: int = 0
     suspended: np.ndarray | None = None
+    num_tokens: int = 0  # tokens written by the steps :meth:`Arena.prepare_step` built
     _range: _Range | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -455,9 +459,11 @@ class Arena:
             self._counts["alias_hits"] += 1
             self._counts["aliased_chunks"] += len(spans)
         rng.signature = ()
-        seq = ArenaSequence(next(self._seq_ids), rng.first_chunk * self.pages_per_chunk,
-                            len(spans) * self.pages_per_chunk, len(spans) * self.pages_per_chunk,
-                            None, rng)
+        aliased = len(spans) * self.pages_per_chunk
+        seq = ArenaSequence(seq_id=next(self._seq_ids),
+                            base_slot=rng.first_chunk * self.pages_per_chunk,
+                            num_aliased_pages=aliased, num_pages=aliased,
+                            num_tokens=aliased * self.layout.tokens_per_page, _range=rng)
         rng.seq = seq
         return seq
 
@@ -692,6 +698,50 @@ class Arena:
         v = jax.dlpack.from_dlpack(self._res.dlpack(
             self.num_pool_layers // 2 * self._pool_layer_bytes, shape, self.layout.dtype))
         return k, v
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def prepare_step(self, work: Sequence[tuple[ArenaSequence, int]], *, batch: int,
+                     tokens: int) -> StepBatch | None:
+        """The :class:`StepBatch` of one step appending ``n`` tokens to each ``(seq, n)``, padded
+        to ``batch`` rows and ``tokens`` tokens, page tables ``[batch, max_pages_per_sequence]``
+        (``base_slot + arange``, padding the null page 0); maps the pages the new tokens need.
+
+        Returns None (no sequence advanced) when the budget cannot cover them; pages mapped for
+        earlier rows of the call stay mapped (they are the sequences' next pages anyway). The
+        arrays are fresh each call, so a dispatched step never sees them rewritten.
+        """
+        from jax_kvcm._step_batch import StepBatch
+
+        self._check_open()
+        total = sum(check_count(n, "num_new_tokens", minimum=0) for _, n in work)
+        if len(work) > batch or total > tokens:
+            raise ValueError(f"work ({len(work)} rows, {total} tokens) exceeds batch={batch} / "
+                             f"tokens={tokens}")
+        tpp = self.layout.tokens_per_page
+        for seq, n in work:
+            if not self.ensure(seq, -(-(seq.num_tokens + n) // tpp)):
+                return None
+        width = self.config.max_pages_per_sequence
+        table = np.zeros((batch, width), np.int32)
+        seq_lens = np.zeros(batch, np.int32)
+        query_start = np.full(batch + 1, total, np.int32)
+        slots = np.full(tokens, -1, np.int32)
+        positions = np.zeros(tokens, np.int32)
+        t = 0
+        for b, (seq, n) in enumerate(work):
+            end = seq.num_tokens + n
+            npg = -(-end // tpp)
+            table[b, :npg] = np.arange(seq.base_slot, seq.base_slot + npg, dtype=np.int32)
+            seq_lens[b] = end
+            query_start[b] = t
+            pos = np.arange(seq.num_tokens, end, dtype=np.int32)
+            positions[t:t + n] = pos
+            slots[t:t + n] = (seq.base_slot + pos // tpp) * tpp + pos % tpp
+            t += n
+            seq.num_tokens = end
+        return StepBatch(page_table=table, seq_lens=seq_lens, query_start=query_start,
+                         slot_mapping=slots, positions=positions)
 
     # -- capacity planning -----------------------------------------------------------------
 

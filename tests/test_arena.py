@@ -646,3 +646,30 @@ def test_bug_a_a_dispatched_step_reads_its_own_page_table():
         ring.publish(out)
         ring.fill([s], [1])  # the only buffer again: must wait for ``out``
         assert ring.num_waits == 1 and int(out) == want
+
+
+def test_prepare_step_builds_base_plus_arange_batches():
+    with make_arena(max_sequences=3, max_pages=2 * PPC, budget_chunks=5) as a:
+        s, t = a.admit(), a.admit()
+        tpp = LAYOUT.tokens_per_page
+        batch = a.prepare_step([(s, 9), (t, 1)], batch=4, tokens=16)
+        assert s.num_tokens == 9 and t.num_tokens == 1 and s.num_pages == -(-9 // tpp)
+        np.testing.assert_array_equal(batch.seq_lens, [9, 1, 0, 0])
+        np.testing.assert_array_equal(batch.query_start, [0, 9, 10, 10, 10])
+        pos = np.r_[np.arange(9), np.arange(1)]
+        row = np.r_[np.zeros(9, int), np.ones(1, int)]
+        want = batch.page_table[row, pos // tpp] * tpp + pos % tpp  # the table convention
+        np.testing.assert_array_equal(batch.slot_mapping[:10], want)
+        assert (batch.slot_mapping[10:] == -1).all() and (batch.positions[:10] == pos).all()
+        np.testing.assert_array_equal(batch.page_table[0, :3], s.base_slot + np.arange(3))
+        assert (batch.page_table[0, 3:] == 0).all() and (batch.page_table[2:] == 0).all()
+        nxt = a.prepare_step([(s, 1)], batch=1, tokens=1)
+        assert nxt.slot_mapping[0] == (s.base_slot + 9 // tpp) * tpp + 9 % tpp
+        # Budget: null + s's 1 chunk + t's 1 chunk of 5; a third sequence may take 2 more.
+        u = a.admit()
+        assert a.prepare_step([(u, 2 * PPC * tpp)], batch=1, tokens=2 * PPC * tpp) is not None
+        before = (s.num_tokens, a.stats())
+        assert a.prepare_step([(s, 2 * PPC * tpp - 10)], batch=1, tokens=1024) is None
+        assert (s.num_tokens, a.stats()) == before
+        with pytest.raises(ValueError, match="exceeds batch"):
+            a.prepare_step([(s, 1), (t, 1)], batch=1, tokens=4)
