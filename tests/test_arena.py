@@ -673,3 +673,21 @@ def test_prepare_step_builds_base_plus_arange_batches():
         assert (s.num_tokens, a.stats()) == before
         with pytest.raises(ValueError, match="exceeds batch"):
             a.prepare_step([(s, 1), (t, 1)], batch=1, tokens=4)
+
+
+def test_cuda_backend_without_a_usable_driver_is_a_clear_error():
+    """Here (no GPU): the CUDA arena refuses with a message saying why; the paged ops still run."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_kvcm
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present (tests/test_arena_gpu.py covers the CUDA arena)")
+    cfg = ArenaConfig(max_sequences=1, max_pages_per_sequence=4, budget_bytes=1 << 24)
+    with pytest.raises(RuntimeError, match="CUDA extension|virtual memory management"):
+        Arena(cfg, LAYOUT, backend="cuda")
+    k = jnp.zeros((2, 4, 2, 16))
+    k2, _ = jax_kvcm.write_kv(k, k, jnp.ones((1, 2, 16)), jnp.ones((1, 2, 16)),
+                              jnp.asarray([5], jnp.int32))
+    assert float(k2[1, 1].sum()) == 32.0
