@@ -6,20 +6,22 @@
 #   --no-bench      skip every benchmark
 #   --no-attention  skip benchmarks/attention.py
 #   --no-migration  skip benchmarks/migration.py
+#   --no-arena      skip benchmarks/arena_map.py
 #   --no-serve      skip examples/llama/run.py and benchmarks/{manager_overhead,decode_step,serve}.py
 # Logs and JSON results go to $OUT (default /tmp/kvcm_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-variants=0 verify=1 attention=1 migration=1 serve=1
+variants=0 verify=1 attention=1 migration=1 serve=1 arena=1
 for arg in "$@"; do
   case "$arg" in
     --variants) variants=1 ;;
     --no-verify) verify=0 ;;
-    --no-bench) attention=0 migration=0 serve=0 ;;
+    --no-bench) attention=0 migration=0 serve=0 arena=0 ;;
     --no-attention) attention=0 ;;
     --no-migration) migration=0 ;;
+    --no-arena) arena=0 ;;
     --no-serve) serve=0 ;;
     *) echo "unknown flag $arg"; exit 2 ;;
   esac
@@ -60,6 +62,10 @@ fi
 if [ $migration = 1 ] && [ -f benchmarks/migration.py ]; then
   step migration migration.log python3 benchmarks/migration.py --json "$OUT/migration.json"
   tail -45 "$OUT/migration.log"
+fi
+if [ $arena = 1 ] && [ -f benchmarks/arena_map.py ]; then
+  step arena-map arena_map.log python3 benchmarks/arena_map.py --json "$OUT/arena_map.json"
+  tail -12 "$OUT/arena_map.log"
 fi
 if [ $serve = 1 ]; then  # the README's main job on the GPU, then the serving benchmark
   step run.py llama_run.log bash -c "cd /tmp && python3 $PWD/examples/llama/run.py"
