@@ -21,8 +21,8 @@ fence of the last dispatched step that may read it is complete.
 Prefix aliasing: a closing sequence's fully committed chunks enter a refcounted span registry
 keyed by the caller's chunk keys (the chained block key at each chunk's end); a later admission
 with the same keys maps the *same* physical chunks into its own range (zero copy, zero budget).
-A parked range remembers which registered chunks it maps (its signature) and is preferably handed
-to an admission with that prefix. Registered chunks up to ``protected_span_fraction`` of the
+A parked range keeps the registered chunks it maps (its span signature) and is preferably handed
+to an admission with that prefix (prefix-affine adoption). Registered chunks up to ``protected_span_fraction`` of the
 budget are exempt from pressure spills.
 
 Fences: any object with ``is_ready() -> bool`` and ``block_until_ready()`` (a ``jax.Array`` output
@@ -209,7 +209,7 @@ class _Chunk:
 
 
 class _Range:
-    __slots__ = ("index", "first_chunk", "chunks", "fence", "seq", "signature", "tick")
+    __slots__ = ("index", "first_chunk", "chunks", "fence", "seq")
 
     def __init__(self, index: int, first_chunk: int, num_chunks: int) -> None:
         self.index = index
@@ -217,8 +217,6 @@ class _Range:
         self.chunks: list[_Chunk | None] = [None] * num_chunks
         self.fence: Fence | None = None  # last dispatched step that may read the range
         self.seq: ArenaSequence | None = None
-        self.signature: tuple[Hashable, ...] = ()  # registered chunk keys it maps, from chunk 0
-        self.tick = 0
 
     def num_mapped(self) -> int:
         return sum(c is not None for c in self.chunks)
@@ -316,7 +314,6 @@ class Arena:
         self._registry: OrderedDict[Hashable, _Chunk] = OrderedDict()  # LRU first
         self._used_chunks = 0
         self._seq_ids = itertools.count()
-        self._tick = itertools.count(1)
         self._counts = dict.fromkeys(
             ("adoptions", "fresh", "alias_hits", "aliased_chunks", "spilled_spans",
              "reclaimed_ranges", "blocking_drains"), 0)
@@ -458,7 +455,6 @@ class Arena:
         if spans:
             self._counts["alias_hits"] += 1
             self._counts["aliased_chunks"] += len(spans)
-        rng.signature = ()
         aliased = len(spans) * self.pages_per_chunk
         seq = ArenaSequence(seq_id=next(self._seq_ids),
                             base_slot=rng.first_chunk * self.pages_per_chunk,
@@ -478,7 +474,7 @@ class Arena:
                              f"({self.config.max_pages_per_sequence})")
         want = -(-num_pages // self.pages_per_chunk)
         missing = [i for i in range(want) if rng.chunks[i] is None]
-        if missing and not self._reclaim(len(missing), keep=rng):
+        if missing and not self._reclaim(len(missing)):
             return False
         for i in missing:
             c = self._new_chunk()
@@ -500,7 +496,6 @@ class Arena:
         rng = self._active_range(seq, "seq")
         seq._range = None
         rng.seq = None
-        sig: list[Hashable] = []
         if self.config.prefix_aliasing:
             for i, key in enumerate(list(committed_keys)[:self.max_span_chunks]):
                 c = rng.chunks[i]
@@ -512,12 +507,9 @@ class Arena:
                     c.refs += 1  # the registry's hold
                     self._registry[key] = c
                     reg = c
-                if reg is not c:
+                if reg is not c:  # NOTE: a duplicate of a registered span: keep ours private
                     break
-                sig.append(key)
-        rng.signature = tuple(sig)
         if self.config.adoption:
-            rng.tick = next(self._tick)
             self._parked[rng.index] = rng
         else:
             self._reclaim_range(rng, blocking=True)
@@ -534,7 +526,6 @@ class Arena:
             if c is not None:
                 self._unmap_chunk(rng, i)
         rng.fence = None
-        rng.signature = ()
         self._parked.pop(rng.index, None)
         self._free.append(rng)
         self._counts["reclaimed_ranges"] += 1
@@ -555,7 +546,7 @@ class Arena:
                 self._counts["spilled_spans"] += 1
                 spillable -= 1
 
-    def _reclaim(self, need: int, *, keep: _Range | None = None) -> bool:
+    def _reclaim(self, need: int) -> bool:
         """Frees budget for ``need`` chunks. The ladder: parked ranges whose readers are done
         (oldest first), unprotected spans, then a blocking drain of the remaining parked ranges
         (the seed's bug (b): frees whose fence is pending must not deadlock an allocation that
@@ -566,7 +557,7 @@ class Arena:
             for rng in list(self._parked.values()):
                 if self.num_free_chunks >= need:
                     return True
-                if rng is not keep and rng.num_mapped():
+                if rng.num_mapped():
                     self._reclaim_range(rng, blocking=blocking)
             self._spill_spans(need, protect=min(self._protected_chunks, len(self._registry)))
             if self.num_free_chunks >= need:
