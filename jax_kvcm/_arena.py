@@ -746,6 +746,15 @@ class Arena:
         per = max(1, self.chunks_for(num_pages))
         return min(self.config.max_sequences, (self.budget_chunks - 1) // per)
 
+    def max_pages_for(self, num_sequences: int) -> int:
+        """The most pages each of ``num_sequences`` sequences can have at once (whole chunks,
+        capped by ``max_pages_per_sequence``); 0 when they do not fit at all."""
+        n = check_count(num_sequences, "num_sequences", minimum=1)
+        if n > self.config.max_sequences:
+            return 0
+        chunks = (self.budget_chunks - 1) // n
+        return min(self.config.max_pages_per_sequence, chunks * self.pages_per_chunk)
+
     def can_grow(self, num_chunks: int) -> bool:
         """True when ``num_chunks`` more chunks fit without spilling protected spans (free
         budget plus what parked ranges and unprotected unreferenced spans hold)."""

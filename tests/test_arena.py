@@ -161,6 +161,10 @@ def test_growth_maps_chunks_on_demand_and_fails_as_a_value():
         with pytest.raises(ValueError, match="max_pages_per_sequence"):
             a.ensure(t, 3 * PPC + 1)
         assert a.max_num_sequences(PPC) == 3 and a.max_num_sequences(2 * PPC) == 1
+        assert a.max_pages_for(1) == 3 * PPC and a.max_pages_for(2) == PPC
+        assert a.max_pages_for(3) == PPC and a.max_pages_for(4) == 0
+        for n in range(1, 4):  # the two planners agree
+            assert a.max_num_sequences(a.max_pages_for(n)) >= n
 
 
 def test_adoption_steady_state_has_no_map_calls_and_flat_memory():
