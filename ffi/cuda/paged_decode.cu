@@ -27,6 +27,42 @@ constexpr int DecodeSmemBytes() {
   return kWarps * kStages * 2 * kTile * D * 2;
 }
 
+// Online-softmax update of a decode tile (2 n-tiles of 8 tokens, log2 domain, already masked).
+// Rows 8..15 (h == 1) are skipped unless two_halves. The accumulator is rescaled only when some
+// lane's running max grew (warp vote): after the first tiles that is rare, and it saves
+// D / 4 multiplies per tile.
+template <int NO>
+__device__ __forceinline__ void DecodeSoftmax(float (&s)[2][4], float (&o)[NO][4], float (&m)[2],
+                                              float (&l)[2], bool two_halves) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (h == 1 && !two_halves) break;
+    float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[h], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][2 * h] = FastExp2(s[nt][2 * h] - base);
+      s[nt][2 * h + 1] = FastExp2(s[nt][2 * h + 1] - base);
+      sum += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    if (__any_sync(0xffffffffu, m_new > m[h])) {
+      const float alpha = FastExp2(m[h] - base);  // 1 where this lane's max did not grow
+      l[h] *= alpha;
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        o[n][2 * h] *= alpha;
+        o[n][2 * h + 1] *= alpha;
+      }
+    }
+    l[h] += sum;
+    m[h] = m_new;
+  }
+}
+
 struct DecodeParams {
   AttentionArgs a;
   LogitTransform logit;
@@ -45,6 +81,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int G = int(s.group());
+  const bool two_halves = G > 8;  // query heads fill rows 8..15 of the m16 tile too
   const int P = int(s.cache.page_size);
 
   extern __shared__ uint4 smem_raw[];
@@ -86,7 +123,8 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   T* wsmem = smem + warp * kStages * 2 * kTileElems;
 
   // Page indices of a tile, lane-uniform: a 16-token tile spans one page (P >= 16) or two
-  // (P == 8). Fetched one iteration ahead so their latency hides behind the compute.
+  // (P == 8). Fetched one iteration ahead so their latency hides behind the compute (fetching
+  // a 32-iteration chunk ahead measured the same on the H200).
   auto fetch_pages = [&](int it, int& page_lo, int& page_hi) {
     page_lo = page_hi = 0;
     if (it < my_count) {
@@ -95,26 +133,42 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
       page_hi = (P >= 16 || first + 8 >= len) ? page_lo : pages[(first + 8) >> p.page_shift];
     }
   };
+
+  // Each lane copies the 16-byte chunks (row, ch) with ch = lane % kChunks and rows
+  // lane / kChunks + j * kRowsPerLoad: the row-dependent part of every address is a compile-time
+  // multiple of the token stride, so a tile costs one page check and two adds per chunk.
+  constexpr int kRowsPerLoad = 32 / kChunks;
+  constexpr int kLoads = kTile / kRowsPerLoad;
+  const int lane_row = lane / kChunks, lane_ch = lane % kChunks;
+  const int64_t lane_off = int64_t(lane_row) * token_stride + lane_ch * 8;
   auto load_tile = [&](int it, int stage, int page_lo, int page_hi) {
     const int first = (my_lo + warp + it * kWarps) * kTile;
     T* ks = wsmem + stage * 2 * kTileElems;
     T* vs = ks + kTileElems;
+    // Rows 0..7 read page_lo, rows 8..15 page_hi (the same page unless P == 8, and then always
+    // read). With P == 8 a page is checked only when one of its rows is in [lo, len).
+    const bool lo_used = P > 8 || first + 8 > lo;
+    const bool hi_used = P > 8 || first + 8 < len;
+    const bool bad = (lo_used && uint32_t(page_lo) >= uint32_t(s.cache.num_pages)) ||
+                     (hi_used && uint32_t(page_hi) >= uint32_t(s.cache.num_pages));
+    if (bad) bits |= kBadPage;
+    const int in_page = first & (P - 1);  // 0 when P == 8 (tiles are 16-aligned)
+    // Unread or bad pages become page 0, so that no address is out of bounds.
+    const int64_t off_lo =
+        (int64_t(bad || !lo_used ? 0 : page_lo) * P + in_page) * token_stride + lane_off;
+    const int64_t off_hi =
+        P == 8 ? (int64_t(bad || !hi_used ? 0 : page_hi) * P - 8) * token_stride + lane_off : off_lo;
+    const bool full = !bad && first >= lo && first + kTile <= len;
 #pragma unroll
-    for (int i = lane; i < kTile * kChunks; i += 32) {
-      const int row = i / kChunks, ch = i % kChunks;
+    for (int j = 0; j < kLoads; ++j) {
+      const int row = lane_row + j * kRowsPerLoad;
+      // j * kRowsPerLoad >= 8 is a compile-time choice of page (rows differ by < kRowsPerLoad
+      // across lanes, and kRowsPerLoad divides 8).
+      const int64_t off = (j * kRowsPerLoad >= 8 ? off_hi : off_lo) +
+                          int64_t(j * kRowsPerLoad) * token_stride;
       const int pos = first + row;
-      const int page = (P == 8 && row >= 8) ? page_hi : page_lo;
-      bool valid = pos >= lo && pos < len;
-      int64_t off = 0;
-      if (valid) {
-        if (page < 0 || page >= s.cache.num_pages) {
-          bits |= kBadPage;
-          valid = false;
-        } else {
-          off = (int64_t(page) * P + (pos & (P - 1))) * token_stride + ch * 8;
-        }
-      }
-      const int so = SwizzledOffset<kChunks>(row, ch);
+      const bool valid = full || (!bad && pos >= lo && pos < len);
+      const int so = SwizzledOffset<kChunks>(row, lane_ch);
       if constexpr (kL2Hint) {
         CpAsync16L2(SmemAddr(ks + so), kbase + off, valid);
         CpAsync16L2(SmemAddr(vs + so), vbase + off, valid);
@@ -169,17 +223,35 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) sc[nt][j] += sd[nt][j];
+    // Rows 8..15 of the m16 tile hold query heads only when G > 8; otherwise their logits are
+    // neither transformed nor used (their P fragments below are zero).
     const int tile_pos = (my_lo + warp + it * kWarps) * kTile;
+    const int num_j = two_halves ? 4 : 2;
+    if (p.logit.soft_cap > 0.f) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int pos = tile_pos + nt * 8 + c0 + (j & 1);
-        sc[nt][j] = (pos >= lo && pos < len) ? p.logit(sc[nt][j]) : -INFINITY;
-      }
-    OnlineSoftmax<2, D / 8>(sc, o, m, l);
-    const uint32_t pa[4] = {Mma<T>::pack(sc[0][0], sc[0][1]), Mma<T>::pack(sc[0][2], sc[0][3]),
-                            Mma<T>::pack(sc[1][0], sc[1][1]), Mma<T>::pack(sc[1][2], sc[1][3])};
+        for (int j = 0; j < 4; ++j)
+          if (j < num_j) sc[nt][j] = p.logit.capped(sc[nt][j]);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sc[nt][j] *= p.logit.scale_log2;
+    }
+    if (tile_pos < lo || tile_pos + kTile > len) {  // a partial tile: mask (warp-uniform)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int pos = tile_pos + nt * 8 + c0 + (j & 1);
+          if (pos < lo || pos >= len) sc[nt][j] = -INFINITY;
+        }
+    }
+    DecodeSoftmax<D / 8>(sc, o, m, l, two_halves);
+    const uint32_t pa[4] = {
+        Mma<T>::pack(sc[0][0], sc[0][1]), two_halves ? Mma<T>::pack(sc[0][2], sc[0][3]) : 0u,
+        Mma<T>::pack(sc[1][0], sc[1][1]), two_halves ? Mma<T>::pack(sc[1][2], sc[1][3]) : 0u};
 #pragma unroll
     for (int n = 0; n < D / 8; n += 2) {
       uint32_t r[4];
@@ -316,8 +388,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
 
   DecodeParams p;
   p.a = a;
-  const float log2e = 1.4426950408889634f;
-  p.logit = LogitTransform{a.scale * log2e, a.scale, a.soft_cap, a.soft_cap * log2e};
+  p.logit = LogitTransform::Make(a.scale, a.soft_cap);
   p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
   p.num_splits = int(splits);
   p.part_o = nullptr;

@@ -321,8 +321,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
     return ffi::Error::Internal("ragged_paged_attention: workspace allocation failed");
   PrefillParams p;
   p.a = a;
-  const float log2e = 1.4426950408889634f;
-  p.logit = LogitTransform{a.scale * log2e, a.scale, a.soft_cap, a.soft_cap * log2e};
+  p.logit = LogitTransform::Make(a.scale, a.soft_cap);
   p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
   p.tile_offsets = static_cast<const int32_t*>(offsets);
 

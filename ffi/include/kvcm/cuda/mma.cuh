@@ -97,13 +97,19 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
 // Logit transform shared by the tensor-core kernels: scale, optional soft cap, then log2(e) so
 // that softmax uses exp2.
 struct LogitTransform {
-  float scale_log2;  // scale * log2(e), used when there is no soft cap
-  float scale;
-  float soft_cap;    // <= 0: none
-  float cap_log2;    // soft_cap * log2(e)
+  float scale_log2;      // scale * log2(e), used when there is no soft cap
+  float soft_cap;        // <= 0: none
+  float scale_over_cap;  // scale / soft_cap
+  float cap_log2;        // soft_cap * log2(e)
+  static LogitTransform Make(float scale, float soft_cap) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    return {scale * kLog2e, soft_cap, soft_cap > 0.f ? scale / soft_cap : 0.f, soft_cap * kLog2e};
+  }
+  __device__ __forceinline__ float capped(float dot) const {
+    return cap_log2 * FastTanh(dot * scale_over_cap);
+  }
   __device__ __forceinline__ float operator()(float dot) const {
-    if (soft_cap > 0.f) return cap_log2 * FastTanh(dot * scale / soft_cap);
-    return dot * scale_log2;
+    return soft_cap > 0.f ? capped(dot) : dot * scale_log2;
   }
 };
 
