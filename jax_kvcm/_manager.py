@@ -1,16 +1,23 @@
 """KVCacheManager: sequences, fixed-shape step buffers, prefix reuse, eviction, suspend/resume.
 
-One :class:`~jax_kvcm._storage.StorageManager` underneath (one hot pool group per layer group).
-Every sequence has one page per layer group per ``tokens_per_page`` tokens, allocated in lockstep
-over the layer groups. In a sliding-window group, pages that left the window of every future query
-of the sequence are released as it grows (see "sliding windows" below), so what it holds there
-is bounded; its page-table entries for them are the null page.
+One :class:`~jax_kvcm._storage.StorageManager` underneath (one hot pool group per layer group);
+its :class:`~jax_kvcm._types.PoolLayout` (pool groups and page bytes per level) is computed once
+there. Every sequence has one page per layer group per ``tokens_per_page`` tokens, allocated in
+lockstep over the layer groups.
 
-Hot-path layout (DESIGN.md §4, seed 001: no per-page Python objects per step): the manager owns a
-row table ``_table[G, R, P]`` int32 and per-row ``_len / _npages / _ncommit / _known`` arrays and a
-token matrix; a sequence is a row. ``prepare_step`` gathers rows with numpy fancy indexing; the
-only per-page Python object is the :class:`BlockNode` created when a page is committed (once per
-page, amortized over ``tokens_per_page`` decode steps).
+The manager is a facade over one group manager per layer-group kind, each owning the page tables
+of its groups: :class:`~jax_kvcm._full_group.FullGroups` (full attention: a row of
+``ceil(max_seq_len / tokens_per_page)`` entries, page ``j`` at entry ``j``) and
+:class:`~jax_kvcm._window_group.WindowGroups` (sliding windows: pages that left the window of
+every future query are released as the sequence grows, and the row is a bounded ring; all window
+logic lives there). The facade owns the sequences, the prefix tree, eviction, the tiers and the
+step protocol.
+
+Hot-path layout (DESIGN.md §4, seed 001: no per-page Python objects per step): the group managers
+own row tables ``[K, rows, width]`` int32, the facade per-row ``_len / _npages / _ncommit /
+_known`` arrays and a token matrix; a sequence is a row. ``prepare_step`` gathers rows with numpy
+fancy indexing; the only per-page Python object is the :class:`BlockNode` created when a page is
+committed (once per page, amortized over ``tokens_per_page`` decode steps).
 
 Step protocol: ``prepare_step`` -> the user's jitted step (donating :attr:`caches`) ->
 ``complete_step(new caches)``. Between the two the pools are owned by the step: calls that move
@@ -40,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence as _Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +57,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvcm._codec import ColdPageCodec
+from jax_kvcm._full_group import FullGroups, GroupTables
+from jax_kvcm._pool_ratios import (split_device_budget, weights_from_ratio,
+                                   weights_from_typical_batch)
 from jax_kvcm._prefix_tree import NO_PAGE, BlockNode, PrefixTree, salt_bytes
 from jax_kvcm._step_batch import StepBatch, default_buckets, pick_bucket
 from jax_kvcm._storage import (CorruptPageError, LayerGroupSpec, StorageConfig, StorageEvent,
                                StorageManager)
-from jax_kvcm._types import CacheLevel, check_count
+from jax_kvcm._types import (CacheLevel, LayerGroupLayout, PoolGroupIndex, check_count,
+                             hot_page_bytes)
+from jax_kvcm._window_group import WindowGroups, ring_width, window_peak_pages
 
 __all__ = [
     "KVCacheConfig",
@@ -63,7 +75,9 @@ __all__ = [
     "ManagerEvent",
     "OutOfPagesError",
     "Sequence",
+    "SequencePhase",
     "SequenceState",
+    "SequenceView",
     "StepInFlightError",
     "SuspendResult",
 ]
@@ -91,6 +105,42 @@ class SequenceState(enum.Enum):
     ACTIVE = "active"
     SUSPENDED = "suspended"
     CLOSED = "closed"
+
+
+class SequencePhase(enum.Enum):
+    """Where a sequence is in its life (the seed's request phases):
+
+    - ADMITTED: added (prefix matched), not yet in any prepared step;
+    - EXECUTING: has been in a prepared step (ACTIVE or SUSPENDED);
+    - FINISHING: closed, but pages it released wait for the fence of a step that may still read
+      them (they return to the pool once that step completed);
+    - FINISHED: closed and every page it held is free or cached."""
+
+    ADMITTED = "admitted"
+    EXECUTING = "executing"
+    FINISHING = "finishing"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceView:
+    """:meth:`KVCacheManager.state` of one sequence (a snapshot; per layer group ``[G]`` tuples).
+
+    - ``retained``: ``(first, end)`` absolute page indices the sequence holds in each group
+      (``first > 0`` only in sliding-window groups: pages before it left every window);
+    - ``ring_entries``: entries of its page-table row per group (a window group's ring ``R``;
+      ``ceil(max_seq_len / tokens_per_page)`` for full groups); page ``j`` sits at entry
+      ``j % ring_entries[g]``;
+    - ``pending_retirements``: pages it released (window moves, close) that still wait for the
+      fence of the last step that read them, per group."""
+
+    seq_id: int
+    state: SequenceState
+    phase: SequencePhase
+    num_tokens: int
+    retained: tuple[tuple[int, int], ...]
+    ring_entries: tuple[int, ...]
+    pending_retirements: tuple[int, ...]
 
 
 class SuspendResult(enum.Enum):
@@ -140,9 +190,29 @@ class KVCacheConfig:
     """Validated on construction; a bad value raises naming the field.
 
     ``device_pages``: usable device pages per layer group (an int for all, or one per group); or
-    ``device_bytes``: a total device budget split into whole pages (every group gets the same
-    count, since pages are allocated in lockstep). Buckets default to powers of two up to the
-    maxima (token buckets start at ``tokens_per_page``).
+    ``device_bytes``: a total device budget split into whole pages (the null page of each pool
+    comes on top). How it is split between layer groups:
+
+    - default: every group gets the same count (pages are allocated in lockstep);
+    - ``pool_ratio``: one positive byte weight per layer group;
+    - ``typical_batch``: the context lengths (tokens) of a typical batch; each group's byte weight
+      is the pages the batch's sequences hold there at their peak (a sliding-window group holds
+      at most ``ceil((W + C - 2) / P) + 1``, see :mod:`jax_kvcm._window_group`) times its page
+      bytes, so window groups stop holding pages they can never use.
+
+    Both go through :func:`jax_kvcm._pool_ratios.split_device_budget`; the resulting
+    ``device_pages`` tuple is what the manager and :meth:`KVCacheManager.max_num_sequences` use.
+
+    Sliding-window groups: ``ring_tables`` makes their page-table rows rings of
+    ``table_widths[g]`` entries (independent of ``max_seq_len``; the attention ops must then be
+    called with ``ring_table=True``); off (the default, for callers whose ops read absolute
+    tables) their rows are ``pages_per_seq`` wide. ``max_window_chunk``: the most new tokens one
+    sequence may add in one step when a window group exists (default ``max_tokens_per_step``;
+    ``prepare_step`` raises beyond it); the rings are sized for it, so a runner that splits
+    prefill into smaller chunks gets smaller rings (and a smaller peak per sequence).
+
+    Buckets default to powers of two up to the maxima (token buckets start at
+    ``tokens_per_page``).
     """
 
     tokens_per_page: int
@@ -158,6 +228,10 @@ class KVCacheConfig:
     max_seq_len: int = 4096
     batch_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
+    pool_ratio: tuple[float, ...] | None = None
+    typical_batch: tuple[int, ...] | None = None
+    ring_tables: bool = False
+    max_window_chunk: int | None = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -184,16 +258,31 @@ class KVCacheConfig:
             if g.sliding_window is not None:
                 check_count(g.sliding_window, f"layer_groups[{i}].sliding_window", minimum=1)
         s(self, "layer_groups", groups)
-        page_bytes = [2 * g.num_layers * self.tokens_per_page * g.num_kv_heads * g.head_dim
-                      * jnp.dtype(g.dtype).itemsize for g in groups]
+        check_count(self.max_tokens_per_step, "max_tokens_per_step", minimum=1)
+        check_count(self.max_seq_len, "max_seq_len", minimum=1)
+        if not isinstance(self.ring_tables, bool):
+            raise TypeError("ring_tables must be a bool")
+        s(self, "max_window_chunk", self.max_tokens_per_step if self.max_window_chunk is None
+          else check_count(self.max_window_chunk, "max_window_chunk", minimum=1))
+        page_bytes = [hot_page_bytes(g.num_layers, self.tokens_per_page, g.num_kv_heads,
+                                     g.head_dim, g.dtype) for g in groups]
         if (self.device_pages is None) == (self.device_bytes is None):
             raise ValueError("exactly one of device_pages and device_bytes must be given")
+        if (self.pool_ratio is not None or self.typical_batch is not None) and (
+                self.device_bytes is None):
+            raise ValueError("pool_ratio and typical_batch split device_bytes: give device_bytes")
+        if self.pool_ratio is not None and self.typical_batch is not None:
+            raise ValueError("give at most one of pool_ratio and typical_batch")
         if self.device_bytes is not None:
             nbytes = check_count(self.device_bytes, "device_bytes", minimum=1)
-            n = nbytes // sum(page_bytes)
-            if n < 1:
-                raise ValueError(f"device_bytes {nbytes} holds no page ({sum(page_bytes)} bytes)")
-            pages = (n,) * len(groups)
+            if self.pool_ratio is None and self.typical_batch is None:
+                n = nbytes // sum(page_bytes)
+                if n < 1:
+                    raise ValueError(f"device_bytes {nbytes} holds no page ({sum(page_bytes)} "
+                                     "bytes)")
+                pages = (n,) * len(groups)
+            else:
+                pages = self._split_device_bytes(nbytes, page_bytes)
         elif isinstance(self.device_pages, (tuple, list)):
             if len(self.device_pages) != len(groups):
                 raise ValueError(f"device_pages has {len(self.device_pages)} entries for "
@@ -210,8 +299,6 @@ class KVCacheConfig:
         if not isinstance(self.enable_prefix_reuse, bool):
             raise TypeError("enable_prefix_reuse must be a bool")
         check_count(self.max_batch, "max_batch", minimum=1)
-        check_count(self.max_tokens_per_step, "max_tokens_per_step", minimum=1)
-        check_count(self.max_seq_len, "max_seq_len", minimum=1)
         bb = (default_buckets(self.max_batch) if self.batch_buckets is None
               else _check_buckets(self.batch_buckets, "batch_buckets", self.max_batch))
         tb = (default_buckets(self.max_tokens_per_step, min(self.tokens_per_page,
@@ -221,10 +308,62 @@ class KVCacheConfig:
         s(self, "batch_buckets", bb)
         s(self, "token_buckets", tb)
 
+    def _split_device_bytes(self, nbytes: int, page_bytes: list[int]) -> tuple[int, ...]:
+        """Usable pages per layer group from ``pool_ratio`` or ``typical_batch``."""
+        groups = self.layer_groups
+        if self.pool_ratio is not None:
+            try:
+                ratio = tuple(self.pool_ratio)
+            except TypeError:
+                raise TypeError("pool_ratio must be a sequence of numbers") from None
+            if len(ratio) != len(groups):
+                raise ValueError(f"pool_ratio has {len(ratio)} entries for {len(groups)} layer "
+                                 "groups")
+            weights = weights_from_ratio(ratio)
+        else:
+            try:
+                batch = tuple(self.typical_batch)
+            except TypeError:
+                raise TypeError("typical_batch must be a sequence of context lengths") from None
+            if not batch:
+                raise ValueError("typical_batch must not be empty")
+            lens = [min(check_count(n, f"typical_batch[{i}]", minimum=1), self.max_seq_len)
+                    for i, n in enumerate(batch)]
+            tokens = sum(self.peak_pages(n) for n in lens) * self.tokens_per_page
+            per_token = [b // self.tokens_per_page for b in page_bytes]
+            weights = weights_from_typical_batch(tokens.tolist(), per_token)
+        # NOTE: the device split's one-group-per-layer-group layout (the cold fields are unused
+        # at the DEVICE level).
+        layouts = [LayerGroupLayout(i, PoolGroupIndex(i), b, PoolGroupIndex(i), b)
+                   for i, b in enumerate(page_bytes)]
+        try:
+            split = split_device_budget(nbytes, weights, layouts, num_reserved_slots=0)
+        except ValueError as e:
+            raise ValueError(f"device_bytes {nbytes}: {e}") from None
+        return tuple(p.num_slots for p in split)
+
     @property
     def pages_per_seq(self) -> int:
-        """``P``: page-table width."""
+        """``P``: page-table width of full-attention groups."""
         return -(-self.max_seq_len // self.tokens_per_page)
+
+    @property
+    def table_widths(self) -> tuple[int, ...]:
+        """Page-table entries per row of each layer group: ``pages_per_seq`` for full attention
+        (and for windows without ``ring_tables``), the ring ``R = ceil((W + C - 2) / P) + 1``
+        (``C = max_window_chunk``, at most ``pages_per_seq``) for a window ``W`` with them."""
+        P = self.pages_per_seq
+        return tuple(ring_width(g.sliding_window, self.tokens_per_page, self.max_window_chunk, P)
+                     if g.sliding_window and self.ring_tables else P for g in self.layer_groups)
+
+    def peak_pages(self, seq_len: int) -> np.ndarray:
+        """``[G]``: device pages per layer group one sequence of ``seq_len`` tokens may hold at
+        once. Full attention: all of them; window W: ``ceil((W + n - 2) / P) + 1`` during a
+        step of ``n = min(seq_len, max_tokens_per_step, max_window_chunk)`` new tokens."""
+        pages = -(-seq_len // self.tokens_per_page)
+        n = min(seq_len, self.max_tokens_per_step, self.max_window_chunk)
+        return np.asarray([min(pages, window_peak_pages(g.sliding_window, self.tokens_per_page, n))
+                           if g.sliding_window else pages for g in self.layer_groups], np.int64)
 
 
 # -- sequences -------------------------------------------------------------------------------
@@ -235,7 +374,7 @@ class Sequence:
     from the prefix cache at :meth:`KVCacheManager.add_sequence` (prefill can skip them)."""
 
     __slots__ = ("_mgr", "_row", "_nodes", "state", "num_reused_tokens", "seq_id", "_salt",
-                 "_parked", "__weakref__")
+                 "_parked", "_done_step", "__weakref__")
 
     def __init__(self, mgr: KVCacheManager, row: int, seq_id: int, salt: bytes) -> None:
         self._mgr = mgr
@@ -246,6 +385,7 @@ class Sequence:
         self.seq_id = seq_id
         self._salt = salt
         self._parked: tuple[CacheLevel, np.ndarray] | None = None  # suspended private pages
+        self._done_step = 0  # closed: the step that must complete before its pages are free
 
     @property
     def num_tokens(self) -> int:
@@ -256,12 +396,23 @@ class Sequence:
     def num_pages(self) -> int:
         return int(self._mgr._npages[self._row]) if self.state is not SequenceState.CLOSED else 0
 
+    @property
+    def row(self) -> int:
+        """The sequence's row in the manager's tables (changes only by
+        :meth:`KVCacheManager.compact`)."""
+        return self._row
+
+    @property
+    def phase(self) -> SequencePhase:
+        """See :class:`SequencePhase`."""
+        return self._mgr._phase(self)
+
     def page_ids(self, layer_group: int = 0) -> np.ndarray:
-        """Device slots of this sequence's pages (a copy; ACTIVE sequences only). In a
-        sliding-window layer group, pages no future query of the sequence can see are released
-        and read 0 (the null page)."""
+        """Device slots of this sequence's pages by absolute page index (a copy; ACTIVE
+        sequences only). In a sliding-window layer group, pages no future query of the sequence
+        can see are released and read 0 (the null page)."""
         m = self._mgr
-        return m._table[layer_group, self._row, :m._npages[self._row]].copy()
+        return m._row_pages(self._row, 0, int(m._npages[self._row]))[layer_group].copy()
 
     def __repr__(self) -> str:
         return f"Sequence(id={self.seq_id}, state={self.state.value})"
@@ -309,21 +460,22 @@ class KVCacheManager:
                           host_bytes=config.host_bytes, disk_dir=config.disk_dir,
                           disk_bytes=config.disk_bytes), cold_page_codec, device=device)
         self.tree = PrefixTree(_hash_fn, self._G)
-        # Sliding-window layer groups (see _advance_windows).
-        self._window = np.asarray([g.sliding_window or 0 for g in config.layer_groups], np.int64)
-        self._wg = [g for g in range(self._G) if self._window[g]]
-        # NOTE: wlru[g]: referenced device nodes whose page of group g no holder's window
-        # covers (need[g] == 0): cached like an unreferenced node's pages (dropped under
-        # pressure, oldest first), but only that one page.
-        self._wlru: list[OrderedDict[int, BlockNode]] = [OrderedDict() for _ in range(self._G)]
-        self._levels = [lv for lv in CacheLevel if self.storage.has_level(lv)]
+        # One group manager per layer-group kind (each owns its groups' page tables).
+        full = [g for g, lg in enumerate(config.layer_groups) if not lg.sliding_window]
+        wins = [g for g, lg in enumerate(config.layer_groups) if lg.sliding_window]
+        self._full = FullGroups(full, [self._P] * len(full)) if full else None
+        self._win = (WindowGroups(wins, [config.layer_groups[g].sliding_window for g in wins],
+                                  self._tpp, self._P, config.max_window_chunk,
+                                  config.ring_tables, self._G) if wins else None)
+        self._kinds: list[GroupTables] = [k for k in (self._full, self._win) if k is not None]
+        self._widths = np.asarray(config.table_widths, np.int64)
+        self._width = int(self._widths.max())  # StepBatch.page_table's last axis
+        self._zeros_g = np.zeros(self._G, np.int64)
+        layout = self.storage.layout
+        self._levels = list(layout.levels)
         # Pool of each layer group per level (cold layer groups with equal page sizes share one).
-        self._pool_of: dict[CacheLevel, np.ndarray] = {}
-        for lv in self._levels:
-            ids = [id(self.storage.allocator(lv, g)) for g in range(self._G)]
-            self._pool_of[lv] = np.asarray([list(dict.fromkeys(ids)).index(i) for i in ids])
-        self._page_bytes = {lv: np.asarray([self.storage.page_bytes(lv, g) for g in range(self._G)])
-                            for lv in self._levels}
+        self._pool_of = {lv: layout.pool_of(lv) for lv in self._levels}
+        self._page_bytes = {lv: layout.page_bytes(lv) for lv in self._levels}
         self._disk_chunk = 1 << 30
         if self.storage._ring is not None:
             self._disk_chunk = max(1, self.storage._ring.capacity
@@ -333,14 +485,14 @@ class KVCacheManager:
         self.storage.add_observer(self._emit)
         self._stats = _Stats()
         # Row arrays (grown by doubling).
-        self._table = np.zeros((self._G, 0, self._P), np.int32)
         self._tokens = np.zeros((0, self._P * self._tpp), np.int32)
         self._len = np.zeros(0, np.int64)
         self._npages = np.zeros(0, np.int64)
         self._known = np.zeros(0, np.int64)
         self._ncommit = np.zeros(0, np.int64)    # == len(seq._nodes)
         self._commit_ok = np.zeros(0, np.int64)  # 1 while the sequence may commit pages
-        self._wrel = np.zeros((self._G, 0), np.int64)  # leading pages released, per group
+        self._ran = np.zeros(0, np.int64)        # 1 once the sequence was in a prepared step
+        self._seq_id = np.zeros(0, np.int64)     # the seq_id of the row's sequence
         self._free_rows: list[int] = []
         self._grow_rows(16)
         self._seqs: dict[int, Sequence] = {}
@@ -350,30 +502,45 @@ class KVCacheManager:
         self._step_index = 0        # completed steps
         self._fence: Any = None     # an output array of the latest completed step
         self._ready_upto = 0        # every step <= this is known complete
-        # NOTE: pending frees: (step index that must complete, slots [G, n]); step index None
-        # means "the step in flight" (tagged at complete_step).
+        # NOTE: pending frees: [step index that must complete, slots [G, n], owner seq ids [n]
+        # or None]; step index None means "the step in flight" (tagged at complete_step).
         # Entries NO_PAGE are no page (a layer group with nothing to free there).
         self._pending: list[list[Any]] = []
         self._num_pending = np.zeros(self._G, np.int64)
         self._closed_in_step = False
+        self._shut = False
 
     # -- small helpers -----------------------------------------------------------------------
+
+    _ROW_ARRAYS = ("_len", "_npages", "_known", "_ncommit", "_commit_ok", "_ran", "_seq_id")
 
     def _grow_rows(self, n: int) -> None:
         old = self._len.size
         new = max(n, 2 * old)
-        table = np.zeros((self._G, new, self._P), np.int32)
-        table[:, :old] = self._table
+        for kind in self._kinds:
+            kind.grow(new)
         tokens = np.zeros((new, self._tokens.shape[1]), np.int32)
         tokens[:old] = self._tokens
-        wrel = np.zeros((self._G, new), np.int64)
-        wrel[:, :old] = self._wrel
-        self._table, self._tokens, self._wrel = table, tokens, wrel
-        for name in ("_len", "_npages", "_known", "_ncommit", "_commit_ok"):
+        self._tokens = tokens
+        for name in self._ROW_ARRAYS:
             arr = np.zeros(new, np.int64)
             arr[:old] = getattr(self, name)
             setattr(self, name, arr)
         self._free_rows.extend(range(new - 1, old - 1, -1))
+
+    def _row_pages(self, row: int, first: int, last: int) -> np.ndarray:
+        """``[G, last - first]`` slots of pages ``first..last-1`` of ``row`` (0: none, e.g.
+        released by a window)."""
+        if len(self._kinds) == 1:
+            return self._kinds[0].pages(row, first, last)
+        out = np.zeros((self._G, last - first), np.int32)
+        for kind in self._kinds:
+            out[kind.ids] = kind.pages(row, first, last)
+        return out
+
+    def _wrel_at(self, num_tokens: int) -> np.ndarray:
+        """``[G]``: leading window-released pages of a holder of ``num_tokens`` tokens."""
+        return self._win.wrel_at(num_tokens) if self._win else self._zeros_g
 
     def _emit(self, event: Any) -> None:
         self.events.append(event)
@@ -425,7 +592,8 @@ class KVCacheManager:
             return 0
         self._poll_fence(block)
         keep, n = [], 0
-        for step, slots in self._pending:
+        for entry in self._pending:
+            step, slots = entry[0], entry[1]
             if step is not None and step <= self._ready_upto:
                 for g in range(self._G):
                     s = slots[g]
@@ -434,17 +602,18 @@ class KVCacheManager:
                     self._num_pending[g] -= s.size
                     n += s.size
             else:
-                keep.append([step, slots])
+                keep.append(entry)
         self._pending = keep
         return n
 
-    def _defer_free(self, slots: np.ndarray) -> None:
+    def _defer_free(self, slots: np.ndarray, owners: np.ndarray | int | None = None) -> None:
         """Device slots ``[G, n]`` (``NO_PAGE`` entries skipped) to free once the last step that
-        may read them completed."""
+        may read them completed; ``owners``: the seq id (or one per column) that released them
+        (for :meth:`state`)."""
         if slots.shape[1] == 0:
             return
         step = None if self._in_step is not None else self._step_index
-        self._pending.append([step, slots])
+        self._pending.append([step, slots, owners])
         self._num_pending += np.count_nonzero(slots >= 0, axis=1)
 
     # -- room: free, pending, cached pages per pool ------------------------------------------
@@ -474,8 +643,8 @@ class KVCacheManager:
         out = self.tree.cached_pages(level)
         if level is D:
             out += self._num_pending
-            for g in self._wg:
-                out[g] += len(self._wlru[g])
+            if self._win:
+                out += self._win.num_unneeded()
         return out
 
     def _room(self, level: CacheLevel, need: np.ndarray, keep: np.ndarray | None = None) -> bool:
@@ -500,11 +669,8 @@ class KVCacheManager:
             lack -= self._per_pool(D, self._num_pending)
         pools = self._pool_of[level]
         short = lack[pools] > 0
-        if level is D:
-            for g in self._wg:
-                if short[g] and self._wlru[g]:
-                    self._drop_window_pages(g, int(lack[pools[g]]))
-                    return True
+        if level is D and self._win and self._drop_window_pages(short, lack[pools]):
+            return True
         victims = self.tree.lru_nodes(level, max(1, int(lack.max())),
                                       short if short.any() else None)  # else bytes are short
         if not victims:
@@ -559,114 +725,31 @@ class KVCacheManager:
             return np.zeros((0, 0), np.int32)
         return np.stack([n.slots for n in nodes], axis=1)
 
-    # -- sliding windows ---------------------------------------------------------------------
-    #
-    # In a layer group with window W, the next query of a sequence of L tokens sits at position L
-    # and sees positions [L + 1 - W, L]: the first wrel = (L + 1 - W) // P pages are dead to it
-    # (_wrel_at). complete_step releases them as the window moves (_advance_windows): a private
-    # page is freed behind the fence of the step that last read it; a committed page (a node,
-    # maybe shared) loses this holder's need; at need 0 its page of that group becomes cached in
-    # wlru (the node's other groups stay referenced). The holder's page-table entries of released
-    # pages are 0 (the null page), which the attention ops never read for tokens outside the
-    # window. So a sequence holds at most ceil((W + n - 2) / P) + 1 pages of such a group during
-    # a step of n new tokens: ceil((W - 1) / P) + 1 when decoding (the seed's ceil(W / P) + 1).
-
-    def _wrel_at(self, num_tokens: int) -> np.ndarray:
-        """Leading dead pages of a sequence of ``num_tokens`` tokens, per layer group."""
-        return np.where(self._window > 0,
-                        np.maximum(0, (num_tokens + 1 - self._window) // self._tpp), 0)
-
-    def _take(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
-        """Window bookkeeping of a new holder of ``node`` (already incref'd) at depth ``j`` whose
-        windows start at pages ``wr``."""
-        need = node.need
-        if need is None:
-            return
-        fresh = node.refcount == 1  # was cached: its pages no one needs become wlru entries
-        for g in self._wg:
-            if j >= wr[g]:
-                if need[g] == 0 and not fresh:
-                    self._wlru[g].pop(id(node), None)
-                need[g] += 1
-            elif fresh and node.level is D and node.slots[g] >= 0:
-                self._wlru[g][id(node)] = node
-
-    def _drop_hold(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
-        """A holder at depth ``j`` (windows from pages ``wr``) lets go of ``node``."""
-        need = node.need
-        if need is not None:
-            for g in self._wg:
-                if j >= wr[g]:
-                    need[g] -= 1
-        self.tree.decref(node)
-        if need is None:
-            return
-        for g in self._wg:
-            if node.refcount == 0:  # cached as a whole now
-                self._wlru[g].pop(id(node), None)
-            elif need[g] == 0 and node.slots[g] >= 0 and node.level is D:
-                self._wlru[g][id(node)] = node
-
-    def _drop_window_pages(self, g: int, n: int) -> None:
-        """Frees the ``n`` oldest wlru pages of group ``g`` (their nodes keep the others)."""
-        out = []
-        wlru = self._wlru[g]
-        while wlru and len(out) < n:
-            _, node = wlru.popitem(last=False)
-            out.append(node.slots[g])
-            self.tree.set_page(node, g, NO_PAGE)
-        slots = np.full((self._G, len(out)), NO_PAGE, np.int32)
-        slots[g] = out
+    def _drop_window_pages(self, short: np.ndarray | int, lack: np.ndarray | int) -> bool:
+        """Frees unneeded window pages (wlru) of the first layer group in ``short`` (a ``[G]``
+        mask, or one group id) that has any, up to ``lack`` of them; False when none."""
+        if isinstance(short, int):
+            short = np.arange(self._G) == short
+        lack = np.broadcast_to(np.asarray(lack, np.int64), (self._G,))
+        slots = self._win.drop_unneeded(self.tree, short, lack)
+        if slots is None:
+            return False
         self._defer_free(slots)
-        self._stats.num_dropped_pages += len(out)
-
-    def _advance_windows(self, seqs: list[Sequence], rows: np.ndarray) -> None:
-        """Releases the pages the step's sequences' windows left (called after the commit, so a
-        committed page is released as a node page)."""
-        tpp = self._tpp
-        if self._closed_in_step:  # NOTE: a row closed during the step may hold a new sequence
-            live = np.fromiter((s.state is SequenceState.ACTIVE for s in seqs), bool, len(seqs))
-            seqs = [s for s, ok in zip(seqs, live) if ok]
-            rows = rows[live]
-        length = self._len[rows]
-        for g in self._wg:
-            new = np.maximum(0, (length + 1 - self._window[g]) // tpp)
-            old = self._wrel[g, rows]
-            idx = np.flatnonzero(new > old)
-            if idx.size == 0:
-                continue
-            cnt = new[idx] - old[idx]
-            which = np.repeat(idx, cnt)
-            rep = rows[which]
-            j = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt) + old[which]
-            private = j >= self._ncommit[rep]
-            slots = np.full((self._G, int(private.sum())), NO_PAGE, np.int32)
-            slots[g] = self._table[g, rep[private], j[private]]
-            self._defer_free(slots)
-            wlru = self._wlru[g]
-            shared = ~private
-            for i, jj in zip(which[shared].tolist(), j[shared].tolist()):  # once per node page
-                node = seqs[i]._nodes[jj]
-                need = node.need
-                need[g] -= 1
-                if need[g] == 0:
-                    wlru[id(node)] = node
-            self._table[g, rep, j] = 0
-            self._wrel[g, rows[idx]] = new[idx]
-            self._stats.num_window_released_pages += j.size
+        self._stats.num_dropped_pages += slots.shape[1]
+        return True
 
     def _usable_prefix(self, nodes: list[BlockNode]) -> list[BlockNode]:
-        """The longest prefix of matched nodes whose pages a new holder's windows need are all
-        there (a node may have lost a window page no earlier holder needed)."""
-        if not self._wg:
-            return nodes
-        k = len(nodes)
-        while k:
-            wr = self._wrel_at(k * self._tpp)
-            if all(nodes[j].slots[g] >= 0 for g in self._wg for j in range(wr[g], k)):
-                break
-            k -= 1
-        return nodes[:k]
+        return self._win.usable_prefix(nodes) if self._win else nodes
+
+    def _take(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
+        if self._win:
+            self._win.take(node, j, wr)
+
+    def _drop_hold(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
+        if self._win:
+            self._win.drop_hold(self.tree, node, j, wr)
+        else:
+            self.tree.decref(node)
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -786,12 +869,12 @@ class KVCacheManager:
             self._tokens[row, :toks.size] = toks
             self._len[row] = k * self._tpp
             self._npages[row] = k
-            self._wrel[:, row] = self._wrel_at(k * self._tpp)
-            self._table[:, row] = 0
             self._set_table(seq, np.zeros((self._G, 0), np.int32))
             self._known[row] = toks.size
             self._ncommit[row] = k
             self._commit_ok[row] = int(self.config.enable_prefix_reuse)
+            self._ran[row] = 0
+            self._seq_id[row] = seq.seq_id
             seq.num_reused_tokens = k * self._tpp
             self._stats.num_prefix_hit_tokens += k * self._tpp
             self._seqs[seq.seq_id] = seq
@@ -808,11 +891,9 @@ class KVCacheManager:
         if lower and self._in_step is None:
             # NOTE: pages this holder's windows need, or another holder's (a suspended one).
             slots = self._node_slots([nodes[j] for j in lower])
-            wanted = (slots >= 0) & ((np.asarray(lower)[None, :] >= wr[:, None])
-                                     | (self._window == 0)[:, None])
-            for i, j in enumerate(lower):
-                if nodes[j].need is not None:
-                    wanted[:, i] |= (np.asarray(nodes[j].need) > 0) & (slots[:, i] >= 0)
+            wanted = slots >= 0
+            if self._win:
+                self._win.wanted(nodes, lower, slots, wr, wanted)
             need = np.count_nonzero(wanted, axis=1)
             if self._fits(D, need) or self._room(D, need, self._kept(nodes, wr)):
                 if self._onboard_lower(nodes, lower, wr, np.where(wanted, slots, NO_PAGE)):
@@ -828,14 +909,12 @@ class KVCacheManager:
         """Per layer group, the cached device pages among ``nodes`` that a new holder with
         windows from ``wr`` would take (and so no eviction could free)."""
         out = np.zeros(self._G, np.int64)
-        for j, n in enumerate(nodes):
-            if n.level is not D:
-                continue
-            if n.refcount == 0:
-                out += (n.slots >= 0) & ((self._window == 0) | (j >= wr))
-            else:
-                for g in self._wg:
-                    out[g] += j >= wr[g] and id(n) in self._wlru[g]
+        full = self._full.ids if self._full else []
+        for n in nodes:
+            if n.level is D and n.refcount == 0:
+                out[full] += n.slots[full] >= 0
+        if self._win:
+            self._win.kept(nodes, wr, out)
         return out
 
     def _onboard_lower(self, nodes: list[BlockNode], lower: list[int], wr: np.ndarray,
@@ -886,24 +965,26 @@ class KVCacheManager:
             row = seq._row
             k = len(seq._nodes)
             if seq.state is SequenceState.ACTIVE:
-                self._defer_free(self._private(seq))
+                self._defer_free(self._private(seq), seq.seq_id)
                 if self._in_step is not None:
                     self._closed_in_step = True
             elif seq._parked is not None:
                 lv, slots = seq._parked
                 for g in range(self._G):
                     self.storage.free(lv, g, slots[g][slots[g] >= 0])
-            wr = self._wrel[:, row]
+            wr = self._win.row_wrel(row) if self._win else self._zeros_g
             for j in range(k - 1, -1, -1):
                 self._drop_hold(seq._nodes[j], j, wr)
             seq._nodes = []
             self._ncommit[row] = 0
             seq._parked = None
             seq.state = SequenceState.CLOSED
+            seq._done_step = self._step_index + (self._in_step is not None)
             self._len[row] = self._npages[row] = self._known[row] = 0
-            self._ncommit[row] = self._commit_ok[row] = 0
-            self._table[:, row] = 0
-            self._wrel[:, row] = 0
+            self._ncommit[row] = self._commit_ok[row] = self._ran[row] = 0
+            self._seq_id[row] = -1
+            for kind in self._kinds:
+                kind.clear_row(row)
             self._free_rows.append(row)
             del self._seqs[seq.seq_id]
 
@@ -951,6 +1032,8 @@ class KVCacheManager:
             if T > cfg.max_tokens_per_step:
                 raise ValueError(f"{T} tokens exceed max_tokens_per_step "
                                  f"{cfg.max_tokens_per_step}")
+            if self._win:
+                self._win.check_chunks(counts)
             cur = self._len[rows]
             new_len = cur + counts
             if new_len.max() > cfg.max_seq_len:
@@ -980,7 +1063,8 @@ class KVCacheManager:
                 rep = np.repeat(rows, need)
                 starts = np.cumsum(need) - need
                 off = np.arange(total) - np.repeat(starts - npages, need)
-                self._table[:, rep, off] = slots
+                for kind in self._kinds:
+                    kind.set_slots(rep, off, slots[kind.ids])
                 self._npages[rows] = npages + need
             # Tokens (only when contiguous with the ids already known).
             if id_arrays:
@@ -1003,12 +1087,19 @@ class KVCacheManager:
             positions[:T] = pos
             seq_lens = np.zeros(Bb, np.int32)
             seq_lens[:B] = new_len
-            pt = np.zeros((self._G, Bb, self._P), np.int32)
-            pt[:, :B] = self._table[:, rows]
+            pt = np.zeros((self._G, Bb, self._width), np.int32)
             sm = np.full((self._G, Tb), -1, np.int32)
-            sm[:, :T] = self._table[:, tok_row, pos // tpp] * tpp + pos % tpp
+            pj, off = pos // tpp, pos % tpp
+            for kind in self._kinds:
+                if len(self._kinds) == 1:
+                    pt[:, :B, :kind.width] = kind.table[:, rows]
+                    sm[:, :T] = kind.slots(tok_row, pj) * tpp + off
+                else:
+                    pt[kind.ids, :B, :kind.width] = kind.table[:, rows]
+                    sm[kind.ids, :T] = kind.slots(tok_row, pj) * tpp + off
             if self._G == 1:
                 pt, sm = pt[0], sm[0]
+            self._ran[rows] = 1
             self._in_step = (seqs, rows)
             return StepBatch(page_table=pt, seq_lens=seq_lens, query_start=qs, slot_mapping=sm,
                              positions=positions)
@@ -1038,8 +1129,14 @@ class KVCacheManager:
             self._stats.num_steps += 1
             if self.config.enable_prefix_reuse:
                 self._commit(seqs, rows)
-            if self._wg:
-                self._advance_windows(seqs, rows)
+            if self._win:
+                if self._closed_in_step:  # NOTE: a row closed in the step may hold a new sequence
+                    live = np.fromiter((s.state is SequenceState.ACTIVE for s in seqs), bool,
+                                       len(seqs))
+                    seqs = [s for s, ok in zip(seqs, live) if ok]
+                    rows = rows[live]
+                self._win.advance(seqs, rows, self._len, self._ncommit, self._defer_free,
+                                  self._seq_id)
             self._closed_in_step = False
 
     def _commit(self, seqs: list[Sequence], rows: np.ndarray) -> None:
@@ -1062,8 +1159,8 @@ class KVCacheManager:
             first, last = int(ncommit[i]), int(full[i])
             # NOTE: one bytes object for all new pages; the table column block for all groups.
             blob = _le_bytes(self._tokens[r, first * tpp:last * tpp])
-            cols = self._table[:, r, first:last].T.copy()
-            if self._wg:  # a page a window released before it could be committed ends the chain
+            cols = self._row_pages(r, first, last).T.copy()
+            if self._win:  # a page a window released before it could be committed ends the chain
                 gone = np.flatnonzero((cols == 0).any(axis=1))
                 if gone.size:
                     cols = cols[:gone[0]]
@@ -1072,8 +1169,8 @@ class KVCacheManager:
                 toks = blob[j * page_bytes:(j + 1) * page_bytes]
                 key = hash_fn(pkey + toks + seq._salt)
                 node = tree.insert(key, parent, toks, D, cols[j])
-                if node is not None and self._wg:
-                    node.need = [int(w > 0) for w in self._window]  # this holder's windows
+                if node is not None and self._win:
+                    self._win.new_node(node)  # this holder's windows
                 if node is None:
                     node = tree.nodes[key]
                     if (node.parent is not parent or node.tokens != toks
@@ -1087,13 +1184,13 @@ class KVCacheManager:
                     # where its window page was released, it takes ours instead.
                     tree.incref(node)
                     ours = cols[j].copy()
-                    for g in self._wg:
-                        if node.slots[g] < 0:
-                            tree.set_page(node, g, ours[g])
-                            ours[g] = NO_PAGE
-                    self._take(node, first + j, self._wrel[:, r])
-                    self._table[:, r, first + j] = node.slots
-                    self._defer_free(ours[:, None])
+                    if self._win:
+                        self._win.adopt(tree, node, ours)
+                        self._win.take(node, first + j, self._win.row_wrel(r))
+                    at = np.array([first + j])
+                    for kind in self._kinds:
+                        kind.set_slots(np.array([r]), at, node.slots[kind.ids][:, None])
+                    self._defer_free(ours[:, None], seq.seq_id)
                     self._stats.num_adopted_pages += 1
                 else:
                     n0 += 1
@@ -1110,18 +1207,23 @@ class KVCacheManager:
         """The device slots ``[G, n]`` of the sequence's uncommitted pages (``NO_PAGE`` where
         the page table holds the null page)."""
         r = seq._row
-        t = self._table[:, r, len(seq._nodes):self._npages[r]]
+        t = self._row_pages(r, len(seq._nodes), int(self._npages[r]))
         return np.where(t > 0, t, NO_PAGE).astype(np.int32)
 
     def _set_table(self, seq: Sequence, private: np.ndarray) -> None:
         """Writes the page-table row of an ACTIVE sequence: its nodes' slots, then ``private``
         (``NO_PAGE`` -> the null page), and the null page where its windows released pages."""
         r, k = seq._row, len(seq._nodes)
+        slots = np.zeros((self._G, int(self._npages[r])), np.int32)
         if k:
-            self._table[:, r, :k] = np.maximum(self._node_slots(seq._nodes), 0)
-        self._table[:, r, k:self._npages[r]] = np.maximum(private, 0)
-        for g in self._wg:
-            self._table[g, r, :self._wrel[g, r]] = 0
+            slots[:, :k] = self._node_slots(seq._nodes)
+        slots[:, k:] = private
+        slots = np.maximum(slots, 0)
+        if self._full:
+            self._full.clear_row(r)
+            self._full.table[:, r, :slots.shape[1]] = slots[self._full.ids]
+        if self._win:
+            self._win.write_row(r, slots[self._win.ids], int(self._len[r]))
 
     def suspend(self, seq: Sequence) -> SuspendResult:
         """Moves the sequence's device pages that only it holds to host (else disk), as one
@@ -1133,10 +1235,8 @@ class KVCacheManager:
             own = [n for n in seq._nodes if n.level is D and n.refcount == 1]
             private = self._private(seq)
             own_slots = self._node_slots(own)
-            if own and self._wg:  # window pages it does not need (wlru) are dropped, not moved
-                unneeded = np.stack([np.asarray(n.need) == 0 for n in own], axis=1)
-                unneeded[self._window == 0] = False
-                own_slots = np.where(unneeded, NO_PAGE, own_slots)
+            if own and self._win:  # window pages it does not need (wlru) are dropped, not moved
+                own_slots = self._win.unneeded(own, own_slots)
             need = np.count_nonzero(private >= 0, axis=1)
             if own:
                 need += np.count_nonzero(own_slots >= 0, axis=1)
@@ -1147,10 +1247,10 @@ class KVCacheManager:
                 if out is None:  # pragma: no cover - room was made
                     continue
                 for i, n in enumerate(own):
-                    for g in self._wg:
-                        if self._wlru[g].pop(id(n), None) is not None:
-                            self._defer_free(np.where(np.arange(self._G) == g, n.slots,
-                                                      NO_PAGE)[:, None].astype(np.int32))
+                    if self._win:
+                        dropped = self._win.forget(n)
+                        if dropped is not None:
+                            self._defer_free(dropped, seq.seq_id)
                     self.tree.move(n, lv, out[1][:, i].copy())
                 seq._parked = (lv, out[0])
                 seq.state = SequenceState.SUSPENDED
@@ -1205,13 +1305,8 @@ class KVCacheManager:
         return min(self.config.device_pages)
 
     def _peak_pages(self, seq_len: int) -> np.ndarray:
-        """Device pages per layer group one sequence of ``seq_len`` tokens may hold at once.
-        Full attention: all of them; window W: ``ceil((W + n - 2) / P) + 1`` during a step of
-        ``n <= max_tokens_per_step`` new tokens."""
-        pages = -(-seq_len // self._tpp)
-        n = min(seq_len, self.config.max_tokens_per_step)
-        bound = -(-(self._window + n - 2) // self._tpp) + 1
-        return np.where(self._window > 0, np.minimum(pages, bound), pages)
+        """See :meth:`KVCacheConfig.peak_pages`."""
+        return self.config.peak_pages(seq_len)
 
     def max_num_sequences(self, seq_len: int) -> int:
         """How many sequences of ``seq_len`` tokens fit on the device at once (0 when one does
@@ -1239,6 +1334,8 @@ class KVCacheManager:
         ``cached``: unreferenced committed pages (evictable)."""
         with self._lock:
             out = dataclasses.asdict(self._stats)
+            if self._win:
+                out["num_window_released_pages"] = self._win.num_released
             out["num_active"] = sum(s.state is SequenceState.ACTIVE for s in self._seqs.values())
             out["num_suspended_now"] = len(self._seqs) - out["num_active"]
             out["num_committed_now"] = len(self.tree)
@@ -1259,15 +1356,16 @@ class KVCacheManager:
         for s in self._seqs.values():
             if level is D and s.state is SequenceState.ACTIVE:
                 r = s._row
-                referenced += np.count_nonzero(self._table[:, r, len(s._nodes):self._npages[r]],
-                                               axis=1)
+                referenced += np.count_nonzero(
+                    self._row_pages(r, len(s._nodes), int(self._npages[r])), axis=1)
             elif s._parked is not None and s._parked[0] is level:
                 referenced += np.count_nonzero(s._parked[1] >= 0, axis=1)
         cached = self.tree.cached_pages(level)
         if level is D:
-            for g in self._wg:  # window pages of referenced nodes that no window needs
-                cached[g] += len(self._wlru[g])
-                referenced[g] -= len(self._wlru[g])
+            if self._win:  # window pages of referenced nodes that no window needs
+                unneeded = self._win.num_unneeded()
+                cached += unneeded
+                referenced -= unneeded
         pending = self._num_pending if level is D else np.zeros(G, np.int64)
         pools = self._pool_of[level]
         out = []
@@ -1294,7 +1392,7 @@ class KVCacheManager:
         for s in self._seqs.values():
             r = s._row
             k = len(s._nodes)
-            wr = self._wrel[:, r]
+            wr = self._win.row_wrel(r) if self._win else self._zeros_g
             assert np.array_equal(wr, self._wrel_at(int(self._len[r]))), (s, wr)
             for j, n in enumerate(s._nodes):
                 holders[id(n)] = holders.get(id(n), 0) + 1
@@ -1306,33 +1404,21 @@ class KVCacheManager:
                 if k:
                     want[:, :k] = np.maximum(self._node_slots(s._nodes), 0)
                     assert all(n.level is D for n in s._nodes)
-                want[:, k:] = self._table[:, r, k:self._npages[r]]
-                for g in self._wg:
+                want[:, k:] = self._row_pages(r, k, int(self._npages[r]))
+                for g in range(G):
                     want[g, :wr[g]] = 0
-                    # NOTE: the bound on what a windowed sequence holds.
-                    assert self._npages[r] - wr[g] <= -(-(self._window[g] - 1) // tpp) + 1, s
-                assert (want > 0).all(axis=1)[self._window == 0].all()
-                for g in self._wg:
-                    assert (want[g, wr[g]:] > 0).all(), (s, g, want[g])
-                assert np.array_equal(self._table[:, r, :self._npages[r]], want), (s, want)
-                assert not self._table[:, r, self._npages[r]:].any()
+                assert np.array_equal(self._row_pages(r, 0, int(self._npages[r])), want), s
+                if self._full:
+                    self._full.check_row(r, want[self._full.ids])
+                if self._win:
+                    self._win.check_row(r, int(self._len[r]), int(self._npages[r]),
+                                        want[self._win.ids])
         for n in self.tree.nodes.values():
             assert n.refcount == holders.get(id(n), 0), f"{n!r} has {holders.get(id(n), 0)}"
             assert (id(n) in self.tree.lru[n.level]) == (n.refcount == 0)
-            if n.need is None:
-                assert not self._wg
-                continue
-            need = needs.get(id(n), np.zeros(G, np.int64))
-            for g in self._wg:
-                assert n.need[g] == need[g], (n, g, n.need, need)
-                assert n.need[g] == 0 or n.slots[g] >= 0, (n, "a needed window page is gone")
-                unneeded = n.refcount > 0 and n.need[g] == 0 and n.slots[g] >= 0
-                assert (id(n) in self._wlru[g]) == (unneeded and n.level is D), (n, g)
-                assert not unneeded or n.level is D, (n, "an unneeded page moved off the device")
-        for g in range(G):
-            assert g in self._wg or not self._wlru[g]
-            for n in self._wlru[g].values():
-                assert n.alive and n.key in self.tree.nodes
+            assert (n.need is None) == (self._win is None), n
+        if self._win:
+            self._win.check_nodes(self.tree, needs)
         cached = np.zeros((len(CacheLevel), G), np.int64)
         for lv in CacheLevel:
             for n in self.tree.lru[lv].values():
@@ -1343,8 +1429,8 @@ class KVCacheManager:
         for n in self.tree.nodes.values():
             assert n.whole == bool((n.slots >= 0).all()), n
         pending = np.zeros(G, np.int64)
-        for _, slots in self._pending:
-            pending += np.count_nonzero(slots >= 0, axis=1)
+        for entry in self._pending:
+            pending += np.count_nonzero(entry[1] >= 0, axis=1)
         assert np.array_equal(pending, self._num_pending), (pending, self._num_pending)
         for lv in self._levels:
             used: list[list[np.ndarray]] = [[] for _ in range(G)]
@@ -1355,14 +1441,14 @@ class KVCacheManager:
             for s in self._seqs.values():
                 for g in range(G):
                     if lv is D and s.state is SequenceState.ACTIVE:
-                        t = self._table[g, s._row, len(s._nodes):self._npages[s._row]]
+                        t = self._row_pages(s._row, len(s._nodes), int(self._npages[s._row]))[g]
                         used[g].append(t[t != 0])
                     elif s._parked is not None and s._parked[0] is lv:
                         used[g].append(s._parked[1][g])
             if lv is D:
-                for _, slots in self._pending:
+                for entry in self._pending:
                     for g in range(G):
-                        used[g].append(slots[g])
+                        used[g].append(entry[1][g])
             pools = self._pool_of[lv]
             counts = self._page_counts(lv)
             expect_bytes = 0

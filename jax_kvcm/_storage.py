@@ -47,7 +47,8 @@ from jax_kvcm._host_tier import HostPool, allocate_host_buffer
 from jax_kvcm._pool_ratios import split_cold_budget, weights_from_ratio
 from jax_kvcm._slots import SlotAllocator
 from jax_kvcm._staging_ring import ArrayFence, StagingRing, staging_ring_capacity
-from jax_kvcm._types import CacheLevel, LayerGroupLayout, PoolGroupIndex, check_count
+from jax_kvcm._types import (CacheLevel, LayerGroupLayout, PoolGroupIndex, PoolLayout,
+                             check_count, hot_page_bytes)
 
 __all__ = [
     "CorruptPageError",
@@ -85,8 +86,8 @@ class LayerGroupSpec:
 
     @property
     def hot_page_bytes(self) -> int:
-        return (2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+        return hot_page_bytes(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim,
+                              self.dtype)
 
     def same_hot_layout(self, other: LayerGroupSpec) -> bool:
         return (self.num_layers, self.page_size, self.num_kv_heads, self.head_dim,
@@ -291,6 +292,9 @@ class StorageManager:
             # to the HOST level while a disk migration uses them.
             limits[CacheLevel.HOST] = limits.get(CacheLevel.HOST, 0) + capacity
         self.governor = MemoryGovernor(limits)
+        self.layout = PoolLayout(tuple(layouts),
+                                 tuple(lv for lv in CacheLevel if self.has_level(lv)),
+                                 tuple(self.batching_id))
 
     def _build_cold_groups(self, groups: Sequence[Sequence[int]] | None) -> None:
         """The cold lifecycle -> pool-group mapping (``cold_group_of``, ``cold_slot_bytes``), then
@@ -355,8 +359,7 @@ class StorageManager:
                 or (level is CacheLevel.DISK and bool(self.disk_pools)))
 
     def page_bytes(self, level: CacheLevel, lg: int) -> int:
-        return (self.specs[lg].hot_page_bytes if CacheLevel(level) is CacheLevel.DEVICE
-                else self.cold_page_bytes[lg])
+        return self.layouts[lg].page_bytes(level)
 
     def allocator(self, level: CacheLevel, lg: int) -> SlotAllocator | HostPool | DiskPool:
         """The slot allocator of ``lg``'s pool group at ``level`` (``allocate``, ``free``,
