@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence as _Seq
 from dataclasses import dataclass, field
@@ -85,6 +86,35 @@ __all__ = [
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
 _LITTLE = np.little_endian
 _COUNT_KEYS = ("capacity", "free", "pending", "referenced", "cached")
+
+
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are stored and hashed as int32
+
+
+def _check_token_ids(arr: np.ndarray, name: str) -> None:
+    """ValueError unless ``arr`` (integer dtype) holds ids in ``[0, MAX_TOKEN_ID]``: a wider id
+    would wrap when stored as int32 and alias another prompt's pages."""
+    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        bad = arr[(arr < 0) | (arr > MAX_TOKEN_ID)][0]
+        raise ValueError(f"{name}: token id {int(bad)} is outside [0, {MAX_TOKEN_ID}] (int32)")
+
+
+class _CallLock:
+    """The manager's lock; leaving the outermost ``with`` delivers the events the call queued
+    to the observers (so they see a consistent manager, and may call back into it)."""
+
+    __slots__ = ("raw", "_after")
+
+    def __init__(self, after: Callable[[], None]) -> None:
+        self.raw = threading.Lock()
+        self._after = after
+
+    def __enter__(self) -> None:
+        self.raw.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.raw.release()
+        self._after()
 
 
 def _le_bytes(tokens: np.ndarray) -> bytes:
@@ -151,7 +181,8 @@ class SuspendResult(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class ManagerEvent:
     """``kind``: "committed", "evicted" (moved down a tier), "dropped", "onboarded",
-    "suspended", "resumed"; ``num_pages`` pages; ``level`` the destination tier."""
+    "suspended", "resumed"; ``num_pages`` pages; ``level`` the destination tier. "lost":
+    ``num_pages`` sequences closed because a failed step lost the device pools."""
 
     kind: str
     num_pages: int
@@ -435,6 +466,10 @@ class _Stats:
     num_refused_suspends: int = 0
     num_refused_resumes: int = 0
     num_fence_waits: int = 0
+    num_aborted_steps: int = 0
+    num_failed_steps: int = 0       # steps whose pools were lost (abort/recover_from_failed_step)
+    num_lost_sequences: int = 0     # sequences closed by such a loss (to recompute)
+    num_observer_errors: int = 0
 
 
 # -- the manager -----------------------------------------------------------------------------
@@ -449,7 +484,7 @@ class KVCacheManager:
         if not isinstance(config, KVCacheConfig):
             raise TypeError("config must be a KVCacheConfig")
         self.config = config
-        self._lock = threading.Lock()
+        self._lock = _CallLock(self._deliver)
         self._tpp = config.tokens_per_page
         self._G = len(config.layer_groups)
         self._P = config.pages_per_seq
@@ -482,6 +517,11 @@ class KVCacheManager:
                                    // (3 * max(self.storage.cold_page_bytes)))
         self._observers: list[Callable[[Any], None]] = []
         self.events: deque[Any] = deque(maxlen=4096)
+        self._queue: list[Any] = []          # events not yet given to the observers
+        self._delivering = threading.local()
+        #: ``(observer, event, exception)`` of the latest observer calls that raised.
+        self.observer_errors: deque[tuple[Callable[[Any], None], Any, Exception]] = deque(
+            maxlen=64)
         self.storage.add_observer(self._emit)
         self._stats = _Stats()
         # Row arrays (grown by doubling).
@@ -498,7 +538,10 @@ class KVCacheManager:
         self._seqs: dict[int, Sequence] = {}
         self._next_id = 0
         # Step state.
-        self._in_step: tuple[list[Sequence], np.ndarray] | None = None
+        # (seqs, rows, npages, len, known before the step): what abort_step restores.
+        self._in_step: tuple[list[Sequence], np.ndarray, np.ndarray, np.ndarray,
+                             np.ndarray] | None = None
+        self._handed: list[tuple[jax.Array, jax.Array]] = []  # the pools the step was given
         self._step_index = 0        # completed steps
         self._fence: Any = None     # an output array of the latest completed step
         self._ready_upto = 0        # every step <= this is known complete
@@ -543,12 +586,48 @@ class KVCacheManager:
         return self._win.wrel_at(num_tokens) if self._win else self._zeros_g
 
     def _emit(self, event: Any) -> None:
+        """Records an event; observers get it when the public call ends (:meth:`_deliver`)."""
         self.events.append(event)
-        for fn in self._observers:
-            fn(event)
+        if self._observers:
+            self._queue.append(event)
+
+    def _deliver(self) -> None:
+        """Gives the queued events to the observers, outside the lock, once the call that queued
+        them left the manager consistent. An observer that raises changes nothing: the error is
+        recorded (:attr:`observer_errors`, ``stats()["num_observer_errors"]``) and warned about,
+        and the other observers still get the event. Events queued by a call an observer makes
+        are delivered by the same loop, after the current ones."""
+        if not self._queue or getattr(self._delivering, "on", False):
+            return
+        self._delivering.on = True
+        try:
+            while True:
+                with self._lock.raw:
+                    batch, self._queue = self._queue, []
+                    observers = list(self._observers)
+                if not batch:
+                    return
+                for event in batch:
+                    for fn in observers:
+                        try:
+                            fn(event)
+                        except Exception as e:  # noqa: BLE001 - isolated, recorded, warned
+                            with self._lock.raw:
+                                self._stats.num_observer_errors += 1
+                                self.observer_errors.append((fn, event, e))
+                            warnings.warn(f"KVCacheManager observer {fn!r} raised {e!r} on "
+                                          f"{event}; the manager is unaffected (see "
+                                          "observer_errors)", RuntimeWarning, stacklevel=3)
+        finally:
+            self._delivering.on = False
 
     def add_observer(self, fn: Callable[[Any], None]) -> None:
-        """``fn(event)`` for every :class:`StorageEvent` and :class:`ManagerEvent`."""
+        """``fn(event)`` for every :class:`StorageEvent` and :class:`ManagerEvent`, in order,
+        called after the manager call that caused them returned its state to consistency
+        (outside the manager's lock: ``fn`` may call the manager). An exception from ``fn`` is
+        recorded in :attr:`observer_errors` and warned about, never propagated."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         with self._lock:
             self._observers.append(fn)
 
@@ -844,9 +923,13 @@ class KVCacheManager:
         token, so the step still produces logits). Lower-tier hits are onboarded to the device
         when the pools are free (not between prepare_step and complete_step) and room exists;
         otherwise the match stops before them."""
-        toks = np.asarray(tokens)
-        if toks.ndim != 1 or (toks.size and not np.issubdtype(toks.dtype, np.integer)):
-            raise ValueError("tokens must be a 1-D sequence of ints")
+        try:
+            toks = np.asarray(tokens)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("tokens must be a 1-D sequence of int32 token ids") from None
+        if toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
+            raise ValueError("tokens must be a 1-D sequence of int32 token ids")
+        _check_token_ids(toks, "tokens")
         toks = toks.astype(np.int32)
         if toks.size > self.config.max_seq_len:
             raise ValueError(f"{toks.size} tokens exceed max_seq_len {self.config.max_seq_len}")
@@ -962,31 +1045,34 @@ class KVCacheManager:
         """Releases the sequence; its committed pages stay cached until evicted."""
         with self._lock:
             self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
-            row = seq._row
-            k = len(seq._nodes)
-            if seq.state is SequenceState.ACTIVE:
-                self._defer_free(self._private(seq), seq.seq_id)
-                if self._in_step is not None:
-                    self._closed_in_step = True
-            elif seq._parked is not None:
-                lv, slots = seq._parked
-                for g in range(self._G):
-                    self.storage.free(lv, g, slots[g][slots[g] >= 0])
-            wr = self._win.row_wrel(row) if self._win else self._zeros_g
-            for j in range(k - 1, -1, -1):
-                self._drop_hold(seq._nodes[j], j, wr)
-            seq._nodes = []
-            self._ncommit[row] = 0
-            seq._parked = None
-            seq.state = SequenceState.CLOSED
-            seq._done_step = self._step_index + (self._in_step is not None)
-            self._len[row] = self._npages[row] = self._known[row] = 0
-            self._ncommit[row] = self._commit_ok[row] = self._ran[row] = 0
-            self._seq_id[row] = -1
-            for kind in self._kinds:
-                kind.clear_row(row)
-            self._free_rows.append(row)
-            del self._seqs[seq.seq_id]
+            self._close(seq)
+
+    def _close(self, seq: Sequence) -> None:
+        row = seq._row
+        k = len(seq._nodes)
+        if seq.state is SequenceState.ACTIVE:
+            self._defer_free(self._private(seq), seq.seq_id)
+            if self._in_step is not None:
+                self._closed_in_step = True
+        elif seq._parked is not None:
+            lv, slots = seq._parked
+            for g in range(self._G):
+                self.storage.free(lv, g, slots[g][slots[g] >= 0])
+        wr = self._win.row_wrel(row) if self._win else self._zeros_g
+        for j in range(k - 1, -1, -1):
+            self._drop_hold(seq._nodes[j], j, wr)
+        seq._nodes = []
+        self._ncommit[row] = 0
+        seq._parked = None
+        seq.state = SequenceState.CLOSED
+        seq._done_step = self._step_index + (self._in_step is not None)
+        self._len[row] = self._npages[row] = self._known[row] = 0
+        self._ncommit[row] = self._commit_ok[row] = self._ran[row] = 0
+        self._seq_id[row] = -1
+        for kind in self._kinds:
+            kind.clear_row(row)
+        self._free_rows.append(row)
+        del self._seqs[seq.seq_id]
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -1007,8 +1093,15 @@ class KVCacheManager:
             id_index: list[int] = []
             id_arrays: list[np.ndarray] = []
             active = SequenceState.ACTIVE
-            for i, (seq, x) in enumerate(work):
-                if seq.state is not active or seq._mgr is not self:
+            for i, item in enumerate(work):
+                try:
+                    seq, x = item
+                except (TypeError, ValueError):
+                    raise TypeError(f"work[{i}] must be a (Sequence, tokens) pair") from None
+                if type(seq) is not Sequence or seq.state is not active or seq._mgr is not self:
+                    if not isinstance(seq, Sequence):
+                        raise TypeError(f"work[{i}][0] must be a Sequence, got "
+                                        f"{type(seq).__name__}")
                     self._check_seq(seq, SequenceState.ACTIVE)
                 seqs.append(seq)
                 row_list.append(seq._row)
@@ -1016,9 +1109,14 @@ class KVCacheManager:
                                       and not isinstance(x, (bool, np.bool_))):
                     count_list.append(x)
                     continue
+                if x is None or isinstance(x, (bool, np.bool_, float, str, bytes)):
+                    raise TypeError(f"work[{i}][1] must be a token count or 1-D token ids, got "
+                                    f"{type(x).__name__}")
                 arr = x if type(x) is np.ndarray else np.asarray(x)
                 if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                    raise ValueError("work items must be (seq, int) or (seq, 1-D token ids)")
+                    raise ValueError(f"work[{i}][1]: work items must be (seq, int) or "
+                                     "(seq, 1-D token ids)")
+                _check_token_ids(arr, f"work[{i}][1]")
                 count_list.append(arr.size)
                 id_index.append(i)
                 id_arrays.append(arr)
@@ -1100,27 +1198,26 @@ class KVCacheManager:
             if self._G == 1:
                 pt, sm = pt[0], sm[0]
             self._ran[rows] = 1
-            self._in_step = (seqs, rows)
+            self._in_step = (seqs, rows, npages, cur, known)
+            self._handed = list(self.storage.pools)
             return StepBatch(page_table=pt, seq_lens=seq_lens, query_start=qs, slot_mapping=sm,
                              positions=positions)
 
     def complete_step(self, caches: _Seq[tuple[jax.Array, jax.Array]]) -> None:
-        """Takes back the (donated) pools from the step, records its completion fence and
-        commits pages that became full."""
+        """Takes back the pools the step returned (one ``(k, v)`` per layer group, each the shape
+        and dtype of :attr:`caches`), records its completion fence and commits pages that became
+        full. Refused, with the step still in flight, when an array is not a ``jax.Array``
+        (TypeError), was deleted (the step consumed it and failed), or is one of the pools
+        ``prepare_step`` handed out rather than the step's output (the step did not run): undo
+        such a step with :meth:`abort_step`."""
         with self._lock:
             if self._in_step is None:
                 raise RuntimeError("complete_step without a prepared step")
-            caches = list(caches)
-            if len(caches) != len(self.storage.pools):
-                raise ValueError(f"caches must hold {len(self.storage.pools)} (k, v) pairs")
-            for h, ((k, v), (k0, v0)) in enumerate(zip(caches, self.storage.pools)):
-                for a, b in ((k, k0), (v, v0)):
-                    if a.shape != b.shape or a.dtype != b.dtype:
-                        raise ValueError(f"caches[{h}] has shape {a.shape} {a.dtype}, expected "
-                                         f"{b.shape} {b.dtype}")
-            self.storage.pools = [(k, v) for k, v in caches]
-            seqs, rows = self._in_step
+            caches = self._check_caches(caches)
+            self.storage.pools = caches
+            seqs, rows = self._in_step[:2]
             self._in_step = None
+            self._handed = []
             self._step_index += 1
             self._fence = caches[0][0]
             for p in self._pending:
@@ -1138,6 +1235,110 @@ class KVCacheManager:
                 self._win.advance(seqs, rows, self._len, self._ncommit, self._defer_free,
                                   self._seq_id)
             self._closed_in_step = False
+
+    def _check_caches(self, caches: Any) -> list[tuple[jax.Array, jax.Array]]:
+        """``caches`` validated for :meth:`complete_step` (see there)."""
+        if isinstance(caches, jax.Array) or not isinstance(caches, (list, tuple)):
+            raise TypeError(f"caches must be a list of (k, v) pairs, got {type(caches).__name__}")
+        pools = self.storage.pools
+        if len(caches) != len(pools):
+            raise ValueError(f"caches must hold {len(pools)} (k, v) pairs, got {len(caches)}")
+        out = []
+        for h, pair in enumerate(caches):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise TypeError(f"caches[{h}] must be a (k, v) pair, got {type(pair).__name__}")
+            for i, (a, b, handed) in enumerate(zip(pair, pools[h], self._handed[h])):
+                name = f"caches[{h}][{i}]"
+                if not isinstance(a, jax.Array):
+                    raise TypeError(f"{name} must be a jax.Array (the step's output), got "
+                                    f"{type(a).__name__}")
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    raise ValueError(f"{name} has shape {a.shape} {a.dtype}, expected "
+                                     f"{b.shape} {b.dtype}")
+                if a.is_deleted():
+                    raise ValueError(f"{name} was deleted (a step that consumed the pools "
+                                     "failed?): call abort_step()")
+                if a is handed:
+                    raise ValueError(f"{name} is the pool prepare_step handed out, not the "
+                                     "step's output (did the step fail?): call abort_step()")
+            out.append((pair[0], pair[1]))
+        return out
+
+    def abort_step(self) -> list[Sequence]:
+        """Undoes the prepared step, e.g. after the user's step raised. Every sequence of the
+        step goes back to its length and known tokens before ``prepare_step``; the pages it
+        allocated are freed and nothing is committed (cached pages evicted to make room stay
+        evicted). Sequences closed meanwhile stay closed.
+
+        When the step had consumed the pools (donated, then failed at run time: the arrays
+        handed out are deleted), the device tier's content is lost as well: see
+        :meth:`recover_from_failed_step`, whose list of closed sequences is returned. Otherwise
+        the result is ``[]``."""
+        with self._lock:
+            if self._in_step is None:
+                raise RuntimeError("abort_step without a prepared step")
+            self._undo_step()
+            if any(a.is_deleted() for pair in self.storage.pools for a in pair):
+                return self._lose_device()
+            return []
+
+    def recover_from_failed_step(self) -> list[Sequence]:
+        """Discards the device tier after a step failed in a way that lost its pools (their
+        arrays deleted, or a step's output that turned out to hold an error after
+        ``complete_step`` took it): undoes the step in flight if any, builds fresh (zero)
+        pools, drops every committed page on the device (and what hangs below it in the prefix
+        tree), and closes every sequence that held a device page. Returns those sequences,
+        CLOSED: the caller recomputes them (``add_sequence`` with all their tokens reuses what
+        the host and disk tiers still hold). Suspended sequences whose pages are all on the host
+        or disk are kept."""
+        with self._lock:
+            if self._in_step is not None:
+                self._undo_step()
+            return self._lose_device()
+
+    def _undo_step(self) -> None:
+        seqs, rows, npages, length, known = self._in_step
+        self._in_step = None
+        self._handed = []
+        for i, seq in enumerate(seqs):
+            if seq.state is not SequenceState.ACTIVE:  # closed during the step: pages pending
+                continue
+            r = int(rows[i])
+            first, last = int(npages[i]), int(self._npages[r])
+            new = self._row_pages(r, first, last)
+            for g in range(self._G):
+                self.storage.free(D, g, new[g][new[g] > 0])  # no step ever wrote them
+            j = np.arange(first, last)
+            for kind in self._kinds:  # NOTE: a ring entry a new page took was empty before
+                kind.set_slots(np.full(j.size, r), j, 0)
+            self._npages[r], self._len[r], self._known[r] = npages[i], length[i], known[i]
+        for p in self._pending:  # the aborted step reads nothing: the last completed one may
+            if p[0] is None:
+                p[0] = self._step_index
+        self._closed_in_step = False
+        self._stats.num_aborted_steps += 1
+
+    def _lose_device(self) -> list[Sequence]:
+        """See :meth:`recover_from_failed_step` (lock held, no step in flight)."""
+        lost = [s for s in self._seqs.values()
+                if (s.state is SequenceState.ACTIVE and self._npages[s._row] > 0)
+                or any(n.level is D for n in s._nodes)]
+        for seq in lost:
+            self._close(seq)
+        for n in list(self.tree.nodes.values()):
+            if n.alive and n.level is D:
+                self._drop(n)
+        # Nothing can read the old pools' pages any more: every pending free is ready.
+        self._fence = None
+        self._ready_upto = self._step_index
+        for p in self._pending:
+            p[0] = self._step_index
+        self._reclaim()
+        self.storage.rebuild_pools()
+        self._stats.num_failed_steps += 1
+        self._stats.num_lost_sequences += len(lost)
+        self._emit(ManagerEvent("lost", len(lost), D))
+        return lost
 
     def _commit(self, seqs: list[Sequence], rows: np.ndarray) -> None:
         tpp, tree, hash_fn = self._tpp, self.tree, self.tree.hash_fn

@@ -387,6 +387,13 @@ class StorageManager:
                                                peak=u.peak)
         return out
 
+    def rebuild_pools(self) -> None:
+        """Replaces every hot pool by zeros of the same shape and dtype on :attr:`device` (after
+        a failed step consumed the pools: their content is gone; the caller forgets it)."""
+        self._check_open()
+        self.pools = [tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), self.device)
+                            for a in pair) for pair in self.pools]
+
     # -- allocation of hot pages -------------------------------------------------------------
 
     def allocate(self, level: CacheLevel, lg: int, n: int) -> np.ndarray | None:

@@ -202,6 +202,12 @@ def diskdir():
         yield d
 
 
+def stepped(pools):
+    """New arrays equal to ``pools``: what a step that wrote nothing the test checks returns
+    (complete_step refuses the very pools prepare_step handed out)."""
+    return [(k + 0, v + 0) for k, v in pools]
+
+
 def make(cfg, **kw) -> Harness:
     return Harness(KVCacheManager(cfg, device=jax.devices("cpu")[0], **kw))
 
@@ -260,10 +266,10 @@ def test_step_batch_is_a_pytree_with_no_static_fields():
     assert b.query_start.tolist() == [0, 6] and b.seq_lens.tolist() == [6]
     assert b.slot_mapping[6:].tolist() == [-1, -1] and b.positions[:6].tolist() == list(range(6))
     assert (b.page_table[0, 2:] == 0).all()
-    h.mgr.complete_step(h.mgr.storage.pools)
+    h.mgr.complete_step(stepped(h.mgr.storage.pools))
     b2 = h.mgr.prepare_step([(s, 1)])
     assert jax.tree_util.tree_structure(b2) == tree
-    h.mgr.complete_step(h.mgr.storage.pools)
+    h.mgr.complete_step(stepped(h.mgr.storage.pools))
 
 
 # -- steps and values ------------------------------------------------------------------------
@@ -457,7 +463,7 @@ def test_close_during_step_waits_for_that_step(diskdir):
     mgr = h.mgr
     a = h.add(list(range(8)))
     b = mgr.prepare_step([(a, 8)])
-    caches = mgr.storage.pools
+    caches = stepped(mgr.storage.pools)
     with pytest.raises(StepInFlightError):
         mgr.suspend(a)
     mgr.close(a)
@@ -754,7 +760,7 @@ def test_misuse_is_an_error():
     with pytest.raises(ValueError, match="contradict"):
         h.mgr.prepare_step([(a, np.array([1, 2, 4]))])
     with pytest.raises(RuntimeError):
-        h.mgr.complete_step(h.mgr.storage.pools)
+        h.mgr.complete_step(stepped(h.mgr.storage.pools))
     h.mgr.close(a)
     with pytest.raises(ValueError):
         h.mgr.close(a)
@@ -971,7 +977,7 @@ def test_window_close_during_step_with_row_reuse():
     h.run([(a, 12), (b, 12)])
     mgr = h.mgr
     mgr.prepare_step([(a, 4), (b, 4)])
-    caches = mgr.storage.pools
+    caches = stepped(mgr.storage.pools)
     row = a._row
     mgr.close(a)
     c = h.add(list(range(60, 63)))
