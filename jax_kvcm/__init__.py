@@ -38,7 +38,8 @@ from jax_kvcm._codec import (ColdPageCodec, ConcatCodec, Int8Codec,
                              create_default_cold_page_codec, make_cold_page_codec)
 from jax_kvcm._ffi import cuda_extension_available
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
-                               Sequence, StepInFlightError, SuspendResult)
+                               Sequence, SequencePhase, SequenceView, StepInFlightError,
+                               SuspendResult)
 from jax_kvcm._step_batch import StepBatch
 from jax_kvcm._storage import CorruptPageError
 from jax_kvcm._types import CacheLevel
@@ -55,6 +56,8 @@ __all__ = [
     "LayerGroupConfig",
     "OutOfPagesError",
     "Sequence",
+    "SequencePhase",
+    "SequenceView",
     "StepBatch",
     "StepInFlightError",
     "SuspendResult",

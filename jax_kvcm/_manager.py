@@ -350,7 +350,11 @@ class KVCacheConfig:
             if len(ratio) != len(groups):
                 raise ValueError(f"pool_ratio has {len(ratio)} entries for {len(groups)} layer "
                                  "groups")
-            weights = weights_from_ratio(ratio)
+            try:
+                weights = weights_from_ratio(ratio)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"pool_ratio: {e}") from None
+            object.__setattr__(self, "pool_ratio", ratio)
         else:
             try:
                 batch = tuple(self.typical_batch)
@@ -360,6 +364,7 @@ class KVCacheConfig:
                 raise ValueError("typical_batch must not be empty")
             lens = [min(check_count(n, f"typical_batch[{i}]", minimum=1), self.max_seq_len)
                     for i, n in enumerate(batch)]
+            object.__setattr__(self, "typical_batch", batch)
             tokens = sum(self.peak_pages(n) for n in lens) * self.tokens_per_page
             per_token = [b // self.tokens_per_page for b in page_bytes]
             weights = weights_from_typical_batch(tokens.tolist(), per_token)
@@ -631,7 +636,12 @@ class KVCacheManager:
         with self._lock:
             self._observers.append(fn)
 
+    def _check_open(self) -> None:
+        if self._shut:
+            raise RuntimeError("the KV-cache manager is shut down")
+
     def _check_seq(self, seq: Sequence, *states: SequenceState) -> None:
+        self._check_open()
         if not isinstance(seq, Sequence) or seq._mgr is not self:
             raise ValueError(f"{seq!r} is not a sequence of this manager")
         if seq.state not in states:
@@ -935,6 +945,7 @@ class KVCacheManager:
             raise ValueError(f"{toks.size} tokens exceed max_seq_len {self.config.max_seq_len}")
         salt_b = salt_bytes(salt)
         with self._lock:
+            self._check_open()
             nodes: list[BlockNode] = []
             if self.config.enable_prefix_reuse and toks.size > 1:
                 max_pages = (toks.size - 1) // self._tpp
@@ -1082,6 +1093,7 @@ class KVCacheManager:
         index buffers. Raises :class:`OutOfPagesError` (nothing scheduled) when pages run out."""
         cfg, tpp = self.config, self._tpp
         with self._lock:
+            self._check_open()
             if self._in_step is not None:
                 raise StepInFlightError("a step is in flight: call complete_step first")
             B = len(work)
@@ -1211,6 +1223,7 @@ class KVCacheManager:
         ``prepare_step`` handed out rather than the step's output (the step did not run): undo
         such a step with :meth:`abort_step`."""
         with self._lock:
+            self._check_open()
             if self._in_step is None:
                 raise RuntimeError("complete_step without a prepared step")
             caches = self._check_caches(caches)
@@ -1497,6 +1510,125 @@ class KVCacheManager:
             self._stats.num_resumed += 1
             self._emit(ManagerEvent("resumed", sum(map(len, cold)) + parked.shape[1], D))
             return True
+
+    # -- lifecycle and views (the seed's bounded-window manager) ------------------------------
+
+    def _phase(self, seq: Sequence) -> SequencePhase:
+        with self._lock:
+            if seq.state is not SequenceState.CLOSED:
+                return (SequencePhase.EXECUTING if self._ran[seq._row]
+                        else SequencePhase.ADMITTED)
+            if seq._done_step > self._ready_upto and self._fence is not None:
+                self._poll_fence(block=False)
+            return (SequencePhase.FINISHING if seq._done_step > self._ready_upto
+                    else SequencePhase.FINISHED)
+
+    def state(self, seq: Sequence) -> SequenceView:
+        """A snapshot of ``seq`` (any state) as the group managers see it: see
+        :class:`SequenceView`. Polls the latest step's fence without blocking."""
+        with self._lock:
+            if not isinstance(seq, Sequence) or seq._mgr is not self:
+                raise ValueError(f"{seq!r} is not a sequence of this manager")
+            self._reclaim()
+            pending = np.zeros(self._G, np.int64)
+            for entry in self._pending:
+                owners = entry[2]
+                if owners is None:
+                    continue
+                mine = np.broadcast_to(np.asarray(owners) == seq.seq_id, entry[1].shape[1:])
+                pending += np.count_nonzero((entry[1] >= 0) & mine[None], axis=1)
+            if seq.state is SequenceState.CLOSED:
+                retained = ((0, 0),) * self._G
+                num_tokens = 0
+            else:
+                r = seq._row
+                wr = self._win.row_wrel(r) if self._win else self._zeros_g
+                retained = tuple((int(w), int(self._npages[r])) for w in wr)
+                num_tokens = int(self._len[r])
+        return SequenceView(seq.seq_id, seq.state, self._phase(seq), num_tokens, retained,
+                            tuple(int(w) for w in self._widths), tuple(int(p) for p in pending))
+
+    def private_pages_per_sequence(self) -> tuple[int, ...]:
+        """Per layer group, the most device pages one sequence holds at once (``[G]``): the
+        page-table width ``ceil(max_seq_len / tokens_per_page)`` of a full group; for a window
+        group, its peak ``ceil((W + C - 2) / P) + 1`` (``C = max_window_chunk``; its ring width
+        with ``ring_tables``), at most the full width."""
+        return tuple(int(p) for p in self.config.peak_pages(self.config.max_seq_len))
+
+    def free_page_count(self) -> tuple[int, ...]:
+        """Per layer group, device pages allocatable right now without evicting or waiting
+        (free slots of its pool, after returning the pending pages whose fence has passed)."""
+        with self._lock:
+            self._reclaim()
+            return tuple(int(self.storage.num_free(D, g)) for g in range(self._G))
+
+    def compact(self, old_to_new: Any) -> np.ndarray:
+        """Moves sequences between table rows, e.g. to keep a runner's batch dense after some
+        finished: ``old_to_new[r]`` is the new row of the sequence at row ``r`` (see
+        :attr:`Sequence.row`); rows beyond ``len(old_to_new)`` or marked ``-1`` must hold no
+        sequence. Targets must be distinct and >= 0. Every group manager moves its rows (ring
+        entries, released counts), so no table is rebuilt; returns ``new_to_old`` (int32, one
+        entry per row up to the largest target, -1 for empty rows) for the runner to gather its
+        own per-row device state the same way. Not while a step is in flight."""
+        with self._lock:
+            self._check_open()
+            self._need_pools("compact")
+            m = np.asarray(old_to_new)
+            if m.ndim != 1 or (m.size and m.dtype.kind not in "iu"):
+                raise ValueError("old_to_new must be a 1-D array of ints")
+            m = m.astype(np.int64)
+            src = np.fromiter((s._row for s in self._seqs.values()), np.int64, len(self._seqs))
+            if src.size and src.max() >= m.size:
+                raise ValueError(f"old_to_new has {m.size} entries; row {int(src.max())} holds "
+                                 "a sequence")
+            dst = m[src]
+            if (dst < 0).any():
+                raise ValueError("old_to_new maps a row that holds a sequence to -1")
+            if np.unique(dst).size != dst.size:
+                raise ValueError("old_to_new maps two sequences to one row")
+            if dst.size and dst.max() >= self._len.size:
+                self._grow_rows(int(dst.max()) + 1)
+            for kind in self._kinds:
+                kind.move_rows(src, dst)
+            self._tokens[dst] = self._tokens[src]
+            for name in self._ROW_ARRAYS:
+                arr = getattr(self, name)
+                arr[dst] = arr[src]
+            vacated = np.setdiff1d(src, dst)
+            for r in vacated.tolist():
+                for kind in self._kinds:
+                    kind.clear_row(r)
+                for name in self._ROW_ARRAYS:
+                    getattr(self, name)[r] = 0
+                self._seq_id[r] = -1
+            for seq, r in zip(self._seqs.values(), dst.tolist()):
+                seq._row = r
+            used = np.zeros(self._len.size, bool)
+            used[dst] = True
+            self._free_rows = np.flatnonzero(~used)[::-1].tolist()
+            out = np.full(int(dst.max()) + 1 if dst.size else 0, -1, np.int32)
+            out[dst] = src
+            return out
+
+    def shutdown(self) -> None:
+        """Ends the manager: waits for every dispatched step and migration (their fences),
+        returns every pending page, then closes the storage (waits for its outstanding work,
+        removes the disk files, frees host and pinned memory). Every later call raises
+        RuntimeError; a second ``shutdown`` does nothing. Raises :class:`StepInFlightError` while
+        a step is prepared and not completed (complete or abort it first)."""
+        with self._lock:
+            if self._shut:
+                return
+            self._need_pools("shutdown")
+            if self._fence is not None:
+                self._poll_fence(block=True)
+            for k, v in self.storage.pools:
+                k.block_until_ready()
+                v.block_until_ready()
+            self._ready_upto = self._step_index
+            self._reclaim()
+            self._shut = True
+            self.storage.close()
 
     # -- planning and stats ------------------------------------------------------------------
 

@@ -770,6 +770,7 @@ class StorageManager:
         self._pending_host_indices = []
         if self._ring is not None:
             self._ring.drain()
+        self._ring_buffer = None  # NOTE: the pinned staging memory goes with its last view
         for pool in self.disk_pools:
             pool.close()
         for pool in self.host_pools:
