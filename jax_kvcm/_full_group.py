@@ -52,10 +52,14 @@ class GroupTables:
         """Writes ``slots [K, n]`` as pages ``j`` of ``rows``."""
         self.table[self._k, rows[None], self.entries(j)] = slots
 
+    def view(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """``[K, n]``: the slots of pages ``j`` of ``rows`` (0 where the group holds no page
+        for it, e.g. released by a window)."""
+        return self.slots(rows, j)
+
     def pages(self, row: int, first: int, last: int) -> np.ndarray:
-        """``[K, last - first]``: pages ``first..last-1`` of ``row`` as absolute entries (0 where
-        the group holds no page for it)."""
-        return self.slots(np.full(last - first, row), np.arange(first, last))
+        """``[K, last - first]``: pages ``first..last-1`` of ``row`` (see :meth:`view`)."""
+        return self.view(np.full(last - first, row), np.arange(first, last))
 
     def clear_row(self, row: int) -> None:
         self.table[:, row] = 0

@@ -392,6 +392,13 @@ class KVCacheConfig:
         return tuple(ring_width(g.sliding_window, self.tokens_per_page, self.max_window_chunk, P)
                      if g.sliding_window and self.ring_tables else P for g in self.layer_groups)
 
+    def max_num_sequences(self, seq_len: int) -> int:
+        """How many sequences of ``seq_len`` tokens (clamped to ``max_seq_len``) fit in
+        ``device_pages`` at once, each holding :meth:`peak_pages` (0 when one does not fit).
+        :meth:`KVCacheManager.max_num_sequences` is this; planning needs no manager."""
+        seq_len = min(check_count(seq_len, "seq_len", minimum=1), self.max_seq_len)
+        return int((np.asarray(self.device_pages) // self.peak_pages(seq_len)).min())
+
     def peak_pages(self, seq_len: int) -> np.ndarray:
         """``[G]``: device pages per layer group one sequence of ``seq_len`` tokens may hold at
         once. Full attention: all of them; window W: ``ceil((W + n - 2) / P) + 1`` during a
@@ -575,6 +582,15 @@ class KVCacheManager:
             arr[:old] = getattr(self, name)
             setattr(self, name, arr)
         self._free_rows.extend(range(new - 1, old - 1, -1))
+
+    def _view(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """``[G, n]`` slots of pages ``j`` of ``rows`` (0: none, e.g. released by a window)."""
+        if len(self._kinds) == 1:
+            return self._kinds[0].view(rows, j)
+        out = np.empty((self._G, j.size), np.int32)
+        for kind in self._kinds:
+            out[kind.ids] = kind.view(rows, j)
+        return out
 
     def _row_pages(self, row: int, first: int, last: int) -> np.ndarray:
         """``[G, last - first]`` slots of pages ``first..last-1`` of ``row`` (0: none, e.g.
@@ -1362,7 +1378,13 @@ class KVCacheManager:
             return
         n0 = 0
         page_bytes = tpp * 4
-        for i in todo.tolist():
+        # NOTE: the new pages' slots of every row at once ([n, G], rows in todo order).
+        cnt = full[todo] - ncommit[todo]
+        starts = np.cumsum(cnt) - cnt
+        j = np.arange(int(cnt.sum())) - np.repeat(starts - ncommit[todo], cnt)
+        all_cols = self._view(np.repeat(rows[todo], cnt), j).T.copy()
+        gone_any = (all_cols == 0).any(axis=1) if self._win else None
+        for i, start in zip(todo.tolist(), starts.tolist()):
             seq = seqs[i]
             if seq.state is not SequenceState.ACTIVE:
                 continue
@@ -1373,9 +1395,9 @@ class KVCacheManager:
             first, last = int(ncommit[i]), int(full[i])
             # NOTE: one bytes object for all new pages; the table column block for all groups.
             blob = _le_bytes(self._tokens[r, first * tpp:last * tpp])
-            cols = self._row_pages(r, first, last).T.copy()
+            cols = all_cols[start:start + last - first]
             if self._win:  # a page a window released before it could be committed ends the chain
-                gone = np.flatnonzero((cols == 0).any(axis=1))
+                gone = np.flatnonzero(gone_any[start:start + last - first])
                 if gone.size:
                     cols = cols[:gone[0]]
                     self._commit_ok[r] = 0
@@ -1645,8 +1667,7 @@ class KVCacheManager:
         """How many sequences of ``seq_len`` tokens fit on the device at once (0 when one does
         not fit; ``seq_len`` is clamped to ``max_seq_len``). Sliding-window groups count the
         pages a sequence holds at its peak (see :meth:`_peak_pages`), not all of them."""
-        seq_len = min(check_count(seq_len, "seq_len", minimum=1), self.config.max_seq_len)
-        return int((np.asarray(self.config.device_pages) // self._peak_pages(seq_len)).min())
+        return self.config.max_num_sequences(seq_len)
 
     def max_seq_len_for(self, num_sequences: int) -> int:
         """The largest length (a whole number of pages, clamped to ``max_seq_len``) such that

@@ -77,6 +77,7 @@ class WindowGroups(GroupTables):
         self.window_of = np.zeros(num_groups, np.int64)  # [G]: 0 for other kinds
         self.window_of[self.ids] = self.windows
         self.num_groups = num_groups
+        self._one_holder = [int(w > 0) for w in self.window_of]
         self.wrel = np.zeros((len(ids), 0), np.int64)
         # NOTE: wlru[g]: referenced device nodes whose page of group g no holder's window covers
         # (need[g] == 0): cached like an unreferenced node's pages, but only that one page.
@@ -112,10 +113,8 @@ class WindowGroups(GroupTables):
         out[self.ids] = self.wrel[:, row]
         return out
 
-    def pages(self, row: int, first: int, last: int) -> np.ndarray:
-        j = np.arange(first, last)
-        out = self.slots(np.full(j.size, row), j)
-        return np.where(j[None] >= self.wrel[:, row, None], out, 0)
+    def view(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return np.where(j[None] >= self.wrel[:, rows], self.slots(rows, j), 0)
 
     def write_row(self, row: int, slots: np.ndarray, num_tokens: int) -> None:
         """The row of a sequence of ``num_tokens`` tokens whose pages are ``slots [K, n]``
@@ -145,7 +144,7 @@ class WindowGroups(GroupTables):
 
     def new_node(self, node: BlockNode) -> None:
         """A node just committed by one holder, whose windows cover it."""
-        node.need = [int(w > 0) for w in self.window_of]
+        node.need = self._one_holder.copy()
 
     def take(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
         """Window bookkeeping of a new holder of ``node`` (already incref'd) at depth ``j`` whose
