@@ -10,6 +10,7 @@ import pytest
 
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig,
                                StepInFlightError)
+from test_manager import stepped
 
 TPP = 4
 
@@ -24,7 +25,7 @@ def _manager(window=None) -> KVCacheManager:
 
 def _run(mgr, seq, n):
     batch = mgr.prepare_step([(seq, n)])
-    mgr.complete_step(mgr.caches)
+    mgr.complete_step(stepped(mgr.caches))
     return batch
 
 
@@ -76,7 +77,7 @@ def test_misuse_is_raised_and_changes_nothing():
     mgr.prepare_step([(seq, 5)])
     with pytest.raises(StepInFlightError):
         mgr.record_token_ids(seq, [1])
-    mgr.complete_step(mgr.caches)
+    mgr.complete_step(stepped(mgr.caches))
     with pytest.raises(ValueError, match="1-D"):
         mgr.record_token_ids(seq, [[1]])
     with pytest.raises(ValueError, match="1-D"):
