@@ -32,7 +32,7 @@ TPP = 4
 
 def tiny_config(*, device_pages=12, host_pages=0, disk_dir=None, disk_pages=0, groups=1,
                 prefix=True, max_batch=4, max_tokens=32, max_seq_len=64, windows=None,
-                same_layout=False) -> KVCacheConfig:
+                same_layout=False, tpp=TPP, **extra) -> KVCacheConfig:
     """``windows``: a sliding window (or None) per layer group; ``same_layout``: every group
     1 layer x 1 kv head (then their cold pages are equal and share one cold pool)."""
     windows = windows or (None,) * groups
@@ -42,12 +42,12 @@ def tiny_config(*, device_pages=12, host_pages=0, disk_dir=None, disk_pages=0, g
                                  dtype=jnp.float32, sliding_window=w)
                 for g, w in enumerate(windows))
     # Cold pages of the default codec are a little larger than hot ones: size by hot bytes + 25%.
-    hot = sum(2 * g.num_layers * TPP * g.num_kv_heads * g.head_dim * 4 for g in lgs)
-    return KVCacheConfig(tokens_per_page=TPP, layer_groups=lgs, device_pages=device_pages,
+    hot = sum(2 * g.num_layers * tpp * g.num_kv_heads * g.head_dim * 4 for g in lgs)
+    return KVCacheConfig(tokens_per_page=tpp, layer_groups=lgs, device_pages=device_pages,
                          host_bytes=int(host_pages * hot * 1.25), disk_dir=disk_dir,
                          disk_bytes=int(disk_pages * hot * 1.25), enable_prefix_reuse=prefix,
                          max_batch=max_batch, max_tokens_per_step=max_tokens,
-                         max_seq_len=max_seq_len)
+                         max_seq_len=max_seq_len, **extra)
 
 
 # -- the fake model --------------------------------------------------------------------------
@@ -136,6 +136,7 @@ class Harness:
 
     def check_values(self) -> int:
         mgr = self.mgr
+        tpp = mgr.config.tokens_per_page
         pools = [(np.asarray(k), np.asarray(v)) for k, v in mgr.storage.pools]
         checked = 0
         for seq in list(mgr._seqs.values()):
@@ -149,10 +150,10 @@ class Harness:
                 pos = np.arange(n)
                 pages = seq.page_ids(g)
                 if lg.sliding_window:  # pages outside every future query's window: released
-                    first = max(0, (n + 1 - lg.sliding_window) // TPP)
+                    first = max(0, (n + 1 - lg.sliding_window) // tpp)
                     assert (pages[:first] == 0).all() and (pages[first:] > 0).all(), pages
-                    pos = pos[first * TPP:]
-                slots = pages[pos // TPP] * TPP + pos % TPP
+                    pos = pos[first * tpp:]
+                slots = pages[pos // tpp] * tpp + pos % tpp
                 want = expected_values(prefix_hashes(toks)[pos], pos, lg.num_layers,
                                        lg.num_kv_heads, lg.head_dim)
                 k, v = pools[g]

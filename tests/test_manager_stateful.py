@@ -4,8 +4,11 @@ accounting per tier, refcounts == holders, no page in two places, governor ledge
 and every cached K/V value of every active sequence, read back through its page table.
 
 Tiny tiers so every path runs: device 12 pages, host ~4, disk ~6 (some machines without one tier).
-Layer groups: one or two full-attention groups, sliding-window groups (windows 1 to 11 tokens, 4
-tokens per page) alone or beside a full one, with distinct or shared cold pools.
+Layer groups: one or two full-attention groups, sliding-window groups (windows 1 to 17 tokens, 2,
+4 or 8 tokens per page) alone or beside a full one, with distinct or shared cold pools; window
+groups with absolute rows or rings (``ring_tables``, chunks of at most ``max_window_chunk``
+tokens per sequence), read back through the ring of every step's ``StepBatch``; batch
+compaction moves sequences between rows.
 ``KVCM_STATEFUL_EXAMPLES`` raises the number of examples (default 200, up to 50 steps each).
 """
 
@@ -23,10 +26,12 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from jax_kvcm._manager import OutOfPagesError, SequenceState, SuspendResult
 from test_manager import Harness, _state, make, tiny_config
+from test_window_ring import read_back
 
 EXAMPLES = int(os.environ.get("KVCM_STATEFUL_EXAMPLES", "200"))
 COUNTS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, "recompute": 0,
-          "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0}
+          "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0,
+          "ring": 0, "compacted": 0, "ring_checked": 0}
 PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
 
 
@@ -38,9 +43,11 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @initialize(tiers=st.sampled_from(["none", "host", "disk", "host+disk"]),
                 groups=st.sampled_from(["1", "1", "2", "w", "1+w", "1+w shared", "w+w"]),
-                window=st.sampled_from([1, 3, 4, 6, 9]),
-                hash_kind=st.sampled_from(["sha", "const"]))
-    def setup(self, tiers, groups, window, hash_kind):
+                window=st.sampled_from([1, 3, 4, 6, 9, 13, 17]),
+                hash_kind=st.sampled_from(["sha", "const"]),
+                tpp=st.sampled_from([4, 4, 2, 8]),
+                ring=st.booleans(), chunk=st.sampled_from([None, 1, 3, 6]))
+    def setup(self, tiers, groups, window, hash_kind, tpp, ring, chunk):
         # "w": a sliding-window group; "shared": same layouts, so one cold pool for both.
         windows = {"1": (None,), "2": (None, None), "w": (window,), "1+w": (None, window),
                    "1+w shared": (None, window), "w+w": (window, window + 2)}[groups]
@@ -48,8 +55,9 @@ class ManagerMachine(RuleBasedStateMachine):
                           disk_dir=self.dir if "disk" in tiers else None,
                           disk_pages=6 if "disk" in tiers else 0, windows=windows,
                           same_layout="shared" in groups, max_batch=4, max_tokens=32,
-                          max_seq_len=48)
+                          max_seq_len=48, tpp=tpp, ring_tables=ring, max_window_chunk=chunk)
         COUNTS["windowed"] += "w" in groups
+        COUNTS["ring"] += ring and "w" in groups
         kw = {"_hash_fn": (lambda b: b"k")} if hash_kind == "const" else {}
         self.h = make(cfg, **kw)
         COUNTS["examples"] += 1
@@ -66,7 +74,8 @@ class ManagerMachine(RuleBasedStateMachine):
         s = self.h.add(prefix + suffix, salt=salt)
         toks = self.h.tokens[s.seq_id]
         COUNTS["reused"] += s.num_reused_tokens > 0
-        assert s.num_reused_tokens % 4 == 0 and s.num_reused_tokens < len(toks)
+        tpp = self.h.mgr.config.tokens_per_page
+        assert s.num_reused_tokens % tpp == 0 and s.num_reused_tokens < len(toks)
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -81,9 +90,12 @@ class ManagerMachine(RuleBasedStateMachine):
         chosen = data.draw(st.lists(st.sampled_from(active), min_size=1, max_size=4,
                                     unique_by=lambda s: s.seq_id))
         work, ids, total = [], [], 0
+        cfg = self.h.mgr.config
+        most = min(12, cfg.max_window_chunk) if any(
+            g.sliding_window for g in cfg.layer_groups) else 12
         for s in chosen:
             left = len(self.h.tokens[s.seq_id]) - s.num_tokens
-            n = data.draw(st.integers(1, max(1, min(left, 12)))) if left > 0 else 1
+            n = data.draw(st.integers(1, max(1, min(left, most)))) if left > 0 else 1
             if total + n > 32 or s.num_tokens + n > 48:
                 continue
             work.append((s, n))
@@ -94,7 +106,9 @@ class ManagerMachine(RuleBasedStateMachine):
         before = {s.seq_id: (s.num_tokens, s.page_ids()) for s, _ in work}
         state = _state(self.h)
         try:
-            self.h.run(work, as_ids=ids)
+            batch, spans = self.h.prepare(work, as_ids=ids)
+            self.h.mgr.complete_step(self.h.write(batch, spans))
+            COUNTS["ring_checked"] += read_back(self.h, batch, spans)
             COUNTS["steps"] += 1
         except OutOfPagesError:
             COUNTS["oop"] += 1
@@ -141,6 +155,32 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
+    def compact(self, data):
+        """Moves every sequence to a new row (a random arrangement of rows 0..n-1, or spread
+        over up to twice as many); their pages, rings and what later steps read must follow."""
+        mgr = self.h.mgr
+        seqs = list(mgr._seqs.values())
+        if not seqs:
+            return
+        rows = [s.row for s in seqs]
+        spread = data.draw(st.sampled_from([1, 2]))
+        targets = data.draw(st.permutations(range(len(seqs) * spread)))
+        old_to_new = np.full(max(rows) + 1, -1)
+        old_to_new[rows] = targets[:len(seqs)]
+        before = {s.seq_id: (s.num_tokens, [s.page_ids(g) for g in range(len(
+            mgr.config.layer_groups))]) for s in seqs if s.state is SequenceState.ACTIVE}
+        new_to_old = mgr.compact(old_to_new)
+        for s, r in zip(seqs, rows):
+            assert s.row == old_to_new[r] and new_to_old[s.row] == r
+        for s in seqs:
+            if s.seq_id in before:
+                n, pages = before[s.seq_id]
+                assert s.num_tokens == n
+                assert all(np.array_equal(s.page_ids(g), p) for g, p in enumerate(pages))
+        COUNTS["compacted"] += 1
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
     def close(self, data):
         seqs = list(self.h.mgr._seqs.values())
         if not seqs:
@@ -159,7 +199,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.h is not None:
             self.teardown_counts()
-            self.h.mgr.storage.close()
+            self.h.mgr.shutdown()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -176,7 +216,7 @@ def test_machine_covered_every_path():
         import pytest
         pytest.skip("the machine did not run in this session")
     for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused", "windowed",
-                "window_released"):
+                "window_released", "ring", "compacted", "ring_checked"):
         assert COUNTS[key] > 0, COUNTS
     assert COUNTS["rules"] >= 20 * COUNTS["examples"], COUNTS
     assert COUNTS["steps"] >= 5 * COUNTS["examples"], COUNTS

@@ -29,8 +29,7 @@ needs_ring_ops = pytest.mark.skipif(not HAS_RING_OPS,
 
 
 def ring_config(windows, *, chunk=None, **kw) -> KVCacheConfig:
-    cfg = tiny_config(windows=windows, **kw)
-    return dataclasses.replace(cfg, ring_tables=True, max_window_chunk=chunk)
+    return tiny_config(windows=windows, ring_tables=True, max_window_chunk=chunk, **kw)
 
 
 def ring_gather(pool: np.ndarray, row: np.ndarray, positions: np.ndarray,
@@ -62,7 +61,7 @@ def read_back(h: Harness, batch, spans) -> int:
             want = expected_values(prefix_hashes(toks)[pos], pos, lg.num_layers,
                                    lg.num_kv_heads, lg.head_dim)
             for kv in range(2):
-                got = ring_gather(pools[g][kv], row, pos, TPP)
+                got = ring_gather(pools[g][kv], row, pos, mgr.config.tokens_per_page)
                 assert np.array_equal(got, want[:, kv]), (
                     f"row {b} group {g} {'KV'[kv]}: positions "
                     f"{pos[(got != want[:, kv]).any(axis=(0, 2, 3))].tolist()} differ")
