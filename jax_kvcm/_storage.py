@@ -774,20 +774,32 @@ class StorageManager:
             raise RuntimeError("the storage manager is closed")
 
     def close(self) -> None:
-        """Waits for outstanding work, removes the disk files, frees host memory."""
+        """Waits for outstanding work, closes the disk files, frees host memory. Every tier is
+        released even when one fails to (e.g. a disk file's name cannot be removed); the first
+        such error is raised afterwards."""
         if self._closed:
             return
         self._closed = True
+        errors: list[BaseException] = []
         for p, d in self._pending_host_indices:
-            d.block_until_ready()
+            try:
+                d.block_until_ready()
+            except Exception as e:  # noqa: BLE001 - a failed step's output: nothing to wait for
+                errors.append(e)
             self._codec.unregister_host_index_pairs(p)
         self._pending_host_indices = []
         if self._ring is not None:
-            self._ring.drain()
-        for pool in self.disk_pools:
-            pool.close()
-        for pool in self.host_pools:
-            pool.close()
+            try:
+                self._ring.drain()
+            except Exception as e:  # noqa: BLE001 - as above
+                errors.append(e)
+        for pool in [*self.disk_pools, *self.host_pools]:
+            try:
+                pool.close()
+            except Exception as e:  # noqa: BLE001 - the others are still released
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def _all_allocated(allocator: Any, slots: np.ndarray) -> bool:

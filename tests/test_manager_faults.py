@@ -311,6 +311,19 @@ def test_suspend_to_a_failing_disk_must_recompute(diskdir):
     h.check()
 
 
+def test_storage_close_frees_every_tier_when_a_disk_close_fails(diskdir):
+    h = make(tiny_config(device_pages=8, host_pages=4, disk_dir=diskdir, disk_pages=4,
+                         groups=2))
+    st = h.mgr.storage
+    disks = install_faulty_disks(h.mgr)
+    assert len(disks) == 2 and len(st.host_pools) == 2
+    disks[0].fail_close = True
+    with pytest.raises(OSError, match="unlink"):
+        st.close()
+    assert all(d.closed for d in disks) and all(p.closed for p in st.host_pools)
+    st.close()  # idempotent
+
+
 # -- misuse -----------------------------------------------------------------------------------
 
 
