@@ -63,8 +63,9 @@ from jax_kvcm._pool_ratios import (split_device_budget, weights_from_ratio,
                                    weights_from_typical_batch)
 from jax_kvcm._prefix_tree import NO_PAGE, BlockNode, PrefixTree, salt_bytes
 from jax_kvcm._step_batch import StepBatch, default_buckets, pick_bucket
+from jax_kvcm._disk_tier import DiskIOError
 from jax_kvcm._storage import (CorruptPageError, LayerGroupSpec, StorageConfig, StorageEvent,
-                               StorageManager)
+                               StorageManager, UnreadablePageError)
 from jax_kvcm._types import (CacheLevel, LayerGroupLayout, PoolGroupIndex, check_count,
                              hot_page_bytes)
 from jax_kvcm._window_group import WindowGroups, ring_width, window_peak_pages
@@ -86,6 +87,7 @@ __all__ = [
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
 _LITTLE = np.little_endian
 _COUNT_KEYS = ("capacity", "free", "pending", "referenced", "cached")
+DISK_DEGRADED_AFTER = 3  # consecutive failed disk writes after which the disk tier takes no more
 
 
 MAX_TOKEN_ID = (1 << 31) - 1  # token ids are stored and hashed as int32
@@ -489,6 +491,9 @@ class _Stats:
     num_failed_steps: int = 0       # steps whose pools were lost (abort/recover_from_failed_step)
     num_lost_sequences: int = 0     # sequences closed by such a loss (to recompute)
     num_observer_errors: int = 0
+    num_disk_write_errors: int = 0       # failed writes to the disk tier (e.g. ENOSPC)
+    num_disk_read_errors: int = 0        # failed reads of it (EIO, short reads): misses
+    num_dropped_on_disk_error: int = 0   # pages dropped because the disk could not take them
 
 
 # -- the manager -----------------------------------------------------------------------------
@@ -530,6 +535,8 @@ class KVCacheManager:
         # Pool of each layer group per level (cold layer groups with equal page sizes share one).
         self._pool_of = {lv: layout.pool_of(lv) for lv in self._levels}
         self._page_bytes = {lv: layout.page_bytes(lv) for lv in self._levels}
+        self._disk_failures = 0       # consecutive failed disk writes
+        self._disk_degraded = False   # no more writes to the disk tier (see _disk_write_failed)
         self._disk_chunk = 1 << 30
         if self.storage._ring is not None:
             self._disk_chunk = max(1, self.storage._ring.capacity
@@ -812,13 +819,45 @@ class KVCacheManager:
                     c = cols[start:start + chunk]
                     moves.append((g, src_level, src[g, c], dst_level))
                     where.append((p, g, c))
-        out = self.storage.migrate_many(moves)
+        to_disk = any(dst_level is K for _, _, _, dst_level in moves)
+        try:
+            out = self.storage.migrate_many(moves)
+        except CorruptPageError as e:  # unreadable disk pages too (a miss for the caller)
+            if isinstance(e, UnreadablePageError):
+                self._stats.num_disk_read_errors += 1
+            raise
+        except DiskIOError as e:  # a write failed (reads raise the above): a refusal
+            if not to_disk:
+                raise
+            self._disk_write_failed(e)
+            return None
         if out is None:
             return None
+        if to_disk:
+            self._disk_failures = 0
         res = [np.full(src.shape, NO_PAGE, np.int32) for _, src, _ in parts]
         for (p, g, c), dst in zip(where, out):
             res[p][g, c] = dst
         return res
+
+    def _disk_write_failed(self, error: DiskIOError) -> None:
+        """A write to the disk tier failed (nothing changed: the transaction rolled back). The
+        disk is a cache: the caller drops what it meant to write (or, suspending, moves on to
+        ``MUST_RECOMPUTE``). After ``DISK_DEGRADED_AFTER`` consecutive failures the tier is
+        *degraded*: nothing is written to it any more (its pages can still be read), a
+        ``"disk_degraded"`` event is emitted and ``stats()["disk_degraded"]`` is True."""
+        self._stats.num_disk_write_errors += 1
+        self._disk_failures += 1
+        if not self._disk_degraded and self._disk_failures >= DISK_DEGRADED_AFTER:
+            self._disk_degraded = True
+            self._emit(ManagerEvent("disk_degraded", 0, K))
+            warnings.warn(f"KVCacheManager: {self._disk_failures} disk writes failed in a row "
+                          f"(last: {error}); the disk tier takes no more pages", RuntimeWarning,
+                          stacklevel=2)
+
+    def _writable(self, level: CacheLevel) -> bool:
+        """Whether pages may move to ``level`` (not a degraded disk tier)."""
+        return not (level is K and self._disk_degraded)
 
     def _migrate_nodes(self, nodes: list[BlockNode], dst: CacheLevel) -> bool:
         """Moves nodes (all at one level) to ``dst``; False (nothing moved) when refused."""
@@ -895,8 +934,9 @@ class KVCacheManager:
 
     def _evict(self, victims: list[BlockNode], level: CacheLevel) -> None:
         """Moves cached ``victims`` (at ``level``) one tier down, else drops them."""
+        failures = self._stats.num_disk_write_errors
         for lower in self._levels:
-            if lower <= level:
+            if lower <= level or not self._writable(lower):
                 continue
             if self._make_room_cold(lower, np.count_nonzero(self._node_slots(victims) >= 0,
                                                             axis=1)):
@@ -905,8 +945,11 @@ class KVCacheManager:
                     self._stats.num_evicted_pages[lower] += len(victims)
                     self._emit(ManagerEvent("evicted", len(victims), lower))
                     return
+        victims = [v for v in victims if v.alive]
+        if self._stats.num_disk_write_errors > failures:
+            self._stats.num_dropped_on_disk_error += len(victims)
         for v in victims:
-            if v.alive:
+            if v.alive:  # dropping one drops its subtree
                 self._drop(v)
 
     def _reserve_device(self, need: np.ndarray) -> bool:
@@ -1515,10 +1558,10 @@ class KVCacheManager:
             if own:
                 need += np.count_nonzero(own_slots >= 0, axis=1)
             for lv in self._levels[1:]:
-                if not self._make_room_cold(lv, need):
+                if not self._writable(lv) or not self._make_room_cold(lv, need):
                     continue
                 out = self._move([(D, private, lv)] + ([(D, own_slots, lv)] if own else []))
-                if out is None:  # pragma: no cover - room was made
+                if out is None:  # a failed disk write (room was made)
                     continue
                 for i, n in enumerate(own):
                     if self._win:
@@ -1673,18 +1716,20 @@ class KVCacheManager:
     def shutdown(self) -> None:
         """Ends the manager: waits for every dispatched step and migration (their fences),
         returns every pending page, then closes the storage (waits for its outstanding work,
-        removes the disk files, frees host and pinned memory). Every later call raises
+        closes the disk files, freeing their space, frees host and pinned memory). Every later call raises
         RuntimeError; a second ``shutdown`` does nothing. Raises :class:`StepInFlightError` while
         a step is prepared and not completed (complete or abort it first)."""
         with self._lock:
             if self._shut:
                 return
             self._need_pools("shutdown")
-            if self._fence is not None:
-                self._poll_fence(block=True)
-            for k, v in self.storage.pools:
-                k.block_until_ready()
-                v.block_until_ready()
+            waits = [self._fence] if self._fence is not None else []
+            for arr in waits + [a for pair in self.storage.pools for a in pair]:
+                try:
+                    if not arr.is_deleted():
+                        arr.block_until_ready()
+                except Exception:  # noqa: BLE001 - a failed step's output: nothing to wait for
+                    pass
             self._ready_upto = self._step_index
             self._reclaim()
             self._shut = True
@@ -1731,6 +1776,7 @@ class KVCacheManager:
             out["num_active"] = sum(s.state is SequenceState.ACTIVE for s in self._seqs.values())
             out["num_suspended_now"] = len(self._seqs) - out["num_active"]
             out["num_committed_now"] = len(self.tree)
+            out["disk_degraded"] = self._disk_degraded
             per_pool = {lv.name.lower(): self._page_counts(lv) for lv in self._levels}
             out["pages"] = {lv: {k: sum(c[k] for c in pools) for k in _COUNT_KEYS}
                             for lv, pools in per_pool.items()}

@@ -41,7 +41,7 @@ import numpy as np
 
 from jax_kvcm._codec import (ColdPageCodec, HotPoolGroupDesc, PageIndexLocation,
                              create_default_cold_page_codec)
-from jax_kvcm._disk_tier import DiskPool
+from jax_kvcm._disk_tier import DiskIOError, DiskPool
 from jax_kvcm._governor import BudgetExceededError, Lease, MemoryGovernor
 from jax_kvcm._host_tier import HostPool, allocate_host_buffer
 from jax_kvcm._pool_ratios import split_cold_budget, weights_from_ratio
@@ -52,6 +52,7 @@ from jax_kvcm._types import (CacheLevel, LayerGroupLayout, PoolGroupIndex, PoolL
 
 __all__ = [
     "CorruptPageError",
+    "UnreadablePageError",
     "LayerGroupSpec",
     "StorageConfig",
     "StorageEvent",
@@ -71,6 +72,19 @@ class CorruptPageError(Exception):
                          "checksum")
         self.layer_group = layer_group
         self.slots = slots
+
+
+class UnreadablePageError(CorruptPageError, DiskIOError):
+    """A disk read failed (EIO, a short read): its pages count as corrupt (a miss; ``slots``
+    are every source slot of the failed read) and it is also the :class:`DiskIOError` (errno
+    preserved). Nothing was changed."""
+
+    def __init__(self, layer_group: int, slots: np.ndarray, cause: OSError) -> None:
+        super().__init__(layer_group, slots)
+        self.errno = cause.errno
+        self.filename = cause.filename
+        self.strerror = (f"layer group {layer_group}: disk pages {slots.tolist()} unreadable "
+                         f"({cause.strerror or cause})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -540,10 +554,7 @@ class StorageManager:
             g = self.cold_group_of[lg]
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
             self._wait_fences(g, dst)
-            self._hook("disk_read")
-            ok = dpool.read(src, hpool.base_address, dst)
-            if not ok.all():
-                raise CorruptPageError(lg, src[~ok])
+            self._read(lg, dpool, src, hpool.base_address, dst)
         elif path == (D, D):
             self._copy_hot(lg, src, dst)
         elif path == (H, H):
@@ -554,10 +565,7 @@ class StorageManager:
         else:  # (K, K): through the staging ring
             pool = self.disk_pools[self.cold_group_of[lg]]
             with self._staging(lg, src.size, staged) as (address, _):
-                self._hook("disk_read")
-                ok = pool.read(src, address)
-                if not ok.all():
-                    raise CorruptPageError(lg, src[~ok])
+                self._read(lg, pool, src, address)
                 self._hook("disk_write")
                 pool.write(dst, address)
 
@@ -578,12 +586,21 @@ class StorageManager:
         pool = self.disk_pools[self.cold_group_of[lg]]
         scope = self._staging(lg, src.size, staged)
         with scope as (address, lease_box):
-            self._hook("disk_read")
-            ok = pool.read(src, address)
-            if not ok.all():
-                raise CorruptPageError(lg, src[~ok])
+            self._read(lg, pool, src, address)
             window_address, window_slots, num_cold = scope.codec_window()
             lease_box[0] = self._decode(lg, window_slots, dst, window_address, num_cold)
+
+    def _read(self, lg: int, pool: DiskPool, src: np.ndarray, address: int,
+              pages: np.ndarray | None = None) -> None:
+        """Reads disk slots ``src`` into host memory; CorruptPageError for pages that fail their
+        checksum, UnreadablePageError (all of ``src``) when the read itself fails."""
+        self._hook("disk_read")
+        try:
+            ok = pool.read(src, address, pages)
+        except DiskIOError as e:
+            raise UnreadablePageError(lg, src.copy(), e) from e
+        if not ok.all():
+            raise CorruptPageError(lg, src[~ok])
 
     # -- submission helpers ------------------------------------------------------------------
 
@@ -760,21 +777,33 @@ class StorageManager:
             raise RuntimeError("the storage manager is closed")
 
     def close(self) -> None:
-        """Waits for outstanding work, removes the disk files, frees host memory."""
+        """Waits for outstanding work, closes the disk files, frees host memory. Every tier is
+        released even when one fails to (e.g. a disk file's name cannot be removed); the first
+        such error is raised afterwards."""
         if self._closed:
             return
         self._closed = True
+        errors: list[BaseException] = []
         for p, d in self._pending_host_indices:
-            d.block_until_ready()
+            try:
+                d.block_until_ready()
+            except Exception as e:  # noqa: BLE001 - a failed step's output: nothing to wait for
+                errors.append(e)
             self._codec.unregister_host_index_pairs(p)
         self._pending_host_indices = []
         if self._ring is not None:
-            self._ring.drain()
+            try:
+                self._ring.drain()
+            except Exception as e:  # noqa: BLE001 - as above
+                errors.append(e)
         self._ring_buffer = None  # NOTE: the pinned staging memory goes with its last view
-        for pool in self.disk_pools:
-            pool.close()
-        for pool in self.host_pools:
-            pool.close()
+        for pool in [*self.disk_pools, *self.host_pools]:
+            try:
+                pool.close()
+            except Exception as e:  # noqa: BLE001 - the others are still released
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def _all_allocated(allocator: Any, slots: np.ndarray) -> bool:

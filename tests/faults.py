@@ -2,7 +2,8 @@
 
 - :class:`FaultyDisk` wraps a :class:`~jax_kvcm._disk_tier.DiskPool` in place of the storage
   manager's (``install_faulty_disks``): its reads fail with ``EIO`` and its writes with ``ENOSPC``
-  while the test says so (a number of calls, or for good), else it delegates.
+  while the test says so (a number of calls, or for good), its close may fail like an unlink
+  that is refused; else it delegates.
 - :func:`failing_step` is a user's step that donates the pools and fails inside XLA (an
   out-of-range ``write_kv`` slot refused by the CPU handler): the pools come back deleted.
 """
@@ -27,7 +28,7 @@ class FaultyDisk:
 
     def __init__(self, pool) -> None:
         self.__dict__.update(_pool=pool, fail_reads=0, fail_writes=0, num_failed_reads=0,
-                             num_failed_writes=0)
+                             num_failed_writes=0, fail_close=False)
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_pool"], name)
@@ -38,6 +39,13 @@ class FaultyDisk:
             self.num_failed_reads += 1
             raise DiskIOError(errno.EIO, "injected read error", self._pool.path)
         return self._pool.read(slots, dst_address, dst_pages)
+
+    def close(self):
+        """Closes the pool; with ``fail_close`` then raises as a failed unlink of its name
+        would."""
+        self._pool.close()
+        if self.fail_close:
+            raise DiskIOError(errno.EACCES, "injected: cannot unlink", self._pool.path)
 
     def write(self, slots, src_address, src_pages=None):
         if self.fail_writes:

@@ -190,7 +190,7 @@ class NotReadyFence:
 def flip_disk_bit(h: Harness, slot: int) -> None:
     """Corrupts one byte of disk slot ``slot`` (layer group 0's pool): its checksum fails."""
     pool = h.mgr.storage.disk_pools[0]
-    with open(pool.path, "r+b") as f:
+    with open(f"/proc/self/fd/{pool.fileno}", "r+b") as f:  # its name is unlinked
         f.seek(int(slot) * pool.slot_bytes + 5)
         b = f.read(1)
         f.seek(-1, 1)

@@ -12,9 +12,10 @@ import tempfile
 import numpy as np
 import pytest
 
-from faults import failing_step
+from faults import FOREVER, failing_step, install_faulty_disks
 from jax_kvcm._manager import SequenceState, SuspendResult
-from jax_kvcm._storage import StorageEvent
+from jax_kvcm._manager import ManagerEvent
+from jax_kvcm._storage import CorruptPageError, StorageEvent, UnreadablePageError
 from jax_kvcm._types import CacheLevel
 from test_manager import make, stepped, tiny_config
 
@@ -189,6 +190,138 @@ def test_observer_may_call_the_manager():
     assert calls and calls[-1] == 1
     with pytest.raises(TypeError, match="callable"):
         h.mgr.add_observer(None)
+
+
+# -- unreadable and full disks ----------------------------------------------------------------
+
+
+def on_disk_prefix(diskdir, **kw):
+    """A manager whose prompt range(9) has its two committed pages on disk (no host tier)."""
+    h = make(tiny_config(device_pages=4, disk_dir=diskdir, disk_pages=10, **kw))
+    a = h.add(list(range(9)))
+    h.run([(a, 9)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(50, 66)))  # pushes a's two cached pages to disk
+    h.run([(b, 16)])
+    h.mgr.close(b)
+    hit = h.mgr.tree.match(np.arange(9, dtype=np.int32), b"", 4, 2)
+    assert [n.level for n in hit] == [K, K]
+    return h, hit
+
+
+@pytest.mark.parametrize("fault", ["eio_forever", "short_read_native"])
+def test_unreadable_disk_hit_is_a_miss_and_is_dropped(diskdir, fault):
+    """A read error (EIO, or a real short read in the native file) on a prefix hit used to
+    raise from every add_sequence with that prefix, forever. Now it is a miss, like a checksum
+    failure: the unreadable nodes are dropped and the next request does not touch the disk."""
+    h, hit = on_disk_prefix(diskdir)
+    if fault == "eio_forever":
+        disk = install_faulty_disks(h.mgr)[0]
+        disk.fail_reads = FOREVER
+    else:
+        h.mgr.storage.disk_pools[0]._inject_fault("short_read")
+    c = h.add(list(range(9)))
+    assert c.num_reused_tokens == 0 and not any(n.alive for n in hit)
+    assert h.mgr.stats()["num_disk_read_errors"] == 1
+    h.check()
+    d = h.add(list(range(9)))
+    assert d.num_reused_tokens == 0
+    h.mgr.close(d)
+    h.run([(c, 9)], as_ids=[True])
+    h.check()
+    if fault == "eio_forever":
+        assert disk.num_failed_reads == 1
+
+
+def test_unreadable_parked_pages_allow_close_and_recompute(diskdir):
+    h = make(tiny_config(device_pages=8, disk_dir=diskdir, disk_pages=10))
+    a = h.add(list(range(10)))
+    h.run([(a, 10)], as_ids=[True])
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED and a._parked[0] is K
+    disk = install_faulty_disks(h.mgr)[0]
+    disk.fail_reads = FOREVER
+    with pytest.raises(UnreadablePageError) as e:
+        h.mgr.resume(a)
+    assert isinstance(e.value, CorruptPageError) and isinstance(e.value, OSError)
+    assert a.state is SequenceState.SUSPENDED
+    h.check()
+    h.mgr.close(a)  # and recompute
+    h.check()
+    b = h.add(list(range(10)))
+    assert b.num_reused_tokens == 0  # the unreadable pages were a miss, then dropped
+    h.run([(b, 10)])
+    h.check()
+
+
+def fill_and_evict(h, base, n=3):
+    """Closes ``n`` one-page-plus prompts so their committed pages are cached on the device,
+    then runs a prompt that needs the room: cached pages must be evicted."""
+    for i in range(n):
+        s = h.add(list(range(base + 10 * i, base + 10 * i + 5)))
+        h.run([(s, 5)], as_ids=[True])
+        h.mgr.close(s)
+
+
+def test_full_disk_never_blocks_device_allocation(diskdir):
+    """Writes fail with ENOSPC: eviction used to raise DiskFullError from every prepare_step.
+    Now the cached pages are dropped (counted), after three failures in a row the disk tier is
+    degraded (an event, a warning, no more writes) and serving goes on."""
+    h = make(tiny_config(device_pages=4, disk_dir=diskdir, disk_pages=10))
+    disk = install_faulty_disks(h.mgr)[0]
+    disk.fail_writes = FOREVER
+    with pytest.warns(RuntimeWarning, match="disk writes failed"):
+        for i in range(5):
+            fill_and_evict(h, 100 * i, n=2)
+            h.check()
+    st = h.mgr.stats()
+    assert st["num_dropped_on_disk_error"] >= 3 and st["num_disk_write_errors"] == 3
+    assert st["disk_degraded"] and disk.num_failed_writes == 3
+    assert any(isinstance(e, ManagerEvent) and e.kind == "disk_degraded" for e in h.mgr.events)
+    assert st["pages"]["disk"]["free"] == st["pages"]["disk"]["capacity"]
+    a = h.add(list(range(13)))
+    h.run([(a, 13)])
+    h.check()
+
+
+def test_transient_disk_write_error_drops_once(diskdir):
+    h = make(tiny_config(device_pages=4, disk_dir=diskdir, disk_pages=10))
+    disk = install_faulty_disks(h.mgr)[0]
+    disk.fail_writes = 1
+    fill_and_evict(h, 0, n=8)
+    h.check()
+    st = h.mgr.stats()
+    assert st["num_disk_write_errors"] == 1 and st["num_dropped_on_disk_error"] >= 1
+    assert not st["disk_degraded"]
+    assert st["pages"]["disk"]["cached"] >= 1  # later evictions went to disk again
+    assert h.add(list(range(0, 5))).num_reused_tokens in (0, 4)
+    h.check()
+
+
+def test_suspend_to_a_failing_disk_must_recompute(diskdir):
+    h = make(tiny_config(device_pages=8, disk_dir=diskdir, disk_pages=10))
+    a = h.add(list(range(10)))
+    h.run([(a, 10)])
+    install_faulty_disks(h.mgr)[0].fail_writes = 1
+    pages = a.page_ids().tolist()
+    assert h.mgr.suspend(a) is SuspendResult.MUST_RECOMPUTE
+    assert a.state is SequenceState.ACTIVE and a.page_ids().tolist() == pages
+    h.check()
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED  # the disk works again
+    assert h.mgr.resume(a)
+    h.check()
+
+
+def test_storage_close_frees_every_tier_when_a_disk_close_fails(diskdir):
+    h = make(tiny_config(device_pages=8, host_pages=4, disk_dir=diskdir, disk_pages=4,
+                         groups=2))
+    st = h.mgr.storage
+    disks = install_faulty_disks(h.mgr)
+    assert len(disks) == 2 and len(st.host_pools) == 2
+    disks[0].fail_close = True
+    with pytest.raises(OSError, match="unlink"):
+        st.close()
+    assert all(d.closed for d in disks) and all(p.closed for p in st.host_pools)
+    st.close()  # idempotent
 
 
 # -- misuse -----------------------------------------------------------------------------------

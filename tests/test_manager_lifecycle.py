@@ -150,12 +150,13 @@ def test_shutdown_waits_closes_and_removes_files(tmp_path):
     m.complete_step(stepped(m.storage.pools))
     m._fence = fence = NotReadyFence()
     m.close(a)
-    assert os.listdir(tmp_path)
+    assert not any(p.closed for p in m.storage.disk_pools + m.storage.host_pools)
     m.shutdown()
     assert fence.ready  # waited for the last step
     assert m.stats()["pages"]["device"]["pending"] == 0
-    assert not os.listdir(tmp_path)  # disk files removed
-    assert all(p.closed for p in m.storage.host_pools) and m.storage._ring_buffer is None
+    assert not os.listdir(tmp_path)  # no disk file left (unlinked at creation, closed now)
+    assert all(p.closed for p in m.storage.disk_pools + m.storage.host_pools)
+    assert m.storage._ring_buffer is None  # the pinned staging memory
     m.shutdown()  # a second call does nothing
     for call in (lambda: m.add_sequence([1, 2]), lambda: m.prepare_step([(a, 1)]),
                  lambda: m.compact([]), lambda: m.close(a)):

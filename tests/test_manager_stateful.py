@@ -10,6 +10,12 @@ groups with absolute rows or rings (``ring_tables``, chunks of at most ``max_win
 tokens per sequence), read back through the ring of every step's ``StepBatch``; batch
 compaction moves sequences between rows.
 ``KVCM_STATEFUL_EXAMPLES`` raises the number of examples (default 200, up to 50 steps each).
+
+Faults (seams from ``faults.py``): disk reads that fail (EIO) and disk writes that fail (ENOSPC),
+once, twice or for good; a step that raises before running (``abort_step``) or that consumes its
+donated pools and fails inside XLA (``abort_step`` then reports the lost sequences, which the
+machine forgets); an observer that raises on some event kind. The K/V content oracle and the
+invariants are checked after every rule all the same.
 """
 
 from __future__ import annotations
@@ -19,19 +25,26 @@ import shutil
 import tempfile
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
+from faults import FOREVER, failing_step, install_faulty_disks
 from jax_kvcm._manager import OutOfPagesError, SequenceState, SuspendResult
+from jax_kvcm._storage import CorruptPageError
 from test_manager import Harness, _state, make, tiny_config
 from test_window_ring import read_back
+
+pytestmark = pytest.mark.filterwarnings("ignore:KVCacheManager")  # raising observers, bad disks
 
 EXAMPLES = int(os.environ.get("KVCM_STATEFUL_EXAMPLES", "200"))
 COUNTS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, "recompute": 0,
           "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0,
-          "ring": 0, "compacted": 0, "ring_checked": 0}
+          "aborted": 0, "lost": 0, "observer_errors": 0, "disk_read_errors": 0,
+          "disk_write_errors": 0, "unreadable_resume": 0, "ring": 0, "compacted": 0,
+          "ring_checked": 0}
 PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
 
 
@@ -40,14 +53,17 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp()
         self.h: Harness | None = None
+        self.disks: list = []
+        self.observer = None
 
     @initialize(tiers=st.sampled_from(["none", "host", "disk", "host+disk"]),
                 groups=st.sampled_from(["1", "1", "2", "w", "1+w", "1+w shared", "w+w"]),
                 window=st.sampled_from([1, 3, 4, 6, 9, 13, 17]),
                 hash_kind=st.sampled_from(["sha", "const"]),
+                faults=st.sampled_from([(0, 0), (0, 0), (1, 1), (FOREVER, 0), (0, FOREVER)]),
                 tpp=st.sampled_from([4, 4, 2, 8]),
                 ring=st.booleans(), chunk=st.sampled_from([None, 1, 3, 6]))
-    def setup(self, tiers, groups, window, hash_kind, tpp, ring, chunk):
+    def setup(self, tiers, groups, window, hash_kind, faults, tpp, ring, chunk):
         # "w": a sliding-window group; "shared": same layouts, so one cold pool for both.
         windows = {"1": (None,), "2": (None, None), "w": (window,), "1+w": (None, window),
                    "1+w shared": (None, window), "w+w": (window, window + 2)}[groups]
@@ -60,6 +76,8 @@ class ManagerMachine(RuleBasedStateMachine):
         COUNTS["ring"] += ring and "w" in groups
         kw = {"_hash_fn": (lambda b: b"k")} if hash_kind == "const" else {}
         self.h = make(cfg, **kw)
+        self.disks = install_faulty_disks(self.h.mgr)
+        self.disk_faults(*faults)
         COUNTS["examples"] += 1
 
     def seqs(self, state):
@@ -77,9 +95,8 @@ class ManagerMachine(RuleBasedStateMachine):
         tpp = self.h.mgr.config.tokens_per_page
         assert s.num_reused_tokens % tpp == 0 and s.num_reused_tokens < len(toks)
 
-    @precondition(lambda self: self.h is not None)
-    @rule(data=st.data())
-    def step(self, data):
+    def pick_work(self, data):
+        """Up to 4 ACTIVE sequences and their new token counts (adds one when none is active)."""
         active = self.seqs(SequenceState.ACTIVE)
         if not active:
             if len(self.h.mgr._seqs) >= 8:
@@ -101,6 +118,12 @@ class ManagerMachine(RuleBasedStateMachine):
             work.append((s, n))
             ids.append(data.draw(st.booleans()))
             total += n
+        return work, ids
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def step(self, data):
+        work, ids = self.pick_work(data) or ([], [])
         if not work:
             return
         before = {s.seq_id: (s.num_tokens, s.page_ids()) for s, _ in work}
@@ -131,12 +154,14 @@ class ManagerMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(active))
         n, pages = s.num_tokens, s.page_ids()
         state = _state(self.h)
+        write_errors = self.h.mgr.stats()["num_disk_write_errors"]
         res = self.h.mgr.suspend(s)
         COUNTS["suspended" if res is SuspendResult.SUSPENDED else "recompute"] += 1
-        if res is SuspendResult.MUST_RECOMPUTE:  # nothing changed, nothing evicted
+        if res is SuspendResult.MUST_RECOMPUTE:  # the sequence unchanged
             assert s.state is SequenceState.ACTIVE and s.num_tokens == n
             assert np.array_equal(s.page_ids(), pages)
-            assert _state(self.h) == state
+            if self.h.mgr.stats()["num_disk_write_errors"] == write_errors:
+                assert _state(self.h) == state  # a refusal: nothing evicted either
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -146,7 +171,15 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         s = data.draw(st.sampled_from(sus))
         state = _state(self.h)
-        if self.h.mgr.resume(s):
+        try:
+            ok = self.h.mgr.resume(s)
+        except CorruptPageError:  # an unreadable disk page: still suspended; close, recompute
+            assert s.state is SequenceState.SUSPENDED
+            self.h.check()
+            self.h.mgr.close(s)
+            COUNTS["unreadable_resume"] += 1
+            return
+        if ok:
             COUNTS["resumed"] += 1
         else:  # refused: nothing changed, nothing evicted
             assert s.state is SequenceState.SUSPENDED
@@ -187,6 +220,55 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         self.h.mgr.close(data.draw(st.sampled_from(seqs)))
 
+    @precondition(lambda self: self.h is not None and self.disks)
+    @rule(reads=st.sampled_from([0, 1, 2, FOREVER]), writes=st.sampled_from([0, 1, 2, FOREVER]))
+    def disk_faults(self, reads, writes):
+        """The next ``reads`` reads and ``writes`` writes of every disk pool fail."""
+        for d in self.disks:
+            d.fail_reads, d.fail_writes = reads, writes
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data(), consumed=st.sampled_from([False, False, True]))
+    def failed_step(self, data, consumed):
+        """A step that raises before running (abort_step restores everything), or that consumed
+        its donated pools and failed in XLA (abort_step loses every sequence with device
+        pages: they are closed and the caller recomputes them)."""
+        work, ids = self.pick_work(data) or ([], [])
+        if not work:
+            return
+        mgr = self.h.mgr
+        before = {s.seq_id: (s.num_tokens, s.page_ids()) for s, _ in work}
+        try:
+            self.h.prepare(work, ids)
+        except OutOfPagesError:
+            return
+        if consumed:
+            with pytest.raises(Exception):
+                failing_step(mgr.caches)
+        lost = mgr.abort_step()
+        COUNTS["aborted"] += 1
+        COUNTS["lost"] += len(lost)
+        if not consumed:
+            assert lost == []
+            for s, _ in work:
+                n, pages = before[s.seq_id]
+                assert s.num_tokens == n and np.array_equal(s.page_ids(), pages)
+        else:
+            assert all(s.state is SequenceState.CLOSED for s in lost)
+            assert not any(s.state is SequenceState.ACTIVE and s.num_pages
+                           for s in mgr._seqs.values())
+
+    @precondition(lambda self: self.h is not None and not self.observer)
+    @rule(kind=st.sampled_from(["removed", "stored", "migrated", "committed", "evicted",
+                                "dropped", "suspended"]))
+    def raising_observer(self, kind):
+        """An observer that raises on every event of ``kind`` (counted, never corrupting)."""
+        def observer(event):
+            if event.kind == kind:
+                raise RuntimeError(f"observer fails on {kind}")
+        self.observer = observer
+        self.h.mgr.add_observer(observer)
+
     @invariant()
     def consistent(self):
         COUNTS["rules"] += 1
@@ -194,7 +276,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self.h.check()
 
     def teardown_counts(self):
-        COUNTS["window_released"] += self.h.mgr.stats()["num_window_released_pages"]
+        st = self.h.mgr.stats()
+        COUNTS["window_released"] += st["num_window_released_pages"]
+        COUNTS["observer_errors"] += st["num_observer_errors"]
+        COUNTS["disk_read_errors"] += st["num_disk_read_errors"]
+        COUNTS["disk_write_errors"] += st["num_disk_write_errors"]
 
     def teardown(self):
         if self.h is not None:
@@ -213,10 +299,10 @@ def test_machine_covered_every_path():
     """Runs after the machine (same module, file order): every rule did real work."""
     print(COUNTS)
     if COUNTS["examples"] == 0:
-        import pytest
         pytest.skip("the machine did not run in this session")
     for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused", "windowed",
-                "window_released", "ring", "compacted", "ring_checked"):
+                "window_released", "aborted", "lost", "observer_errors", "disk_read_errors",
+                "disk_write_errors", "ring", "compacted", "ring_checked"):
         assert COUNTS[key] > 0, COUNTS
     assert COUNTS["rules"] >= 20 * COUNTS["examples"], COUNTS
     assert COUNTS["steps"] >= 5 * COUNTS["examples"], COUNTS
