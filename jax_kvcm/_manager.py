@@ -1716,8 +1716,8 @@ class KVCacheManager:
     def shutdown(self) -> None:
         """Ends the manager: waits for every dispatched step and migration (their fences),
         returns every pending page, then closes the storage (waits for its outstanding work,
-        closes the disk files, freeing their space, frees host and pinned memory). Every later call raises
-        RuntimeError; a second ``shutdown`` does nothing. Raises :class:`StepInFlightError` while
+        closes the disk files, freeing their space, frees host and pinned memory). Every later
+        call raises RuntimeError; a second ``shutdown`` does nothing. Raises :class:`StepInFlightError` while
         a step is prepared and not completed (complete or abort it first)."""
         with self._lock:
             if self._shut:
