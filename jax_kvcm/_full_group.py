@@ -29,6 +29,9 @@ class GroupTables:
         self.widths = np.asarray(widths, np.int64)
         self.width = int(self.widths.max())
         self._k = np.arange(len(ids))[:, None]
+        # NOTE: one width for all (the common case): entries by one scalar modulus, and the
+        # gathers index [K, rows, entries] with plain broadcasting.
+        self._uniform = bool((self.widths == self.width).all())
         self.table = np.zeros((len(ids), 0, self.width), np.int32)
 
     def __len__(self) -> int:
@@ -46,11 +49,16 @@ class GroupTables:
 
     def slots(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
         """``[K, n]``: the entries holding pages ``j`` of ``rows`` (both ``[n]``)."""
+        if self._uniform:
+            return self.table[:, rows, j % self.width]
         return self.table[self._k, rows[None], self.entries(j)]
 
     def set_slots(self, rows: np.ndarray, j: np.ndarray, slots: np.ndarray) -> None:
         """Writes ``slots [K, n]`` as pages ``j`` of ``rows``."""
-        self.table[self._k, rows[None], self.entries(j)] = slots
+        if self._uniform:
+            self.table[:, rows, j % self.width] = slots
+        else:
+            self.table[self._k, rows[None], self.entries(j)] = slots
 
     def view(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
         """``[K, n]``: the slots of pages ``j`` of ``rows`` (0 where the group holds no page
@@ -76,6 +84,12 @@ class FullGroups(GroupTables):
 
     def entries(self, j: np.ndarray) -> np.ndarray:
         return np.broadcast_to(np.asarray(j)[None], (len(self),) + np.shape(j))
+
+    def slots(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self.table[:, rows, j]
+
+    def set_slots(self, rows: np.ndarray, j: np.ndarray, slots: np.ndarray) -> None:
+        self.table[:, rows, j] = slots
 
     def pages(self, row: int, first: int, last: int) -> np.ndarray:
         return self.table[:, row, first:last]

@@ -1194,10 +1194,14 @@ class KVCacheManager:
                 if arr.ndim != 1 or arr.dtype.kind not in "iu":
                     raise ValueError(f"work[{i}][1]: work items must be (seq, int) or "
                                      "(seq, 1-D token ids)")
-                _check_token_ids(arr, f"work[{i}][1]")
                 count_list.append(arr.size)
                 id_index.append(i)
                 id_arrays.append(arr)
+            if id_arrays:  # NOTE: one range check for all ids (per item only to name a bad one)
+                every = np.concatenate(id_arrays)
+                if every.size and (every.min() < 0 or every.max() > MAX_TOKEN_ID):
+                    for i, arr in zip(id_index, id_arrays):
+                        _check_token_ids(arr, f"work[{i}][1]")
             rows = np.array(row_list, np.int64)
             counts = np.array(count_list, np.int64)
             if np.unique(rows).size != B:
@@ -1218,7 +1222,7 @@ class KVCacheManager:
             if id_arrays:  # NOTE: validated before anything changes
                 idx = np.array(id_index, np.int64)
                 sizes = counts[idx]
-                id_vals = np.concatenate(id_arrays).astype(np.int32)
+                id_vals = every.astype(np.int32)
                 id_rows = np.repeat(rows[idx], sizes)
                 id_pos = (np.arange(id_vals.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
                           + np.repeat(cur[idx], sizes))
