@@ -1468,7 +1468,11 @@ class KVCacheManager:
         starts = np.cumsum(cnt) - cnt
         j = np.arange(int(cnt.sum())) - np.repeat(starts - ncommit[todo], cnt)
         all_cols = self._view(np.repeat(rows[todo], cnt), j).T.copy()
-        gone_any = (all_cols == 0).any(axis=1) if self._win else None
+        gone_any = None
+        if self._win:  # NOTE: rows whose window released a page before it was committed
+            gone_any = (all_cols == 0).any(axis=1)
+            if not gone_any.any():
+                gone_any = None
         for i, start in zip(todo.tolist(), starts.tolist()):
             seq = seqs[i]
             if seq.state is not SequenceState.ACTIVE:
@@ -1481,7 +1485,7 @@ class KVCacheManager:
             # NOTE: one bytes object for all new pages; the table column block for all groups.
             blob = _le_bytes(self._tokens[r, first * tpp:last * tpp])
             cols = all_cols[start:start + last - first]
-            if self._win:  # a page a window released before it could be committed ends the chain
+            if gone_any is not None:  # a page released before it was committed ends the chain
                 gone = np.flatnonzero(gone_any[start:start + last - first])
                 if gone.size:
                     cols = cols[:gone[0]]
