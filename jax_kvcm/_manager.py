@@ -6,7 +6,7 @@ over the layer groups. In a sliding-window group, pages that left the window of 
 of the sequence are released as it grows (see "sliding windows" below), so what it holds there
 is bounded; its page-table entries for them are the null page.
 
-Hot-path layout (DESIGN.md §4, seed 001: no per-page Python objects per step): the manager owns a
+Hot-path layout (docs/ARCHITECTURE.md §4: no per-page Python objects per step): the manager owns a
 row table ``_table[G, R, P]`` int32 and per-row ``_len / _npages / _ncommit / _known`` arrays and a
 token matrix; a sequence is a row. ``prepare_step`` gathers rows with numpy fancy indexing; the
 only per-page Python object is the :class:`BlockNode` created when a page is committed (once per
@@ -687,7 +687,7 @@ class KVCacheManager:
     # wlru (the node's other groups stay referenced). The holder's page-table entries of released
     # pages are 0 (the null page), which the attention ops never read for tokens outside the
     # window. So a sequence holds at most ceil((W + n - 2) / P) + 1 pages of such a group during
-    # a step of n new tokens: ceil((W - 1) / P) + 1 when decoding (the seed's ceil(W / P) + 1).
+    # a step of n new tokens: ceil((W - 1) / P) + 1 when decoding (the design's ceil(W / P) + 1).
 
     def _wrel_at(self, num_tokens: int) -> np.ndarray:
         """Leading dead pages of a sequence of ``num_tokens`` tokens, per layer group."""

@@ -5,7 +5,7 @@ page_size, Hkv, D]``, slot 0 the null page), the cold pools (one :class:`HostPoo
 :class:`DiskPool` per cold pool group, holding codec-encoded pages of a fixed size), the cold-page
 codec, the :class:`MemoryGovernor` and, when a disk tier exists, the pinned :class:`StagingRing`.
 
-Every migration is one transaction (DESIGN.md §3):
+Every migration is one transaction (docs/ARCHITECTURE.md §3):
 
 1. reserve the destination bytes (and transient bytes) on the governor and allocate *all*
    destination slots before submitting anything;
