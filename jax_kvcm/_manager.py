@@ -13,7 +13,7 @@ every future query are released as the sequence grows, and the row is a bounded 
 logic lives there). The facade owns the sequences, the prefix tree, eviction, the tiers and the
 step protocol.
 
-Hot-path layout (DESIGN.md §4, seed 001: no per-page Python objects per step): the group managers
+Hot-path layout (docs/ARCHITECTURE.md §4: no per-page Python objects per step): the group managers
 own row tables ``[K, rows, width]`` int32, the facade per-row ``_len / _npages / _ncommit /
 _known`` arrays and a token matrix; a sequence is a row. ``prepare_step`` gathers rows with numpy
 fancy indexing; the only per-page Python object is the :class:`BlockNode` created when a page is
@@ -140,7 +140,7 @@ class SequenceState(enum.Enum):
 
 
 class SequencePhase(enum.Enum):
-    """Where a sequence is in its life (the seed's request phases):
+    """Where a sequence is in its life (a request's phases in the bounded-window design):
 
     - ADMITTED: added (prefix matched), not yet in any prepared step;
     - EXECUTING: has been in a prepared step (ACTIVE or SUSPENDED);
@@ -1622,7 +1622,7 @@ class KVCacheManager:
             self._emit(ManagerEvent("resumed", sum(map(len, cold)) + parked.shape[1], D))
             return True
 
-    # -- lifecycle and views (the seed's bounded-window manager) ------------------------------
+    # -- lifecycle and views (the bounded-window design) -------------------------------------
 
     def _phase(self, seq: Sequence) -> SequencePhase:
         with self._lock:

@@ -5,7 +5,7 @@ page_size, Hkv, D]``, slot 0 the null page), the cold pools (one :class:`HostPoo
 :class:`DiskPool` per cold pool group, holding codec-encoded pages of a fixed size), the cold-page
 codec, the :class:`MemoryGovernor` and, when a disk tier exists, the pinned :class:`StagingRing`.
 
-Every migration is one transaction (DESIGN.md §3):
+Every migration is one transaction (docs/ARCHITECTURE.md §3):
 
 1. reserve the destination bytes (and transient bytes) on the governor and allocate *all*
    destination slots before submitting anything;
@@ -123,7 +123,7 @@ class StorageConfig:
     - ``pool_ratio``: per layer group, its share of hot bytes, projected into the cold tiers
       through slot counts; default: the hot split implied by ``device_slots``.
     - ``host_bytes`` / ``disk_bytes``: cold tier budgets (0 = no such tier); ``disk_dir`` is
-      required with ``disk_bytes``.
+      required with ``disk_bytes`` (created when missing; a file there is an error).
     - ``disk_io_threads``: native threads one disk read/write may use (default ``min(8, hardware
       threads)``).
     """
@@ -226,8 +226,14 @@ class StorageManager:
         disk_bytes = check_count(config.disk_bytes, "config.disk_bytes", minimum=0)
         if disk_bytes and not config.disk_dir:
             raise ValueError("config.disk_dir is required when config.disk_bytes > 0")
-        if config.disk_dir and not os.path.isdir(config.disk_dir):
-            raise ValueError(f"config.disk_dir {config.disk_dir!r} is not a directory")
+        if config.disk_dir and disk_bytes:
+            if os.path.exists(config.disk_dir) and not os.path.isdir(config.disk_dir):
+                raise ValueError(f"config.disk_dir {config.disk_dir!r} is not a directory")
+            try:  # NOTE: created when missing (the disk tier is a cache; its file is unlinked)
+                os.makedirs(config.disk_dir, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"config.disk_dir {config.disk_dir!r} cannot be created: "
+                                 f"{e.strerror or e}") from e
 
         # 2. Hot storage (slot 0 of every group is the null page).
         self.device = device or jax.devices()[0]

@@ -5,7 +5,7 @@ The ids are ``typing.NewType`` over ``int``: free at run time, distinct for the 
 
 NOTE: pool-group indices are per cache level. The DEVICE level groups layer groups by identical
 hot layout, the cold levels (HOST, DISK) by compatible encoded page size; the two mappings are
-independent, so never compare a DEVICE ``PoolGroupIndex`` with a HOST/DISK one (DESIGN.md §1).
+independent, so never compare a DEVICE ``PoolGroupIndex`` with a HOST/DISK one (docs/ARCHITECTURE.md §1).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 LayerGroupId = NewType("LayerGroupId", int)
-"""Layers with the same KV layout and lifecycle (the seeds' LifeCycleId); dense from 0."""
+"""Layers with the same KV layout and lifecycle (TensorRT-LLM's LifeCycleId); dense from 0."""
 
 PoolGroupIndex = NewType("PoolGroupIndex", int)
 """A physical pool group at one cache level; dense from 0 within that level."""

@@ -16,7 +16,7 @@ the one its last token lands in). Its page-table row is a ring of ``R`` entries
 row's width does not depend on ``max_seq_len``. ``R`` covers ``W`` plus the largest chunk a
 sequence may add in one step (``KVCacheConfig.max_window_chunk``, default
 ``max_tokens_per_step``): ``R = ceil((W + C - 2) / P) + 1`` (``ceil((W - 1) / P) + 1`` for pure
-decode, the seed's ``ceil(W / P) + 1`` at most), capped at ``ceil(max_seq_len / P)``. The
+decode, the design's ``ceil(W / P) + 1`` at most), capped at ``ceil(max_seq_len / P)``. The
 attention ops read such a table with ``ring_table=True`` ("the page of position ``p`` of row
 ``b`` is ``page_table[b, (p // P) % page_table.shape[-1]]``"). With ``KVCacheConfig.ring_tables``
 off the width is ``ceil(max_seq_len / P)`` and entry ``j`` is page ``j`` (an absolute table, the

@@ -775,7 +775,7 @@ def test_misuse_is_an_error():
 
 def window_bound(w: int, n: int = 1) -> int:
     """Pages a sequence holds at most in a window-``w`` group during a step of ``n`` new
-    tokens (ceil(w / TPP) + 1 in the seed, for n = 1)."""
+    tokens (the design's ceil(w / TPP) + 1, for n = 1)."""
     return -(-(w + n - 2) // TPP) + 1
 
 
