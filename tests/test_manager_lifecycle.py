@@ -1,4 +1,4 @@
-"""The request lifecycle and views of the manager (the seed's bounded-window page manager):
+"""The request lifecycle and views of the manager (the bounded-window design):
 phases, ``state``, ``private_pages_per_sequence``, ``free_page_count``, ``compact`` and
 ``shutdown``; and per-group pool sizing from ``pool_ratio`` / ``typical_batch``."""
 
