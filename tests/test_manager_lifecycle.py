@@ -219,3 +219,31 @@ def test_typical_batch_sizing_triples_capacity():
     peak = small.peak_pages(32768)
     assert m.max_num_sequences(32768) == int((np.asarray(small.device_pages) // peak).min())
     m.shutdown()
+
+
+@pytest.mark.parametrize("kw,name,exc", [
+    (dict(ring_tables="yes"), "ring_tables", TypeError),
+    (dict(max_window_chunk=0), "max_window_chunk", ValueError),
+    (dict(max_window_chunk=2.5), "max_window_chunk", TypeError),
+    (dict(device_bytes=10 ** 8, device_pages=None, typical_batch=()), "typical_batch", ValueError),
+    (dict(device_bytes=10 ** 8, device_pages=None, typical_batch=(0,)), "typical_batch[0]",
+     ValueError),
+    (dict(device_bytes=10 ** 8, device_pages=None, typical_batch=5), "typical_batch", TypeError),
+    (dict(device_bytes=10 ** 8, device_pages=None, pool_ratio=(1, "a")), "pool_ratio",
+     TypeError),
+    (dict(device_bytes=10, device_pages=None, pool_ratio=(1, 1)), "device_bytes", ValueError),
+])
+def test_new_config_fields_refuse_bad_values(kw, name, exc):
+    with pytest.raises(exc, match=name.replace("[", r"\[").replace("]", r"\]")):
+        tiny_config(windows=(None, 6), **kw)
+
+
+def test_pool_ratio_config_is_hashable_and_drives_the_manager():
+    cfg = tiny_config(windows=(None, 6), device_pages=None, device_bytes=6000,
+                      pool_ratio=[1, 2])
+    assert cfg.pool_ratio == (1, 2) and hash(cfg)
+    h = make(cfg)
+    assert tuple(a.num_slots - 1 for a in h.mgr.storage.device_allocators) == cfg.device_pages
+    a = h.add(list(range(1, 10)))
+    h.run([(a, 9)], as_ids=[True])
+    h.check()
