@@ -32,6 +32,10 @@ class GroupTables:
         # NOTE: one width for all (the common case): entries by one scalar modulus, and the
         # gathers index [K, rows, entries] with plain broadcasting.
         self._uniform = bool((self.widths == self.width).all())
+        # The groups' rows of a [G, ...] array: a slice when the ids are contiguous (the common
+        # case; cheaper than fancy indexing on the hot path).
+        contiguous = bool((np.diff(self.ids) == 1).all())
+        self.sel = slice(int(self.ids[0]), int(self.ids[-1]) + 1) if contiguous else self.ids
         self.table = np.zeros((len(ids), 0, self.width), np.int32)
 
     def __len__(self) -> int:

@@ -1275,8 +1275,8 @@ class KVCacheManager:
                     pt[:, :B, :kind.width] = kind.table[:, rows]
                     sm[:, :T] = kind.slots(tok_row, pj) * tpp + off
                 else:
-                    pt[kind.ids, :B, :kind.width] = kind.table[:, rows]
-                    sm[kind.ids, :T] = kind.slots(tok_row, pj) * tpp + off
+                    pt[kind.sel, :B, :kind.width] = kind.table[:, rows]
+                    sm[kind.sel, :T] = kind.slots(tok_row, pj) * tpp + off
             if self._G == 1:
                 pt, sm = pt[0], sm[0]
             self._ran[rows] = 1
