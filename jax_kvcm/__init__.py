@@ -9,6 +9,7 @@
   (:func:`create_default_cold_page_codec`, or ``make_cold_page_codec("int8")``).
 """
 
+# ruff: noqa: E402  (the package's imports follow _find_installed_extension)
 import importlib.machinery as _machinery
 import os as _os
 import sys as _sys
@@ -41,7 +42,7 @@ from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, 
                                Sequence, SequencePhase, SequenceView, StepInFlightError,
                                SuspendResult)
 from jax_kvcm._step_batch import StepBatch
-from jax_kvcm._storage import CorruptPageError
+from jax_kvcm._storage import CorruptPageError, UnreadablePageError
 from jax_kvcm._types import CacheLevel
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
 
@@ -61,6 +62,7 @@ __all__ = [
     "StepBatch",
     "StepInFlightError",
     "SuspendResult",
+    "UnreadablePageError",
     "create_default_cold_page_codec",
     "cuda_extension_available",
     "make_cold_page_codec",

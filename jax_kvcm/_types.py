@@ -5,7 +5,8 @@ The ids are ``typing.NewType`` over ``int``: free at run time, distinct for the 
 
 NOTE: pool-group indices are per cache level. The DEVICE level groups layer groups by identical
 hot layout, the cold levels (HOST, DISK) by compatible encoded page size; the two mappings are
-independent, so never compare a DEVICE ``PoolGroupIndex`` with a HOST/DISK one (docs/ARCHITECTURE.md §1).
+independent, so never compare a DEVICE ``PoolGroupIndex`` with a HOST/DISK one
+(docs/ARCHITECTURE.md §1).
 """
 
 from __future__ import annotations
