@@ -142,7 +142,12 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
-    def step_again(self, data):  # steps twice as likely as other rules
+    def step_again(self, data):  # steps three times as likely as other rules
+        self.step(data)
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def step_thrice(self, data):  # NOTE: more rules (faults, compaction) dilute the steps
         self.step(data)
 
     @precondition(lambda self: self.h is not None)
