@@ -791,8 +791,8 @@ def _concat_hot_host(sm: StorageManager, slots_pool: np.ndarray, shape: Shape,
     _log(f"  concat check: {v}")
     rows += time_cycles(sm, slots_pool, shape, args.repeats, rng, name, None,
                         note=f"{batch}; check {'ok' if v.get('ok') else 'FAIL'}")
-    # The memcpy movers (read on every call): one cuMemcpyBatchAsync per call (the seed's
-    # design), then one cudaMemcpyAsync per descriptor (the fallback before CUDA 12.8).
+    # The memcpy movers (read on every call): one cuMemcpyBatchAsync per call (the codec
+    # design's original path), then one cudaMemcpyAsync per descriptor (the fallback before CUDA 12.8).
     for label, env, note in (
             ("concat[memcpy-batch]", {COPY_ENV: "memcpy"},
              f"{COPY_ENV}=memcpy: one cuMemcpyBatchAsync per call, "

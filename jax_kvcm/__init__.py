@@ -9,13 +9,40 @@
   (:func:`create_default_cold_page_codec`, or ``make_cold_page_codec("int8")``).
 """
 
+# ruff: noqa: E402  (the package's imports follow _find_installed_extension)
+import importlib.machinery as _machinery
+import os as _os
+import sys as _sys
+
+
+def _find_installed_extension() -> None:
+    """Python started in a source checkout imports this directory, which has no built extension
+    (``pip install .`` builds it into site-packages): then load ``_kvcm_cpu`` (and
+    ``_kvcm_cuda``) from the first installed copy of the package further down ``sys.path``."""
+    def has_extension(d: str) -> bool:
+        return any(_os.path.exists(_os.path.join(d, "_kvcm_cpu" + s))
+                   for s in _machinery.EXTENSION_SUFFIXES)
+
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    if has_extension(here):
+        return
+    for entry in _sys.path:
+        d = _os.path.join(_os.path.abspath(entry or _os.curdir), "jax_kvcm")
+        if d != here and has_extension(d):
+            __path__.append(d)
+            return
+
+
+_find_installed_extension()
+
 from jax_kvcm._codec import (ColdPageCodec, ConcatCodec, Int8Codec,
                              create_default_cold_page_codec, make_cold_page_codec)
 from jax_kvcm._ffi import cuda_extension_available
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
-                               Sequence, StepInFlightError, SuspendResult)
+                               Sequence, SequencePhase, SequenceView, StepInFlightError,
+                               SuspendResult)
 from jax_kvcm._step_batch import StepBatch
-from jax_kvcm._storage import CorruptPageError
+from jax_kvcm._storage import CorruptPageError, UnreadablePageError
 from jax_kvcm._types import CacheLevel
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
 
@@ -30,9 +57,12 @@ __all__ = [
     "LayerGroupConfig",
     "OutOfPagesError",
     "Sequence",
+    "SequencePhase",
+    "SequenceView",
     "StepBatch",
     "StepInFlightError",
     "SuspendResult",
+    "UnreadablePageError",
     "create_default_cold_page_codec",
     "cuda_extension_available",
     "make_cold_page_codec",

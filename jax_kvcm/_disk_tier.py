@@ -3,6 +3,9 @@
 :class:`DiskPool` creates ``<directory>/<name>.kvcm`` (exclusively, mode 0600, preallocated to
 ``num_slots * slot_bytes`` so a full disk shows up at construction) through the native
 ``_kvcm_cpu.DiskFile``, and keeps the slot free list (:class:`~jax_kvcm._slots.SlotAllocator`).
+The name is unlinked right after the create: the open descriptor keeps the file, so it vanishes
+with the process however that ends (a killed server leaves no preallocated file behind), and
+closing never removes a file some other process created under that name later.
 
 I/O moves whole cold pages between disk slots and host memory: page ``i`` of a call lives at
 ``address + pages[i] * slot_bytes`` in host memory (``pages`` defaults to ``0, 1, ...``: a
@@ -135,6 +138,11 @@ class DiskPool(SlotPool):
         return self._file is None or self._file.closed
 
     @property
+    def fileno(self) -> int:
+        """The open file's descriptor (its name is gone from the directory); -1 once closed."""
+        return -1 if self._file is None else self._file.fileno
+
+    @property
     def num_io_calls(self) -> int:
         """pread/pwrite syscalls issued so far (one per piece of adjacent pages, normally)."""
         return 0 if self._file is None else self._file.num_io_calls
@@ -192,7 +200,9 @@ class DiskPool(SlotPool):
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Closes and removes the file (idempotent)."""
+        """Closes the file, which frees its space (idempotent). DiskIOError only when the name,
+        still linked because the unlink at creation failed, cannot be removed now either: the
+        pool is closed all the same."""
         file, self._file = self._file, None
         if file is not None:
             try:

@@ -8,8 +8,8 @@ try:
     from jax_kvcm import _kvcm_cpu
 except ImportError as e:  # pragma: no cover - only on a source tree without a build
     raise ImportError(
-        "jax_kvcm's native extension _kvcm_cpu is missing: install the package with "
-        "`pip install .` (do not import it from an unbuilt source tree)"
+        "jax_kvcm's native extension _kvcm_cpu is neither in this source tree nor in an "
+        "installed copy of jax_kvcm on sys.path: install the package (`pip install .`)"
     ) from e
 
 try:

@@ -24,7 +24,8 @@ class HostBuffer:
         """uint8 [nbytes] over the buffer, no copy; keeps the buffer alive."""
 
 class DiskFile:
-    """A preallocated, slot-addressed file with a CRC32C per page; removed on close."""
+    """A preallocated, slot-addressed file with a CRC32C per page; its name is unlinked right
+    after the exclusive create (the descriptor keeps the file until close)."""
 
     def __init__(self, path: str, num_slots: int, slot_bytes: int, io_threads: int = 0) -> None: ...
     @property
@@ -35,6 +36,12 @@ class DiskFile:
     def slot_bytes(self) -> int: ...
     @property
     def closed(self) -> bool: ...
+    @property
+    def fileno(self) -> int:
+        """The file descriptor (-1 once closed)."""
+    @property
+    def linked(self) -> bool:
+        """Whether the name is still in the directory (the early unlink failed)."""
     @property
     def num_io_calls(self) -> int:
         """pread/pwrite syscalls issued so far (one per piece of adjacent pages, normally)."""

@@ -1,16 +1,23 @@
 """KVCacheManager: sequences, fixed-shape step buffers, prefix reuse, eviction, suspend/resume.
 
-One :class:`~jax_kvcm._storage.StorageManager` underneath (one hot pool group per layer group).
-Every sequence has one page per layer group per ``tokens_per_page`` tokens, allocated in lockstep
-over the layer groups. In a sliding-window group, pages that left the window of every future query
-of the sequence are released as it grows (see "sliding windows" below), so what it holds there
-is bounded; its page-table entries for them are the null page.
+One :class:`~jax_kvcm._storage.StorageManager` underneath (one hot pool group per layer group);
+its :class:`~jax_kvcm._types.PoolLayout` (pool groups and page bytes per level) is computed once
+there. Every sequence has one page per layer group per ``tokens_per_page`` tokens, allocated in
+lockstep over the layer groups.
 
-Hot-path layout (DESIGN.md §4, seed 001: no per-page Python objects per step): the manager owns a
-row table ``_table[G, R, P]`` int32 and per-row ``_len / _npages / _ncommit / _known`` arrays and a
-token matrix; a sequence is a row. ``prepare_step`` gathers rows with numpy fancy indexing; the
-only per-page Python object is the :class:`BlockNode` created when a page is committed (once per
-page, amortized over ``tokens_per_page`` decode steps).
+The manager is a facade over one group manager per layer-group kind, each owning the page tables
+of its groups: :class:`~jax_kvcm._full_group.FullGroups` (full attention: a row of
+``ceil(max_seq_len / tokens_per_page)`` entries, page ``j`` at entry ``j``) and
+:class:`~jax_kvcm._window_group.WindowGroups` (sliding windows: pages that left the window of
+every future query are released as the sequence grows, and the row is a bounded ring; all window
+logic lives there). The facade owns the sequences, the prefix tree, eviction, the tiers and the
+step protocol.
+
+Hot-path layout (docs/ARCHITECTURE.md §4: no per-page Python objects per step): the group managers
+own row tables ``[K, rows, width]`` int32, the facade per-row ``_len / _npages / _ncommit /
+_known`` arrays and a token matrix; a sequence is a row. ``prepare_step`` gathers rows with numpy
+fancy indexing; the only per-page Python object is the :class:`BlockNode` created when a page is
+committed (once per page, amortized over ``tokens_per_page`` decode steps).
 
 Step protocol: ``prepare_step`` -> the user's jitted step (donating :attr:`caches`) ->
 ``complete_step(new caches)``. Between the two the pools are owned by the step: calls that move
@@ -40,7 +47,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from collections import OrderedDict, deque
+import warnings
+from collections import deque
 from collections.abc import Callable, Sequence as _Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +58,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvcm._codec import ColdPageCodec
+from jax_kvcm._full_group import FullGroups, GroupTables
+from jax_kvcm._pool_ratios import (split_device_budget, weights_from_ratio,
+                                   weights_from_typical_batch)
 from jax_kvcm._prefix_tree import NO_PAGE, BlockNode, PrefixTree, salt_bytes
 from jax_kvcm._step_batch import StepBatch, default_buckets, pick_bucket
+from jax_kvcm._disk_tier import DiskIOError
 from jax_kvcm._storage import (CorruptPageError, LayerGroupSpec, StorageConfig, StorageEvent,
-                               StorageManager)
-from jax_kvcm._types import CacheLevel, check_count
+                               StorageManager, UnreadablePageError)
+from jax_kvcm._types import (CacheLevel, LayerGroupLayout, PoolGroupIndex, check_count,
+                             hot_page_bytes)
+from jax_kvcm._window_group import WindowGroups, ring_width, window_peak_pages
 
 __all__ = [
     "KVCacheConfig",
@@ -63,7 +77,9 @@ __all__ = [
     "ManagerEvent",
     "OutOfPagesError",
     "Sequence",
+    "SequencePhase",
     "SequenceState",
+    "SequenceView",
     "StepInFlightError",
     "SuspendResult",
 ]
@@ -71,6 +87,36 @@ __all__ = [
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
 _LITTLE = np.little_endian
 _COUNT_KEYS = ("capacity", "free", "pending", "referenced", "cached")
+DISK_DEGRADED_AFTER = 3  # consecutive failed disk writes after which the disk tier takes no more
+
+
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are stored and hashed as int32
+
+
+def _check_token_ids(arr: np.ndarray, name: str) -> None:
+    """ValueError unless ``arr`` (integer dtype) holds ids in ``[0, MAX_TOKEN_ID]``: a wider id
+    would wrap when stored as int32 and alias another prompt's pages."""
+    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        bad = arr[(arr < 0) | (arr > MAX_TOKEN_ID)][0]
+        raise ValueError(f"{name}: token id {int(bad)} is outside [0, {MAX_TOKEN_ID}] (int32)")
+
+
+class _CallLock:
+    """The manager's lock; leaving the outermost ``with`` delivers the events the call queued
+    to the observers (so they see a consistent manager, and may call back into it)."""
+
+    __slots__ = ("raw", "_after")
+
+    def __init__(self, after: Callable[[], None]) -> None:
+        self.raw = threading.Lock()
+        self._after = after
+
+    def __enter__(self) -> None:
+        self.raw.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.raw.release()
+        self._after()
 
 
 def _le_bytes(tokens: np.ndarray) -> bytes:
@@ -93,6 +139,42 @@ class SequenceState(enum.Enum):
     CLOSED = "closed"
 
 
+class SequencePhase(enum.Enum):
+    """Where a sequence is in its life (a request's phases in the bounded-window design):
+
+    - ADMITTED: added (prefix matched), not yet in any prepared step;
+    - EXECUTING: has been in a prepared step (ACTIVE or SUSPENDED);
+    - FINISHING: closed, but pages it released wait for the fence of a step that may still read
+      them (they return to the pool once that step completed);
+    - FINISHED: closed and every page it held is free or cached."""
+
+    ADMITTED = "admitted"
+    EXECUTING = "executing"
+    FINISHING = "finishing"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceView:
+    """:meth:`KVCacheManager.state` of one sequence (a snapshot; per layer group ``[G]`` tuples).
+
+    - ``retained``: ``(first, end)`` absolute page indices the sequence holds in each group
+      (``first > 0`` only in sliding-window groups: pages before it left every window);
+    - ``ring_entries``: entries of its page-table row per group (a window group's ring ``R``;
+      ``ceil(max_seq_len / tokens_per_page)`` for full groups); page ``j`` sits at entry
+      ``j % ring_entries[g]``;
+    - ``pending_retirements``: pages it released (window moves, close) that still wait for the
+      fence of the last step that read them, per group."""
+
+    seq_id: int
+    state: SequenceState
+    phase: SequencePhase
+    num_tokens: int
+    retained: tuple[tuple[int, int], ...]
+    ring_entries: tuple[int, ...]
+    pending_retirements: tuple[int, ...]
+
+
 class SuspendResult(enum.Enum):
     SUSPENDED = "suspended"
     MUST_RECOMPUTE = "must_recompute"  # no tier could take it; the sequence is unchanged
@@ -101,7 +183,8 @@ class SuspendResult(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class ManagerEvent:
     """``kind``: "committed", "evicted" (moved down a tier), "dropped", "onboarded",
-    "suspended", "resumed"; ``num_pages`` pages; ``level`` the destination tier."""
+    "suspended", "resumed"; ``num_pages`` pages; ``level`` the destination tier. "lost":
+    ``num_pages`` sequences closed because a failed step lost the device pools."""
 
     kind: str
     num_pages: int
@@ -140,9 +223,29 @@ class KVCacheConfig:
     """Validated on construction; a bad value raises naming the field.
 
     ``device_pages``: usable device pages per layer group (an int for all, or one per group); or
-    ``device_bytes``: a total device budget split into whole pages (every group gets the same
-    count, since pages are allocated in lockstep). Buckets default to powers of two up to the
-    maxima (token buckets start at ``tokens_per_page``).
+    ``device_bytes``: a total device budget split into whole pages (the null page of each pool
+    comes on top). How it is split between layer groups:
+
+    - default: every group gets the same count (pages are allocated in lockstep);
+    - ``pool_ratio``: one positive byte weight per layer group;
+    - ``typical_batch``: the context lengths (tokens) of a typical batch; each group's byte weight
+      is the pages the batch's sequences hold there at their peak (a sliding-window group holds
+      at most ``ceil((W + C - 2) / P) + 1``, see :mod:`jax_kvcm._window_group`) times its page
+      bytes, so window groups stop holding pages they can never use.
+
+    Both go through :func:`jax_kvcm._pool_ratios.split_device_budget`; the resulting
+    ``device_pages`` tuple is what the manager and :meth:`KVCacheManager.max_num_sequences` use.
+
+    Sliding-window groups: ``ring_tables`` makes their page-table rows rings of
+    ``table_widths[g]`` entries (independent of ``max_seq_len``; the attention ops must then be
+    called with ``ring_table=True``); off (the default, for callers whose ops read absolute
+    tables) their rows are ``pages_per_seq`` wide. ``max_window_chunk``: the most new tokens one
+    sequence may add in one step when a window group exists (default ``max_tokens_per_step``;
+    ``prepare_step`` raises beyond it); the rings are sized for it, so a runner that splits
+    prefill into smaller chunks gets smaller rings (and a smaller peak per sequence).
+
+    Buckets default to powers of two up to the maxima (token buckets start at
+    ``tokens_per_page``).
     """
 
     tokens_per_page: int
@@ -158,6 +261,10 @@ class KVCacheConfig:
     max_seq_len: int = 4096
     batch_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
+    pool_ratio: tuple[float, ...] | None = None
+    typical_batch: tuple[int, ...] | None = None
+    ring_tables: bool = False
+    max_window_chunk: int | None = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -184,16 +291,31 @@ class KVCacheConfig:
             if g.sliding_window is not None:
                 check_count(g.sliding_window, f"layer_groups[{i}].sliding_window", minimum=1)
         s(self, "layer_groups", groups)
-        page_bytes = [2 * g.num_layers * self.tokens_per_page * g.num_kv_heads * g.head_dim
-                      * jnp.dtype(g.dtype).itemsize for g in groups]
+        check_count(self.max_tokens_per_step, "max_tokens_per_step", minimum=1)
+        check_count(self.max_seq_len, "max_seq_len", minimum=1)
+        if not isinstance(self.ring_tables, bool):
+            raise TypeError("ring_tables must be a bool")
+        s(self, "max_window_chunk", self.max_tokens_per_step if self.max_window_chunk is None
+          else check_count(self.max_window_chunk, "max_window_chunk", minimum=1))
+        page_bytes = [hot_page_bytes(g.num_layers, self.tokens_per_page, g.num_kv_heads,
+                                     g.head_dim, g.dtype) for g in groups]
         if (self.device_pages is None) == (self.device_bytes is None):
             raise ValueError("exactly one of device_pages and device_bytes must be given")
+        if (self.pool_ratio is not None or self.typical_batch is not None) and (
+                self.device_bytes is None):
+            raise ValueError("pool_ratio and typical_batch split device_bytes: give device_bytes")
+        if self.pool_ratio is not None and self.typical_batch is not None:
+            raise ValueError("give at most one of pool_ratio and typical_batch")
         if self.device_bytes is not None:
             nbytes = check_count(self.device_bytes, "device_bytes", minimum=1)
-            n = nbytes // sum(page_bytes)
-            if n < 1:
-                raise ValueError(f"device_bytes {nbytes} holds no page ({sum(page_bytes)} bytes)")
-            pages = (n,) * len(groups)
+            if self.pool_ratio is None and self.typical_batch is None:
+                n = nbytes // sum(page_bytes)
+                if n < 1:
+                    raise ValueError(f"device_bytes {nbytes} holds no page ({sum(page_bytes)} "
+                                     "bytes)")
+                pages = (n,) * len(groups)
+            else:
+                pages = self._split_device_bytes(nbytes, page_bytes)
         elif isinstance(self.device_pages, (tuple, list)):
             if len(self.device_pages) != len(groups):
                 raise ValueError(f"device_pages has {len(self.device_pages)} entries for "
@@ -210,8 +332,6 @@ class KVCacheConfig:
         if not isinstance(self.enable_prefix_reuse, bool):
             raise TypeError("enable_prefix_reuse must be a bool")
         check_count(self.max_batch, "max_batch", minimum=1)
-        check_count(self.max_tokens_per_step, "max_tokens_per_step", minimum=1)
-        check_count(self.max_seq_len, "max_seq_len", minimum=1)
         bb = (default_buckets(self.max_batch) if self.batch_buckets is None
               else _check_buckets(self.batch_buckets, "batch_buckets", self.max_batch))
         tb = (default_buckets(self.max_tokens_per_step, min(self.tokens_per_page,
@@ -221,10 +341,74 @@ class KVCacheConfig:
         s(self, "batch_buckets", bb)
         s(self, "token_buckets", tb)
 
+    def _split_device_bytes(self, nbytes: int, page_bytes: list[int]) -> tuple[int, ...]:
+        """Usable pages per layer group from ``pool_ratio`` or ``typical_batch``."""
+        groups = self.layer_groups
+        if self.pool_ratio is not None:
+            try:
+                ratio = tuple(self.pool_ratio)
+            except TypeError:
+                raise TypeError("pool_ratio must be a sequence of numbers") from None
+            if len(ratio) != len(groups):
+                raise ValueError(f"pool_ratio has {len(ratio)} entries for {len(groups)} layer "
+                                 "groups")
+            try:
+                weights = weights_from_ratio(ratio)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"pool_ratio: {e}") from None
+            object.__setattr__(self, "pool_ratio", ratio)
+        else:
+            try:
+                batch = tuple(self.typical_batch)
+            except TypeError:
+                raise TypeError("typical_batch must be a sequence of context lengths") from None
+            if not batch:
+                raise ValueError("typical_batch must not be empty")
+            lens = [min(check_count(n, f"typical_batch[{i}]", minimum=1), self.max_seq_len)
+                    for i, n in enumerate(batch)]
+            object.__setattr__(self, "typical_batch", batch)
+            tokens = sum(self.peak_pages(n) for n in lens) * self.tokens_per_page
+            per_token = [b // self.tokens_per_page for b in page_bytes]
+            weights = weights_from_typical_batch(tokens.tolist(), per_token)
+        # NOTE: the device split's one-group-per-layer-group layout (the cold fields are unused
+        # at the DEVICE level).
+        layouts = [LayerGroupLayout(i, PoolGroupIndex(i), b, PoolGroupIndex(i), b)
+                   for i, b in enumerate(page_bytes)]
+        try:
+            split = split_device_budget(nbytes, weights, layouts, num_reserved_slots=0)
+        except ValueError as e:
+            raise ValueError(f"device_bytes {nbytes}: {e}") from None
+        return tuple(p.num_slots for p in split)
+
     @property
     def pages_per_seq(self) -> int:
-        """``P``: page-table width."""
+        """``P``: page-table width of full-attention groups."""
         return -(-self.max_seq_len // self.tokens_per_page)
+
+    @property
+    def table_widths(self) -> tuple[int, ...]:
+        """Page-table entries per row of each layer group: ``pages_per_seq`` for full attention
+        (and for windows without ``ring_tables``), the ring ``R = ceil((W + C - 2) / P) + 1``
+        (``C = max_window_chunk``, at most ``pages_per_seq``) for a window ``W`` with them."""
+        P = self.pages_per_seq
+        return tuple(ring_width(g.sliding_window, self.tokens_per_page, self.max_window_chunk, P)
+                     if g.sliding_window and self.ring_tables else P for g in self.layer_groups)
+
+    def max_num_sequences(self, seq_len: int) -> int:
+        """How many sequences of ``seq_len`` tokens (clamped to ``max_seq_len``) fit in
+        ``device_pages`` at once, each holding :meth:`peak_pages` (0 when one does not fit).
+        :meth:`KVCacheManager.max_num_sequences` is this; planning needs no manager."""
+        seq_len = min(check_count(seq_len, "seq_len", minimum=1), self.max_seq_len)
+        return int((np.asarray(self.device_pages) // self.peak_pages(seq_len)).min())
+
+    def peak_pages(self, seq_len: int) -> np.ndarray:
+        """``[G]``: device pages per layer group one sequence of ``seq_len`` tokens may hold at
+        once. Full attention: all of them; window W: ``ceil((W + n - 2) / P) + 1`` during a
+        step of ``n = min(seq_len, max_tokens_per_step, max_window_chunk)`` new tokens."""
+        pages = -(-seq_len // self.tokens_per_page)
+        n = min(seq_len, self.max_tokens_per_step, self.max_window_chunk)
+        return np.asarray([min(pages, window_peak_pages(g.sliding_window, self.tokens_per_page, n))
+                           if g.sliding_window else pages for g in self.layer_groups], np.int64)
 
 
 # -- sequences -------------------------------------------------------------------------------
@@ -235,7 +419,7 @@ class Sequence:
     from the prefix cache at :meth:`KVCacheManager.add_sequence` (prefill can skip them)."""
 
     __slots__ = ("_mgr", "_row", "_nodes", "state", "num_reused_tokens", "seq_id", "_salt",
-                 "_parked", "__weakref__")
+                 "_parked", "_done_step", "__weakref__")
 
     def __init__(self, mgr: KVCacheManager, row: int, seq_id: int, salt: bytes) -> None:
         self._mgr = mgr
@@ -246,6 +430,7 @@ class Sequence:
         self.seq_id = seq_id
         self._salt = salt
         self._parked: tuple[CacheLevel, np.ndarray] | None = None  # suspended private pages
+        self._done_step = 0  # closed: the step that must complete before its pages are free
 
     @property
     def num_tokens(self) -> int:
@@ -256,12 +441,30 @@ class Sequence:
     def num_pages(self) -> int:
         return int(self._mgr._npages[self._row]) if self.state is not SequenceState.CLOSED else 0
 
+    @property
+    def row(self) -> int:
+        """The sequence's row in the manager's tables (changes only by
+        :meth:`KVCacheManager.compact`)."""
+        return self._row
+
+    @property
+    def phase(self) -> SequencePhase:
+        """See :class:`SequencePhase`."""
+        return self._mgr._phase(self)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the manager knows (the prompt, ids given to ``prepare_step`` or
+        :meth:`KVCacheManager.record_token_ids`); may be below ``num_tokens`` when steps were
+        given counts, or above it while a prompt is being prefilled."""
+        return int(self._mgr._known[self._row]) if self.state is not SequenceState.CLOSED else 0
+
     def page_ids(self, layer_group: int = 0) -> np.ndarray:
-        """Device slots of this sequence's pages (a copy; ACTIVE sequences only). In a
-        sliding-window layer group, pages no future query of the sequence can see are released
-        and read 0 (the null page)."""
+        """Device slots of this sequence's pages by absolute page index (a copy; ACTIVE
+        sequences only). In a sliding-window layer group, pages no future query of the sequence
+        can see are released and read 0 (the null page)."""
         m = self._mgr
-        return m._table[layer_group, self._row, :m._npages[self._row]].copy()
+        return m._row_pages(self._row, 0, int(m._npages[self._row]))[layer_group].copy()
 
     def __repr__(self) -> str:
         return f"Sequence(id={self.seq_id}, state={self.state.value})"
@@ -284,6 +487,13 @@ class _Stats:
     num_refused_suspends: int = 0
     num_refused_resumes: int = 0
     num_fence_waits: int = 0
+    num_aborted_steps: int = 0
+    num_failed_steps: int = 0       # steps whose pools were lost (abort/recover_from_failed_step)
+    num_lost_sequences: int = 0     # sequences closed by such a loss (to recompute)
+    num_observer_errors: int = 0
+    num_disk_write_errors: int = 0       # failed writes to the disk tier (e.g. ENOSPC)
+    num_disk_read_errors: int = 0        # failed reads of it (EIO, short reads): misses
+    num_dropped_on_disk_error: int = 0   # pages dropped because the disk could not take them
 
 
 # -- the manager -----------------------------------------------------------------------------
@@ -298,7 +508,7 @@ class KVCacheManager:
         if not isinstance(config, KVCacheConfig):
             raise TypeError("config must be a KVCacheConfig")
         self.config = config
-        self._lock = threading.Lock()
+        self._lock = _CallLock(self._deliver)
         self._tpp = config.tokens_per_page
         self._G = len(config.layer_groups)
         self._P = config.pages_per_seq
@@ -309,83 +519,159 @@ class KVCacheManager:
                           host_bytes=config.host_bytes, disk_dir=config.disk_dir,
                           disk_bytes=config.disk_bytes), cold_page_codec, device=device)
         self.tree = PrefixTree(_hash_fn, self._G)
-        # Sliding-window layer groups (see _advance_windows).
-        self._window = np.asarray([g.sliding_window or 0 for g in config.layer_groups], np.int64)
-        self._wg = [g for g in range(self._G) if self._window[g]]
-        # NOTE: wlru[g]: referenced device nodes whose page of group g no holder's window
-        # covers (need[g] == 0): cached like an unreferenced node's pages (dropped under
-        # pressure, oldest first), but only that one page.
-        self._wlru: list[OrderedDict[int, BlockNode]] = [OrderedDict() for _ in range(self._G)]
-        self._levels = [lv for lv in CacheLevel if self.storage.has_level(lv)]
+        # One group manager per layer-group kind (each owns its groups' page tables).
+        full = [g for g, lg in enumerate(config.layer_groups) if not lg.sliding_window]
+        wins = [g for g, lg in enumerate(config.layer_groups) if lg.sliding_window]
+        self._full = FullGroups(full, [self._P] * len(full)) if full else None
+        self._win = (WindowGroups(wins, [config.layer_groups[g].sliding_window for g in wins],
+                                  self._tpp, self._P, config.max_window_chunk,
+                                  config.ring_tables, self._G) if wins else None)
+        self._kinds: list[GroupTables] = [k for k in (self._full, self._win) if k is not None]
+        self._widths = np.asarray(config.table_widths, np.int64)
+        self._width = int(self._widths.max())  # StepBatch.page_table's last axis
+        self._zeros_g = np.zeros(self._G, np.int64)
+        layout = self.storage.layout
+        self._levels = list(layout.levels)
         # Pool of each layer group per level (cold layer groups with equal page sizes share one).
-        self._pool_of: dict[CacheLevel, np.ndarray] = {}
-        for lv in self._levels:
-            ids = [id(self.storage.allocator(lv, g)) for g in range(self._G)]
-            self._pool_of[lv] = np.asarray([list(dict.fromkeys(ids)).index(i) for i in ids])
-        self._page_bytes = {lv: np.asarray([self.storage.page_bytes(lv, g) for g in range(self._G)])
-                            for lv in self._levels}
+        self._pool_of = {lv: layout.pool_of(lv) for lv in self._levels}
+        self._page_bytes = {lv: layout.page_bytes(lv) for lv in self._levels}
+        self._disk_failures = 0       # consecutive failed disk writes
+        self._disk_degraded = False   # no more writes to the disk tier (see _disk_write_failed)
         self._disk_chunk = 1 << 30
         if self.storage._ring is not None:
             self._disk_chunk = max(1, self.storage._ring.capacity
                                    // (3 * max(self.storage.cold_page_bytes)))
         self._observers: list[Callable[[Any], None]] = []
         self.events: deque[Any] = deque(maxlen=4096)
+        self._queue: list[Any] = []          # events not yet given to the observers
+        self._delivering = threading.local()
+        #: ``(observer, event, exception)`` of the latest observer calls that raised.
+        self.observer_errors: deque[tuple[Callable[[Any], None], Any, Exception]] = deque(
+            maxlen=64)
         self.storage.add_observer(self._emit)
         self._stats = _Stats()
         # Row arrays (grown by doubling).
-        self._table = np.zeros((self._G, 0, self._P), np.int32)
         self._tokens = np.zeros((0, self._P * self._tpp), np.int32)
         self._len = np.zeros(0, np.int64)
         self._npages = np.zeros(0, np.int64)
         self._known = np.zeros(0, np.int64)
         self._ncommit = np.zeros(0, np.int64)    # == len(seq._nodes)
         self._commit_ok = np.zeros(0, np.int64)  # 1 while the sequence may commit pages
-        self._wrel = np.zeros((self._G, 0), np.int64)  # leading pages released, per group
+        self._ran = np.zeros(0, np.int64)        # 1 once the sequence was in a prepared step
+        self._seq_id = np.zeros(0, np.int64)     # the seq_id of the row's sequence
         self._free_rows: list[int] = []
         self._grow_rows(16)
         self._seqs: dict[int, Sequence] = {}
         self._next_id = 0
         # Step state.
-        self._in_step: tuple[list[Sequence], np.ndarray] | None = None
+        # (seqs, rows, npages, len, known before the step): what abort_step restores.
+        self._in_step: tuple[list[Sequence], np.ndarray, np.ndarray, np.ndarray,
+                             np.ndarray] | None = None
+        self._handed: list[tuple[jax.Array, jax.Array]] = []  # the pools the step was given
         self._step_index = 0        # completed steps
         self._fence: Any = None     # an output array of the latest completed step
         self._ready_upto = 0        # every step <= this is known complete
-        # NOTE: pending frees: (step index that must complete, slots [G, n]); step index None
-        # means "the step in flight" (tagged at complete_step).
+        # NOTE: pending frees: [step index that must complete, slots [G, n], owner seq ids [n]
+        # or None]; step index None means "the step in flight" (tagged at complete_step).
         # Entries NO_PAGE are no page (a layer group with nothing to free there).
         self._pending: list[list[Any]] = []
         self._num_pending = np.zeros(self._G, np.int64)
         self._closed_in_step = False
+        self._shut = False
 
     # -- small helpers -----------------------------------------------------------------------
+
+    _ROW_ARRAYS = ("_len", "_npages", "_known", "_ncommit", "_commit_ok", "_ran", "_seq_id")
 
     def _grow_rows(self, n: int) -> None:
         old = self._len.size
         new = max(n, 2 * old)
-        table = np.zeros((self._G, new, self._P), np.int32)
-        table[:, :old] = self._table
+        for kind in self._kinds:
+            kind.grow(new)
         tokens = np.zeros((new, self._tokens.shape[1]), np.int32)
         tokens[:old] = self._tokens
-        wrel = np.zeros((self._G, new), np.int64)
-        wrel[:, :old] = self._wrel
-        self._table, self._tokens, self._wrel = table, tokens, wrel
-        for name in ("_len", "_npages", "_known", "_ncommit", "_commit_ok"):
+        self._tokens = tokens
+        for name in self._ROW_ARRAYS:
             arr = np.zeros(new, np.int64)
             arr[:old] = getattr(self, name)
             setattr(self, name, arr)
         self._free_rows.extend(range(new - 1, old - 1, -1))
 
+    def _view(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """``[G, n]`` slots of pages ``j`` of ``rows`` (0: none, e.g. released by a window)."""
+        if len(self._kinds) == 1:
+            return self._kinds[0].view(rows, j)
+        out = np.empty((self._G, j.size), np.int32)
+        for kind in self._kinds:
+            out[kind.ids] = kind.view(rows, j)
+        return out
+
+    def _row_pages(self, row: int, first: int, last: int) -> np.ndarray:
+        """``[G, last - first]`` slots of pages ``first..last-1`` of ``row`` (0: none, e.g.
+        released by a window)."""
+        if len(self._kinds) == 1:
+            return self._kinds[0].pages(row, first, last)
+        out = np.zeros((self._G, last - first), np.int32)
+        for kind in self._kinds:
+            out[kind.ids] = kind.pages(row, first, last)
+        return out
+
+    def _wrel_at(self, num_tokens: int) -> np.ndarray:
+        """``[G]``: leading window-released pages of a holder of ``num_tokens`` tokens."""
+        return self._win.wrel_at(num_tokens) if self._win else self._zeros_g
+
     def _emit(self, event: Any) -> None:
+        """Records an event; observers get it when the public call ends (:meth:`_deliver`)."""
         self.events.append(event)
-        for fn in self._observers:
-            fn(event)
+        if self._observers:
+            self._queue.append(event)
+
+    def _deliver(self) -> None:
+        """Gives the queued events to the observers, outside the lock, once the call that queued
+        them left the manager consistent. An observer that raises changes nothing: the error is
+        recorded (:attr:`observer_errors`, ``stats()["num_observer_errors"]``) and warned about,
+        and the other observers still get the event. Events queued by a call an observer makes
+        are delivered by the same loop, after the current ones."""
+        if not self._queue or getattr(self._delivering, "on", False):
+            return
+        self._delivering.on = True
+        try:
+            while True:
+                with self._lock.raw:
+                    batch, self._queue = self._queue, []
+                    observers = list(self._observers)
+                if not batch:
+                    return
+                for event in batch:
+                    for fn in observers:
+                        try:
+                            fn(event)
+                        except Exception as e:  # noqa: BLE001 - isolated, recorded, warned
+                            with self._lock.raw:
+                                self._stats.num_observer_errors += 1
+                                self.observer_errors.append((fn, event, e))
+                            warnings.warn(f"KVCacheManager observer {fn!r} raised {e!r} on "
+                                          f"{event}; the manager is unaffected (see "
+                                          "observer_errors)", RuntimeWarning, stacklevel=3)
+        finally:
+            self._delivering.on = False
 
     def add_observer(self, fn: Callable[[Any], None]) -> None:
-        """``fn(event)`` for every :class:`StorageEvent` and :class:`ManagerEvent`."""
+        """``fn(event)`` for every :class:`StorageEvent` and :class:`ManagerEvent`, in order,
+        called after the manager call that caused them returned its state to consistency
+        (outside the manager's lock: ``fn`` may call the manager). An exception from ``fn`` is
+        recorded in :attr:`observer_errors` and warned about, never propagated."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         with self._lock:
             self._observers.append(fn)
 
+    def _check_open(self) -> None:
+        if self._shut:
+            raise RuntimeError("the KV-cache manager is shut down")
+
     def _check_seq(self, seq: Sequence, *states: SequenceState) -> None:
+        self._check_open()
         if not isinstance(seq, Sequence) or seq._mgr is not self:
             raise ValueError(f"{seq!r} is not a sequence of this manager")
         if seq.state not in states:
@@ -425,7 +711,8 @@ class KVCacheManager:
             return 0
         self._poll_fence(block)
         keep, n = [], 0
-        for step, slots in self._pending:
+        for entry in self._pending:
+            step, slots = entry[0], entry[1]
             if step is not None and step <= self._ready_upto:
                 for g in range(self._G):
                     s = slots[g]
@@ -434,17 +721,18 @@ class KVCacheManager:
                     self._num_pending[g] -= s.size
                     n += s.size
             else:
-                keep.append([step, slots])
+                keep.append(entry)
         self._pending = keep
         return n
 
-    def _defer_free(self, slots: np.ndarray) -> None:
+    def _defer_free(self, slots: np.ndarray, owners: np.ndarray | int | None = None) -> None:
         """Device slots ``[G, n]`` (``NO_PAGE`` entries skipped) to free once the last step that
-        may read them completed."""
+        may read them completed; ``owners``: the seq id (or one per column) that released them
+        (for :meth:`state`)."""
         if slots.shape[1] == 0:
             return
         step = None if self._in_step is not None else self._step_index
-        self._pending.append([step, slots])
+        self._pending.append([step, slots, owners])
         self._num_pending += np.count_nonzero(slots >= 0, axis=1)
 
     # -- room: free, pending, cached pages per pool ------------------------------------------
@@ -474,8 +762,8 @@ class KVCacheManager:
         out = self.tree.cached_pages(level)
         if level is D:
             out += self._num_pending
-            for g in self._wg:
-                out[g] += len(self._wlru[g])
+            if self._win:
+                out += self._win.num_unneeded()
         return out
 
     def _room(self, level: CacheLevel, need: np.ndarray, keep: np.ndarray | None = None) -> bool:
@@ -500,11 +788,8 @@ class KVCacheManager:
             lack -= self._per_pool(D, self._num_pending)
         pools = self._pool_of[level]
         short = lack[pools] > 0
-        if level is D:
-            for g in self._wg:
-                if short[g] and self._wlru[g]:
-                    self._drop_window_pages(g, int(lack[pools[g]]))
-                    return True
+        if level is D and self._win and self._drop_window_pages(short, lack[pools]):
+            return True
         victims = self.tree.lru_nodes(level, max(1, int(lack.max())),
                                       short if short.any() else None)  # else bytes are short
         if not victims:
@@ -534,13 +819,45 @@ class KVCacheManager:
                     c = cols[start:start + chunk]
                     moves.append((g, src_level, src[g, c], dst_level))
                     where.append((p, g, c))
-        out = self.storage.migrate_many(moves)
+        to_disk = any(dst_level is K for _, _, _, dst_level in moves)
+        try:
+            out = self.storage.migrate_many(moves)
+        except CorruptPageError as e:  # unreadable disk pages too (a miss for the caller)
+            if isinstance(e, UnreadablePageError):
+                self._stats.num_disk_read_errors += 1
+            raise
+        except DiskIOError as e:  # a write failed (reads raise the above): a refusal
+            if not to_disk:
+                raise
+            self._disk_write_failed(e)
+            return None
         if out is None:
             return None
+        if to_disk:
+            self._disk_failures = 0
         res = [np.full(src.shape, NO_PAGE, np.int32) for _, src, _ in parts]
         for (p, g, c), dst in zip(where, out):
             res[p][g, c] = dst
         return res
+
+    def _disk_write_failed(self, error: DiskIOError) -> None:
+        """A write to the disk tier failed (nothing changed: the transaction rolled back). The
+        disk is a cache: the caller drops what it meant to write (or, suspending, moves on to
+        ``MUST_RECOMPUTE``). After ``DISK_DEGRADED_AFTER`` consecutive failures the tier is
+        *degraded*: nothing is written to it any more (its pages can still be read), a
+        ``"disk_degraded"`` event is emitted and ``stats()["disk_degraded"]`` is True."""
+        self._stats.num_disk_write_errors += 1
+        self._disk_failures += 1
+        if not self._disk_degraded and self._disk_failures >= DISK_DEGRADED_AFTER:
+            self._disk_degraded = True
+            self._emit(ManagerEvent("disk_degraded", 0, K))
+            warnings.warn(f"KVCacheManager: {self._disk_failures} disk writes failed in a row "
+                          f"(last: {error}); the disk tier takes no more pages", RuntimeWarning,
+                          stacklevel=2)
+
+    def _writable(self, level: CacheLevel) -> bool:
+        """Whether pages may move to ``level`` (not a degraded disk tier)."""
+        return not (level is K and self._disk_degraded)
 
     def _migrate_nodes(self, nodes: list[BlockNode], dst: CacheLevel) -> bool:
         """Moves nodes (all at one level) to ``dst``; False (nothing moved) when refused."""
@@ -559,114 +876,31 @@ class KVCacheManager:
             return np.zeros((0, 0), np.int32)
         return np.stack([n.slots for n in nodes], axis=1)
 
-    # -- sliding windows ---------------------------------------------------------------------
-    #
-    # In a layer group with window W, the next query of a sequence of L tokens sits at position L
-    # and sees positions [L + 1 - W, L]: the first wrel = (L + 1 - W) // P pages are dead to it
-    # (_wrel_at). complete_step releases them as the window moves (_advance_windows): a private
-    # page is freed behind the fence of the step that last read it; a committed page (a node,
-    # maybe shared) loses this holder's need; at need 0 its page of that group becomes cached in
-    # wlru (the node's other groups stay referenced). The holder's page-table entries of released
-    # pages are 0 (the null page), which the attention ops never read for tokens outside the
-    # window. So a sequence holds at most ceil((W + n - 2) / P) + 1 pages of such a group during
-    # a step of n new tokens: ceil((W - 1) / P) + 1 when decoding (the seed's ceil(W / P) + 1).
-
-    def _wrel_at(self, num_tokens: int) -> np.ndarray:
-        """Leading dead pages of a sequence of ``num_tokens`` tokens, per layer group."""
-        return np.where(self._window > 0,
-                        np.maximum(0, (num_tokens + 1 - self._window) // self._tpp), 0)
-
-    def _take(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
-        """Window bookkeeping of a new holder of ``node`` (already incref'd) at depth ``j`` whose
-        windows start at pages ``wr``."""
-        need = node.need
-        if need is None:
-            return
-        fresh = node.refcount == 1  # was cached: its pages no one needs become wlru entries
-        for g in self._wg:
-            if j >= wr[g]:
-                if need[g] == 0 and not fresh:
-                    self._wlru[g].pop(id(node), None)
-                need[g] += 1
-            elif fresh and node.level is D and node.slots[g] >= 0:
-                self._wlru[g][id(node)] = node
-
-    def _drop_hold(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
-        """A holder at depth ``j`` (windows from pages ``wr``) lets go of ``node``."""
-        need = node.need
-        if need is not None:
-            for g in self._wg:
-                if j >= wr[g]:
-                    need[g] -= 1
-        self.tree.decref(node)
-        if need is None:
-            return
-        for g in self._wg:
-            if node.refcount == 0:  # cached as a whole now
-                self._wlru[g].pop(id(node), None)
-            elif need[g] == 0 and node.slots[g] >= 0 and node.level is D:
-                self._wlru[g][id(node)] = node
-
-    def _drop_window_pages(self, g: int, n: int) -> None:
-        """Frees the ``n`` oldest wlru pages of group ``g`` (their nodes keep the others)."""
-        out = []
-        wlru = self._wlru[g]
-        while wlru and len(out) < n:
-            _, node = wlru.popitem(last=False)
-            out.append(node.slots[g])
-            self.tree.set_page(node, g, NO_PAGE)
-        slots = np.full((self._G, len(out)), NO_PAGE, np.int32)
-        slots[g] = out
+    def _drop_window_pages(self, short: np.ndarray | int, lack: np.ndarray | int) -> bool:
+        """Frees unneeded window pages (wlru) of the first layer group in ``short`` (a ``[G]``
+        mask, or one group id) that has any, up to ``lack`` of them; False when none."""
+        if isinstance(short, int):
+            short = np.arange(self._G) == short
+        lack = np.broadcast_to(np.asarray(lack, np.int64), (self._G,))
+        slots = self._win.drop_unneeded(self.tree, short, lack)
+        if slots is None:
+            return False
         self._defer_free(slots)
-        self._stats.num_dropped_pages += len(out)
-
-    def _advance_windows(self, seqs: list[Sequence], rows: np.ndarray) -> None:
-        """Releases the pages the step's sequences' windows left (called after the commit, so a
-        committed page is released as a node page)."""
-        tpp = self._tpp
-        if self._closed_in_step:  # NOTE: a row closed during the step may hold a new sequence
-            live = np.fromiter((s.state is SequenceState.ACTIVE for s in seqs), bool, len(seqs))
-            seqs = [s for s, ok in zip(seqs, live) if ok]
-            rows = rows[live]
-        length = self._len[rows]
-        for g in self._wg:
-            new = np.maximum(0, (length + 1 - self._window[g]) // tpp)
-            old = self._wrel[g, rows]
-            idx = np.flatnonzero(new > old)
-            if idx.size == 0:
-                continue
-            cnt = new[idx] - old[idx]
-            which = np.repeat(idx, cnt)
-            rep = rows[which]
-            j = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt) + old[which]
-            private = j >= self._ncommit[rep]
-            slots = np.full((self._G, int(private.sum())), NO_PAGE, np.int32)
-            slots[g] = self._table[g, rep[private], j[private]]
-            self._defer_free(slots)
-            wlru = self._wlru[g]
-            shared = ~private
-            for i, jj in zip(which[shared].tolist(), j[shared].tolist()):  # once per node page
-                node = seqs[i]._nodes[jj]
-                need = node.need
-                need[g] -= 1
-                if need[g] == 0:
-                    wlru[id(node)] = node
-            self._table[g, rep, j] = 0
-            self._wrel[g, rows[idx]] = new[idx]
-            self._stats.num_window_released_pages += j.size
+        self._stats.num_dropped_pages += slots.shape[1]
+        return True
 
     def _usable_prefix(self, nodes: list[BlockNode]) -> list[BlockNode]:
-        """The longest prefix of matched nodes whose pages a new holder's windows need are all
-        there (a node may have lost a window page no earlier holder needed)."""
-        if not self._wg:
-            return nodes
-        k = len(nodes)
-        while k:
-            wr = self._wrel_at(k * self._tpp)
-            if all(nodes[j].slots[g] >= 0 for g in self._wg for j in range(wr[g], k)):
-                break
-            k -= 1
-        return nodes[:k]
+        return self._win.usable_prefix(nodes) if self._win else nodes
+
+    def _take(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
+        if self._win:
+            self._win.take(node, j, wr)
+
+    def _drop_hold(self, node: BlockNode, j: int, wr: np.ndarray) -> None:
+        if self._win:
+            self._win.drop_hold(self.tree, node, j, wr)
+        else:
+            self.tree.decref(node)
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -700,8 +934,9 @@ class KVCacheManager:
 
     def _evict(self, victims: list[BlockNode], level: CacheLevel) -> None:
         """Moves cached ``victims`` (at ``level``) one tier down, else drops them."""
+        failures = self._stats.num_disk_write_errors
         for lower in self._levels:
-            if lower <= level:
+            if lower <= level or not self._writable(lower):
                 continue
             if self._make_room_cold(lower, np.count_nonzero(self._node_slots(victims) >= 0,
                                                             axis=1)):
@@ -710,8 +945,11 @@ class KVCacheManager:
                     self._stats.num_evicted_pages[lower] += len(victims)
                     self._emit(ManagerEvent("evicted", len(victims), lower))
                     return
+        victims = [v for v in victims if v.alive]
+        if self._stats.num_disk_write_errors > failures:
+            self._stats.num_dropped_on_disk_error += len(victims)
         for v in victims:
-            if v.alive:
+            if v.alive:  # dropping one drops its subtree
                 self._drop(v)
 
     def _reserve_device(self, need: np.ndarray) -> bool:
@@ -761,14 +999,19 @@ class KVCacheManager:
         token, so the step still produces logits). Lower-tier hits are onboarded to the device
         when the pools are free (not between prepare_step and complete_step) and room exists;
         otherwise the match stops before them."""
-        toks = np.asarray(tokens)
-        if toks.ndim != 1 or (toks.size and not np.issubdtype(toks.dtype, np.integer)):
-            raise ValueError("tokens must be a 1-D sequence of ints")
+        try:
+            toks = np.asarray(tokens)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("tokens must be a 1-D sequence of int32 token ids") from None
+        if toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
+            raise ValueError("tokens must be a 1-D sequence of int32 token ids")
+        _check_token_ids(toks, "tokens")
         toks = toks.astype(np.int32)
         if toks.size > self.config.max_seq_len:
             raise ValueError(f"{toks.size} tokens exceed max_seq_len {self.config.max_seq_len}")
         salt_b = salt_bytes(salt)
         with self._lock:
+            self._check_open()
             nodes: list[BlockNode] = []
             if self.config.enable_prefix_reuse and toks.size > 1:
                 max_pages = (toks.size - 1) // self._tpp
@@ -786,12 +1029,12 @@ class KVCacheManager:
             self._tokens[row, :toks.size] = toks
             self._len[row] = k * self._tpp
             self._npages[row] = k
-            self._wrel[:, row] = self._wrel_at(k * self._tpp)
-            self._table[:, row] = 0
             self._set_table(seq, np.zeros((self._G, 0), np.int32))
             self._known[row] = toks.size
             self._ncommit[row] = k
             self._commit_ok[row] = int(self.config.enable_prefix_reuse)
+            self._ran[row] = 0
+            self._seq_id[row] = seq.seq_id
             seq.num_reused_tokens = k * self._tpp
             self._stats.num_prefix_hit_tokens += k * self._tpp
             self._seqs[seq.seq_id] = seq
@@ -808,11 +1051,9 @@ class KVCacheManager:
         if lower and self._in_step is None:
             # NOTE: pages this holder's windows need, or another holder's (a suspended one).
             slots = self._node_slots([nodes[j] for j in lower])
-            wanted = (slots >= 0) & ((np.asarray(lower)[None, :] >= wr[:, None])
-                                     | (self._window == 0)[:, None])
-            for i, j in enumerate(lower):
-                if nodes[j].need is not None:
-                    wanted[:, i] |= (np.asarray(nodes[j].need) > 0) & (slots[:, i] >= 0)
+            wanted = slots >= 0
+            if self._win:
+                self._win.wanted(nodes, lower, slots, wr, wanted)
             need = np.count_nonzero(wanted, axis=1)
             if self._fits(D, need) or self._room(D, need, self._kept(nodes, wr)):
                 if self._onboard_lower(nodes, lower, wr, np.where(wanted, slots, NO_PAGE)):
@@ -828,14 +1069,12 @@ class KVCacheManager:
         """Per layer group, the cached device pages among ``nodes`` that a new holder with
         windows from ``wr`` would take (and so no eviction could free)."""
         out = np.zeros(self._G, np.int64)
-        for j, n in enumerate(nodes):
-            if n.level is not D:
-                continue
-            if n.refcount == 0:
-                out += (n.slots >= 0) & ((self._window == 0) | (j >= wr))
-            else:
-                for g in self._wg:
-                    out[g] += j >= wr[g] and id(n) in self._wlru[g]
+        full = self._full.ids if self._full else []
+        for n in nodes:
+            if n.level is D and n.refcount == 0:
+                out[full] += n.slots[full] >= 0
+        if self._win:
+            self._win.kept(nodes, wr, out)
         return out
 
     def _onboard_lower(self, nodes: list[BlockNode], lower: list[int], wr: np.ndarray,
@@ -883,29 +1122,34 @@ class KVCacheManager:
         """Releases the sequence; its committed pages stay cached until evicted."""
         with self._lock:
             self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
-            row = seq._row
-            k = len(seq._nodes)
-            if seq.state is SequenceState.ACTIVE:
-                self._defer_free(self._private(seq))
-                if self._in_step is not None:
-                    self._closed_in_step = True
-            elif seq._parked is not None:
-                lv, slots = seq._parked
-                for g in range(self._G):
-                    self.storage.free(lv, g, slots[g][slots[g] >= 0])
-            wr = self._wrel[:, row]
-            for j in range(k - 1, -1, -1):
-                self._drop_hold(seq._nodes[j], j, wr)
-            seq._nodes = []
-            self._ncommit[row] = 0
-            seq._parked = None
-            seq.state = SequenceState.CLOSED
-            self._len[row] = self._npages[row] = self._known[row] = 0
-            self._ncommit[row] = self._commit_ok[row] = 0
-            self._table[:, row] = 0
-            self._wrel[:, row] = 0
-            self._free_rows.append(row)
-            del self._seqs[seq.seq_id]
+            self._close(seq)
+
+    def _close(self, seq: Sequence) -> None:
+        row = seq._row
+        k = len(seq._nodes)
+        if seq.state is SequenceState.ACTIVE:
+            self._defer_free(self._private(seq), seq.seq_id)
+            if self._in_step is not None:
+                self._closed_in_step = True
+        elif seq._parked is not None:
+            lv, slots = seq._parked
+            for g in range(self._G):
+                self.storage.free(lv, g, slots[g][slots[g] >= 0])
+        wr = self._win.row_wrel(row) if self._win else self._zeros_g
+        for j in range(k - 1, -1, -1):
+            self._drop_hold(seq._nodes[j], j, wr)
+        seq._nodes = []
+        self._ncommit[row] = 0
+        seq._parked = None
+        seq.state = SequenceState.CLOSED
+        seq._done_step = self._step_index + (self._in_step is not None)
+        self._len[row] = self._npages[row] = self._known[row] = 0
+        self._ncommit[row] = self._commit_ok[row] = self._ran[row] = 0
+        self._seq_id[row] = -1
+        for kind in self._kinds:
+            kind.clear_row(row)
+        self._free_rows.append(row)
+        del self._seqs[seq.seq_id]
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -915,6 +1159,7 @@ class KVCacheManager:
         index buffers. Raises :class:`OutOfPagesError` (nothing scheduled) when pages run out."""
         cfg, tpp = self.config, self._tpp
         with self._lock:
+            self._check_open()
             if self._in_step is not None:
                 raise StepInFlightError("a step is in flight: call complete_step first")
             B = len(work)
@@ -926,8 +1171,15 @@ class KVCacheManager:
             id_index: list[int] = []
             id_arrays: list[np.ndarray] = []
             active = SequenceState.ACTIVE
-            for i, (seq, x) in enumerate(work):
-                if seq.state is not active or seq._mgr is not self:
+            for i, item in enumerate(work):
+                try:
+                    seq, x = item
+                except (TypeError, ValueError):
+                    raise TypeError(f"work[{i}] must be a (Sequence, tokens) pair") from None
+                if type(seq) is not Sequence or seq.state is not active or seq._mgr is not self:
+                    if not isinstance(seq, Sequence):
+                        raise TypeError(f"work[{i}][0] must be a Sequence, got "
+                                        f"{type(seq).__name__}")
                     self._check_seq(seq, SequenceState.ACTIVE)
                 seqs.append(seq)
                 row_list.append(seq._row)
@@ -935,12 +1187,21 @@ class KVCacheManager:
                                       and not isinstance(x, (bool, np.bool_))):
                     count_list.append(x)
                     continue
+                if x is None or isinstance(x, (bool, np.bool_, float, str, bytes)):
+                    raise TypeError(f"work[{i}][1] must be a token count or 1-D token ids, got "
+                                    f"{type(x).__name__}")
                 arr = x if type(x) is np.ndarray else np.asarray(x)
                 if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                    raise ValueError("work items must be (seq, int) or (seq, 1-D token ids)")
+                    raise ValueError(f"work[{i}][1]: work items must be (seq, int) or "
+                                     "(seq, 1-D token ids)")
                 count_list.append(arr.size)
                 id_index.append(i)
                 id_arrays.append(arr)
+            if id_arrays:  # NOTE: one range check for all ids (per item only to name a bad one)
+                every = np.concatenate(id_arrays)
+                if every.size and (every.min() < 0 or every.max() > MAX_TOKEN_ID):
+                    for i, arr in zip(id_index, id_arrays):
+                        _check_token_ids(arr, f"work[{i}][1]")
             rows = np.array(row_list, np.int64)
             counts = np.array(count_list, np.int64)
             if np.unique(rows).size != B:
@@ -951,6 +1212,8 @@ class KVCacheManager:
             if T > cfg.max_tokens_per_step:
                 raise ValueError(f"{T} tokens exceed max_tokens_per_step "
                                  f"{cfg.max_tokens_per_step}")
+            if self._win:
+                self._win.check_chunks(counts)
             cur = self._len[rows]
             new_len = cur + counts
             if new_len.max() > cfg.max_seq_len:
@@ -959,7 +1222,7 @@ class KVCacheManager:
             if id_arrays:  # NOTE: validated before anything changes
                 idx = np.array(id_index, np.int64)
                 sizes = counts[idx]
-                id_vals = np.concatenate(id_arrays).astype(np.int32)
+                id_vals = every.astype(np.int32)
                 id_rows = np.repeat(rows[idx], sizes)
                 id_pos = (np.arange(id_vals.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
                           + np.repeat(cur[idx], sizes))
@@ -980,7 +1243,8 @@ class KVCacheManager:
                 rep = np.repeat(rows, need)
                 starts = np.cumsum(need) - need
                 off = np.arange(total) - np.repeat(starts - npages, need)
-                self._table[:, rep, off] = slots
+                for kind in self._kinds:
+                    kind.set_slots(rep, off, slots[kind.ids])
                 self._npages[rows] = npages + need
             # Tokens (only when contiguous with the ids already known).
             if id_arrays:
@@ -1003,33 +1267,40 @@ class KVCacheManager:
             positions[:T] = pos
             seq_lens = np.zeros(Bb, np.int32)
             seq_lens[:B] = new_len
-            pt = np.zeros((self._G, Bb, self._P), np.int32)
-            pt[:, :B] = self._table[:, rows]
+            pt = np.zeros((self._G, Bb, self._width), np.int32)
             sm = np.full((self._G, Tb), -1, np.int32)
-            sm[:, :T] = self._table[:, tok_row, pos // tpp] * tpp + pos % tpp
+            pj, off = pos // tpp, pos % tpp
+            for kind in self._kinds:
+                if len(self._kinds) == 1:
+                    pt[:, :B, :kind.width] = kind.table[:, rows]
+                    sm[:, :T] = kind.slots(tok_row, pj) * tpp + off
+                else:
+                    pt[kind.sel, :B, :kind.width] = kind.table[:, rows]
+                    sm[kind.sel, :T] = kind.slots(tok_row, pj) * tpp + off
             if self._G == 1:
                 pt, sm = pt[0], sm[0]
-            self._in_step = (seqs, rows)
+            self._ran[rows] = 1
+            self._in_step = (seqs, rows, npages, cur, known)
+            self._handed = list(self.storage.pools)
             return StepBatch(page_table=pt, seq_lens=seq_lens, query_start=qs, slot_mapping=sm,
                              positions=positions)
 
     def complete_step(self, caches: _Seq[tuple[jax.Array, jax.Array]]) -> None:
-        """Takes back the (donated) pools from the step, records its completion fence and
-        commits pages that became full."""
+        """Takes back the pools the step returned (one ``(k, v)`` per layer group, each the shape
+        and dtype of :attr:`caches`), records its completion fence and commits pages that became
+        full. Refused, with the step still in flight, when an array is not a ``jax.Array``
+        (TypeError), was deleted (the step consumed it and failed), or is one of the pools
+        ``prepare_step`` handed out rather than the step's output (the step did not run): undo
+        such a step with :meth:`abort_step`."""
         with self._lock:
+            self._check_open()
             if self._in_step is None:
                 raise RuntimeError("complete_step without a prepared step")
-            caches = list(caches)
-            if len(caches) != len(self.storage.pools):
-                raise ValueError(f"caches must hold {len(self.storage.pools)} (k, v) pairs")
-            for h, ((k, v), (k0, v0)) in enumerate(zip(caches, self.storage.pools)):
-                for a, b in ((k, k0), (v, v0)):
-                    if a.shape != b.shape or a.dtype != b.dtype:
-                        raise ValueError(f"caches[{h}] has shape {a.shape} {a.dtype}, expected "
-                                         f"{b.shape} {b.dtype}")
-            self.storage.pools = [(k, v) for k, v in caches]
-            seqs, rows = self._in_step
+            caches = self._check_caches(caches)
+            self.storage.pools = caches
+            seqs, rows = self._in_step[:2]
             self._in_step = None
+            self._handed = []
             self._step_index += 1
             self._fence = caches[0][0]
             for p in self._pending:
@@ -1038,9 +1309,150 @@ class KVCacheManager:
             self._stats.num_steps += 1
             if self.config.enable_prefix_reuse:
                 self._commit(seqs, rows)
-            if self._wg:
-                self._advance_windows(seqs, rows)
+            if self._win:
+                if self._closed_in_step:  # NOTE: a row closed in the step may hold a new sequence
+                    live = np.fromiter((s.state is SequenceState.ACTIVE for s in seqs), bool,
+                                       len(seqs))
+                    seqs = [s for s, ok in zip(seqs, live) if ok]
+                    rows = rows[live]
+                self._win.advance(seqs, rows, self._len, self._ncommit, self._defer_free,
+                                  self._seq_id)
             self._closed_in_step = False
+
+    def _check_caches(self, caches: Any) -> list[tuple[jax.Array, jax.Array]]:
+        """``caches`` validated for :meth:`complete_step` (see there)."""
+        if isinstance(caches, jax.Array) or not isinstance(caches, (list, tuple)):
+            raise TypeError(f"caches must be a list of (k, v) pairs, got {type(caches).__name__}")
+        pools = self.storage.pools
+        if len(caches) != len(pools):
+            raise ValueError(f"caches must hold {len(pools)} (k, v) pairs, got {len(caches)}")
+        out = []
+        for h, pair in enumerate(caches):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise TypeError(f"caches[{h}] must be a (k, v) pair, got {type(pair).__name__}")
+            for i, (a, b, handed) in enumerate(zip(pair, pools[h], self._handed[h])):
+                name = f"caches[{h}][{i}]"
+                if not isinstance(a, jax.Array):
+                    raise TypeError(f"{name} must be a jax.Array (the step's output), got "
+                                    f"{type(a).__name__}")
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    raise ValueError(f"{name} has shape {a.shape} {a.dtype}, expected "
+                                     f"{b.shape} {b.dtype}")
+                if a.is_deleted():
+                    raise ValueError(f"{name} was deleted (a step that consumed the pools "
+                                     "failed?): call abort_step()")
+                if a is handed:
+                    raise ValueError(f"{name} is the pool prepare_step handed out, not the "
+                                     "step's output (did the step fail?): call abort_step()")
+            out.append((pair[0], pair[1]))
+        return out
+
+    def abort_step(self) -> list[Sequence]:
+        """Undoes the prepared step, e.g. after the user's step raised. Every sequence of the
+        step goes back to its length and known tokens before ``prepare_step``; the pages it
+        allocated are freed and nothing is committed (cached pages evicted to make room stay
+        evicted). Sequences closed meanwhile stay closed.
+
+        When the step had consumed the pools (donated, then failed at run time: the arrays
+        handed out are deleted), the device tier's content is lost as well: see
+        :meth:`recover_from_failed_step`, whose list of closed sequences is returned. Otherwise
+        the result is ``[]``."""
+        with self._lock:
+            if self._in_step is None:
+                raise RuntimeError("abort_step without a prepared step")
+            self._undo_step()
+            if any(a.is_deleted() for pair in self.storage.pools for a in pair):
+                return self._lose_device()
+            return []
+
+    def recover_from_failed_step(self) -> list[Sequence]:
+        """Discards the device tier after a step failed in a way that lost its pools (their
+        arrays deleted, or a step's output that turned out to hold an error after
+        ``complete_step`` took it): undoes the step in flight if any, builds fresh (zero)
+        pools, drops every committed page on the device (and what hangs below it in the prefix
+        tree), and closes every sequence that held a device page. Returns those sequences,
+        CLOSED: the caller recomputes them (``add_sequence`` with all their tokens reuses what
+        the host and disk tiers still hold). Suspended sequences whose pages are all on the host
+        or disk are kept."""
+        with self._lock:
+            if self._in_step is not None:
+                self._undo_step()
+            return self._lose_device()
+
+    def _undo_step(self) -> None:
+        seqs, rows, npages, length, known = self._in_step
+        self._in_step = None
+        self._handed = []
+        for i, seq in enumerate(seqs):
+            if seq.state is not SequenceState.ACTIVE:  # closed during the step: pages pending
+                continue
+            r = int(rows[i])
+            first, last = int(npages[i]), int(self._npages[r])
+            new = self._row_pages(r, first, last)
+            for g in range(self._G):
+                self.storage.free(D, g, new[g][new[g] > 0])  # no step ever wrote them
+            j = np.arange(first, last)
+            for kind in self._kinds:  # NOTE: a ring entry a new page took was empty before
+                kind.set_slots(np.full(j.size, r), j, 0)
+            self._npages[r], self._len[r], self._known[r] = npages[i], length[i], known[i]
+        for p in self._pending:  # the aborted step reads nothing: the last completed one may
+            if p[0] is None:
+                p[0] = self._step_index
+        self._closed_in_step = False
+        self._stats.num_aborted_steps += 1
+
+    def _lose_device(self) -> list[Sequence]:
+        """See :meth:`recover_from_failed_step` (lock held, no step in flight)."""
+        lost = [s for s in self._seqs.values()
+                if (s.state is SequenceState.ACTIVE and self._npages[s._row] > 0)
+                or any(n.level is D for n in s._nodes)]
+        for seq in lost:
+            self._close(seq)
+        for n in list(self.tree.nodes.values()):
+            if n.alive and n.level is D:
+                self._drop(n)
+        # Nothing can read the old pools' pages any more: every pending free is ready.
+        self._fence = None
+        self._ready_upto = self._step_index
+        for p in self._pending:
+            p[0] = self._step_index
+        self._reclaim()
+        self.storage.rebuild_pools()
+        self._stats.num_failed_steps += 1
+        self._stats.num_lost_sequences += len(lost)
+        self._emit(ManagerEvent("lost", len(lost), D))
+        return lost
+
+    def record_token_ids(self, seq: Sequence, token_ids: Any) -> None:
+        """Appends ids the caller learned late: ``token_ids`` (1-D ints) are the ids of positions
+        ``seq.num_known_tokens`` onward (at most ``max_seq_len`` in all).
+
+        For a loop that feeds sampled tokens to the next step on the device and passes
+        ``prepare_step`` a count for them, then reads them one step later: recording them lets
+        full pages of generated text be committed to the prefix tree (now, for pages already
+        written or being written by a dispatched step) exactly as if the ids had been given to
+        ``prepare_step``. Ids beyond ``num_tokens`` are checked against the ids ``prepare_step``
+        gets for those positions later. Raises :class:`StepInFlightError` between
+        ``prepare_step`` and ``complete_step``; ``ValueError`` for bad ids (nothing changes)."""
+        with self._lock:
+            self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
+            if self._in_step is not None:
+                raise StepInFlightError("record_token_ids: a step is in flight: call "
+                                        "complete_step first")
+            arr = token_ids if type(token_ids) is np.ndarray else np.asarray(token_ids)
+            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+                raise ValueError("token_ids must be a 1-D array of integer ids")
+            r = seq._row
+            k, n = int(self._known[r]), int(arr.size)
+            if k + n > self.config.max_seq_len:
+                raise ValueError(f"token_ids: {k} known + {n} ids exceed max_seq_len "
+                                 f"{self.config.max_seq_len}")
+            if n == 0:
+                return
+            self._tokens[r, k:k + n] = arr
+            self._known[r] = k + n
+            if self.config.enable_prefix_reuse and seq.state is SequenceState.ACTIVE:
+                self._commit([seq], np.array([r], np.int64))
 
     def _commit(self, seqs: list[Sequence], rows: np.ndarray) -> None:
         tpp, tree, hash_fn = self._tpp, self.tree, self.tree.hash_fn
@@ -1051,7 +1463,17 @@ class KVCacheManager:
             return
         n0 = 0
         page_bytes = tpp * 4
-        for i in todo.tolist():
+        # NOTE: the new pages' slots of every row at once ([n, G], rows in todo order).
+        cnt = full[todo] - ncommit[todo]
+        starts = np.cumsum(cnt) - cnt
+        j = np.arange(int(cnt.sum())) - np.repeat(starts - ncommit[todo], cnt)
+        all_cols = self._view(np.repeat(rows[todo], cnt), j).T.copy()
+        gone_any = None
+        if self._win:  # NOTE: rows whose window released a page before it was committed
+            gone_any = (all_cols == 0).any(axis=1)
+            if not gone_any.any():
+                gone_any = None
+        for i, start in zip(todo.tolist(), starts.tolist()):
             seq = seqs[i]
             if seq.state is not SequenceState.ACTIVE:
                 continue
@@ -1062,9 +1484,9 @@ class KVCacheManager:
             first, last = int(ncommit[i]), int(full[i])
             # NOTE: one bytes object for all new pages; the table column block for all groups.
             blob = _le_bytes(self._tokens[r, first * tpp:last * tpp])
-            cols = self._table[:, r, first:last].T.copy()
-            if self._wg:  # a page a window released before it could be committed ends the chain
-                gone = np.flatnonzero((cols == 0).any(axis=1))
+            cols = all_cols[start:start + last - first]
+            if gone_any is not None:  # a page released before it was committed ends the chain
+                gone = np.flatnonzero(gone_any[start:start + last - first])
                 if gone.size:
                     cols = cols[:gone[0]]
                     self._commit_ok[r] = 0
@@ -1072,8 +1494,8 @@ class KVCacheManager:
                 toks = blob[j * page_bytes:(j + 1) * page_bytes]
                 key = hash_fn(pkey + toks + seq._salt)
                 node = tree.insert(key, parent, toks, D, cols[j])
-                if node is not None and self._wg:
-                    node.need = [int(w > 0) for w in self._window]  # this holder's windows
+                if node is not None and self._win:
+                    self._win.new_node(node)  # this holder's windows
                 if node is None:
                     node = tree.nodes[key]
                     if (node.parent is not parent or node.tokens != toks
@@ -1087,13 +1509,13 @@ class KVCacheManager:
                     # where its window page was released, it takes ours instead.
                     tree.incref(node)
                     ours = cols[j].copy()
-                    for g in self._wg:
-                        if node.slots[g] < 0:
-                            tree.set_page(node, g, ours[g])
-                            ours[g] = NO_PAGE
-                    self._take(node, first + j, self._wrel[:, r])
-                    self._table[:, r, first + j] = node.slots
-                    self._defer_free(ours[:, None])
+                    if self._win:
+                        self._win.adopt(tree, node, ours)
+                        self._win.take(node, first + j, self._win.row_wrel(r))
+                    at = np.array([first + j])
+                    for kind in self._kinds:
+                        kind.set_slots(np.array([r]), at, node.slots[kind.ids][:, None])
+                    self._defer_free(ours[:, None], seq.seq_id)
                     self._stats.num_adopted_pages += 1
                 else:
                     n0 += 1
@@ -1110,18 +1532,23 @@ class KVCacheManager:
         """The device slots ``[G, n]`` of the sequence's uncommitted pages (``NO_PAGE`` where
         the page table holds the null page)."""
         r = seq._row
-        t = self._table[:, r, len(seq._nodes):self._npages[r]]
+        t = self._row_pages(r, len(seq._nodes), int(self._npages[r]))
         return np.where(t > 0, t, NO_PAGE).astype(np.int32)
 
     def _set_table(self, seq: Sequence, private: np.ndarray) -> None:
         """Writes the page-table row of an ACTIVE sequence: its nodes' slots, then ``private``
         (``NO_PAGE`` -> the null page), and the null page where its windows released pages."""
         r, k = seq._row, len(seq._nodes)
+        slots = np.zeros((self._G, int(self._npages[r])), np.int32)
         if k:
-            self._table[:, r, :k] = np.maximum(self._node_slots(seq._nodes), 0)
-        self._table[:, r, k:self._npages[r]] = np.maximum(private, 0)
-        for g in self._wg:
-            self._table[g, r, :self._wrel[g, r]] = 0
+            slots[:, :k] = self._node_slots(seq._nodes)
+        slots[:, k:] = private
+        slots = np.maximum(slots, 0)
+        if self._full:
+            self._full.clear_row(r)
+            self._full.table[:, r, :slots.shape[1]] = slots[self._full.ids]
+        if self._win:
+            self._win.write_row(r, slots[self._win.ids], int(self._len[r]))
 
     def suspend(self, seq: Sequence) -> SuspendResult:
         """Moves the sequence's device pages that only it holds to host (else disk), as one
@@ -1133,24 +1560,22 @@ class KVCacheManager:
             own = [n for n in seq._nodes if n.level is D and n.refcount == 1]
             private = self._private(seq)
             own_slots = self._node_slots(own)
-            if own and self._wg:  # window pages it does not need (wlru) are dropped, not moved
-                unneeded = np.stack([np.asarray(n.need) == 0 for n in own], axis=1)
-                unneeded[self._window == 0] = False
-                own_slots = np.where(unneeded, NO_PAGE, own_slots)
+            if own and self._win:  # window pages it does not need (wlru) are dropped, not moved
+                own_slots = self._win.unneeded(own, own_slots)
             need = np.count_nonzero(private >= 0, axis=1)
             if own:
                 need += np.count_nonzero(own_slots >= 0, axis=1)
             for lv in self._levels[1:]:
-                if not self._make_room_cold(lv, need):
+                if not self._writable(lv) or not self._make_room_cold(lv, need):
                     continue
                 out = self._move([(D, private, lv)] + ([(D, own_slots, lv)] if own else []))
-                if out is None:  # pragma: no cover - room was made
+                if out is None:  # a failed disk write (room was made)
                     continue
                 for i, n in enumerate(own):
-                    for g in self._wg:
-                        if self._wlru[g].pop(id(n), None) is not None:
-                            self._defer_free(np.where(np.arange(self._G) == g, n.slots,
-                                                      NO_PAGE)[:, None].astype(np.int32))
+                    if self._win:
+                        dropped = self._win.forget(n)
+                        if dropped is not None:
+                            self._defer_free(dropped, seq.seq_id)
                     self.tree.move(n, lv, out[1][:, i].copy())
                 seq._parked = (lv, out[0])
                 seq.state = SequenceState.SUSPENDED
@@ -1197,6 +1622,127 @@ class KVCacheManager:
             self._emit(ManagerEvent("resumed", sum(map(len, cold)) + parked.shape[1], D))
             return True
 
+    # -- lifecycle and views (the bounded-window design) -------------------------------------
+
+    def _phase(self, seq: Sequence) -> SequencePhase:
+        with self._lock:
+            if seq.state is not SequenceState.CLOSED:
+                return (SequencePhase.EXECUTING if self._ran[seq._row]
+                        else SequencePhase.ADMITTED)
+            if seq._done_step > self._ready_upto and self._fence is not None:
+                self._poll_fence(block=False)
+            return (SequencePhase.FINISHING if seq._done_step > self._ready_upto
+                    else SequencePhase.FINISHED)
+
+    def state(self, seq: Sequence) -> SequenceView:
+        """A snapshot of ``seq`` (any state) as the group managers see it: see
+        :class:`SequenceView`. Polls the latest step's fence without blocking."""
+        with self._lock:
+            if not isinstance(seq, Sequence) or seq._mgr is not self:
+                raise ValueError(f"{seq!r} is not a sequence of this manager")
+            self._reclaim()
+            pending = np.zeros(self._G, np.int64)
+            for entry in self._pending:
+                owners = entry[2]
+                if owners is None:
+                    continue
+                mine = np.broadcast_to(np.asarray(owners) == seq.seq_id, entry[1].shape[1:])
+                pending += np.count_nonzero((entry[1] >= 0) & mine[None], axis=1)
+            if seq.state is SequenceState.CLOSED:
+                retained = ((0, 0),) * self._G
+                num_tokens = 0
+            else:
+                r = seq._row
+                wr = self._win.row_wrel(r) if self._win else self._zeros_g
+                retained = tuple((int(w), int(self._npages[r])) for w in wr)
+                num_tokens = int(self._len[r])
+        return SequenceView(seq.seq_id, seq.state, self._phase(seq), num_tokens, retained,
+                            tuple(int(w) for w in self._widths), tuple(int(p) for p in pending))
+
+    def private_pages_per_sequence(self) -> tuple[int, ...]:
+        """Per layer group, the most device pages one sequence holds at once (``[G]``): the
+        page-table width ``ceil(max_seq_len / tokens_per_page)`` of a full group; for a window
+        group, its peak ``ceil((W + C - 2) / P) + 1`` (``C = max_window_chunk``; its ring width
+        with ``ring_tables``), at most the full width."""
+        return tuple(int(p) for p in self.config.peak_pages(self.config.max_seq_len))
+
+    def free_page_count(self) -> tuple[int, ...]:
+        """Per layer group, device pages allocatable right now without evicting or waiting
+        (free slots of its pool, after returning the pending pages whose fence has passed)."""
+        with self._lock:
+            self._reclaim()
+            return tuple(int(self.storage.num_free(D, g)) for g in range(self._G))
+
+    def compact(self, old_to_new: Any) -> np.ndarray:
+        """Moves sequences between table rows, e.g. to keep a runner's batch dense after some
+        finished: ``old_to_new[r]`` is the new row of the sequence at row ``r`` (see
+        :attr:`Sequence.row`); rows beyond ``len(old_to_new)`` or marked ``-1`` must hold no
+        sequence. Targets must be distinct and >= 0. Every group manager moves its rows (ring
+        entries, released counts), so no table is rebuilt; returns ``new_to_old`` (int32, one
+        entry per row up to the largest target, -1 for empty rows) for the runner to gather its
+        own per-row device state the same way. Not while a step is in flight."""
+        with self._lock:
+            self._check_open()
+            self._need_pools("compact")
+            m = np.asarray(old_to_new)
+            if m.ndim != 1 or (m.size and m.dtype.kind not in "iu"):
+                raise ValueError("old_to_new must be a 1-D array of ints")
+            m = m.astype(np.int64)
+            src = np.fromiter((s._row for s in self._seqs.values()), np.int64, len(self._seqs))
+            if src.size and src.max() >= m.size:
+                raise ValueError(f"old_to_new has {m.size} entries; row {int(src.max())} holds "
+                                 "a sequence")
+            dst = m[src]
+            if (dst < 0).any():
+                raise ValueError("old_to_new maps a row that holds a sequence to -1")
+            if np.unique(dst).size != dst.size:
+                raise ValueError("old_to_new maps two sequences to one row")
+            if dst.size and dst.max() >= self._len.size:
+                self._grow_rows(int(dst.max()) + 1)
+            for kind in self._kinds:
+                kind.move_rows(src, dst)
+            self._tokens[dst] = self._tokens[src]
+            for name in self._ROW_ARRAYS:
+                arr = getattr(self, name)
+                arr[dst] = arr[src]
+            vacated = np.setdiff1d(src, dst)
+            for r in vacated.tolist():
+                for kind in self._kinds:
+                    kind.clear_row(r)
+                for name in self._ROW_ARRAYS:
+                    getattr(self, name)[r] = 0
+                self._seq_id[r] = -1
+            for seq, r in zip(self._seqs.values(), dst.tolist()):
+                seq._row = r
+            used = np.zeros(self._len.size, bool)
+            used[dst] = True
+            self._free_rows = np.flatnonzero(~used)[::-1].tolist()
+            out = np.full(int(dst.max()) + 1 if dst.size else 0, -1, np.int32)
+            out[dst] = src
+            return out
+
+    def shutdown(self) -> None:
+        """Ends the manager: waits for every dispatched step and migration (their fences),
+        returns every pending page, then closes the storage (waits for its outstanding work,
+        closes the disk files, freeing their space, frees host and pinned memory). Every later
+        call raises RuntimeError; a second ``shutdown`` does nothing. Raises :class:`StepInFlightError` while
+        a step is prepared and not completed (complete or abort it first)."""
+        with self._lock:
+            if self._shut:
+                return
+            self._need_pools("shutdown")
+            waits = [self._fence] if self._fence is not None else []
+            for arr in waits + [a for pair in self.storage.pools for a in pair]:
+                try:
+                    if not arr.is_deleted():
+                        arr.block_until_ready()
+                except Exception:  # noqa: BLE001 - a failed step's output: nothing to wait for
+                    pass
+            self._ready_upto = self._step_index
+            self._reclaim()
+            self._shut = True
+            self.storage.close()
+
     # -- planning and stats ------------------------------------------------------------------
 
     @property
@@ -1205,20 +1751,14 @@ class KVCacheManager:
         return min(self.config.device_pages)
 
     def _peak_pages(self, seq_len: int) -> np.ndarray:
-        """Device pages per layer group one sequence of ``seq_len`` tokens may hold at once.
-        Full attention: all of them; window W: ``ceil((W + n - 2) / P) + 1`` during a step of
-        ``n <= max_tokens_per_step`` new tokens."""
-        pages = -(-seq_len // self._tpp)
-        n = min(seq_len, self.config.max_tokens_per_step)
-        bound = -(-(self._window + n - 2) // self._tpp) + 1
-        return np.where(self._window > 0, np.minimum(pages, bound), pages)
+        """See :meth:`KVCacheConfig.peak_pages`."""
+        return self.config.peak_pages(seq_len)
 
     def max_num_sequences(self, seq_len: int) -> int:
         """How many sequences of ``seq_len`` tokens fit on the device at once (0 when one does
         not fit; ``seq_len`` is clamped to ``max_seq_len``). Sliding-window groups count the
         pages a sequence holds at its peak (see :meth:`_peak_pages`), not all of them."""
-        seq_len = min(check_count(seq_len, "seq_len", minimum=1), self.config.max_seq_len)
-        return int((np.asarray(self.config.device_pages) // self._peak_pages(seq_len)).min())
+        return self.config.max_num_sequences(seq_len)
 
     def max_seq_len_for(self, num_sequences: int) -> int:
         """The largest length (a whole number of pages, clamped to ``max_seq_len``) such that
@@ -1239,9 +1779,12 @@ class KVCacheManager:
         ``cached``: unreferenced committed pages (evictable)."""
         with self._lock:
             out = dataclasses.asdict(self._stats)
+            if self._win:
+                out["num_window_released_pages"] = self._win.num_released
             out["num_active"] = sum(s.state is SequenceState.ACTIVE for s in self._seqs.values())
             out["num_suspended_now"] = len(self._seqs) - out["num_active"]
             out["num_committed_now"] = len(self.tree)
+            out["disk_degraded"] = self._disk_degraded
             per_pool = {lv.name.lower(): self._page_counts(lv) for lv in self._levels}
             out["pages"] = {lv: {k: sum(c[k] for c in pools) for k in _COUNT_KEYS}
                             for lv, pools in per_pool.items()}
@@ -1259,15 +1802,16 @@ class KVCacheManager:
         for s in self._seqs.values():
             if level is D and s.state is SequenceState.ACTIVE:
                 r = s._row
-                referenced += np.count_nonzero(self._table[:, r, len(s._nodes):self._npages[r]],
-                                               axis=1)
+                referenced += np.count_nonzero(
+                    self._row_pages(r, len(s._nodes), int(self._npages[r])), axis=1)
             elif s._parked is not None and s._parked[0] is level:
                 referenced += np.count_nonzero(s._parked[1] >= 0, axis=1)
         cached = self.tree.cached_pages(level)
         if level is D:
-            for g in self._wg:  # window pages of referenced nodes that no window needs
-                cached[g] += len(self._wlru[g])
-                referenced[g] -= len(self._wlru[g])
+            if self._win:  # window pages of referenced nodes that no window needs
+                unneeded = self._win.num_unneeded()
+                cached += unneeded
+                referenced -= unneeded
         pending = self._num_pending if level is D else np.zeros(G, np.int64)
         pools = self._pool_of[level]
         out = []
@@ -1294,7 +1838,7 @@ class KVCacheManager:
         for s in self._seqs.values():
             r = s._row
             k = len(s._nodes)
-            wr = self._wrel[:, r]
+            wr = self._win.row_wrel(r) if self._win else self._zeros_g
             assert np.array_equal(wr, self._wrel_at(int(self._len[r]))), (s, wr)
             for j, n in enumerate(s._nodes):
                 holders[id(n)] = holders.get(id(n), 0) + 1
@@ -1306,33 +1850,21 @@ class KVCacheManager:
                 if k:
                     want[:, :k] = np.maximum(self._node_slots(s._nodes), 0)
                     assert all(n.level is D for n in s._nodes)
-                want[:, k:] = self._table[:, r, k:self._npages[r]]
-                for g in self._wg:
+                want[:, k:] = self._row_pages(r, k, int(self._npages[r]))
+                for g in range(G):
                     want[g, :wr[g]] = 0
-                    # NOTE: the bound on what a windowed sequence holds.
-                    assert self._npages[r] - wr[g] <= -(-(self._window[g] - 1) // tpp) + 1, s
-                assert (want > 0).all(axis=1)[self._window == 0].all()
-                for g in self._wg:
-                    assert (want[g, wr[g]:] > 0).all(), (s, g, want[g])
-                assert np.array_equal(self._table[:, r, :self._npages[r]], want), (s, want)
-                assert not self._table[:, r, self._npages[r]:].any()
+                assert np.array_equal(self._row_pages(r, 0, int(self._npages[r])), want), s
+                if self._full:
+                    self._full.check_row(r, want[self._full.ids])
+                if self._win:
+                    self._win.check_row(r, int(self._len[r]), int(self._npages[r]),
+                                        want[self._win.ids])
         for n in self.tree.nodes.values():
             assert n.refcount == holders.get(id(n), 0), f"{n!r} has {holders.get(id(n), 0)}"
             assert (id(n) in self.tree.lru[n.level]) == (n.refcount == 0)
-            if n.need is None:
-                assert not self._wg
-                continue
-            need = needs.get(id(n), np.zeros(G, np.int64))
-            for g in self._wg:
-                assert n.need[g] == need[g], (n, g, n.need, need)
-                assert n.need[g] == 0 or n.slots[g] >= 0, (n, "a needed window page is gone")
-                unneeded = n.refcount > 0 and n.need[g] == 0 and n.slots[g] >= 0
-                assert (id(n) in self._wlru[g]) == (unneeded and n.level is D), (n, g)
-                assert not unneeded or n.level is D, (n, "an unneeded page moved off the device")
-        for g in range(G):
-            assert g in self._wg or not self._wlru[g]
-            for n in self._wlru[g].values():
-                assert n.alive and n.key in self.tree.nodes
+            assert (n.need is None) == (self._win is None), n
+        if self._win:
+            self._win.check_nodes(self.tree, needs)
         cached = np.zeros((len(CacheLevel), G), np.int64)
         for lv in CacheLevel:
             for n in self.tree.lru[lv].values():
@@ -1343,8 +1875,8 @@ class KVCacheManager:
         for n in self.tree.nodes.values():
             assert n.whole == bool((n.slots >= 0).all()), n
         pending = np.zeros(G, np.int64)
-        for _, slots in self._pending:
-            pending += np.count_nonzero(slots >= 0, axis=1)
+        for entry in self._pending:
+            pending += np.count_nonzero(entry[1] >= 0, axis=1)
         assert np.array_equal(pending, self._num_pending), (pending, self._num_pending)
         for lv in self._levels:
             used: list[list[np.ndarray]] = [[] for _ in range(G)]
@@ -1355,14 +1887,14 @@ class KVCacheManager:
             for s in self._seqs.values():
                 for g in range(G):
                     if lv is D and s.state is SequenceState.ACTIVE:
-                        t = self._table[g, s._row, len(s._nodes):self._npages[s._row]]
+                        t = self._row_pages(s._row, len(s._nodes), int(self._npages[s._row]))[g]
                         used[g].append(t[t != 0])
                     elif s._parked is not None and s._parked[0] is lv:
                         used[g].append(s._parked[1][g])
             if lv is D:
-                for _, slots in self._pending:
+                for entry in self._pending:
                     for g in range(G):
-                        used[g].append(slots[g])
+                        used[g].append(entry[1][g])
             pools = self._pool_of[lv]
             counts = self._page_counts(lv)
             expect_bytes = 0

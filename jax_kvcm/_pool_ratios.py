@@ -20,7 +20,7 @@ HOST/DISK by cold pool group) and sums their weights:
 
 ``slot_bytes[g]`` is the cold tier's physical slot stride of cold group ``g``: by default the
 largest ``cold_page_bytes`` of its members (equal to each member's cold page size when the
-members agree, which makes ``c_lg`` exactly the seed's "slot-count weight times the lifecycle's
+members agree, which makes ``c_lg`` exactly the design's "slot-count weight times the lifecycle's
 cold-page size").
 A tier that pads slots (e.g. to 4 KiB for direct I/O) passes its padded strides.
 

@@ -17,6 +17,13 @@ are the same for every group. In a sliding-window group, entries of pages wholly
 window of every query of the row are 0 (the manager released them); the attention ops never read
 keys outside the window, so those entries are never dereferenced for data.
 
+Widths: ``P`` above is the largest of the groups' widths ``KVCacheConfig.table_widths``. A full
+group's width is ``ceil(max_seq_len / tokens_per_page)`` and page ``j`` of a row is entry ``j``.
+With ``KVCacheConfig.ring_tables`` a sliding-window group's width ``R`` is a ring: the page of
+position ``p`` is entry ``(p // tokens_per_page) % R``; its table is
+``page_table[g, :, :table_widths[g]]`` (entries past ``R`` are 0), read by the ops with
+``ring_table=True``. A model of window groups only gets ``[B, R]``.
+
 NOTE: every field is a data field (no static metadata), so the pytree structure never changes and
 a jitted step compiles once per (B, T) bucket.
 """

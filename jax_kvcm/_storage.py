@@ -5,7 +5,7 @@ page_size, Hkv, D]``, slot 0 the null page), the cold pools (one :class:`HostPoo
 :class:`DiskPool` per cold pool group, holding codec-encoded pages of a fixed size), the cold-page
 codec, the :class:`MemoryGovernor` and, when a disk tier exists, the pinned :class:`StagingRing`.
 
-Every migration is one transaction (DESIGN.md §3):
+Every migration is one transaction (docs/ARCHITECTURE.md §3):
 
 1. reserve the destination bytes (and transient bytes) on the governor and allocate *all*
    destination slots before submitting anything;
@@ -41,16 +41,18 @@ import numpy as np
 
 from jax_kvcm._codec import (ColdPageCodec, HotPoolGroupDesc, PageIndexLocation,
                              create_default_cold_page_codec)
-from jax_kvcm._disk_tier import DiskPool
+from jax_kvcm._disk_tier import DiskIOError, DiskPool
 from jax_kvcm._governor import BudgetExceededError, Lease, MemoryGovernor
 from jax_kvcm._host_tier import HostPool, allocate_host_buffer
 from jax_kvcm._pool_ratios import split_cold_budget, weights_from_ratio
 from jax_kvcm._slots import SlotAllocator
 from jax_kvcm._staging_ring import ArrayFence, StagingRing, staging_ring_capacity
-from jax_kvcm._types import CacheLevel, LayerGroupLayout, PoolGroupIndex, check_count
+from jax_kvcm._types import (CacheLevel, LayerGroupLayout, PoolGroupIndex, PoolLayout,
+                             check_count, hot_page_bytes)
 
 __all__ = [
     "CorruptPageError",
+    "UnreadablePageError",
     "LayerGroupSpec",
     "StorageConfig",
     "StorageEvent",
@@ -72,6 +74,19 @@ class CorruptPageError(Exception):
         self.slots = slots
 
 
+class UnreadablePageError(CorruptPageError, DiskIOError):
+    """A disk read failed (EIO, a short read): its pages count as corrupt (a miss; ``slots``
+    are every source slot of the failed read) and it is also the :class:`DiskIOError` (errno
+    preserved). Nothing was changed."""
+
+    def __init__(self, layer_group: int, slots: np.ndarray, cause: OSError) -> None:
+        super().__init__(layer_group, slots)
+        self.errno = cause.errno
+        self.filename = cause.filename
+        self.strerror = (f"layer group {layer_group}: disk pages {slots.tolist()} unreadable "
+                         f"({cause.strerror or cause})")
+
+
 @dataclass(frozen=True, slots=True)
 class LayerGroupSpec:
     """KV layout of one layer group; its hot page is ``[num_layers] x {K, V} x [page_size,
@@ -85,8 +100,8 @@ class LayerGroupSpec:
 
     @property
     def hot_page_bytes(self) -> int:
-        return (2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+        return hot_page_bytes(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim,
+                              self.dtype)
 
     def same_hot_layout(self, other: LayerGroupSpec) -> bool:
         return (self.num_layers, self.page_size, self.num_kv_heads, self.head_dim,
@@ -108,7 +123,7 @@ class StorageConfig:
     - ``pool_ratio``: per layer group, its share of hot bytes, projected into the cold tiers
       through slot counts; default: the hot split implied by ``device_slots``.
     - ``host_bytes`` / ``disk_bytes``: cold tier budgets (0 = no such tier); ``disk_dir`` is
-      required with ``disk_bytes``.
+      required with ``disk_bytes`` (created when missing; a file there is an error).
     - ``disk_io_threads``: native threads one disk read/write may use (default ``min(8, hardware
       threads)``).
     """
@@ -211,8 +226,14 @@ class StorageManager:
         disk_bytes = check_count(config.disk_bytes, "config.disk_bytes", minimum=0)
         if disk_bytes and not config.disk_dir:
             raise ValueError("config.disk_dir is required when config.disk_bytes > 0")
-        if config.disk_dir and not os.path.isdir(config.disk_dir):
-            raise ValueError(f"config.disk_dir {config.disk_dir!r} is not a directory")
+        if config.disk_dir and disk_bytes:
+            if os.path.exists(config.disk_dir) and not os.path.isdir(config.disk_dir):
+                raise ValueError(f"config.disk_dir {config.disk_dir!r} is not a directory")
+            try:  # NOTE: created when missing (the disk tier is a cache; its file is unlinked)
+                os.makedirs(config.disk_dir, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"config.disk_dir {config.disk_dir!r} cannot be created: "
+                                 f"{e.strerror or e}") from e
 
         # 2. Hot storage (slot 0 of every group is the null page).
         self.device = device or jax.devices()[0]
@@ -291,6 +312,9 @@ class StorageManager:
             # to the HOST level while a disk migration uses them.
             limits[CacheLevel.HOST] = limits.get(CacheLevel.HOST, 0) + capacity
         self.governor = MemoryGovernor(limits)
+        self.layout = PoolLayout(tuple(layouts),
+                                 tuple(lv for lv in CacheLevel if self.has_level(lv)),
+                                 tuple(self.batching_id))
 
     def _build_cold_groups(self, groups: Sequence[Sequence[int]] | None) -> None:
         """The cold lifecycle -> pool-group mapping (``cold_group_of``, ``cold_slot_bytes``), then
@@ -355,8 +379,7 @@ class StorageManager:
                 or (level is CacheLevel.DISK and bool(self.disk_pools)))
 
     def page_bytes(self, level: CacheLevel, lg: int) -> int:
-        return (self.specs[lg].hot_page_bytes if CacheLevel(level) is CacheLevel.DEVICE
-                else self.cold_page_bytes[lg])
+        return self.layouts[lg].page_bytes(level)
 
     def allocator(self, level: CacheLevel, lg: int) -> SlotAllocator | HostPool | DiskPool:
         """The slot allocator of ``lg``'s pool group at ``level`` (``allocate``, ``free``,
@@ -383,6 +406,13 @@ class StorageManager:
                 out[level.name.lower()] = dict(limit=self.governor.limit(level), current=u.current,
                                                peak=u.peak)
         return out
+
+    def rebuild_pools(self) -> None:
+        """Replaces every hot pool by zeros of the same shape and dtype on :attr:`device` (after
+        a failed step consumed the pools: their content is gone; the caller forgets it)."""
+        self._check_open()
+        self.pools = [tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), self.device)
+                            for a in pair) for pair in self.pools]
 
     # -- allocation of hot pages -------------------------------------------------------------
 
@@ -530,10 +560,7 @@ class StorageManager:
             g = self.cold_group_of[lg]
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
             self._wait_fences(g, dst)
-            self._hook("disk_read")
-            ok = dpool.read(src, hpool.base_address, dst)
-            if not ok.all():
-                raise CorruptPageError(lg, src[~ok])
+            self._read(lg, dpool, src, hpool.base_address, dst)
         elif path == (D, D):
             self._copy_hot(lg, src, dst)
         elif path == (H, H):
@@ -544,10 +571,7 @@ class StorageManager:
         else:  # (K, K): through the staging ring
             pool = self.disk_pools[self.cold_group_of[lg]]
             with self._staging(lg, src.size, staged) as (address, _):
-                self._hook("disk_read")
-                ok = pool.read(src, address)
-                if not ok.all():
-                    raise CorruptPageError(lg, src[~ok])
+                self._read(lg, pool, src, address)
                 self._hook("disk_write")
                 pool.write(dst, address)
 
@@ -568,12 +592,21 @@ class StorageManager:
         pool = self.disk_pools[self.cold_group_of[lg]]
         scope = self._staging(lg, src.size, staged)
         with scope as (address, lease_box):
-            self._hook("disk_read")
-            ok = pool.read(src, address)
-            if not ok.all():
-                raise CorruptPageError(lg, src[~ok])
+            self._read(lg, pool, src, address)
             window_address, window_slots, num_cold = scope.codec_window()
             lease_box[0] = self._decode(lg, window_slots, dst, window_address, num_cold)
+
+    def _read(self, lg: int, pool: DiskPool, src: np.ndarray, address: int,
+              pages: np.ndarray | None = None) -> None:
+        """Reads disk slots ``src`` into host memory; CorruptPageError for pages that fail their
+        checksum, UnreadablePageError (all of ``src``) when the read itself fails."""
+        self._hook("disk_read")
+        try:
+            ok = pool.read(src, address, pages)
+        except DiskIOError as e:
+            raise UnreadablePageError(lg, src.copy(), e) from e
+        if not ok.all():
+            raise CorruptPageError(lg, src[~ok])
 
     # -- submission helpers ------------------------------------------------------------------
 
@@ -750,20 +783,33 @@ class StorageManager:
             raise RuntimeError("the storage manager is closed")
 
     def close(self) -> None:
-        """Waits for outstanding work, removes the disk files, frees host memory."""
+        """Waits for outstanding work, closes the disk files, frees host memory. Every tier is
+        released even when one fails to (e.g. a disk file's name cannot be removed); the first
+        such error is raised afterwards."""
         if self._closed:
             return
         self._closed = True
+        errors: list[BaseException] = []
         for p, d in self._pending_host_indices:
-            d.block_until_ready()
+            try:
+                d.block_until_ready()
+            except Exception as e:  # noqa: BLE001 - a failed step's output: nothing to wait for
+                errors.append(e)
             self._codec.unregister_host_index_pairs(p)
         self._pending_host_indices = []
         if self._ring is not None:
-            self._ring.drain()
-        for pool in self.disk_pools:
-            pool.close()
-        for pool in self.host_pools:
-            pool.close()
+            try:
+                self._ring.drain()
+            except Exception as e:  # noqa: BLE001 - as above
+                errors.append(e)
+        self._ring_buffer = None  # NOTE: the pinned staging memory goes with its last view
+        for pool in [*self.disk_pools, *self.host_pools]:
+            try:
+                pool.close()
+            except Exception as e:  # noqa: BLE001 - the others are still released
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def _all_allocated(allocator: Any, slots: np.ndarray) -> bool:

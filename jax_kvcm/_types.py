@@ -5,15 +5,16 @@ The ids are ``typing.NewType`` over ``int``: free at run time, distinct for the 
 
 NOTE: pool-group indices are per cache level. The DEVICE level groups layer groups by identical
 hot layout, the cold levels (HOST, DISK) by compatible encoded page size; the two mappings are
-independent, so never compare a DEVICE ``PoolGroupIndex`` with a HOST/DISK one (DESIGN.md §1).
+independent, so never compare a DEVICE ``PoolGroupIndex`` with a HOST/DISK one
+(docs/ARCHITECTURE.md §1).
 """
 
 from __future__ import annotations
 
 import enum
 import operator
-from dataclasses import dataclass
-from typing import NewType
+from dataclasses import dataclass, field
+from typing import Any, NewType
 
 import numpy as np
 
@@ -23,11 +24,13 @@ __all__ = [
     "LayerGroupLayout",
     "PageIndex",
     "PoolGroupIndex",
+    "PoolLayout",
     "SlotId",
+    "hot_page_bytes",
 ]
 
 LayerGroupId = NewType("LayerGroupId", int)
-"""Layers with the same KV layout and lifecycle (the seeds' LifeCycleId); dense from 0."""
+"""Layers with the same KV layout and lifecycle (TensorRT-LLM's LifeCycleId); dense from 0."""
 
 PoolGroupIndex = NewType("PoolGroupIndex", int)
 """A physical pool group at one cache level; dense from 0 within that level."""
@@ -69,6 +72,15 @@ def check_count(value: object, name: str, *, minimum: int) -> int:
     return result
 
 
+def hot_page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: Any) -> int:
+    """Bytes of one hot page of a layer group: one slot across all ``2 * num_layers`` pools (K
+    and V), ``2 * num_layers * page_size * num_kv_heads * head_dim * itemsize``. The one place
+    this formula lives (configs, storage and capacity planning all call it)."""
+    import numpy as _np  # NOTE: jnp dtypes (bfloat16, float8) are numpy-compatible dtypes
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * _np.dtype(dtype).itemsize
+
+
 @dataclass(frozen=True, slots=True)
 class LayerGroupLayout:
     """How one layer group is stored at every level, as the pool-ratio split needs it.
@@ -105,3 +117,46 @@ class LayerGroupLayout:
         if CacheLevel(level) is CacheLevel.DEVICE:
             return self.hot_page_bytes
         return self.cold_page_bytes
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where every layer group lives at every level that exists, computed once by the storage
+    manager and read by everything above it (the KV-cache manager, its group managers, stats).
+
+    - ``layer_groups``: one :class:`LayerGroupLayout` per layer group (id order): hot / cold pool
+      group and page bytes.
+    - ``levels``: the cache levels that exist (DEVICE first).
+    - ``batching_ids``: the codec's batching representative of each layer group (restricted to
+      its cold pool group).
+
+    :meth:`pool_of` and :meth:`page_bytes` return read-only ``[G]`` arrays (cached).
+    """
+
+    layer_groups: tuple[LayerGroupLayout, ...]
+    levels: tuple[CacheLevel, ...]
+    batching_ids: tuple[int, ...]
+    _pools: dict = field(default_factory=dict, repr=False, compare=False)
+    _bytes: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for lv in self.levels:
+            pools = np.asarray([lg.pool_group(lv) for lg in self.layer_groups], np.int64)
+            nbytes = np.asarray([lg.page_bytes(lv) for lg in self.layer_groups], np.int64)
+            pools.flags.writeable = nbytes.flags.writeable = False
+            self._pools[lv], self._bytes[lv] = pools, nbytes
+
+    @property
+    def num_layer_groups(self) -> int:
+        return len(self.layer_groups)
+
+    def pool_of(self, level: CacheLevel) -> np.ndarray:
+        """``[G]`` int64: the pool group of each layer group at ``level``."""
+        return self._pools[CacheLevel(level)]
+
+    def page_bytes(self, level: CacheLevel) -> np.ndarray:
+        """``[G]`` int64: bytes of one page of each layer group at ``level``."""
+        return self._bytes[CacheLevel(level)]
+
+    def num_pools(self, level: CacheLevel) -> int:
+        return int(self._pools[CacheLevel(level)].max()) + 1

@@ -50,6 +50,12 @@ class Staging:
         return self.pages[:n].copy()
 
 
+def live(f) -> str:
+    """A path to the bytes of an open DiskFile / DiskPool, whose name is already unlinked."""
+    assert f.fileno >= 0
+    return f"/proc/self/fd/{f.fileno}"
+
+
 def flip_byte(path: str, offset: int, mask: int = 0x01) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -109,16 +115,22 @@ def test_crc32c_paths_agree(seed):
 def test_create_preallocates_exclusively(tmp_path):
     path = str(tmp_path / "a.kvcm")
     f = _kvcm_cpu.DiskFile(path, 10, SLOT)
-    st = os.stat(path)
-    assert st.st_size == 10 * SLOT
+    assert not os.path.exists(path), "the name is unlinked right after the create"
+    assert not f.linked
+    st = os.fstat(f.fileno)
+    assert st.st_size == 10 * SLOT and st.st_nlink == 0
     assert st.st_mode & 0o777 == 0o600
     assert st.st_blocks * 512 >= 10 * SLOT, "posix_fallocate did not reserve the blocks"
     assert (f.path, f.num_slots, f.slot_bytes, f.closed) == (path, 10, SLOT, False)
+    with open(path, "wb") as other:  # somebody else's file under that name
+        other.write(b"theirs")
     with pytest.raises(FileExistsError) as e:
         _kvcm_cpu.DiskFile(path, 10, SLOT)
     assert e.value.errno == errno.EEXIST and e.value.filename == path
     assert os.path.exists(path), "a refused create must not remove the existing file"
     f.close()
+    with open(path, "rb") as other:
+        assert other.read() == b"theirs", "close removed a file it did not create"
 
 
 @pytest.mark.parametrize("args, what", [((0, SLOT), "num_slots"), ((4, 0), "slot_bytes"),
@@ -165,7 +177,7 @@ def test_round_trip_byte_exact(dfile, seed):
             assert np.array_equal(dst.pages[i], expected[int(s)]), f"slot {s} (seed={seed})"
     # The file holds exactly the bytes written.
     for s, want in expected.items():
-        assert np.array_equal(file_bytes(dfile.path, s), want), f"file slot {s} (seed={seed})"
+        assert np.array_equal(file_bytes(live(dfile), s), want), f"file slot {s} (seed={seed})"
 
 
 @pytest.mark.parametrize("slots", [[5], [3, 4, 5], [3, 4, 5, 9, 10, 0], [7, 6, 5],
@@ -255,12 +267,12 @@ def test_bit_flip_in_file_fails_exactly_that_page(dfile, seed):
     for offset in (0, SLOT // 2, SLOT - 1, int(rng.integers(0, SLOT))):
         pos = int(slots[victim]) * SLOT + offset
         mask = 1 << int(rng.integers(0, 8))
-        flip_byte(dfile.path, pos, mask)
+        flip_byte(live(dfile), pos, mask)
         ok = dfile.read(slots, dst.address)
         want = np.ones(5, bool)
         want[victim] = False
         assert np.array_equal(ok, want), f"flip at slot {slots[victim]}+{offset} seed={seed}"
-        flip_byte(dfile.path, pos, mask)  # restore
+        flip_byte(live(dfile), pos, mask)  # restore
         assert dfile.read(slots, dst.address).all(), f"restored page fails (seed={seed})"
 
 
@@ -310,7 +322,7 @@ def test_page_with_crc_zero_in_unwritten_slot_reads_false(dfile):
     """Bytes that got into a slot's file region without a write() (no entry) never pass, even when
     their CRC32C happens to be 0 (an empty entry is not the checksum 0)."""
     page = forge_crc_zero(np.random.default_rng(7).integers(0, 256, SLOT, dtype=np.uint8))
-    with open(dfile.path, "r+b") as f:
+    with open(live(dfile), "r+b") as f:
         f.seek(5 * SLOT)
         f.write(page.tobytes())
     dst = Staging(1)
@@ -364,7 +376,7 @@ def test_short_write_transfers_half_then_fails(dfile):
         dfile.write(i32(0, 1), src.address)
     assert e.value.errno == errno.EIO
     assert dfile.num_io_calls - before == 2, "a half transfer, then one that makes no progress"
-    on_disk = np.concatenate([file_bytes(dfile.path, 0), file_bytes(dfile.path, 1)])
+    on_disk = np.concatenate([file_bytes(live(dfile), 0), file_bytes(live(dfile), 1)])
     assert np.array_equal(on_disk[:SLOT], data[0]), "the first half was really written"
     assert not on_disk[SLOT:].any(), "nothing beyond the half was written"
 
@@ -458,12 +470,12 @@ def test_fault_counts_are_per_syscall_within_a_run(dfile):
 # Lifetime and the GIL.
 
 
-def test_close_removes_file_and_is_idempotent(tmp_path):
+def test_close_is_idempotent_and_leaves_no_file(tmp_path):
     path = str(tmp_path / "c.kvcm")
     f = _kvcm_cpu.DiskFile(path, 4, SLOT)
-    assert os.path.exists(path)
+    assert not os.path.exists(path) and f.fileno >= 0
     f.close()
-    assert not os.path.exists(path) and f.closed
+    assert not os.path.exists(path) and f.closed and f.fileno == -1
     f.close()
     src = Staging(1)
     for call in (lambda: f.write(i32(0), src.address), lambda: f.read(i32(0), src.address),
@@ -477,6 +489,23 @@ def test_destruction_removes_file(tmp_path):
     f = _kvcm_cpu.DiskFile(path, 4, SLOT)
     del f
     assert not os.path.exists(path)
+
+
+def test_killed_process_leaves_no_file(tmp_path):
+    """The file's name is gone as soon as it is created: a process killed with its pool open
+    leaves nothing (it used to leave the whole preallocation behind)."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from jax_kvcm._disk_tier import DiskPool
+        p = DiskPool({str(tmp_path)!r}, "killed", 256, 4096)
+        print(os.listdir({str(tmp_path)!r}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == -9, r.stderr
+    assert r.stdout.strip() == "[]"
+    assert os.listdir(tmp_path) == []
 
 
 def test_gil_released_during_io(tmp_path):
@@ -538,7 +567,8 @@ def test_gil_released_during_io(tmp_path):
 def test_pool_round_trip_and_errors(tmp_path):
     rng = np.random.default_rng(0)
     with DiskPool(tmp_path, "g0", 16, SLOT) as pool:
-        assert pool.path == str(tmp_path / "g0.kvcm") and os.path.exists(pool.path)
+        assert pool.path == str(tmp_path / "g0.kvcm") and not os.path.exists(pool.path)
+        assert os.fstat(pool.fileno).st_size == 16 * SLOT
         assert (pool.num_slots, pool.slot_bytes, pool.num_free) == (16, SLOT, 16)
         slots = pool.allocate(5)
         assert slots.dtype == np.int32 and list(slots) == [0, 1, 2, 3, 4]
@@ -602,10 +632,13 @@ def test_pool_directory_and_name_validation(tmp_path):
             DiskPool(tmp_path, bad, 4, SLOT)
     with pytest.raises(ValueError, match="num_slots"):
         DiskPool(tmp_path, "g", 0, SLOT)
-    with DiskPool(tmp_path, "g", 4, SLOT):
-        with pytest.raises(DiskIOError) as e:
-            DiskPool(tmp_path, "g", 4, SLOT)
-        assert e.value.errno == errno.EEXIST
+    (tmp_path / "g.kvcm").write_bytes(b"")  # not ours: refused, and left alone
+    with pytest.raises(DiskIOError) as e:
+        DiskPool(tmp_path, "g", 4, SLOT)
+    assert e.value.errno == errno.EEXIST
+    os.unlink(tmp_path / "g.kvcm")
+    with DiskPool(tmp_path, "g", 4, SLOT), DiskPool(tmp_path, "g", 4, SLOT):
+        pass  # the first one's name is already gone
     assert os.listdir(tmp_path) == ["afile"]
 
 
@@ -637,7 +670,7 @@ def test_real_enospc_on_a_tiny_filesystem(tmp_path):
         else:
             raise SystemExit("no DiskFullError")
         with DiskPool({str(mnt)!r}, "small", 16, 4096) as p:  # negative control: it fits
-            assert os.path.exists(p.path)
+            assert os.fstat(p.fileno).st_size == 16 * 4096
         print("OK")
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -747,13 +780,13 @@ def test_threads_match_one_thread_byte_for_byte(tmp_path, seed):
             for i, s in enumerate(order):
                 assert np.array_equal(dst[1].pages[dpages[i]], expected[int(s)]), (
                     f"slot {s} seed={seed} step={step}")
-        assert whole_file(files[1].path) == whole_file(files[THREADS].path), f"seed={seed}"
+        assert whole_file(live(files[1])) == whole_file(live(files[THREADS])), f"seed={seed}"
         # A flipped bit is a miss on both, for exactly that page.
         victim = int(rng.choice(sorted(expected)))
         offset = victim * SLOT + int(rng.integers(0, SLOT))
         order = np.array(sorted(expected), np.int32)
         for t, f in files.items():
-            flip_byte(f.path, offset)
+            flip_byte(live(f), offset)
             got = f.read(order, dst[t].address)
             assert np.array_equal(got, order != victim), f"threads={t} seed={seed}"
     finally:
@@ -805,7 +838,7 @@ def test_threads_injected_fault_matches_one_thread(tmp_path, kind, after):
             mask = f.read(FAULT_SLOTS, check.address)
             states[t] = dict(syscalls=np.array(syscalls), landed=landed, mask=mask,
                              pages=check.pages.copy(),
-                             file=np.frombuffer(whole_file(f.path), np.uint8))
+                             file=np.frombuffer(whole_file(live(f)), np.uint8))
         for name, value in states[1].items():
             assert np.array_equal(states[THREADS][name], value), f"{name} differs"
         # The one-thread state is the documented sequential one.

@@ -32,7 +32,7 @@ TPP = 4
 
 def tiny_config(*, device_pages=12, host_pages=0, disk_dir=None, disk_pages=0, groups=1,
                 prefix=True, max_batch=4, max_tokens=32, max_seq_len=64, windows=None,
-                same_layout=False) -> KVCacheConfig:
+                same_layout=False, tpp=TPP, **extra) -> KVCacheConfig:
     """``windows``: a sliding window (or None) per layer group; ``same_layout``: every group
     1 layer x 1 kv head (then their cold pages are equal and share one cold pool)."""
     windows = windows or (None,) * groups
@@ -42,12 +42,12 @@ def tiny_config(*, device_pages=12, host_pages=0, disk_dir=None, disk_pages=0, g
                                  dtype=jnp.float32, sliding_window=w)
                 for g, w in enumerate(windows))
     # Cold pages of the default codec are a little larger than hot ones: size by hot bytes + 25%.
-    hot = sum(2 * g.num_layers * TPP * g.num_kv_heads * g.head_dim * 4 for g in lgs)
-    return KVCacheConfig(tokens_per_page=TPP, layer_groups=lgs, device_pages=device_pages,
+    hot = sum(2 * g.num_layers * tpp * g.num_kv_heads * g.head_dim * 4 for g in lgs)
+    return KVCacheConfig(tokens_per_page=tpp, layer_groups=lgs, device_pages=device_pages,
                          host_bytes=int(host_pages * hot * 1.25), disk_dir=disk_dir,
                          disk_bytes=int(disk_pages * hot * 1.25), enable_prefix_reuse=prefix,
                          max_batch=max_batch, max_tokens_per_step=max_tokens,
-                         max_seq_len=max_seq_len)
+                         max_seq_len=max_seq_len, **extra)
 
 
 # -- the fake model --------------------------------------------------------------------------
@@ -136,6 +136,7 @@ class Harness:
 
     def check_values(self) -> int:
         mgr = self.mgr
+        tpp = mgr.config.tokens_per_page
         pools = [(np.asarray(k), np.asarray(v)) for k, v in mgr.storage.pools]
         checked = 0
         for seq in list(mgr._seqs.values()):
@@ -149,10 +150,10 @@ class Harness:
                 pos = np.arange(n)
                 pages = seq.page_ids(g)
                 if lg.sliding_window:  # pages outside every future query's window: released
-                    first = max(0, (n + 1 - lg.sliding_window) // TPP)
+                    first = max(0, (n + 1 - lg.sliding_window) // tpp)
                     assert (pages[:first] == 0).all() and (pages[first:] > 0).all(), pages
-                    pos = pos[first * TPP:]
-                slots = pages[pos // TPP] * TPP + pos % TPP
+                    pos = pos[first * tpp:]
+                slots = pages[pos // tpp] * tpp + pos % tpp
                 want = expected_values(prefix_hashes(toks)[pos], pos, lg.num_layers,
                                        lg.num_kv_heads, lg.head_dim)
                 k, v = pools[g]
@@ -189,7 +190,7 @@ class NotReadyFence:
 def flip_disk_bit(h: Harness, slot: int) -> None:
     """Corrupts one byte of disk slot ``slot`` (layer group 0's pool): its checksum fails."""
     pool = h.mgr.storage.disk_pools[0]
-    with open(pool.path, "r+b") as f:
+    with open(f"/proc/self/fd/{pool.fileno}", "r+b") as f:  # its name is unlinked
         f.seek(int(slot) * pool.slot_bytes + 5)
         b = f.read(1)
         f.seek(-1, 1)
@@ -200,6 +201,12 @@ def flip_disk_bit(h: Harness, slot: int) -> None:
 def diskdir():
     with tempfile.TemporaryDirectory() as d:
         yield d
+
+
+def stepped(pools):
+    """New arrays equal to ``pools``: what a step that wrote nothing the test checks returns
+    (complete_step refuses the very pools prepare_step handed out)."""
+    return [(k + 0, v + 0) for k, v in pools]
 
 
 def make(cfg, **kw) -> Harness:
@@ -260,10 +267,10 @@ def test_step_batch_is_a_pytree_with_no_static_fields():
     assert b.query_start.tolist() == [0, 6] and b.seq_lens.tolist() == [6]
     assert b.slot_mapping[6:].tolist() == [-1, -1] and b.positions[:6].tolist() == list(range(6))
     assert (b.page_table[0, 2:] == 0).all()
-    h.mgr.complete_step(h.mgr.storage.pools)
+    h.mgr.complete_step(stepped(h.mgr.storage.pools))
     b2 = h.mgr.prepare_step([(s, 1)])
     assert jax.tree_util.tree_structure(b2) == tree
-    h.mgr.complete_step(h.mgr.storage.pools)
+    h.mgr.complete_step(stepped(h.mgr.storage.pools))
 
 
 # -- steps and values ------------------------------------------------------------------------
@@ -457,7 +464,7 @@ def test_close_during_step_waits_for_that_step(diskdir):
     mgr = h.mgr
     a = h.add(list(range(8)))
     b = mgr.prepare_step([(a, 8)])
-    caches = mgr.storage.pools
+    caches = stepped(mgr.storage.pools)
     with pytest.raises(StepInFlightError):
         mgr.suspend(a)
     mgr.close(a)
@@ -754,7 +761,7 @@ def test_misuse_is_an_error():
     with pytest.raises(ValueError, match="contradict"):
         h.mgr.prepare_step([(a, np.array([1, 2, 4]))])
     with pytest.raises(RuntimeError):
-        h.mgr.complete_step(h.mgr.storage.pools)
+        h.mgr.complete_step(stepped(h.mgr.storage.pools))
     h.mgr.close(a)
     with pytest.raises(ValueError):
         h.mgr.close(a)
@@ -768,7 +775,7 @@ def test_misuse_is_an_error():
 
 def window_bound(w: int, n: int = 1) -> int:
     """Pages a sequence holds at most in a window-``w`` group during a step of ``n`` new
-    tokens (ceil(w / TPP) + 1 in the seed, for n = 1)."""
+    tokens (the design's ceil(w / TPP) + 1, for n = 1)."""
     return -(-(w + n - 2) // TPP) + 1
 
 
@@ -971,7 +978,7 @@ def test_window_close_during_step_with_row_reuse():
     h.run([(a, 12), (b, 12)])
     mgr = h.mgr
     mgr.prepare_step([(a, 4), (b, 4)])
-    caches = mgr.storage.pools
+    caches = stepped(mgr.storage.pools)
     row = a._row
     mgr.close(a)
     c = h.add(list(range(60, 63)))

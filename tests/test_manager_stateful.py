@@ -4,9 +4,18 @@ accounting per tier, refcounts == holders, no page in two places, governor ledge
 and every cached K/V value of every active sequence, read back through its page table.
 
 Tiny tiers so every path runs: device 12 pages, host ~4, disk ~6 (some machines without one tier).
-Layer groups: one or two full-attention groups, sliding-window groups (windows 1 to 11 tokens, 4
-tokens per page) alone or beside a full one, with distinct or shared cold pools.
+Layer groups: one or two full-attention groups, sliding-window groups (windows 1 to 17 tokens, 2,
+4 or 8 tokens per page) alone or beside a full one, with distinct or shared cold pools; window
+groups with absolute rows or rings (``ring_tables``, chunks of at most ``max_window_chunk``
+tokens per sequence), read back through the ring of every step's ``StepBatch``; batch
+compaction moves sequences between rows.
 ``KVCM_STATEFUL_EXAMPLES`` raises the number of examples (default 200, up to 50 steps each).
+
+Faults (seams from ``faults.py``): disk reads that fail (EIO) and disk writes that fail (ENOSPC),
+once, twice or for good; a step that raises before running (``abort_step``) or that consumes its
+donated pools and fails inside XLA (``abort_step`` then reports the lost sequences, which the
+machine forgets); an observer that raises on some event kind. The K/V content oracle and the
+invariants are checked after every rule all the same.
 """
 
 from __future__ import annotations
@@ -16,17 +25,26 @@ import shutil
 import tempfile
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
+from faults import FOREVER, failing_step, install_faulty_disks
 from jax_kvcm._manager import OutOfPagesError, SequenceState, SuspendResult
+from jax_kvcm._storage import CorruptPageError
 from test_manager import Harness, _state, make, tiny_config
+from test_window_ring import read_back
+
+pytestmark = pytest.mark.filterwarnings("ignore:KVCacheManager")  # raising observers, bad disks
 
 EXAMPLES = int(os.environ.get("KVCM_STATEFUL_EXAMPLES", "200"))
 COUNTS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, "recompute": 0,
-          "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0}
+          "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0,
+          "aborted": 0, "lost": 0, "observer_errors": 0, "disk_read_errors": 0,
+          "disk_write_errors": 0, "unreadable_resume": 0, "ring": 0, "compacted": 0,
+          "ring_checked": 0}
 PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
 
 
@@ -35,12 +53,17 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp()
         self.h: Harness | None = None
+        self.disks: list = []
+        self.observer = None
 
     @initialize(tiers=st.sampled_from(["none", "host", "disk", "host+disk"]),
                 groups=st.sampled_from(["1", "1", "2", "w", "1+w", "1+w shared", "w+w"]),
-                window=st.sampled_from([1, 3, 4, 6, 9]),
-                hash_kind=st.sampled_from(["sha", "const"]))
-    def setup(self, tiers, groups, window, hash_kind):
+                window=st.sampled_from([1, 3, 4, 6, 9, 13, 17]),
+                hash_kind=st.sampled_from(["sha", "const"]),
+                faults=st.sampled_from([(0, 0), (0, 0), (1, 1), (FOREVER, 0), (0, FOREVER)]),
+                tpp=st.sampled_from([4, 4, 2, 8]),
+                ring=st.booleans(), chunk=st.sampled_from([None, 1, 3, 6]))
+    def setup(self, tiers, groups, window, hash_kind, faults, tpp, ring, chunk):
         # "w": a sliding-window group; "shared": same layouts, so one cold pool for both.
         windows = {"1": (None,), "2": (None, None), "w": (window,), "1+w": (None, window),
                    "1+w shared": (None, window), "w+w": (window, window + 2)}[groups]
@@ -48,10 +71,13 @@ class ManagerMachine(RuleBasedStateMachine):
                           disk_dir=self.dir if "disk" in tiers else None,
                           disk_pages=6 if "disk" in tiers else 0, windows=windows,
                           same_layout="shared" in groups, max_batch=4, max_tokens=32,
-                          max_seq_len=48)
+                          max_seq_len=48, tpp=tpp, ring_tables=ring, max_window_chunk=chunk)
         COUNTS["windowed"] += "w" in groups
+        COUNTS["ring"] += ring and "w" in groups
         kw = {"_hash_fn": (lambda b: b"k")} if hash_kind == "const" else {}
         self.h = make(cfg, **kw)
+        self.disks = install_faulty_disks(self.h.mgr)
+        self.disk_faults(*faults)
         COUNTS["examples"] += 1
 
     def seqs(self, state):
@@ -66,11 +92,11 @@ class ManagerMachine(RuleBasedStateMachine):
         s = self.h.add(prefix + suffix, salt=salt)
         toks = self.h.tokens[s.seq_id]
         COUNTS["reused"] += s.num_reused_tokens > 0
-        assert s.num_reused_tokens % 4 == 0 and s.num_reused_tokens < len(toks)
+        tpp = self.h.mgr.config.tokens_per_page
+        assert s.num_reused_tokens % tpp == 0 and s.num_reused_tokens < len(toks)
 
-    @precondition(lambda self: self.h is not None)
-    @rule(data=st.data())
-    def step(self, data):
+    def pick_work(self, data):
+        """Up to 4 ACTIVE sequences and their new token counts (adds one when none is active)."""
         active = self.seqs(SequenceState.ACTIVE)
         if not active:
             if len(self.h.mgr._seqs) >= 8:
@@ -81,20 +107,31 @@ class ManagerMachine(RuleBasedStateMachine):
         chosen = data.draw(st.lists(st.sampled_from(active), min_size=1, max_size=4,
                                     unique_by=lambda s: s.seq_id))
         work, ids, total = [], [], 0
+        cfg = self.h.mgr.config
+        most = min(12, cfg.max_window_chunk) if any(
+            g.sliding_window for g in cfg.layer_groups) else 12
         for s in chosen:
             left = len(self.h.tokens[s.seq_id]) - s.num_tokens
-            n = data.draw(st.integers(1, max(1, min(left, 12)))) if left > 0 else 1
+            n = data.draw(st.integers(1, max(1, min(left, most)))) if left > 0 else 1
             if total + n > 32 or s.num_tokens + n > 48:
                 continue
             work.append((s, n))
             ids.append(data.draw(st.booleans()))
             total += n
+        return work, ids
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def step(self, data):
+        work, ids = self.pick_work(data) or ([], [])
         if not work:
             return
         before = {s.seq_id: (s.num_tokens, s.page_ids()) for s, _ in work}
         state = _state(self.h)
         try:
-            self.h.run(work, as_ids=ids)
+            batch, spans = self.h.prepare(work, as_ids=ids)
+            self.h.mgr.complete_step(self.h.write(batch, spans))
+            COUNTS["ring_checked"] += read_back(self.h, batch, spans)
             COUNTS["steps"] += 1
         except OutOfPagesError:
             COUNTS["oop"] += 1
@@ -105,7 +142,12 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
-    def step_again(self, data):  # steps twice as likely as other rules
+    def step_again(self, data):  # steps three times as likely as other rules
+        self.step(data)
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def step_thrice(self, data):  # NOTE: more rules (faults, compaction) dilute the steps
         self.step(data)
 
     @precondition(lambda self: self.h is not None)
@@ -117,12 +159,14 @@ class ManagerMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(active))
         n, pages = s.num_tokens, s.page_ids()
         state = _state(self.h)
+        write_errors = self.h.mgr.stats()["num_disk_write_errors"]
         res = self.h.mgr.suspend(s)
         COUNTS["suspended" if res is SuspendResult.SUSPENDED else "recompute"] += 1
-        if res is SuspendResult.MUST_RECOMPUTE:  # nothing changed, nothing evicted
+        if res is SuspendResult.MUST_RECOMPUTE:  # the sequence unchanged
             assert s.state is SequenceState.ACTIVE and s.num_tokens == n
             assert np.array_equal(s.page_ids(), pages)
-            assert _state(self.h) == state
+            if self.h.mgr.stats()["num_disk_write_errors"] == write_errors:
+                assert _state(self.h) == state  # a refusal: nothing evicted either
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -132,12 +176,46 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         s = data.draw(st.sampled_from(sus))
         state = _state(self.h)
-        if self.h.mgr.resume(s):
+        try:
+            ok = self.h.mgr.resume(s)
+        except CorruptPageError:  # an unreadable disk page: still suspended; close, recompute
+            assert s.state is SequenceState.SUSPENDED
+            self.h.check()
+            self.h.mgr.close(s)
+            COUNTS["unreadable_resume"] += 1
+            return
+        if ok:
             COUNTS["resumed"] += 1
         else:  # refused: nothing changed, nothing evicted
             assert s.state is SequenceState.SUSPENDED
             assert _state(self.h) == state
             COUNTS["refused_resume"] += 1
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def compact(self, data):
+        """Moves every sequence to a new row (a random arrangement of rows 0..n-1, or spread
+        over up to twice as many); their pages, rings and what later steps read must follow."""
+        mgr = self.h.mgr
+        seqs = list(mgr._seqs.values())
+        if not seqs:
+            return
+        rows = [s.row for s in seqs]
+        spread = data.draw(st.sampled_from([1, 2]))
+        targets = data.draw(st.permutations(range(len(seqs) * spread)))
+        old_to_new = np.full(max(rows) + 1, -1)
+        old_to_new[rows] = targets[:len(seqs)]
+        before = {s.seq_id: (s.num_tokens, [s.page_ids(g) for g in range(len(
+            mgr.config.layer_groups))]) for s in seqs if s.state is SequenceState.ACTIVE}
+        new_to_old = mgr.compact(old_to_new)
+        for s, r in zip(seqs, rows):
+            assert s.row == old_to_new[r] and new_to_old[s.row] == r
+        for s in seqs:
+            if s.seq_id in before:
+                n, pages = before[s.seq_id]
+                assert s.num_tokens == n
+                assert all(np.array_equal(s.page_ids(g), p) for g, p in enumerate(pages))
+        COUNTS["compacted"] += 1
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
@@ -147,6 +225,55 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         self.h.mgr.close(data.draw(st.sampled_from(seqs)))
 
+    @precondition(lambda self: self.h is not None and self.disks)
+    @rule(reads=st.sampled_from([0, 1, 2, FOREVER]), writes=st.sampled_from([0, 1, 2, FOREVER]))
+    def disk_faults(self, reads, writes):
+        """The next ``reads`` reads and ``writes`` writes of every disk pool fail."""
+        for d in self.disks:
+            d.fail_reads, d.fail_writes = reads, writes
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data(), consumed=st.sampled_from([False, False, True]))
+    def failed_step(self, data, consumed):
+        """A step that raises before running (abort_step restores everything), or that consumed
+        its donated pools and failed in XLA (abort_step loses every sequence with device
+        pages: they are closed and the caller recomputes them)."""
+        work, ids = self.pick_work(data) or ([], [])
+        if not work:
+            return
+        mgr = self.h.mgr
+        before = {s.seq_id: (s.num_tokens, s.page_ids()) for s, _ in work}
+        try:
+            self.h.prepare(work, ids)
+        except OutOfPagesError:
+            return
+        if consumed:
+            with pytest.raises(Exception):
+                failing_step(mgr.caches)
+        lost = mgr.abort_step()
+        COUNTS["aborted"] += 1
+        COUNTS["lost"] += len(lost)
+        if not consumed:
+            assert lost == []
+            for s, _ in work:
+                n, pages = before[s.seq_id]
+                assert s.num_tokens == n and np.array_equal(s.page_ids(), pages)
+        else:
+            assert all(s.state is SequenceState.CLOSED for s in lost)
+            assert not any(s.state is SequenceState.ACTIVE and s.num_pages
+                           for s in mgr._seqs.values())
+
+    @precondition(lambda self: self.h is not None and not self.observer)
+    @rule(kind=st.sampled_from(["removed", "stored", "migrated", "committed", "evicted",
+                                "dropped", "suspended"]))
+    def raising_observer(self, kind):
+        """An observer that raises on every event of ``kind`` (counted, never corrupting)."""
+        def observer(event):
+            if event.kind == kind:
+                raise RuntimeError(f"observer fails on {kind}")
+        self.observer = observer
+        self.h.mgr.add_observer(observer)
+
     @invariant()
     def consistent(self):
         COUNTS["rules"] += 1
@@ -154,12 +281,16 @@ class ManagerMachine(RuleBasedStateMachine):
             self.h.check()
 
     def teardown_counts(self):
-        COUNTS["window_released"] += self.h.mgr.stats()["num_window_released_pages"]
+        st = self.h.mgr.stats()
+        COUNTS["window_released"] += st["num_window_released_pages"]
+        COUNTS["observer_errors"] += st["num_observer_errors"]
+        COUNTS["disk_read_errors"] += st["num_disk_read_errors"]
+        COUNTS["disk_write_errors"] += st["num_disk_write_errors"]
 
     def teardown(self):
         if self.h is not None:
             self.teardown_counts()
-            self.h.mgr.storage.close()
+            self.h.mgr.shutdown()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -173,10 +304,10 @@ def test_machine_covered_every_path():
     """Runs after the machine (same module, file order): every rule did real work."""
     print(COUNTS)
     if COUNTS["examples"] == 0:
-        import pytest
         pytest.skip("the machine did not run in this session")
     for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused", "windowed",
-                "window_released"):
+                "window_released", "aborted", "lost", "observer_errors", "disk_read_errors",
+                "disk_write_errors", "ring", "compacted", "ring_checked"):
         assert COUNTS[key] > 0, COUNTS
     assert COUNTS["rules"] >= 20 * COUNTS["examples"], COUNTS
     assert COUNTS["steps"] >= 5 * COUNTS["examples"], COUNTS

@@ -70,7 +70,7 @@ def _safetensors_files(path: Path) -> list[Path]:
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
-        files = sorted({path / f for f in weight_map.values()})
+        files = sorted({_shard_path(path, index, name, f) for name, f in weight_map.items()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} lists shard(s) that do not exist: {missing}")
@@ -79,6 +79,22 @@ def _safetensors_files(path: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
     return files
+
+
+def _shard_path(path: Path, index: Path, tensor: str, shard: Any) -> Path:
+    """``path / shard`` for a ``weight_map`` entry, which must name a file directly inside the
+    model directory (no directories, no ``..``, not absolute, no symlink leading out of it): an
+    index must not make the loader read files elsewhere."""
+    if (not isinstance(shard, str) or not shard or shard in (".", "..") or "/" in shard
+            or "\\" in shard or "\0" in shard):
+        raise CheckpointError(f"{index}: weight_map[{tensor!r}] = {shard!r} is not a file name "
+                              "inside the model directory")
+    file = path / shard
+    root = path.resolve()
+    if file.exists() and file.resolve().parent != root:
+        raise CheckpointError(f"{index}: weight_map[{tensor!r}] = {shard!r} leads out of the "
+                              f"model directory (to {file.resolve()})")
+    return file
 
 
 def _read_raw(file: Path, name: str) -> np.ndarray:

@@ -13,14 +13,22 @@ committed prefix pages (a batch admitted at once cannot reuse pages none of it h
 The default device pool is small enough that the batch runs under pressure: cached pages move to
 the host tier and running sequences are suspended and resumed.
 
-``--json``: one JSON object per request (``request``, ``prompt_ids``, ``generated_ids``,
-``finish_reason``, ...), then one ``{"kv_report": {...}}``.
+Each generation is printed as soon as it completes (``--json``: one JSON object per request,
+``request``, ``prompt_ids``, ``generated_ids``, ``finish_reason``, ..., in completion order),
+then the KV report (``--json``: one ``{"kv_report": {...}}``). Every argument is checked before
+the checkpoint is loaded; a bad one ends the run with ``run.py: error: ...`` (exit status 2),
+never a traceback. Sizes take units: ``4GiB``, ``512MiB``, ``64K`` (binary), ``1GB`` (decimal).
+Needs the ``llama`` extra (``pip install ".[llama]"``: safetensors, tokenizers, tqdm).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
+import os
+import re
 import sys
 import tempfile
 import time
@@ -32,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-import loader  # noqa: E402  (examples/llama/loader.py)
+import loader  # noqa: E402  (examples/llama/loader.py; safetensors etc. are imported on use)
 import model as llama  # noqa: E402
 import serve  # noqa: E402
 
@@ -41,88 +49,179 @@ DEFAULT_CONFIG = llama.LlamaConfig(
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
     max_position_embeddings=1024, bos_token_id=1, eos_token_ids=(2,), dtype="float32")
 
-
-def default_prompts() -> list[list[int]]:
-    rng = np.random.default_rng(1234)
-    system = [1] + rng.integers(3, 512, 39).tolist()          # 40 shared tokens (5 pages of 8)
-    return [system + rng.integers(3, 512, n).tolist() for n in (6, 13, 2, 21, 9)]
+EXTRA = ("safetensors", "tokenizers", "tqdm")  # the package's "llama" extra
 
 
-def _ids(text: str) -> list[int]:
+def missing_extra() -> list[str]:
+    """The runner's dependencies (the ``llama`` extra) that are not installed."""
+    def missing(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):
+            return True
+    return [m for m in EXTRA if missing(m)]
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20,
+          "mib": 1 << 20, "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+          "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def size(text: str) -> int:
+    """A byte count: an integer with an optional unit (``B``; ``K``/``KiB``, ``M``/``MiB``,
+    ``G``/``GiB``, ``T``/``TiB`` binary; ``KB``, ``MB``, ``GB``, ``TB`` decimal)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 65536)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
+def count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+    parse.__name__ = "integer"
+    return parse
+
+
+def real(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+    return x
+
+
+def token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
-        raise SystemExit(f"--prompt-ids wants comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"wants comma-separated integers, got {text!r}") from None
     if not ids:
-        raise SystemExit("--prompt-ids got an empty list")
+        raise argparse.ArgumentTypeError("got an empty list")
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {min(ids)}")
     return ids
 
 
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", metavar="DIR",
+      help="HF checkpoint directory (default: a built-in random Llama written to a temporary "
+           "directory)")
+    a("--prompt", action="append", default=[], metavar="TEXT",
+      help="a text prompt (repeatable; needs tokenizer.json in --model; default: none)")
+    a("--prompt-ids", action="append", default=[], metavar="1,2,3", type=token_ids,
+      help="a prompt as token ids (repeatable; default: none, the built-in model's prompts "
+           "when no prompt is given)")
+    a("--max-new-tokens", type=count(1), default=24, metavar="N",
+      help="new tokens per request (default: %(default)s)")
+    a("--temperature", type=real, default=0.0, metavar="T",
+      help="0 is greedy (default: %(default)s)")
+    a("--top-p", type=real, default=1.0, metavar="P", help="in (0, 1] (default: %(default)s)")
+    a("--seed", type=count(0), default=0, metavar="N", help="sampling seed (default: %(default)s)")
+    a("--json", action="store_true",
+      help="one JSON object per request, then one with the KV report (default: text)")
+    a("--dtype", choices=["float32", "bfloat16", "float16"],
+      help="override the checkpoint dtype (default: the checkpoint's)")
+    a("--page-size", type=count(1), default=8, metavar="N",
+      help="tokens per page (default: %(default)s)")
+    a("--device-pages", type=count(1), default=None, metavar="N",
+      help="device pages (default: 20 for the built-in model, else 1024)")
+    a("--host-bytes", type=size, default=None, metavar="SIZE",
+      help="host tier size, e.g. 4GiB (default: 4MiB for the built-in model, else 0: none)")
+    a("--disk-dir", default=None, metavar="DIR",
+      help="disk tier directory, created if missing (default: no disk tier)")
+    a("--disk-bytes", type=size, default=None, metavar="SIZE",
+      help="disk tier size, e.g. 64GiB (default: 64MiB with --disk-dir)")
+    a("--cold-codec", choices=sorted(serve.CODECS), default="concat",
+      help="cold page codec (default: %(default)s)")
+    a("--max-batch", type=count(1), default=8, metavar="N",
+      help="most sequences per step (default: %(default)s)")
+    a("--max-tokens-per-step", type=count(1), default=64, metavar="N",
+      help="token budget of one step, chunked prefill; >= --max-batch (default: %(default)s)")
+    a("--max-seq-len", type=count(1), default=512, metavar="N",
+      help="prompt + new tokens per request (default: %(default)s)")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every check that needs no checkpoint, so a bad argument fails before the (slow) load."""
+    if args.temperature < 0:
+        p.error(f"argument --temperature: must be >= 0, got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
+    if args.max_tokens_per_step < args.max_batch:
+        p.error(f"argument --max-tokens-per-step: must be >= --max-batch ({args.max_batch}), "
+                f"got {args.max_tokens_per_step}")
+    if args.disk_bytes and not args.disk_dir:
+        p.error("argument --disk-bytes: needs --disk-dir")
+    if args.disk_dir is not None:
+        d = Path(args.disk_dir)
+        if d.exists() and not d.is_dir():
+            p.error(f"argument --disk-dir: {d} exists and is not a directory")
+        if args.disk_bytes == 0:
+            p.error("argument --disk-bytes: must be > 0 with --disk-dir")
+        if args.disk_bytes is None:
+            args.disk_bytes = 64 << 20
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"argument --disk-dir: cannot create {d}: {e.strerror or e}")
+        if not os.access(d, os.W_OK | os.X_OK):
+            p.error(f"argument --disk-dir: {d} is not writable")
+    else:
+        args.disk_bytes = 0
+    if args.model is None:
+        if args.prompt:
+            p.error("argument --prompt: the built-in model has no tokenizer: use --prompt-ids, "
+                    "or --model with a tokenizer.json")
+    else:
+        m = Path(args.model)
+        if not m.is_dir():
+            p.error(f"argument --model: {m} is not a directory")
+        if not (m / "config.json").is_file():
+            p.error(f"argument --model: {m} has no config.json (not a HF checkpoint)")
+        if not args.prompt and not args.prompt_ids:
+            p.error("argument --model: needs --prompt or --prompt-ids")
+        if args.prompt and not (m / "tokenizer.json").is_file():
+            p.error(f"argument --prompt: needs a tokenizer.json in the model directory ({m}); "
+                    "use --prompt-ids instead")
+    for ids in args.prompt_ids:
+        if len(ids) + args.max_new_tokens > args.max_seq_len:
+            p.error(f"argument --prompt-ids: {len(ids)} prompt + {args.max_new_tokens} new "
+                    f"tokens exceed --max-seq-len {args.max_seq_len}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="DIR",
-                   help="HF checkpoint directory (default: a built-in random Llama)")
-    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                   help="a text prompt (repeatable; needs tokenizer.json in --model)")
-    p.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
-                   help="a prompt as token ids (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per request, then one with the KV report")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="override the checkpoint dtype")
-    p.add_argument("--page-size", type=int, default=8, help="tokens per page")
-    p.add_argument("--device-pages", type=int, default=None,
-                   help="device pages (default 20 for the built-in model, else 1024)")
-    p.add_argument("--host-bytes", type=int, default=None,
-                   help="host tier bytes (default 4 MiB for the built-in model, else 0)")
-    p.add_argument("--disk-dir", default=None, help="disk tier directory")
-    p.add_argument("--disk-bytes", type=int, default=0)
-    p.add_argument("--cold-codec", choices=sorted(serve.CODECS), default="concat")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--max-tokens-per-step", type=int, default=64,
-                   help="token budget of one step (chunked prefill)")
-    p.add_argument("--max-seq-len", type=int, default=512)
-    return p.parse_args(argv)
+    p = make_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.disk_bytes and not args.disk_dir:
-        raise SystemExit("--disk-bytes needs --disk-dir")
-    if args.disk_dir and not args.disk_bytes:
-        args.disk_bytes = 64 << 20
-    tmp = None
-    t0 = time.perf_counter()
-    if args.model is None:
-        tmp = tempfile.TemporaryDirectory(prefix="kvcm-llama-")
-        path = loader.write_random_checkpoint(Path(tmp.name) / "random-llama", DEFAULT_CONFIG,
-                                              seed=0)
-    else:
-        path = Path(args.model)
-    try:
-        config, params, tokenizer = loader.load_checkpoint(path, dtype=args.dtype,
-                                                           progress=not args.json)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"cannot load {path}: {e}") from None
-    load_s = time.perf_counter() - t0
-
-    prompts: list[list[int]] = []
-    if args.prompt:
-        if tokenizer is None:
-            raise SystemExit(f"--prompt needs a tokenizer.json in the model directory ({path}); "
-                             "use --prompt-ids instead")
-        prompts += [tokenizer.encode(t).ids for t in args.prompt]
-    prompts += [_ids(t) for t in args.prompt_ids]
-    builtin = not prompts
-    if builtin:
-        if args.model is not None:
-            raise SystemExit("--model needs --prompt or --prompt-ids")
-        prompts = default_prompts()
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    missing = missing_extra()
+    if missing:
+        parser.error(f"the Llama runner needs {', '.join(missing)} (the package's 'llama' "
+                     "extra): pip install \"jax_kvcm[llama]\" (from the repository: "
+                     "pip install \".[llama]\")")
+    check_args(parser, args)
 
     default_model = args.model is None
     device_pages = args.device_pages or (20 if default_model else 1024)
@@ -134,42 +233,83 @@ def main(argv=None) -> int:
             disk_dir=args.disk_dir, disk_bytes=args.disk_bytes, cold_codec=args.cold_codec,
             max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
             max_seq_len=args.max_seq_len)
+    except ValueError as e:
+        parser.error(str(e))
+
+    tmp = None
+    t0 = time.perf_counter()
+    if default_model:
+        tmp = tempfile.TemporaryDirectory(prefix="kvcm-llama-")
+        path = loader.write_random_checkpoint(Path(tmp.name) / "random-llama",
+                                              DEFAULT_CONFIG, seed=0)
+    else:
+        path = Path(args.model)
+    try:
+        config, params, tokenizer = loader.load_checkpoint(path, dtype=args.dtype,
+                                                           progress=not args.json)
+    except (ValueError, OSError) as e:
+        parser.error(f"cannot load {path}: {e}")
+    load_s = time.perf_counter() - t0
+
+    prompts: list[list[int]] = []
+    if args.prompt:
+        prompts += [tokenizer.encode(t).ids for t in args.prompt]
+    prompts += args.prompt_ids
+    builtin = not prompts
+    if builtin:
+        prompts = default_prompts()
+
+    if not args.json:
+        print(f"model: {'built-in random Llama' if default_model else path} "
+              f"({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+              f"{config.vocab_size}, {config.dtype}); loaded in {load_s:.2f}s; "
+              f"{len(prompts)} requests", flush=True)
+
+    def emit(out) -> None:
+        if args.json:
+            d = {"request": out.request_id, **out.to_dict()}
+            if tokenizer is not None:
+                d["text"] = tokenizer.decode(out.generated_ids)
+            print(json.dumps(d), flush=True)
+            return
+        print(f"\n[request {out.request_id}] prompt ({len(out.prompt_ids)} tokens, "
+              f"{out.prefix_hit_tokens} from the prefix cache): {out.prompt_ids}")
+        print(f"  generated ({len(out.generated_ids)}, {out.finish_reason}): "
+              f"{out.generated_ids}")
+        if tokenizer is not None:
+            print(f"  text: {tokenizer.decode(out.generated_ids)!r}")
+        sys.stdout.flush()
+
+    try:
         server = serve.Server(params, config, cfg)
         requests = [serve.Request(p, args.max_new_tokens, temperature=args.temperature,
                                   top_p=args.top_p, seed=args.seed) for p in prompts]
         # Built-in prompts: the first alone, then the rest (they reuse its prefix pages).
         waves = [requests[:1], requests[1:]] if builtin else [requests]
-        outputs = []
         for wave in waves:
-            outputs += server.generate(wave)
+            for r in wave:
+                server.submit(r)
+            while server.has_work():  # each generation is printed as soon as it completes
+                for out in sorted(server.step(), key=lambda o: o.request_id):
+                    emit(out)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        parser.error(str(e))
     report = server.report()
     report["load_seconds"] = load_s
     report["model"] = "built-in random Llama" if default_model else str(path)
-
     if args.json:
-        for out in outputs:
-            d = {"request": out.request_id, **out.to_dict()}
-            if tokenizer is not None:
-                d["text"] = tokenizer.decode(out.generated_ids)
-            print(json.dumps(d))
         print(json.dumps({"kv_report": report}))
     else:
-        print(f"model: {report['model']} ({config.num_hidden_layers} layers, hidden "
-              f"{config.hidden_size}, vocab {config.vocab_size}, {config.dtype}); loaded in "
-              f"{load_s:.2f}s")
-        for out in outputs:
-            print(f"\n[request {out.request_id}] prompt ({len(out.prompt_ids)} tokens, "
-                  f"{out.prefix_hit_tokens} from the prefix cache): {out.prompt_ids}")
-            print(f"  generated ({len(out.generated_ids)}, {out.finish_reason}): "
-                  f"{out.generated_ids}")
-            if tokenizer is not None:
-                print(f"  text: {tokenizer.decode(out.generated_ids)!r}")
         print("\n" + format_report(report))
     if tmp is not None:
         tmp.cleanup()
     return 0
+
+
+def default_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1234)
+    system = [1] + rng.integers(3, 512, 39).tolist()          # 40 shared tokens (5 pages of 8)
+    return [system + rng.integers(3, 512, n).tolist() for n in (6, 13, 2, 21, 9)]
 
 
 def format_report(r: dict) -> str:

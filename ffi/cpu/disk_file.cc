@@ -1,9 +1,12 @@
 // Disk tier: one preallocated, slot-addressed file per cold pool group, with a checksum per page.
 //
 // DiskFile(path, num_slots, slot_bytes, io_threads=0) creates ``path`` exclusively (O_CREAT |
-// O_EXCL, mode 0600) and preallocates num_slots * slot_bytes bytes with posix_fallocate, so a full
-// disk is reported at construction rather than in the middle of a migration. Slot s lives at byte
-// offset s * slot_bytes. The file is closed and unlinked by close() and on destruction.
+// O_EXCL, mode 0600), unlinks it at once (the descriptor keeps the file: it lives as long as this
+// object, and a killed process leaves nothing behind) and preallocates num_slots * slot_bytes bytes
+// with posix_fallocate, so a full disk is reported at construction rather than in the middle of a
+// migration. Slot s lives at byte offset s * slot_bytes. close() and destruction close the
+// descriptor; only when the early unlink failed do they unlink ``path`` (the file this object
+// created: a file another process created there later is never removed).
 //
 // I/O. write(slots, src_address, src_pages=None) / read(slots, dst_address, dst_pages=None) move
 // page i between file offset slots[i] * slot_bytes and host address base + pages[i] * slot_bytes
@@ -376,13 +379,17 @@ class DiskFile {
         err = errno;
         step = "creating the file";
       } else {
+        // NOTE: we created it (O_EXCL), so removing its name is ours to do; the descriptor
+        // keeps the file. Should the unlink fail, close() retries it.
+        linked_ = ::unlink(path_.c_str()) != 0;
         do {
           err = posix_fallocate(fd_, 0, static_cast<off_t>(num_slots * slot_bytes));
         } while (err == EINTR);
         if (err != 0) {
           step = "preallocating the file";
           ::close(fd_);
-          ::unlink(path_.c_str());  // NOTE: we created it (O_EXCL), so removing it is ours to do
+          if (linked_) ::unlink(path_.c_str());
+          linked_ = false;
           fd_ = -1;
         }
       }
@@ -403,6 +410,8 @@ class DiskFile {
   int64_t num_slots() const { return num_slots_; }
   int64_t slot_bytes() const { return slot_bytes_; }
   bool closed() const { return closed_.load(); }
+  int fileno() const { return closed_.load() ? -1 : fd_; }
+  bool linked() const { return linked_; }
   uint64_t num_io_calls() const { return num_io_calls_.load(); }
 
   int64_t io_threads() const { return io_threads_.load(); }
@@ -750,13 +759,16 @@ class DiskFile {
     return 0;
   }
 
-  // Closes and unlinks once; returns the unlink errno (0 when removed or already closed).
+  // Closes once (and unlinks the name when the early unlink failed); returns the unlink errno
+  // (0 when there was nothing to unlink, it was removed, or already closed).
   int CloseImpl() {
     std::unique_lock<std::shared_mutex> lock(io_mutex_);
     if (closed_) return 0;
     closed_ = true;
     ::close(fd_);
     fd_ = -1;
+    if (!linked_) return 0;
+    linked_ = false;
     return ::unlink(path_.c_str()) == 0 ? 0 : errno;
   }
 
@@ -764,6 +776,7 @@ class DiskFile {
 
   std::string path_;
   int fd_ = -1;
+  bool linked_ = false;  // the name is still in the directory (the early unlink failed)
   int64_t num_slots_ = 0;
   int64_t slot_bytes_ = 0;
   std::unique_ptr<std::atomic<uint64_t>[]> table_;  // 0: no entry; else (1 << 32) | crc32c
@@ -782,18 +795,24 @@ class DiskFile {
 
 void BindDiskFile(nb::module_& m) {
   nb::class_<DiskFile>(m, "DiskFile",
-                       "A preallocated, slot-addressed file with a CRC32C per page, removed on "
-                       "close (the disk tier of one cold pool group).")
+                       "A preallocated, slot-addressed file with a CRC32C per page, unlinked right "
+                       "after it is created (the disk tier of one cold pool group).")
       .def(nb::init<std::string, int64_t, int64_t, int64_t>(), nb::arg("path"),
            nb::arg("num_slots"), nb::arg("slot_bytes"), nb::arg("io_threads") = 0,
-           "Creates ``path`` exclusively (mode 0600) and preallocates num_slots * slot_bytes "
-           "bytes. OSError (errno preserved, e.g. ENOSPC, EEXIST) on failure; the half-created "
-           "file is removed. ``io_threads``: threads per write/read call (0: min(8, hardware "
+           "Creates ``path`` exclusively (mode 0600), unlinks it (the descriptor keeps it) "
+           "and preallocates num_slots * slot_bytes bytes. OSError (errno preserved, e.g. "
+           "ENOSPC, EEXIST) on failure; a half-created file is removed. ``io_threads``: threads per write/read call (0: min(8, hardware "
            "threads)).")
       .def_prop_ro("path", &DiskFile::path)
       .def_prop_ro("num_slots", &DiskFile::num_slots)
       .def_prop_ro("slot_bytes", &DiskFile::slot_bytes)
       .def_prop_ro("closed", &DiskFile::closed)
+      .def_prop_ro("fileno", &DiskFile::fileno,
+                   "The file descriptor (-1 once closed); the file's name is unlinked right "
+                   "after creation, so this is the way to the bytes (tests corrupt them).")
+      .def_prop_ro("linked", &DiskFile::linked,
+                   "Whether the name is still in the directory (the unlink after creation "
+                   "failed; close() retries it).")
       .def_prop_ro("num_io_calls", &DiskFile::num_io_calls,
                    "pread/pwrite syscalls issued so far (one per piece: a run of slots adjacent on "
                    "disk and in host memory, cut every 4 MiB, unless the kernel transferred "
@@ -821,7 +840,9 @@ void BindDiskFile(nb::module_& m) {
            "holds no recorded page. OSError on I/O errors and short reads (EIO).")
       .def("invalidate", &DiskFile::Invalidate, nb::arg("slots"),
            "Drops the checksum entries of ``slots``: reads of them return False until rewritten.")
-      .def("close", &DiskFile::Close, "Closes and removes the file; idempotent.")
+      .def("close", &DiskFile::Close,
+           "Closes the file (its space is freed; its name was unlinked at creation); "
+           "idempotent. OSError when the retried unlink of a name still linked fails.")
       .def("_inject_fault", &DiskFile::InjectFault, nb::arg("kind"), nb::arg("after_ios") = 0,
            "Test hook: a one-shot fault on the (after_ios + 1)-th following I/O syscall of the "
            "matching direction: 'enospc', 'short_write' (writes), 'short_read', 'eio_read' "

@@ -1,0 +1,77 @@
+"""Test seams for fault injection, kept out of the production classes.
+
+- :class:`FaultyDisk` wraps a :class:`~jax_kvcm._disk_tier.DiskPool` in place of the storage
+  manager's (``install_faulty_disks``): its reads fail with ``EIO`` and its writes with ``ENOSPC``
+  while the test says so (a number of calls, or for good), its close may fail like an unlink
+  that is refused; else it delegates.
+- :func:`failing_step` is a user's step that donates the pools and fails inside XLA (an
+  out-of-range ``write_kv`` slot refused by the CPU handler): the pools come back deleted.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import jax_kvcm
+from jax_kvcm._disk_tier import DiskFullError, DiskIOError
+
+FOREVER = -1
+
+
+class FaultyDisk:
+    """A disk pool whose next ``fail_reads`` reads / ``fail_writes`` writes fail (``FOREVER``:
+    every one); counts the failures it injected."""
+
+    def __init__(self, pool) -> None:
+        self.__dict__.update(_pool=pool, fail_reads=0, fail_writes=0, num_failed_reads=0,
+                             num_failed_writes=0, fail_close=False)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_pool"], name)
+
+    def read(self, slots, dst_address, dst_pages=None):
+        if self.fail_reads:
+            self.fail_reads -= self.fail_reads > 0
+            self.num_failed_reads += 1
+            raise DiskIOError(errno.EIO, "injected read error", self._pool.path)
+        return self._pool.read(slots, dst_address, dst_pages)
+
+    def close(self):
+        """Closes the pool; with ``fail_close`` then raises as a failed unlink of its name
+        would."""
+        self._pool.close()
+        if self.fail_close:
+            raise DiskIOError(errno.EACCES, "injected: cannot unlink", self._pool.path)
+
+    def write(self, slots, src_address, src_pages=None):
+        if self.fail_writes:
+            self.fail_writes -= self.fail_writes > 0
+            self.num_failed_writes += 1
+            raise DiskFullError(errno.ENOSPC, "injected: no space left on device",
+                                self._pool.path)
+        return self._pool.write(slots, src_address, src_pages)
+
+
+def install_faulty_disks(mgr) -> list[FaultyDisk]:
+    """Wraps every disk pool of ``mgr``'s storage manager (idempotent); returns the wrappers."""
+    st = mgr.storage
+    st.disk_pools = [p if isinstance(p, FaultyDisk) else FaultyDisk(p) for p in st.disk_pools]
+    return st.disk_pools
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _bad_write(pools, slots):
+    out = []
+    for k, v in pools:
+        z = jnp.zeros((1,) + k.shape[3:], k.dtype)
+        out.append(jax_kvcm.write_kv(k, v, z, z, slots, layer=0))
+    return out
+
+
+def failing_step(pools):
+    """Donates ``pools`` to a step that fails at run time; raises (the pools are deleted)."""
+    return _bad_write(list(pools), jnp.array([1 << 30], jnp.int32))

@@ -1,0 +1,31 @@
+"""Every ```python block of the README runs as written (each in a fresh namespace, in a fresh
+temporary working directory), on the CPU, in seconds."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_python_blocks():
+    assert len(BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_block_runs(index, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = compile(BLOCKS[index], f"README.md python block {index}", "exec")
+    namespace: dict = {"__name__": f"readme_block_{index}"}
+    exec(code, namespace)  # noqa: S102 - the README's own code
+    manager = namespace.get("manager")
+    if manager is not None:  # the manager block ends with a reused prefix
+        assert namespace["again"].num_reused_tokens == 32
+        manager.check_invariants()
+        manager.storage.close()
+    assert os.getcwd() == str(tmp_path)
