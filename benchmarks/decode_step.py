@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -38,6 +39,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _dense_llama as dense  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 from serve import LLAMA_31_8B, TINY  # noqa: E402
+
+
+def weight_copy_ops(hlo_text: str, params) -> list[str]:
+    """The instructions of an optimized HLO module (``jitted.lower(...).compile().as_text()``)
+    that produce a buffer shaped like one layer's weight matrix (``[in, out]``, or ``[1, in,
+    out]``): a slice, dynamic-slice, copy, transpose or fusion that materializes weights. A step
+    that feeds each GEMM its weight buffer as it is has none; the stacked-layer scan has one
+    dynamic-slice (or copy fusion) per weight per layer. ``params``: the per-layer params tree
+    (its 2-D layer weights give the shapes to look for)."""
+    shapes = {tuple(int(d) for d in w.shape) for lp in params["layers"] for w in lp.values()
+              if len(w.shape) == 2}
+    found = []
+    pattern = (r"^\s*(?:ROOT )?%?[\w.-]+ = \w+\[([\d,]*)\]\S* "
+               r"(copy|dynamic-slice|slice|transpose|fusion)\(")
+    for line in hlo_text.splitlines():
+        m = re.match(pattern, line)
+        if m is None:
+            continue
+        dims = tuple(int(d) for d in m.group(1).split(",") if d)
+        while len(dims) > 2 and dims[0] == 1:
+            dims = dims[1:]
+        if dims in shapes:
+            found.append(line.strip())
+    return found
 
 
 def _time(fn, repeats: int) -> float:
@@ -59,8 +84,9 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="tiny float32 model (CPU smoke run)")
-    ap.add_argument("--unroll", action="store_true", help="also time the paged step with the "
-                    "layer scan fully unrolled (examples/llama/model.LAYER_SCAN_UNROLL = True)")
+    ap.add_argument("--scan", action="store_true", help="also time the paged step over stacked "
+                    "weights under lax.scan (model.stack_layers: the layout before per-layer "
+                    "buffers, which copies every layer's weights each step)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     config = TINY if args.tiny else LLAMA_31_8B
@@ -101,15 +127,19 @@ def main() -> int:
         t = _time(paged_step, args.repeats)
         rows.append({"path": "paged", "batch": B, "ms": t * 1e3, "kv_gib": kv_bytes / 2**30,
                      "tbps": (weight_bytes + kv_bytes) / t / 1e12})
-        if args.unroll:
-            llama.LAYER_SCAN_UNROLL = True
-            jax.clear_caches()
-            t = _time(paged_step, args.repeats)
-            rows.append({"path": "paged, layers unrolled", "batch": B, "ms": t * 1e3,
+        if args.scan:
+            stacked = llama.stack_layers(params)
+
+            def scan_step():
+                logits, state["k"], state["v"] = llama.decode_step(
+                    stacked, state["k"], state["v"], *args_paged, config=c)
+                logits.block_until_ready()
+
+            t = _time(scan_step, args.repeats)
+            rows.append({"path": "paged, stacked layers (scan)", "batch": B, "ms": t * 1e3,
                          "kv_gib": kv_bytes / 2**30,
                          "tbps": (weight_bytes + kv_bytes) / t / 1e12})
-            llama.LAYER_SCAN_UNROLL = 1
-            jax.clear_caches()
+            del stacked
         del state["k"], state["v"]
         dk, dv = dense.make_dense_caches(c, B, ctx + 128)
         dstate = {"k": dk, "v": dv}

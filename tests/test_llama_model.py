@@ -245,7 +245,7 @@ def test_sliding_window_matches_hf_and_is_exercised():
 def test_bfloat16_close_to_transformers(case):
     config16, params16, _ = llama_loader.load_checkpoint(case["path"], dtype="bfloat16",
                                                          progress=False)
-    assert params16["layers"]["wq"].dtype == jnp.bfloat16
+    assert params16["layers"][0]["wqkv"].dtype == jnp.bfloat16
     prompt = _prompt(np.random.default_rng(5), 20)
     got = _prefill_logits(config16, params16, prompt)
     want = _hf_logits(case["hf"], prompt)
@@ -344,3 +344,32 @@ def test_loader_errors(tmp_path):
     (d / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="yarn"):
         llama_loader.load_checkpoint(d, progress=False)
+
+
+def test_decode_step_copies_no_weights():
+    """The compiled decode step (CPU) has no instruction that materializes a layer's weight
+    matrix: each GEMM reads its per-layer buffer as it is. The same step over stacked weights
+    (``stack_layers``, ``lax.scan``) does slice them out every step, which shows the probe sees
+    the copies it is meant to catch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_step import weight_copy_ops
+    config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8)
+    params = llama.init_params(config)
+    kc, vc = llama.make_caches(config, 9, 4)
+    B = 4
+    args = (jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), jnp.full(B, -1, jnp.int32),
+            jnp.zeros((B, 2), jnp.int32), jnp.zeros(B, jnp.int32))
+    T = 8
+    fargs = (jnp.zeros(T, jnp.int32), jnp.zeros(T, jnp.int32), jnp.full(T, -1, jnp.int32),
+             jnp.zeros((B, 2), jnp.int32), jnp.zeros(B, jnp.int32),
+             jnp.zeros(B + 1, jnp.int32))
+
+    def hlo(step, p, a):
+        return step.lower(p, kc, vc, *a, config=config).compile().as_text()
+
+    for step, a in ((llama.decode_step, args), (llama.forward_step, fargs)):
+        assert weight_copy_ops(hlo(step, params, a), params) == []
+        stacked = weight_copy_ops(hlo(step, llama.stack_layers(params), a), params)
+        assert len(stacked) >= 4, stacked   # wqkv, wo, w_gate_up, w_down sliced per layer

@@ -139,37 +139,9 @@ class _Req:
         return self.tokens[len(self.prompt):]
 
 
-# ---------------------------------------------------------------------------------------------
-# Sampling.
-
-
-def _sample_row(logits, temperature, top_p, seed, stream, counter):
-    greedy = jnp.argmax(logits).astype(jnp.int32)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), stream), counter)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)
-    sorted_logits = scaled[order]
-    probs = jax.nn.softmax(sorted_logits)
-    before = jnp.cumsum(probs) - probs           # mass strictly before each token
-    keep_sorted = before < top_p                 # always keeps the most likely token
-    keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
-    masked = jnp.where(keep, scaled, -jnp.inf)
-    sampled = jax.random.categorical(key, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
-
-
-@jax.jit
-def sample_tokens(logits, temperature, top_p, seed, stream, counter):
-    """Next tokens ``[B]`` int32 from ``logits [B, V]``; per row temperature (0: argmax), top-p,
-    seed, stream and counter (the key is ``fold_in(fold_in(PRNGKey(seed), stream), counter)``)."""
-    return jax.vmap(_sample_row)(logits, temperature, top_p, seed, stream, counter)
-
-
-@jax.jit
-def greedy_tokens(logits):
-    """``argmax`` per row: :func:`sample_tokens` when every temperature is 0, without its sort
-    over the vocabulary (a full-vocabulary argsort per row costs milliseconds at batch 256)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+# Sampling on the device (examples/llama/model.py), re-exported here.
+sample_tokens = llama.sample_tokens
+greedy_tokens = llama.greedy_tokens
 
 
 # ---------------------------------------------------------------------------------------------
