@@ -256,6 +256,13 @@ class Sequence:
     def num_pages(self) -> int:
         return int(self._mgr._npages[self._row]) if self.state is not SequenceState.CLOSED else 0
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the manager knows (the prompt, ids given to ``prepare_step`` or
+        :meth:`KVCacheManager.record_token_ids`); may be below ``num_tokens`` when steps were
+        given counts, or above it while a prompt is being prefilled."""
+        return int(self._mgr._known[self._row]) if self.state is not SequenceState.CLOSED else 0
+
     def page_ids(self, layer_group: int = 0) -> np.ndarray:
         """Device slots of this sequence's pages (a copy; ACTIVE sequences only). In a
         sliding-window layer group, pages no future query of the sequence can see are released
@@ -1041,6 +1048,37 @@ class KVCacheManager:
             if self._wg:
                 self._advance_windows(seqs, rows)
             self._closed_in_step = False
+
+    def record_token_ids(self, seq: Sequence, token_ids: Any) -> None:
+        """Appends ids the caller learned late: ``token_ids`` (1-D ints) are the ids of positions
+        ``seq.num_known_tokens`` onward (at most ``max_seq_len`` in all).
+
+        For a loop that feeds sampled tokens to the next step on the device and passes
+        ``prepare_step`` a count for them, then reads them one step later: recording them lets
+        full pages of generated text be committed to the prefix tree (now, for pages already
+        written or being written by a dispatched step) exactly as if the ids had been given to
+        ``prepare_step``. Ids beyond ``num_tokens`` are checked against the ids ``prepare_step``
+        gets for those positions later. Raises :class:`StepInFlightError` between
+        ``prepare_step`` and ``complete_step``; ``ValueError`` for bad ids (nothing changes)."""
+        with self._lock:
+            self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
+            if self._in_step is not None:
+                raise StepInFlightError("record_token_ids: a step is in flight: call "
+                                        "complete_step first")
+            arr = token_ids if type(token_ids) is np.ndarray else np.asarray(token_ids)
+            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+                raise ValueError("token_ids must be a 1-D array of integer ids")
+            r = seq._row
+            k, n = int(self._known[r]), int(arr.size)
+            if k + n > self.config.max_seq_len:
+                raise ValueError(f"token_ids: {k} known + {n} ids exceed max_seq_len "
+                                 f"{self.config.max_seq_len}")
+            if n == 0:
+                return
+            self._tokens[r, k:k + n] = arr
+            self._known[r] = k + n
+            if self.config.enable_prefix_reuse and seq.state is SequenceState.ACTIVE:
+                self._commit([seq], np.array([r], np.int64))
 
     def _commit(self, seqs: list[Sequence], rows: np.ndarray) -> None:
         tpp, tree, hash_fn = self._tpp, self.tree, self.tree.hash_fn
