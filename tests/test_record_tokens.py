@@ -22,9 +22,14 @@ def _manager(window=None) -> KVCacheManager:
                                         max_seq_len=40))
 
 
+def _step_output(mgr):
+    """Stands in for a step's output pools (new arrays with the pools' contents)."""
+    return [(k + 0, v + 0) for k, v in mgr.caches]
+
+
 def _run(mgr, seq, n):
     batch = mgr.prepare_step([(seq, n)])
-    mgr.complete_step(mgr.caches)
+    mgr.complete_step(_step_output(mgr))
     return batch
 
 
@@ -76,7 +81,7 @@ def test_misuse_is_raised_and_changes_nothing():
     mgr.prepare_step([(seq, 5)])
     with pytest.raises(StepInFlightError):
         mgr.record_token_ids(seq, [1])
-    mgr.complete_step(mgr.caches)
+    mgr.complete_step(_step_output(mgr))
     with pytest.raises(ValueError, match="1-D"):
         mgr.record_token_ids(seq, [[1]])
     with pytest.raises(ValueError, match="1-D"):
