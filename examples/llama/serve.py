@@ -31,10 +31,11 @@
   usually brings most of it back). Suspended sequences are resumed, oldest first and before any
   new admission, when the device has room for them; one whose parked pages fail their checksum
   (:class:`CorruptPageError`) is closed and recomputed the same way.
-- **Sampling** (on the device): greedy (temperature 0) or temperature + top-p, with a per-request key
-  ``fold_in(fold_in(PRNGKey(seed), request_id), i)`` for the ``i``-th generated token (request
-  ids count submissions from 0): a request's samples do not depend on what it was batched with or
-  whether it was preempted, and two requests with one seed still draw independent noise.
+- **Sampling** (on the device): greedy (temperature 0) or temperature + top-p, with a
+  per-request key ``fold_in(fold_in(PRNGKey(seed), request_id), i)`` for the ``i``-th generated
+  token (request ids count submissions from 0): a request's samples do not depend on what it was
+  batched with or whether it was preempted, and two requests with one seed still draw
+  independent noise.
 - **Finish** on an EOS id or ``max_new_tokens``; the sequence is closed, its full pages stay in
   the prefix cache.
 - **Faults**: a step that raises (out of memory, a kernel error) is undone in the manager
@@ -288,7 +289,10 @@ class Server:
         self.counters = collections.Counter()
         self._busy_s = 0.0
         self._steady_s = 0.0               # time in steps that compiled nothing
-        self._prev_tokens = jnp.zeros((serve.max_batch,), jnp.int32)
+        # NOTE: committed to the pools' device like every later step output (else the first
+        # step compiles once more for an uncommitted argument).
+        self._prev_tokens = jax.device_put(np.zeros((serve.max_batch,), np.int32),
+                                           self.manager.caches[0][0].sharding)
         self._inflight: _Dispatched | None = None
         self._num_dispatched = 0
 
