@@ -14,6 +14,7 @@ Small random LlamaForCausalLM / MistralForCausalLM models are saved with ``save_
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import sys
@@ -373,3 +374,35 @@ def test_decode_step_copies_no_weights():
         assert weight_copy_ops(hlo(step, params, a), params) == []
         stacked = weight_copy_ops(hlo(step, llama.stack_layers(params), a), params)
         assert len(stacked) >= 4, stacked   # wqkv, wo, w_gate_up, w_down sliced per layer
+
+
+def test_decode_step_breakdown_categories():
+    """benchmarks/decode_step.py's attribution of a step's ops: the compiled HLO of the tiny
+    decode step has one attention and one write_kv custom call per layer and (at least) the
+    4 weight GEMMs per layer plus the lm_head; a profiled step puts time in each."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_step import breakdown, hlo_categories
+    config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8)
+    params = llama.init_params(config)
+    B = 4
+    state = dict(zip("kv", llama.make_caches(config, 9, 4)))
+    args = (jnp.zeros(B, jnp.int32), jnp.full(B, 5, jnp.int32),
+            jnp.asarray([6, 14, 22, 30], jnp.int32),
+            jnp.asarray([[1, 2], [3, 4], [5, 6], [7, 8]], jnp.int32), jnp.full(B, 6, jnp.int32))
+    hlo = llama.decode_step.lower(params, state["k"], state["v"], *args,
+                                  config=config).compile().as_text()
+    counts = collections.Counter(hlo_categories(hlo, params).values())
+    L = config.num_hidden_layers
+    assert counts["attention"] == L and counts["K/V writes"] == L, counts
+    assert counts["weight GEMMs"] >= 4 * L + 1 and counts["weight copies"] == 0, counts
+
+    def step():
+        logits, state["k"], state["v"] = llama.decode_step(params, state["k"], state["v"],
+                                                           *args, config=config)
+        logits.block_until_ready()
+
+    step()
+    row = breakdown(step, hlo, params, repeats=3, wall_s=1e-3)
+    assert row["weight GEMMs"] > 0 and row["attention"] > 0 and row["K/V writes"] > 0, row
