@@ -455,7 +455,12 @@ class Server:
             for r, n in work:
                 nt = r.seq.num_tokens
                 # NOTE: an unread token is fed from the device; prepare_step gets a count.
-                items.append((r.seq, 1 if r.unread else np.array(r.tokens[nt:nt + n], np.int32)))
+                if r.unread:
+                    items.append((r.seq, 1))
+                    continue
+                if r.seq.num_known_tokens < nt:
+                    self._record_ids(r)    # ids given now must follow the known ones
+                items.append((r.seq, np.array(r.tokens[nt:nt + n], np.int32)))
             try:
                 return work, self.manager.prepare_step(items)
             except OutOfPagesError:
@@ -564,6 +569,16 @@ class Server:
             r.last_row, r.last_step = b, self._num_dispatched
         return _Dispatched(self._num_dispatched, tokens, logits, list(zip(rows, due)))
 
+    def _record_ids(self, r: _Req) -> None:
+        """Tells the manager the read ids it has not got yet (tokens fed to steps as counts),
+        so the pages they fill can be committed to the prefix tree."""
+        seq = r.seq
+        if seq is None or seq.state is not SequenceState.ACTIVE:
+            return
+        known = seq.num_known_tokens
+        if known < len(r.tokens):
+            self.manager.record_token_ids(seq, np.asarray(r.tokens[known:], np.int32))
+
     def _drain(self) -> list[RequestOutput]:
         """Reads the outstanding step's tokens (blocks until it completed)."""
         prev, self._inflight = self._inflight, None
@@ -585,11 +600,9 @@ class Server:
             r.unread -= 1
             if len(r.tokens) == len(r.prompt):
                 r.ttft = now - r.submitted_at
-            seq = r.seq
-            if (seq is not None and seq.state is SequenceState.ACTIVE
-                    and seq.num_known_tokens == len(r.tokens) < seq.num_tokens):
-                self.manager.record_token_ids(seq, [tok])   # it was fed as a count
             r.tokens.append(tok)
+            if len(r.tokens) % self.serve.page_size == 0:
+                self._record_ids(r)     # a page of ids complete: it can be committed now
             r.token_times.append(now - r.submitted_at)
             self.counters["generated_tokens"] += 1
             if host_logits is not None:
