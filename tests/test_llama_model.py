@@ -406,3 +406,29 @@ def test_decode_step_breakdown_categories():
     step()
     row = breakdown(step, hlo, params, repeats=3, wall_s=1e-3)
     assert row["weight GEMMs"] > 0 and row["attention"] > 0 and row["K/V writes"] > 0, row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+def test_decode_step_copies_no_weights_gpu(backend):
+    """The bf16 decode step compiled for the GPU feeds its GEMMs the per-layer weight buffers
+    as they are: no instruction materializes a layer's weight matrix (no slice, copy or
+    transpose of weights, e.g. for a GEMM layout). Sizes where XLA picks library GEMMs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_step import weight_copy_ops
+    config = llama.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536,
+                               num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                               head_dim=64, dtype="bfloat16")
+    params = jax.device_put(llama.init_params(config), backend.device)
+    kc, vc = backend.put(*llama.make_caches(config, 33, 16))
+    B = 16
+    args = backend.put(np.zeros(B, np.int32), np.full(B, 20, np.int32),
+                       (np.arange(B, dtype=np.int32) * 2 + 2) * 16 + 4,
+                       (np.arange(2 * B, dtype=np.int32) + 1).reshape(B, 2),
+                       np.full(B, 21, np.int32))
+    hlo = llama.decode_step.lower(params, kc, vc, *args, config=config).compile().as_text()
+    assert weight_copy_ops(hlo, params) == []
+    stacked = llama.decode_step.lower(llama.stack_layers(params), kc, vc, *args,
+                                      config=config).compile().as_text()
+    print("weight-copy instructions with stacked layers under lax.scan:",
+          len(weight_copy_ops(stacked, params)))
