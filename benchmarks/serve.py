@@ -379,6 +379,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         server.generate([serve.Request(prompt=list(p), max_new_tokens=1, eos_token_ids=[])
                          for p in warm_prompts])
     total = sum(r.max_new_tokens for r in requests)
+    pool = mgr.device_capacity_pages
     progress = _Progress(label, total)
     n_compiles = _COMPILES["n"]
     for r in requests:
@@ -399,11 +400,10 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         if server.counters["decode_steps"] > n_dec:
             decode_ms.append(dt * 1e3)
         steps += 1
-        if steps % 4 == 1:   # outside the clock: stats() walks the prefix tree
+        if steps % 4 == 1:   # outside the clock
             ts = time.perf_counter()
-            st = mgr.stats()
-            peak_pages = max(peak_pages, st["pages"]["device"]["referenced"])
-            peak_active = max(peak_active, st["num_active"])
+            peak_pages = max(peak_pages, pool - mgr.num_obtainable_pages())   # referenced
+            peak_active = max(peak_active, server.num_running)
             progress(server.counters["generated_tokens"])
             paused += time.perf_counter() - ts
     seconds = time.perf_counter() - t0 - paused
@@ -412,7 +412,6 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     page_bytes = (2 * setup.model.num_hidden_layers * setup.page_size
                   * setup.model.num_key_value_heads * setup.model.head_dim
                   * jnp.dtype(setup.model.jnp_dtype).itemsize)
-    pool = mgr.device_capacity_pages
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     res = _summary(
         label, "paged", workload, concurrency, requests, [outs[i] for i in sorted(outs)],

@@ -338,6 +338,11 @@ class Server:
                                   list(prompt), submitted_at=time.perf_counter()))
         return rid
 
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished (their sequences on the device)."""
+        return len(self._running) + len(self._closing)
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._suspended or self._closing
                     or self._inflight is not None)
@@ -354,8 +359,7 @@ class Server:
     def _device_room(self) -> int:
         """Device pages obtainable now (free + pending frees + evictable cached), less one page
         of growth headroom per running sequence."""
-        c = self.manager.stats()["pages"]["device"]
-        return c["free"] + c["pending"] + c["cached"] - len(self._running)
+        return self.manager.num_obtainable_pages(D) - len(self._running)
 
     def _pages(self, n_tokens: int) -> int:
         return -(-n_tokens // self.serve.page_size)
