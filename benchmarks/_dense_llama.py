@@ -23,7 +23,7 @@ bucket ``S``), then decode steps over all
 slots until every request has its ``max_new_tokens`` (greedy; EOS only when the request names
 one). Inactive slots decode too (token 0 at position 0: the next prefill of that slot overwrites
 it). Same outputs as :class:`examples.llama.serve.Server` (``RequestOutput``, time to first token
-from submission).
+and each token's arrival from submission).
 """
 
 from __future__ import annotations
@@ -203,6 +203,7 @@ class DenseServer:
         slot_of: dict[int, int] = {}                # request -> slot, while running
         tokens = [list(map(int, r.prompt)) for r in requests]
         ttft = [0.0] * len(requests)
+        times: list[list[float]] = [[] for _ in requests]   # each token's arrival (from t0)
         rows: list[list[np.ndarray]] = [[] for _ in requests]
         outs: list[RequestOutput | None] = [None] * len(requests)
         eos = [frozenset(int(e) for e in (r.eos_token_ids if r.eos_token_ids is not None
@@ -210,8 +211,10 @@ class DenseServer:
 
         def accept(i: int, tok: int, logits_row: np.ndarray | None) -> None:
             r = requests[i]
+            now = time.perf_counter() - t0
             if len(tokens[i]) == len(r.prompt):
-                ttft[i] = time.perf_counter() - t0
+                ttft[i] = now
+            times[i].append(now)
             tokens[i].append(tok)
             if logits_row is not None:
                 rows[i].append(logits_row)
@@ -222,7 +225,8 @@ class DenseServer:
                 outs[i] = RequestOutput(i, list(map(int, r.prompt)), tokens[i][len(r.prompt):],
                                         "eos" if tok in eos[i] else "length", 0,
                                         time_to_first_token_s=ttft[i],
-                                        logits=np.stack(rows[i]) if self.record_logits else None)
+                                        logits=np.stack(rows[i]) if self.record_logits else None,
+                                        token_times_s=times[i])
 
         while waiting or slot_of:
             admitted = []

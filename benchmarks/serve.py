@@ -9,6 +9,9 @@ keeps the script's directory, not the repo root, first on ``sys.path``):
     python benchmarks/serve.py --json serve.json          # default run (estimated 4-5 min)
     python benchmarks/serve.py --quick                    # concurrency 64 only, fewer requests
     JAX_PLATFORMS=cpu python benchmarks/serve.py --tiny   # tiny float32 model on CPU, seconds
+    python benchmarks/serve.py --workload trtllm --quick  # the seed workload, 512 requests
+    python benchmarks/serve.py --workload trtllm          # 2,500 requests (estimate printed)
+    JAX_PLATFORMS=cpu python benchmarks/serve.py --workload trtllm --tiny
 
 **Model.** Llama-3.1-8B's shape (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336,
 vocab 128256, RoPE theta 500000 with Llama-3 scaling, RMSNorm eps 1e-5), bfloat16 weights drawn
@@ -28,6 +31,15 @@ length); prompts are random token ids (fixed seed).
   serves the 15 system prompts once before the clock starts, as a running server has them
   cached, so every timed request can hit. Hit rates count the timed requests only.
 
+- ``--workload trtllm`` (the anchor's trtllm-bench run): input/output 1,024/1,024 at
+  concurrency 256; 15 system prompts of 512 +- 32 tokens, request ``i`` = system prompt
+  ``i % 15`` + a unique suffix to 1,024 tokens; prefix reuse on and a pinned host tier
+  (``--host-gib``, default 32) on; 2,500 requests (``--quick``: 512), no pre-warmed cache. It
+  runs first; then the random 1,024/1,024 row at concurrency 256 (256 requests), paged and
+  dense. Token budget: 256 decodes + ``--prefill-chunk`` (512) prompt tokens per step. The run
+  prints its output-token counts and a time estimate first, and progress lines with the pace
+  and the time left.
+
 **Paths.**
 
 - ``paged``: ``examples/llama/serve.Server`` (``KVCacheManager``, 16-token pages, a pool of
@@ -39,7 +51,9 @@ length); prompts are random token ids (fixed seed).
   head_dim]`` caches (head-major, so neither attention matmul transposes the cache), one slot per running request, whole-prompt prefill (einsum attention) in
   groups of 4,096 tokens, ``dynamic_update_slice`` writes, decode attention over the whole
   ``max_len`` row masked to the sequence's length. Equal batch: ``max_len`` = input + output.
-- Both sample with the runner's ``greedy_tokens`` and synchronize once per step.
+- paged runs the overlapped loop (``ServeConfig.overlap``: sampling on the device, tokens read
+  one step late, no per-step synchronization); dense samples with ``greedy_tokens`` and
+  synchronizes once per step.
 
 **Measured** per configuration on a fresh server, after a warm-up that compiles every program the
 run uses (a compile inside the timed region is counted and flagged):
@@ -47,7 +61,13 @@ output tokens/s = generated tokens / wall time from submission to the last token
 token (TTFT, from submission, so it includes queueing) median and p90; prefix hit rate = reused
 prompt tokens / prompt tokens; pages used = peak device pages referenced by running sequences
 (shared pages once; sampled every 4 steps) out of the pool; decode ms = median wall time of a
-pure-decode step (model + sampling + host bookkeeping).
+pure-decode step (model + sampling + host bookkeeping; with the overlapped loop, the pace of the
+device in steady state); inter-token latency (ITL) = gaps between a request's tokens reaching
+the host, median and p90 over all gaps; pages per tier at the end of the run (device, host);
+**roofline**: the bytes one decode step must move (every weight once + the batch's K/V at the
+workload's mean decode context, prompt + half the output), the copy bandwidth measured in the
+same run (a large device-to-device elementwise copy, read + write), the ideal step time and the
+measured decode step's fraction of it.
 
 **Compared**: paged / dense tokens/s at equal batch (target >= 0.95); prefix reuse on / off;
 equal memory: the paged pool of the largest concurrency against a dense cache of the same bytes
@@ -141,7 +161,16 @@ class Setup:
     shared_output_len: int = 256
     shared_concurrency: int = 64
     shared_requests: int = 128
+    # Prompt length of a shared-prefix request (system prompt + a suffix to this length); None:
+    # the system prompt + shared_suffix_len tokens.
+    shared_total_len: int | None = None
+    # The shared-prefix runs: "on" (prefix reuse), "warm" (system prompts served before the
+    # clock), "off" (no reuse).
+    shared_runs: tuple[str, ...] = ("on", "warm", "off")
+    shared_first: bool = False          # the shared-prefix workload before the random one
     step_tokens: int = 4096             # paged token budget per step = dense prefill group budget
+    prefill_chunk: int = 4096           # paged prompt tokens per step (ServeConfig field)
+    host_bytes: int = 0                 # the paged runs' pinned host tier
     dense_prefill_bucket: int = 128
     equal_memory_max_len: int = 4096
     equal_memory_run: bool = True
@@ -153,8 +182,9 @@ class Setup:
     @property
     def max_total_len(self) -> int:
         """The longest request (prompt + output) of any workload."""
-        shared = (self.shared_prompt_len + self.shared_prompt_jitter + self.shared_suffix_len
-                  + self.shared_output_len) if self.run_shared else 0
+        prompt = (self.shared_total_len if self.shared_total_len is not None else
+                  self.shared_prompt_len + self.shared_prompt_jitter + self.shared_suffix_len)
+        shared = prompt + self.shared_output_len if self.run_shared else 0
         return max(self.input_len + self.output_len, shared)
 
     @property
@@ -174,6 +204,24 @@ TINY_SETUP = Setup(
     requests_factor=2.0, shared_prompts=5, shared_prompt_len=24, shared_prompt_jitter=4,
     shared_suffix_len=12, shared_output_len=8, shared_concurrency=4, shared_requests=12,
     step_tokens=64, dense_prefill_bucket=16, equal_memory_max_len=128, record_logits=True)
+# The seed workload (TensorRT-LLM's trtllm-bench run of the anchor): input/output 1,024/1,024 at
+# concurrency 256, 15 system prompts of ~512 tokens plus a unique suffix to 1,024, prefix reuse
+# and a pinned host tier on, 2,500 requests (--quick: 512). Then the random 1,024/1,024 row at
+# concurrency 256 and its dense comparison.
+TRTLLM = dataclasses.replace(
+    FULL, name="trtllm", input_len=1024, output_len=1024, concurrencies=(256,),
+    shared_prompts=15, shared_prompt_len=512, shared_prompt_jitter=32, shared_total_len=1024,
+    shared_output_len=1024, shared_concurrency=256, shared_requests=2500, shared_runs=("on",),
+    shared_first=True, step_tokens=256 + 512, prefill_chunk=512, host_bytes=32 << 30,
+    equal_memory_run=False)
+TRTLLM_QUICK = dataclasses.replace(TRTLLM, shared_requests=512)
+TINY_TRTLLM = dataclasses.replace(
+    TINY_SETUP, name="tiny-trtllm", input_len=40, output_len=16, concurrencies=(8,),
+    requests_factor=1.0, shared_prompts=5, shared_prompt_len=20, shared_prompt_jitter=3,
+    shared_total_len=40, shared_output_len=16, shared_concurrency=8, shared_requests=24,
+    shared_runs=("on",), shared_first=True, step_tokens=8 + 16, prefill_chunk=16,
+    host_bytes=1 << 20, equal_memory_run=False)
+WORKLOADS = {"default": (FULL, QUICK, TINY_SETUP), "trtllm": (TRTLLM, TRTLLM_QUICK, TINY_TRTLLM)}
 # The device check before an 8B run: the tiny model, one concurrency, no equal-memory run.
 CHECK_SETUP = dataclasses.replace(TINY_SETUP, name="tiny-check", concurrencies=(8,),
                                   equal_memory_run=False)
@@ -229,8 +277,11 @@ class _Progress:
         now = time.perf_counter()
         if now - self.last >= self.every:
             self.last = now
-            _log(f"    {self.label}: {tokens}/{self.total} tokens generated, "
-                 f"{now - self.t0:.1f} s")
+            el = now - self.t0
+            rate = tokens / el if el > 0 else 0.0
+            eta = f", ~{(self.total - tokens) / rate:.0f} s left" if rate > 0 else ""
+            _log(f"    {self.label}: {tokens}/{self.total} tokens generated, {el:.1f} s "
+                 f"({rate:,.0f} tok/s{eta})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,9 +309,15 @@ def shared_requests(setup: Setup) -> list[serve.Request]:
     """Request ``i``: system prompt ``i % shared_prompts`` + a unique suffix."""
     systems = shared_system_prompts(setup)
     rng = np.random.default_rng(setup.seed + 2)
+
+    def suffix(system: list[int]) -> int:
+        if setup.shared_total_len is None:
+            return setup.shared_suffix_len
+        return setup.shared_total_len - len(system)
+
     return [serve.Request(prompt=systems[i % len(systems)]
                           + rng.integers(0, setup.model.vocab_size,
-                                         setup.shared_suffix_len).tolist(),
+                                         suffix(systems[i % len(systems)])).tolist(),
                           max_new_tokens=setup.shared_output_len, eos_token_ids=[])
             for i in range(setup.shared_requests)]
 
@@ -273,6 +330,7 @@ def _serve_config(setup: Setup, concurrency: int, prefix: bool) -> serve.ServeCo
     return serve.ServeConfig(
         page_size=setup.page_size, device_pages=setup.pool_pages(concurrency),
         max_batch=concurrency, max_tokens_per_step=setup.step_tokens,
+        prefill_chunk_tokens=setup.prefill_chunk, host_bytes=setup.host_bytes,
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
         batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
         record_logits=setup.record_logits)
@@ -284,6 +342,8 @@ def _summary(label: str, path: str, workload: str, concurrency: int,
              **extra: Any) -> dict[str, Any]:
     gen = sum(len(o.generated_ids) for o in outs)
     ttft = [o.time_to_first_token_s for o in outs]
+    itl = np.concatenate([np.diff(o.token_times_s) for o in outs if len(o.token_times_s) > 1]
+                         or [np.zeros(0)])
     return dict(
         name=label, path=path, workload=workload, concurrency=concurrency,
         requests=len(requests),
@@ -291,6 +351,7 @@ def _summary(label: str, path: str, workload: str, concurrency: int,
         output_len=int(requests[0].max_new_tokens), generated_tokens=gen, seconds=seconds,
         output_tokens_per_s=gen / seconds if seconds > 0 else 0.0,
         ttft_p50_s=_pct(ttft, 50), ttft_p90_s=_pct(ttft, 90),
+        itl_p50_ms=_pct(itl, 50) * 1e3, itl_p90_ms=_pct(itl, 90) * 1e3,
         decode_step_ms_p50=_pct(decode_ms, 50), decode_steps=len(decode_ms),
         warmup_s=warmup_s, compiles_in_timed_region=compiles if _COUNTING_COMPILES else None,
         **extra)
@@ -319,6 +380,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         server.generate([serve.Request(prompt=list(p), max_new_tokens=1, eos_token_ids=[])
                          for p in warm_prompts])
     total = sum(r.max_new_tokens for r in requests)
+    pool = mgr.device_capacity_pages
     progress = _Progress(label, total)
     n_compiles = _COMPILES["n"]
     for r in requests:
@@ -326,6 +388,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     outs: dict[int, serve.RequestOutput] = {}
     peak_pages = peak_active = steps = 0
     decode_ms: list[float] = []
+    step_ms: list[float] = []
     paused = 0.0
     t0 = time.perf_counter()
     while server.has_work():
@@ -334,14 +397,14 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         for o in server.step():
             outs[o.request_id] = o
         dt = time.perf_counter() - ts
+        step_ms.append(dt * 1e3)
         if server.counters["decode_steps"] > n_dec:
             decode_ms.append(dt * 1e3)
         steps += 1
-        if steps % 4 == 1:   # outside the clock: stats() walks the prefix tree
+        if steps % 4 == 1:   # outside the clock
             ts = time.perf_counter()
-            st = mgr.stats()
-            peak_pages = max(peak_pages, st["pages"]["device"]["referenced"])
-            peak_active = max(peak_active, st["num_active"])
+            peak_pages = max(peak_pages, pool - mgr.num_obtainable_pages())   # referenced
+            peak_active = max(peak_active, server.num_running)
             progress(server.counters["generated_tokens"])
             paused += time.perf_counter() - ts
     seconds = time.perf_counter() - t0 - paused
@@ -350,7 +413,6 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     page_bytes = (2 * setup.model.num_hidden_layers * setup.page_size
                   * setup.model.num_key_value_heads * setup.model.head_dim
                   * jnp.dtype(setup.model.jnp_dtype).itemsize)
-    pool = mgr.device_capacity_pages
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     res = _summary(
         label, "paged", workload, concurrency, requests, [outs[i] for i in sorted(outs)],
@@ -362,7 +424,10 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         cache_bytes=pool * page_bytes,
         capacity_seqs=mgr.max_num_sequences(longest), capacity_seq_len=longest,
         steps=rep["steps"], mixed_steps=rep["mixed_steps"], suspends=rep["suspends"],
-        recomputes=rep["recomputes"])
+        recomputes=rep["recomputes"], step_ms_p50=_pct(step_ms, 50),
+        pages_per_tier=rep["pages"], pages_offloaded=rep["pages_offloaded"],
+        pages_onboarded=rep["pages_onboarded"], host_bytes=setup.host_bytes,
+        prefill_chunk_tokens=setup.prefill_chunk, overlap=scfg.overlap)
     done = [outs[i] for i in sorted(outs)]
     del server, mgr
     gc.collect()
@@ -429,8 +494,60 @@ def _fmt_result(r: dict) -> str:
         flag = f"  WARNING: {r['compiles_in_timed_region']} compile(s) inside the timed region"
     return (f"  {r['name']}: {r['output_tokens_per_s']:,.0f} output tok/s, {r['requests']} "
             f"requests in {r['seconds']:.2f} s, TTFT p50 {r['ttft_p50_s']:.3f} s p90 "
-            f"{r['ttft_p90_s']:.3f} s, decode step {r['decode_step_ms_p50']:.2f} ms{extra} "
+            f"{r['ttft_p90_s']:.3f} s, ITL p50 {r['itl_p50_ms']:.1f} ms p90 "
+            f"{r['itl_p90_ms']:.1f} ms, decode step {r['decode_step_ms_p50']:.2f} ms{extra} "
             f"(warm-up {r['warmup_s']:.1f} s){flag}")
+
+
+def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> dict[str, float]:
+    """Device copy bandwidth (bytes read + written per second) of a large elementwise copy
+    (``x ^ 1`` over uint32, which XLA cannot elide), median of ``repeats`` after warm-up: the
+    practical ceiling of a memory-bound step on this device. ``nbytes``: 4 GiB on a GPU, 64 MiB
+    on a CPU."""
+    if nbytes is None:
+        nbytes = (64 << 20) if jax.default_backend() == "cpu" else (4 << 30)
+    x = jnp.zeros((nbytes // 4,), jnp.uint32)
+    flip = jax.jit(lambda a: a ^ jnp.uint32(1))
+    for _ in range(2):
+        x = flip(x).block_until_ready()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x = flip(x).block_until_ready()
+        samples.append(time.perf_counter() - t)
+    t = float(np.median(samples))
+    del x
+    return {"bytes": float(nbytes), "seconds": t, "bytes_per_s": 2 * nbytes / t}
+
+
+def roofline(setup: Setup, weight_bytes: int, res: dict, requests: Sequence[serve.Request],
+             copy_bytes_per_s: float) -> dict[str, float]:
+    """What one decode step of ``res`` must move at least: every weight once, plus the K/V of
+    the batch (``min(concurrency, requests)`` sequences at the workload's mean context during
+    decode, prompt + half the output), against the measured copy bandwidth."""
+    c = setup.model
+    per_token = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+                 * jnp.dtype(c.jnp_dtype).itemsize)
+    batch = min(res["concurrency"], len(requests))
+    context = float(np.mean([len(r.prompt) + r.max_new_tokens / 2 for r in requests]))
+    kv = batch * context * per_token
+    step_bytes = weight_bytes + kv
+    ideal_ms = step_bytes / copy_bytes_per_s * 1e3
+    step_ms = res["decode_step_ms_p50"] or res.get("step_ms_p50") or 0.0
+    return {"weight_bytes": float(weight_bytes), "kv_bytes": kv, "batch": batch,
+            "mean_context": context, "step_bytes": step_bytes,
+            "copy_bytes_per_s": copy_bytes_per_s, "roofline_step_ms": ideal_ms,
+            "measured_step_ms": step_ms,
+            "fraction_of_roofline": ideal_ms / step_ms if step_ms else 0.0}
+
+
+def _fmt_roofline(name: str, r: dict) -> str:
+    return (f"  roofline {name}: a decode step must move {r['step_bytes'] / 1e9:.1f} GB "
+            f"(weights {r['weight_bytes'] / 1e9:.1f} + K/V {r['kv_bytes'] / 1e9:.1f}: batch "
+            f"{r['batch']} x {r['mean_context']:.0f} tokens); copy bandwidth "
+            f"{r['copy_bytes_per_s'] / 1e12:.2f} TB/s (r+w) -> {r['roofline_step_ms']:.2f} ms; "
+            f"measured {r['measured_step_ms']:.2f} ms = {r['fraction_of_roofline']:.2f}x of "
+            "the roofline")
 
 
 def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
@@ -448,10 +565,16 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
     n_random = max(int(round(c * setup.requests_factor)) for c in setup.concurrencies)
     rand = random_requests(setup, n_random)
     first_seen: dict[int, tuple[str, Any]] = {}   # random request -> (run, its output)
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s (read + write, "
+        f"{bw['bytes'] / 2**30:.2f} GiB copied in {bw['seconds'] * 1e3:.2f} ms)")
 
-    def record(res: dict, outs: list) -> None:
+    def record(res: dict, outs: list, requests: Sequence[serve.Request]) -> None:
+        res["roofline"] = roofline(setup, weight_bytes, res, requests, bw["bytes_per_s"])
         results.append(res)
         log(_fmt_result(res))
+        log(_fmt_roofline(res["name"], res["roofline"]))
         distinct = {t for o in outs for t in o.generated_ids}
         if len(distinct) < 2 and res["generated_tokens"] > 1:
             log(f"  WARNING: {res['name']} generated only token {sorted(distinct)} "
@@ -490,11 +613,11 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         for run, (ref, got) in by_run.items():
             agree(run, ref, label, got)
 
-    def attempt(label: str, fn, *args: Any, **kwargs: Any) -> tuple[dict | None, list]:
+    def attempt(label: str, fn, reqs, **kwargs: Any) -> tuple[dict | None, list]:
         """Runs one configuration; a failure (out of memory, a kernel error) is logged and
         recorded, and the other configurations still run."""
         try:
-            res, outs = fn(params, setup, *args, label=label, **kwargs)
+            res, outs = fn(params, setup, reqs, label=label, **kwargs)
         except Exception as e:  # noqa: BLE001 - reported in the output, exit status 1 at the end
             tb = traceback.format_exc().strip().splitlines()
             msg = f"{type(e).__name__}: {e}".replace("\n", " ")[:600]
@@ -503,45 +626,58 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
             res, outs = None, []
         gc.collect()
         if res is not None:
-            record(res, outs)
+            record(res, outs, reqs)
             if res["workload"] == "random":
                 against_earlier(label, outs)
         return res, outs
 
-    big = None                     # the paged run at the largest concurrency
-    for c in sorted(setup.concurrencies):
-        reqs = rand[:int(round(c * setup.requests_factor))]
-        log(f"random {setup.input_len}/{setup.output_len}, concurrency {c}, {len(reqs)} "
-            f"requests{_mem_gib()}")
-        pres, _ = attempt(f"paged random c{c}", run_paged, reqs, concurrency=c, prefix=True,
-                          workload="random")
-        if c == cmax:
-            big = pres
-        if setup.run_dense:
-            dres, _ = attempt(f"dense random c{c}", run_dense, reqs, batch=c,
-                              max_len=setup.input_len + setup.output_len, workload="random")
-            if pres is not None and dres is not None:
-                comparisons.append(dict(
-                    kind="equal_batch", concurrency=c, paged=pres["name"], dense=dres["name"],
-                    paged_over_dense=pres["output_tokens_per_s"] / dres["output_tokens_per_s"],
-                    decode_step_time_dense_over_paged=(
-                        dres["decode_step_ms_p50"] / max(pres["decode_step_ms_p50"], 1e-9)),
-                    target=TARGET_PAGED_OVER_DENSE))
+    big: dict[str, dict | None] = {"run": None}   # the paged run at the largest concurrency
 
-    if setup.run_shared:
+    def random_rows() -> None:
+        for c in sorted(setup.concurrencies):
+            reqs = rand[:int(round(c * setup.requests_factor))]
+            log(f"random {setup.input_len}/{setup.output_len}, concurrency {c}, {len(reqs)} "
+                f"requests{_mem_gib()}")
+            pres, _ = attempt(f"paged random c{c}", run_paged, reqs, concurrency=c,
+                              prefix=True, workload="random")
+            if c == cmax:
+                big["run"] = pres
+            if setup.run_dense:
+                dres, _ = attempt(f"dense random c{c}", run_dense, reqs, batch=c,
+                                  max_len=setup.input_len + setup.output_len,
+                                  workload="random")
+                if pres is not None and dres is not None:
+                    ratio = pres["output_tokens_per_s"] / dres["output_tokens_per_s"]
+                    comparisons.append(dict(
+                        kind="equal_batch", concurrency=c, paged=pres["name"],
+                        dense=dres["name"], paged_over_dense=ratio,
+                        decode_step_time_dense_over_paged=(
+                            dres["decode_step_ms_p50"] / max(pres["decode_step_ms_p50"], 1e-9)),
+                        target=TARGET_PAGED_OVER_DENSE))
+
+    def shared() -> None:
         sreqs = shared_requests(setup)
         cs = setup.shared_concurrency
-        log(f"shared prefix: {setup.shared_prompts} system prompts of ~{setup.shared_prompt_len} "
-            f"+ {setup.shared_suffix_len}-token suffixes, output {setup.shared_output_len}, "
-            f"concurrency {cs}, {len(sreqs)} requests{_mem_gib()}")
-        on, gon = attempt(f"paged shared c{cs} prefix on", run_paged, sreqs, concurrency=cs,
-                          prefix=True, workload="shared")
-        warm, gwarm = attempt(f"paged shared c{cs} prefix on, warm", run_paged, sreqs,
-                              concurrency=cs, prefix=True, workload="shared",
-                              warm_prompts=shared_system_prompts(setup))
+        what = (f"~{setup.shared_prompt_len} + suffixes to {setup.shared_total_len}"
+                if setup.shared_total_len is not None
+                else f"~{setup.shared_prompt_len} + {setup.shared_suffix_len}-token suffixes")
+        host = f", host tier {setup.host_bytes / 2**30:.2f} GiB" if setup.host_bytes else ""
+        log(f"shared prefix: {setup.shared_prompts} system prompts of {what} tokens, output "
+            f"{setup.shared_output_len}, concurrency {cs}, {len(sreqs)} requests{host}"
+            f"{_mem_gib()}")
+        runs: dict[str, tuple[dict | None, list]] = {}
+        if "on" in setup.shared_runs:
+            runs["on"] = attempt(f"paged shared c{cs} prefix on", run_paged, sreqs,
+                                 concurrency=cs, prefix=True, workload="shared")
+        if "warm" in setup.shared_runs:
+            runs["warm"] = attempt(f"paged shared c{cs} prefix on, warm", run_paged, sreqs,
+                                   concurrency=cs, prefix=True, workload="shared",
+                                   warm_prompts=shared_system_prompts(setup))
+        if "off" not in setup.shared_runs:
+            return
         off, goff = attempt(f"paged shared c{cs} prefix off", run_paged, sreqs, concurrency=cs,
                             prefix=False, workload="shared")
-        for run, gen in ((on, gon), (warm, gwarm)):
+        for run, gen in runs.values():
             if run is None or off is None:
                 continue
             agree(run["name"], gen, off["name"], goff)
@@ -551,6 +687,13 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
                 ttft_p50_off_over_on=off["ttft_p50_s"] / max(run["ttft_p50_s"], 1e-9),
                 prefix_hit_rate=run["prefix_hit_rate"],
                 pages_used_on_over_off=run["pages_used_peak"] / max(off["pages_used_peak"], 1)))
+
+    if setup.run_shared and setup.shared_first:
+        shared()
+    random_rows()
+    if setup.run_shared and not setup.shared_first:
+        shared()
+    big = big["run"]
 
     # Equal memory: the largest concurrency's paged pool against a dense cache of the same bytes.
     if big is not None:
@@ -582,8 +725,9 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
 
 def markdown(out: dict[str, Any]) -> str:
     lines = ["| run | path | workload | batch | requests | output tok/s | TTFT p50 s | "
-             "TTFT p90 s | decode step ms | prefix hit | pages used / pool | K/V GiB |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "TTFT p90 s | ITL p50 ms | ITL p90 ms | decode step ms | step / roofline | "
+             "prefix hit | pages used / pool | K/V GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in out["results"]:
         pages = (f"{r['pages_used_peak']} / {r['pool_pages']}" if r["path"] == "paged"
                  else f"dense max_len {r['max_len']}")
@@ -591,10 +735,29 @@ def markdown(out: dict[str, Any]) -> str:
         lines.append(
             f"| {r['name']} | {r['path']} | {r['workload']} | {r['concurrency']} | "
             f"{r['requests']} | {r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
-            f"{r['ttft_p90_s']:.3f} | {r['decode_step_ms_p50']:.2f} | {hit} | {pages} | "
-            f"{r['cache_bytes'] / 2**30:.2f} |")
+            f"{r['ttft_p90_s']:.3f} | {r['itl_p50_ms']:.1f} | {r['itl_p90_ms']:.1f} | "
+            f"{r['decode_step_ms_p50']:.2f} | {r['roofline']['fraction_of_roofline']:.2f}x | "
+            f"{hit} | {pages} | {r['cache_bytes'] / 2**30:.2f} |")
     for e in out.get("errors", []):
-        lines.append(f"| {e['name']} | FAILED | | | | | | | | | {e['error'][:120]} | |")
+        lines.append(f"| {e['name']} | FAILED | | | | | | | | | | | | {e['error'][:120]} | |")
+    lines += ["", "| run | step bytes (weights + K/V) | copy TB/s (r+w) | roofline ms | "
+              "measured ms | fraction |", "|---|---:|---:|---:|---:|---:|"]
+    for r in out["results"]:
+        f = r["roofline"]
+        lines.append(f"| {r['name']} | {f['step_bytes'] / 1e9:.1f} GB "
+                     f"({f['weight_bytes'] / 1e9:.1f} + {f['kv_bytes'] / 1e9:.1f}) | {f['copy_bytes_per_s'] / 1e12:.2f} | "
+                     f"{f['roofline_step_ms']:.2f} | {f['measured_step_ms']:.2f} | "
+                     f"{f['fraction_of_roofline']:.2f}x |")
+    tiers = [r for r in out["results"] if r.get("pages_per_tier")]
+    if tiers:
+        lines += ["", "| run | tier | capacity | referenced | cached | free | offloaded / "
+                  "onboarded |", "|---|---|---:|---:|---:|---:|---|"]
+        for r in tiers:
+            for tier, c in r["pages_per_tier"].items():
+                moved = (f"{r['pages_offloaded']} / {r['pages_onboarded']}" if tier == "device"
+                         else "")
+                lines.append(f"| {r['name']} | {tier} | {c['capacity']} | {c['referenced']} | "
+                             f"{c['cached']} | {c['free']} | {moved} |")
     lines += ["", "| comparison | value | note |", "|---|---:|---|"]
     for c in out["comparisons"]:
         if c["kind"] == "equal_batch":
@@ -622,14 +785,17 @@ def markdown(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def anchor_line() -> str:
+def anchor_line(setup: Setup | None = None) -> str:
     a = ANCHOR
+    ratio = a["output_len"] / setup.output_len if setup is not None else 4
+    note = (f"; {ratio:g}x our random workload's output length" if ratio != 1
+            else "; the trtllm preset is its workload")
     return (f"Anchor: {a['system']}, {a['model']} on {a['gpu']}, {a['input_len']:,}/"
             f"{a['output_len']:,} at concurrency {a['concurrency']}: "
             f"{a['output_tokens_per_s']:,.0f} output tok/s ({a['source']}); H200 ~"
             f"{a['h200_over_h100_bandwidth']}x its memory bandwidth (~"
             f"{a['output_tokens_per_s'] * a['h200_over_h100_bandwidth']:,.0f} tok/s scaled, "
-            f"not measured; 4x our output length)")
+            f"not measured{note})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,6 +811,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     size.add_argument("--tiny", action="store_true",
                       help="a tiny float32 model (CPU, seconds); paged and dense must generate "
                            "identical tokens")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+                   help="default: random 1,024/256 at concurrency 64 and 256 plus the shared-"
+                        "prefix set; trtllm: the seed workload (1,024/1,024, concurrency 256, 15 "
+                        "system prompts of ~512 + unique suffixes, prefix reuse and a pinned "
+                        "host tier on, 2,500 requests, --quick 512), then random 1,024/1,024 "
+                        "at concurrency 256, paged and dense")
+    p.add_argument("--prefill-chunk", type=int,
+                   help="paged prompt tokens per step (ServeConfig.prefill_chunk_tokens)")
+    p.add_argument("--host-gib", type=float, help="the paged runs' pinned host tier in GiB")
     p.add_argument("--json", metavar="PATH", help="write every result as JSON")
     p.add_argument("--concurrency", type=int, nargs="+", metavar="C",
                    help="concurrencies of the random workload (default 64 256)")
@@ -671,8 +846,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def setup_from_args(args: argparse.Namespace) -> Setup:
-    s = TINY_SETUP if args.tiny else QUICK if args.quick else FULL
+    full, quick, tiny = WORKLOADS[args.workload]
+    s = tiny if args.tiny else quick if args.quick else full
     over: dict[str, Any] = {"seed": args.seed}
+    if args.prefill_chunk is not None:
+        over["prefill_chunk"] = args.prefill_chunk
+    if args.host_gib is not None:
+        over["host_bytes"] = int(args.host_gib * 2**30)
     for arg, field in (("concurrency", "concurrencies"), ("requests_factor", "requests_factor"),
                        ("input_len", "input_len"), ("output_len", "output_len"),
                        ("shared_requests", "shared_requests"),
@@ -696,7 +876,22 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
                          "running sequence decodes in one step)")
     if s.input_len + s.output_len > s.equal_memory_max_len:
         raise SystemExit("--equal-memory-max-len must hold input + output")
+    if s.prefill_chunk < 1:
+        raise SystemExit("--prefill-chunk must be >= 1")
     return s
+
+
+def estimate(setup: Setup) -> str:
+    """The run's output tokens per part and a time estimate at the issue's target rates (paged
+    9,500 tok/s, dense 3,300 tok/s on the H200; progress lines give the measured pace)."""
+    n_rand = sum(int(round(c * setup.requests_factor)) * setup.output_len
+                 for c in setup.concurrencies)
+    n_shared = (setup.shared_requests * setup.shared_output_len * len(setup.shared_runs)
+                if setup.run_shared else 0)
+    n_dense = n_rand if setup.run_dense else 0
+    secs = (n_rand + n_shared) / 9500 + n_dense / 3300
+    return (f"output tokens: shared {n_shared:,}, random paged {n_rand:,}, dense {n_dense:,}; "
+            f"~{secs / 60:.1f} min at 9,500 (paged) / 3,300 (dense) tok/s plus warm-ups")
 
 
 # The float32 oracle: on the CPU every pair of runs agrees token for token with logits within
@@ -740,7 +935,8 @@ def main(argv=None) -> dict[str, Any]:
     t_start = time.perf_counter()
     _log(f"jax {jax.__version__} on {dev.device_kind} ({jax.default_backend()}), jax_kvcm "
          f"{jax_kvcm.__version__}, python {platform.python_version()}; setup {setup.name}")
-    _log(anchor_line())
+    _log(anchor_line(setup))
+    _log(estimate(setup))
     out: dict[str, Any] = {"meta": {"jax": jax.__version__, "device": dev.device_kind,
                                     "backend": jax.default_backend(),
                                     "argv": list(sys.argv if argv is None else argv),
@@ -774,7 +970,7 @@ def main(argv=None) -> dict[str, Any]:
     _log("")
     _log(md)
     _log("")
-    _log(anchor_line())
+    _log(anchor_line(setup))
     _log(f"total {out['meta']['total_s']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=float))

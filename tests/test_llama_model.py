@@ -14,6 +14,7 @@ Small random LlamaForCausalLM / MistralForCausalLM models are saved with ``save_
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import sys
@@ -245,7 +246,7 @@ def test_sliding_window_matches_hf_and_is_exercised():
 def test_bfloat16_close_to_transformers(case):
     config16, params16, _ = llama_loader.load_checkpoint(case["path"], dtype="bfloat16",
                                                          progress=False)
-    assert params16["layers"]["wq"].dtype == jnp.bfloat16
+    assert params16["layers"][0]["wqkv"].dtype == jnp.bfloat16
     prompt = _prompt(np.random.default_rng(5), 20)
     got = _prefill_logits(config16, params16, prompt)
     want = _hf_logits(case["hf"], prompt)
@@ -344,3 +345,90 @@ def test_loader_errors(tmp_path):
     (d / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="yarn"):
         llama_loader.load_checkpoint(d, progress=False)
+
+
+def test_decode_step_copies_no_weights():
+    """The compiled decode step (CPU) has no instruction that materializes a layer's weight
+    matrix: each GEMM reads its per-layer buffer as it is. The same step over stacked weights
+    (``stack_layers``, ``lax.scan``) does slice them out every step, which shows the probe sees
+    the copies it is meant to catch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_step import weight_copy_ops
+    config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8)
+    params = llama.init_params(config)
+    kc, vc = llama.make_caches(config, 9, 4)
+    B = 4
+    args = (jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), jnp.full(B, -1, jnp.int32),
+            jnp.zeros((B, 2), jnp.int32), jnp.zeros(B, jnp.int32))
+    T = 8
+    fargs = (jnp.zeros(T, jnp.int32), jnp.zeros(T, jnp.int32), jnp.full(T, -1, jnp.int32),
+             jnp.zeros((B, 2), jnp.int32), jnp.zeros(B, jnp.int32),
+             jnp.zeros(B + 1, jnp.int32))
+
+    def hlo(step, p, a):
+        return step.lower(p, kc, vc, *a, config=config).compile().as_text()
+
+    for step, a in ((llama.decode_step, args), (llama.forward_step, fargs)):
+        assert weight_copy_ops(hlo(step, params, a), params) == []
+        stacked = weight_copy_ops(hlo(step, llama.stack_layers(params), a), params)
+        assert len(stacked) >= 4, stacked   # wqkv, wo, w_gate_up, w_down sliced per layer
+
+
+def test_decode_step_breakdown_categories():
+    """benchmarks/decode_step.py's attribution of a step's ops: the compiled HLO of the tiny
+    decode step has one attention and one write_kv custom call per layer and (at least) the
+    4 weight GEMMs per layer plus the lm_head; a profiled step puts time in each."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_step import breakdown, hlo_categories
+    config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8)
+    params = llama.init_params(config)
+    B = 4
+    state = dict(zip("kv", llama.make_caches(config, 9, 4)))
+    args = (jnp.zeros(B, jnp.int32), jnp.full(B, 5, jnp.int32),
+            jnp.asarray([6, 14, 22, 30], jnp.int32),
+            jnp.asarray([[1, 2], [3, 4], [5, 6], [7, 8]], jnp.int32), jnp.full(B, 6, jnp.int32))
+    hlo = llama.decode_step.lower(params, state["k"], state["v"], *args,
+                                  config=config).compile().as_text()
+    counts = collections.Counter(hlo_categories(hlo, params).values())
+    L = config.num_hidden_layers
+    assert counts["attention"] == L and counts["K/V writes"] == L, counts
+    assert counts["weight GEMMs"] >= 4 * L + 1 and counts["weight copies"] == 0, counts
+
+    def step():
+        logits, state["k"], state["v"] = llama.decode_step(params, state["k"], state["v"],
+                                                           *args, config=config)
+        logits.block_until_ready()
+
+    step()
+    row = breakdown(step, hlo, params, repeats=3, wall_s=1e-3)
+    assert row["weight GEMMs"] > 0 and row["attention"] > 0 and row["K/V writes"] > 0, row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+def test_decode_step_copies_no_weights_gpu(backend):
+    """The bf16 decode step compiled for the GPU feeds its GEMMs the per-layer weight buffers
+    as they are: no instruction materializes a layer's weight matrix (no slice, copy or
+    transpose of weights, e.g. for a GEMM layout). Sizes where XLA picks library GEMMs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_step import weight_copy_ops
+    config = llama.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536,
+                               num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                               head_dim=64, dtype="bfloat16")
+    params = jax.device_put(llama.init_params(config), backend.device)
+    kc, vc = backend.put(*llama.make_caches(config, 33, 16))
+    B = 16
+    args = backend.put(np.zeros(B, np.int32), np.full(B, 20, np.int32),
+                       (np.arange(B, dtype=np.int32) * 2 + 2) * 16 + 4,
+                       (np.arange(2 * B, dtype=np.int32) + 1).reshape(B, 2),
+                       np.full(B, 21, np.int32))
+    hlo = llama.decode_step.lower(params, kc, vc, *args, config=config).compile().as_text()
+    assert weight_copy_ops(hlo, params) == []
+    stacked = llama.decode_step.lower(llama.stack_layers(params), kc, vc, *args,
+                                      config=config).compile().as_text()
+    print("weight-copy instructions with stacked layers under lax.scan:",
+          len(weight_copy_ops(stacked, params)))

@@ -82,3 +82,30 @@ def test_a_broken_dense_path_is_caught(monkeypatch):
     params = bench._params(setup)
     with pytest.raises(RuntimeError, match="different greedy tokens"):
         bench.bench(setup, params, min_identical=1.0, log=lambda *a: None)
+
+
+def test_trtllm_preset_tiny():
+    """The seed-workload preset on the tiny model: the shared-prefix run (prefix reuse, a host
+    tier) first, then the random row paged and dense (identical tokens); every row reports
+    inter-token latencies and a roofline line, the paged rows pages per tier."""
+    out = bench.main(["--workload", "trtllm", "--tiny"])
+    setup = bench.TINY_TRTLLM
+    names = [r["name"] for r in out["results"]]
+    assert names == ["paged shared c8 prefix on", "paged random c8", "dense random c8"]
+    shared = out["results"][0]
+    assert shared["requests"] == setup.shared_requests
+    assert shared["input_tokens_mean"] == setup.shared_total_len
+    assert shared["generated_tokens"] == setup.shared_requests * setup.shared_output_len
+    assert shared["prefix_hit_rate"] > 0.2 and "host" in shared["pages_per_tier"]
+    for r in out["results"]:
+        assert r["itl_p90_ms"] >= r["itl_p50_ms"] > 0, r["name"]
+        f = r["roofline"]
+        assert f["step_bytes"] == f["weight_bytes"] + f["kv_bytes"] > 0
+        assert f["copy_bytes_per_s"] > 0 and f["fraction_of_roofline"] > 0
+    assert all(a["identical"] == a["requests"] > 0 for a in out["agreement"])
+    args = bench.parse_args(["--workload", "trtllm", "--quick"])
+    quick = bench.setup_from_args(args)
+    assert (quick.shared_requests, quick.shared_concurrency, quick.input_len,
+            quick.output_len) == (512, 256, 1024, 1024) and quick.host_bytes > 0
+    assert bench.setup_from_args(bench.parse_args(["--workload", "trtllm"])).shared_requests \
+        == 2500

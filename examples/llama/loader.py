@@ -31,16 +31,16 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded (the message names the file/tensor)."""
 
 
-_LAYER_NAMES = {  # our stacked name -> (HF name under model.layers.{i}., transpose)
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
+# Our per-layer name -> the HF tensors under model.layers.{i}. it is made of (concatenated along
+# the output axis after transposing HF's [out, in] to [in, out]), and whether to transpose.
+_LAYER_NAMES = {
+    "attn_norm": (("input_layernorm.weight",), False),
+    "wqkv": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+             True),
+    "wo": (("self_attn.o_proj.weight",), True),
+    "mlp_norm": (("post_attention_layernorm.weight",), False),
+    "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
+    "w_down": (("mlp.down_proj.weight",), True),
 }
 
 _RAW_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -134,9 +134,15 @@ def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, np.n
 
 
 def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, Any]:
-    """Maps HF tensor names to the stacked params pytree (cast to config.dtype), checking shapes."""
+    """Maps HF tensor names to the params pytree (one dict per layer, q/k/v and gate/up fused;
+    cast to config.dtype), checking shapes."""
     dtype = config.jnp_dtype
     shapes = param_shapes(config)
+    c = config
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    out_dims = {"self_attn.q_proj.weight": q_dim, "self_attn.k_proj.weight": kv_dim,
+                "self_attn.v_proj.weight": kv_dim, "mlp.gate_proj.weight": c.intermediate_size,
+                "mlp.up_proj.weight": c.intermediate_size}
 
     def get(name: str, want: tuple[int, ...], transpose: bool) -> np.ndarray:
         if name not in tensors:
@@ -151,16 +157,23 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[st
     def cast(a: np.ndarray):
         return jnp.asarray(np.ascontiguousarray(a), dtype)
 
+    def layer(i: int) -> dict[str, Any]:
+        out = {}
+        for ours, (parts, transpose) in _LAYER_NAMES.items():
+            want = shapes["layers"][i][ours]
+            if len(parts) == 1:
+                out[ours] = cast(get(f"model.layers.{i}.{parts[0]}", want, transpose))
+                continue
+            out[ours] = cast(np.concatenate(
+                [get(f"model.layers.{i}.{hf}", (want[0], out_dims[hf]), transpose)
+                 for hf in parts], axis=1))
+        return out
+
     params: dict[str, Any] = {
         "embed": cast(get("model.embed_tokens.weight", shapes["embed"], False)),
         "norm": cast(get("model.norm.weight", shapes["norm"], False)),
-        "layers": {},
+        "layers": [layer(i) for i in range(config.num_hidden_layers)],
     }
-    for ours, (hf, transpose) in _LAYER_NAMES.items():
-        per_layer = shapes["layers"][ours][1:]
-        stacked = np.stack([get(f"model.layers.{i}.{hf}", per_layer, transpose)
-                            for i in range(config.num_hidden_layers)])
-        params["layers"][ours] = cast(stacked)
     if not config.tie_word_embeddings:
         params["lm_head"] = cast(get("lm_head.weight", shapes["lm_head"], True))
     extra = [k for k in tensors if k.startswith(f"model.layers.{config.num_hidden_layers}.")]

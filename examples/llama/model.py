@@ -1,24 +1,36 @@
 """A Llama-family decoder (Llama 2/3, Mistral) in plain JAX over a params pytree, attending through
 jax_kvcm's paged custom calls.
 
-Params pytree (weights stored ``[in, out]``, i.e. transposed from HF's ``[out, in]``; layers stacked
-along a leading axis ``L`` so the decoder runs under one ``lax.scan`` with a traced layer index)::
+Params pytree (weights stored ``[in, out]``, i.e. transposed from HF's ``[out, in]``; one dict per
+layer, so every layer's weights are their own buffers)::
 
     {"embed": [V, D],
-     "layers": {"attn_norm": [L, D], "wq": [L, D, H*Dh], "wk": [L, D, Hkv*Dh], "wv": [L, D, Hkv*Dh],
-                "wo": [L, H*Dh, D], "mlp_norm": [L, D], "w_gate": [L, D, I], "w_up": [L, D, I],
-                "w_down": [L, I, D]},
+     "layers": [{"attn_norm": [D], "wqkv": [D, (H + 2*Hkv)*Dh], "wo": [H*Dh, D],
+                 "mlp_norm": [D], "w_gate_up": [D, 2*I], "w_down": [I, D]}, ...],   # L dicts
      "norm": [D],
      "lm_head": [D, V]}          # absent when config.tie_word_embeddings (embed.T is used)
 
+``wqkv`` is ``[wq | wk | wv]`` and ``w_gate_up`` is ``[w_gate | w_up]`` along the output axis: one
+GEMM each instead of three and two. The layer loop is a Python loop (unrolled at trace time), so
+XLA sees L separate weight buffers and feeds each GEMM its weights as they are. (Stacking the
+layers along a leading axis and running ``lax.scan`` makes every step slice each layer's weights
+out of the stack: a copy of all the weights per step, which at batch 64 cost about as much as the
+rest of the step; :func:`stack_layers` builds that layout, kept for comparison in
+``benchmarks/decode_step.py``.)
+
 KV caches are ``[L, num_pages, page_size, Hkv, Dh]`` in the params' dtype; page 0 is the null page.
+The caches keep their layer axis (they are the manager's pools) and the ops take a static
+``layer=`` index; ``write_kv`` aliases its outputs to the donated caches, so K/V are written in
+place.
 
 Every step (prefill chunks, mixed prefill+decode batches, pure decode) goes through
 :func:`forward_step`: ``write_kv`` of the new tokens' K/V, then ``ragged_paged_attention``.
 :func:`decode_step` is the one-token-per-sequence form that uses ``paged_attention``.
 Both are jitted with the caches donated (written in place); ``config`` is a static argument
 (:func:`bind` fixes it). Shapes (tokens T, batch B, page-table width P) are part of the compiled
-program: callers bucket them.
+program: callers bucket them. Both produce logits only for the last new token of each sequence
+(the lm_head GEMM is ``[B, D] x [D, V]``, not ``[T, D] x [D, V]``), and :func:`sample_tokens`
+samples on the device (greedy, or temperature/top-p with a fixed per-request key).
 
 HF conventions followed (checked against transformers in tests/test_llama_model.py): RoPE with
 ``rotate_half`` over ``cat(freqs, freqs)`` (the HF checkpoint layout, q/k already permuted),
@@ -46,7 +58,8 @@ import numpy as np
 import jax_kvcm
 
 __all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "forward_step",
-           "decode_step", "bind", "rope_inv_freq", "param_shapes"]
+           "decode_step", "bind", "rope_inv_freq", "param_shapes", "sample_tokens",
+           "greedy_tokens", "stack_layers"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -182,18 +195,27 @@ class LlamaConfig:
 def param_shapes(config: LlamaConfig) -> dict[str, Any]:
     """The params pytree's shapes (same structure as :func:`init_params`)."""
     c = config
-    L, D, I, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    D, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = {"attn_norm": (D,), "wqkv": (D, q_dim + 2 * kv_dim), "wo": (q_dim, D),
+             "mlp_norm": (D,), "w_gate_up": (D, 2 * I), "w_down": (I, D)}
     shapes = {
         "embed": (V, D),
-        "layers": {"attn_norm": (L, D), "wq": (L, D, q_dim), "wk": (L, D, kv_dim),
-                   "wv": (L, D, kv_dim), "wo": (L, q_dim, D), "mlp_norm": (L, D),
-                   "w_gate": (L, D, I), "w_up": (L, D, I), "w_down": (L, I, D)},
+        "layers": [dict(layer) for _ in range(c.num_hidden_layers)],
         "norm": (D,),
     }
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (D, V)
     return shapes
+
+
+def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """The same params with the layers stacked: ``"layers"`` becomes one dict of ``[L, ...]``
+    arrays, which :func:`forward_step` / :func:`decode_step` run under ``lax.scan`` (the layout
+    that copies each layer's weights out of the stack every step; for comparison only)."""
+    layers = params["layers"]
+    stacked = {name: jnp.stack([lp[name] for lp in layers]) for name in layers[0]}
+    return {**params, "layers": stacked}
 
 
 def init_scales(config: LlamaConfig) -> tuple[float, float]:
@@ -292,11 +314,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-# lax.scan's `unroll` for the layer loop, read when a step is traced (benchmarks/decode_step.py
-# compares 1 with True; call jax.clear_caches() after changing it).
-LAYER_SCAN_UNROLL: int | bool = 1
-
-
 def _mm(x, w):
     # HIGHEST keeps float32 models out of TF32; bf16/f16 products are exact in the default
     # precision already (f32 accumulation), and HIGHEST could only cost there.
@@ -304,37 +321,47 @@ def _mm(x, w):
     return jnp.matmul(x, w, precision=precision)
 
 
+def _layer(lp, config: LlamaConfig, h, cos, sin, k_cache, v_cache, layer, kv_attend):
+    """One decoder layer on ``h [T, D]``; ``lp`` is the layer's weights (see the module doc)."""
+    c = config
+    T = h.shape[0]
+    H, Hkv, Dh, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
+    x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+    qkv = _mm(x, lp["wqkv"])                                  # [T, (H + 2 Hkv) Dh]
+    q = qkv[:, :H * Dh].reshape(T, H, Dh)
+    k = qkv[:, H * Dh:(H + Hkv) * Dh].reshape(T, Hkv, Dh)
+    v = qkv[:, (H + Hkv) * Dh:].reshape(T, Hkv, Dh)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    o, k_cache, v_cache = kv_attend(q, k, v, k_cache, v_cache, layer)
+    h = h + _mm(o.reshape(T, H * Dh), lp["wo"])
+    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+    gate_up = _mm(x, lp["w_gate_up"])                         # [T, 2 I]
+    h = h + _mm(jax.nn.silu(gate_up[:, :I]) * gate_up[:, I:], lp["w_down"])
+    return h, k_cache, v_cache
+
+
 def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, kv_attend):
     """Embeds ``tokens``, runs every layer, returns ``(h, k_cache, v_cache)``.
 
     ``kv_attend(q, k, v, k_cache, v_cache, layer) -> (o, k_cache, v_cache)`` stores the layer's
     new K/V (``[T, Hkv, Dh]``, RoPE applied) and attends (:func:`_paged`: ``write_kv`` then a
-    paged op; ``benchmarks/_dense_llama.py`` plugs a dense per-sequence cache in here)."""
-    c = config
-    T = tokens.shape[0]
-    H, Hkv, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    cos, sin = rope_tables(positions, rope_inv_freq(c))  # once per step, shared by all layers
+    paged op; ``benchmarks/_dense_llama.py`` plugs a dense per-sequence cache in here). ``layer``
+    is a Python int (a traced one under :func:`stack_layers`' scan)."""
+    cos, sin = rope_tables(positions, rope_inv_freq(config))  # once per step, shared by layers
     h = params["embed"][tokens]  # [T, D]
+    layers = params["layers"]
+    if isinstance(layers, dict):  # stacked weights (stack_layers): one lax.scan, for comparison
+        def body(carry, xs):
+            h, kc, vc = carry
+            lp, layer = xs
+            return _layer(lp, config, h, cos, sin, kc, vc, layer, kv_attend), None
 
-    def layer_body(carry, xs):
-        h, kc, vc = carry
-        lp, layer = xs
-        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        q = _mm(x, lp["wq"]).reshape(T, H, Dh)
-        k = _mm(x, lp["wk"]).reshape(T, Hkv, Dh)
-        v = _mm(x, lp["wv"]).reshape(T, Hkv, Dh)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        o, kc, vc = kv_attend(q, k, v, kc, vc, layer)
-        h = h + _mm(o.reshape(T, H * Dh), lp["wo"])
-        x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-        gate = _mm(x, lp["w_gate"])
-        h = h + _mm(jax.nn.silu(gate) * _mm(x, lp["w_up"]), lp["w_down"])
-        return (h, kc, vc), None
-
-    layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
-    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, k_cache, v_cache),
-                                            (params["layers"], layers), unroll=LAYER_SCAN_UNROLL)
+        ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+        (h, k_cache, v_cache), _ = jax.lax.scan(body, (h, k_cache, v_cache), (layers, ids))
+        return h, k_cache, v_cache
+    for layer, lp in enumerate(layers):  # NOTE: unrolled: each layer reads its own buffers
+        h, k_cache, v_cache = _layer(lp, config, h, cos, sin, k_cache, v_cache, layer, kv_attend)
     return h, k_cache, v_cache
 
 
@@ -358,7 +385,7 @@ def _logits(params, config: LlamaConfig, h):
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))
 def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens,
-                 query_start, logits_index, *, config: LlamaConfig):
+                 query_start, logits_index=None, *, config: LlamaConfig):
     """One ragged step (prefill chunks, decode tokens, or a mix) for a batch of sequences.
 
     Args:
@@ -368,8 +395,9 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
         ``query_start[B]``) have slot ``-1`` (not written) and any token/position.
       page_table: int32 ``[B, P]`` (padding -> null page 0); seq_lens: int32 ``[B]`` (0 = padded
         row), counting the new tokens; query_start: int32 ``[B+1]``.
-      logits_index: int32 ``[N]``: rows of ``tokens`` to produce logits for (usually
-        ``query_start[1:] - 1``, the last new token of each sequence; ``arange(T)`` for all).
+      logits_index: int32 ``[N]``: rows of ``tokens`` to produce logits for; None (default):
+        ``query_start[1:] - 1``, the last new token of each sequence (``N = B``; a padded row
+        gets the last real token's logits); ``arange(T)`` for all.
 
     Returns:
       ``(logits [N, vocab] float32, k_cache, v_cache)``; the caches are donated (updated in
@@ -381,6 +409,8 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
 
     h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
                                    _paged(slot_mapping, attend))
+    if logits_index is None:
+        logits_index = jnp.maximum(query_start[1:] - 1, 0)
     return _logits(params, config, h[logits_index]), k_cache, v_cache
 
 
@@ -405,3 +435,38 @@ def bind(config: LlamaConfig):
     """``(forward_step, decode_step)`` with ``config`` bound (still jitted, caches donated)."""
     return (functools.partial(forward_step, config=config),
             functools.partial(decode_step, config=config))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling on the device.
+
+
+def _sample_row(logits, temperature, top_p, seed, stream, counter):
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), stream), counter)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled)
+    sorted_logits = scaled[order]
+    probs = jax.nn.softmax(sorted_logits)
+    before = jnp.cumsum(probs) - probs           # mass strictly before each token
+    keep_sorted = before < top_p                 # always keeps the most likely token
+    keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
+    masked = jnp.where(keep, scaled, -jnp.inf)
+    sampled = jax.random.categorical(key, masked).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+@jax.jit
+def sample_tokens(logits, temperature, top_p, seed, stream, counter):
+    """Next tokens ``[B]`` int32 from ``logits [B, V]``; per row temperature (0: argmax), top-p,
+    seed, stream and counter (the key is ``fold_in(fold_in(PRNGKey(seed), stream), counter)``,
+    so a row's sample depends only on its own logits and these numbers: reproducible whatever
+    the batch)."""
+    return jax.vmap(_sample_row)(logits, temperature, top_p, seed, stream, counter)
+
+
+@jax.jit
+def greedy_tokens(logits):
+    """``argmax`` per row: :func:`sample_tokens` when every temperature is 0, without its sort
+    over the vocabulary (a full-vocabulary argsort per row costs milliseconds at batch 256)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)

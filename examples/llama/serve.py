@@ -5,11 +5,25 @@
   pending pages, less one page of growth headroom per running sequence); a request that could
   never fit alone on the device is refused at submission.
 - **Steps** pack every running sequence's pending tokens: one per decoding sequence, then prompt
-  chunks up to the token budget (``max_tokens_per_step``: chunked prefill). The manager's
+  chunks (chunked prefill: prompts stream in while the others decode) up to
+  ``prefill_chunk_tokens`` prompt tokens and ``max_tokens_per_step`` tokens in all. The manager's
   ``prepare_step`` gives the bucketed index buffers; pure-decode steps go through the model's
   ``decode_step`` (``paged_attention``), others through ``forward_step``
-  (``ragged_paged_attention``), both jitted with the caches donated. Shapes only take the
-  manager's (batch, token) buckets, so a steady state compiles nothing new.
+  (``ragged_paged_attention``); one jitted program per (kind, batch bucket, token bucket) does
+  the model step and the sampling, caches donated. A steady state compiles nothing new.
+- **Overlap** (``ServeConfig.overlap``, on by default): the host prepares step n+1 (admission,
+  ``prepare_step``, page allocation) while the device runs step n. Sampled tokens stay on the
+  device: step n+1 gathers its input tokens from step n's output array (the manager gets a
+  count for them), and the host reads step n's tokens (``copy_to_host_async`` at dispatch, read
+  after step n+1 is dispatched) one step late: EOS and length checks then, and the read ids go
+  to the manager (``record_token_ids``) so full pages of generated text still enter the prefix
+  cache. A sequence that produced EOS has already been fed to step n+1: the token it generates
+  there is dropped. A sequence that reached ``max_new_tokens`` is known to be done without
+  reading anything and is closed at once (its pages stay fenced by the manager until the steps
+  that read them complete). The only blocking reads are that one-step-late read, and a drain
+  (read everything outstanding) before a preemption or after a failed step. With
+  ``overlap=False`` each step's tokens are read right after it (the synchronous loop): both
+  produce exactly the same tokens.
 - **Pressure**: when ``prepare_step`` answers :class:`OutOfPagesError` (the manager has already
   evicted every cached page down the tiers), the most recently admitted running sequence is
   suspended (its pages go to host, else disk); when no tier can take it the sequence is closed and
@@ -17,12 +31,20 @@
   usually brings most of it back). Suspended sequences are resumed, oldest first and before any
   new admission, when the device has room for them; one whose parked pages fail their checksum
   (:class:`CorruptPageError`) is closed and recomputed the same way.
-- **Sampling**: greedy (temperature 0) or temperature + top-p, with a per-request key
-  ``fold_in(fold_in(PRNGKey(seed), request_id), i)`` for the ``i``-th generated token (request
-  ids count submissions from 0): a request's samples do not depend on what it was batched with or
-  whether it was preempted, and two requests with one seed still draw independent noise.
+- **Sampling** (on the device): greedy (temperature 0) or temperature + top-p, with a
+  per-request key ``fold_in(fold_in(PRNGKey(seed), request_id), i)`` for the ``i``-th generated
+  token (request ids count submissions from 0): a request's samples do not depend on what it was
+  batched with or whether it was preempted, and two requests with one seed still draw
+  independent noise.
 - **Finish** on an EOS id or ``max_new_tokens``; the sequence is closed, its full pages stay in
   the prefix cache.
+- **Faults**: a step that raises (out of memory, a kernel error) is undone in the manager
+  (``KVCacheManager.abort_step`` where the manager has it; otherwise its sequences are closed and
+  recomputed), its requests are retried (recomputed when the manager lost their pages) and fail
+  with ``finish_reason == "error"`` after more than ``max_step_retries`` failed steps in a row;
+  a storage error of one request (a corrupt or unreadable cold page while admitting,
+  suspending or resuming it) recomputes or fails that request only. The loop keeps serving
+  the others.
 
 :meth:`Server.report` is the KV report: pages per tier, prefix hit rate (reused prompt tokens /
 prompt tokens, first admissions only), pages offloaded (device -> host/disk) and onboarded
@@ -34,6 +56,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Sequence
@@ -44,6 +67,7 @@ import numpy as np
 
 from jax_kvcm import (CacheLevel, ConcatCodec, Int8Codec, KVCacheConfig, KVCacheManager,
                       LayerGroupConfig, OutOfPagesError, SuspendResult)
+from jax_kvcm._manager import SequenceState  # NOTE: not exported by jax_kvcm (yet)
 from jax_kvcm._storage import CorruptPageError  # NOTE: not exported by jax_kvcm (yet)
 
 try:
@@ -75,17 +99,21 @@ class RequestOutput:
     request_id: int
     prompt_ids: list[int]
     generated_ids: list[int]
-    finish_reason: str                 # "eos" or "length"
+    finish_reason: str                 # "eos", "length" or "error" (see ServeConfig)
     prefix_hit_tokens: int             # prompt tokens reused at the first admission
     num_suspends: int = 0
     num_recomputes: int = 0
     time_to_first_token_s: float = 0.0
     logits: np.ndarray | None = None   # [n_generated, vocab] float32 with record_logits
+    # When each generated token reached the host, in seconds from submission (the differences
+    # are the inter-token latencies).
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+    error: str | None = None           # what failed, when finish_reason == "error"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable (without the logits)."""
+        """JSON-serializable (without the logits and token times)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "logits"}
+                if f.name not in ("logits", "token_times_s")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +125,16 @@ class ServeConfig:
     disk_bytes: int = 0
     cold_codec: str = "concat"
     max_batch: int = 8
-    max_tokens_per_step: int = 64      # the token budget of one step (chunked prefill)
+    max_tokens_per_step: int = 64      # the token budget of one step (decodes + prompt chunks)
+    # Prompt tokens one step may carry besides its decodes (chunked prefill). It bounds the
+    # inter-token latency of the running sequences while prompts stream in: a mixed step costs
+    # about a decode step plus this many tokens through every GEMM. 512: on an H200 with an
+    # 8B model a decode step at batch 256 moves ~65 GB (~16 ms at the copy roofline) and 512
+    # more tokens add ~8 TFLOP of GEMMs (~10 ms), so a step with a chunk stays within ~1.6x
+    # of a pure decode step while a 1,024-token prompt takes two steps.
+    prefill_chunk_tokens: int = 512
+    overlap: bool = True               # host prepares step n+1 while the device runs step n
+    max_step_retries: int = 1          # failed steps in a row a request survives (then "error")
     max_seq_len: int = 512
     paged_decode: bool = True          # pure-decode steps through paged_attention
     enable_prefix_reuse: bool = True
@@ -114,6 +151,10 @@ class ServeConfig:
         if self.max_tokens_per_step < self.max_batch:
             raise ValueError("max_tokens_per_step must be >= max_batch (every running sequence "
                              "decodes in one step)")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.max_step_retries < 0:
+            raise ValueError(f"max_step_retries must be >= 0, got {self.max_step_retries}")
 
 
 @dataclasses.dataclass
@@ -132,44 +173,83 @@ class _Req:
     submitted_at: float = 0.0
     ttft: float = 0.0
     finish_reason: str | None = None
+    error: str | None = None
     logits: list = dataclasses.field(default_factory=list)
+    token_times: list = dataclasses.field(default_factory=list)
+    # NOTE: tokens sampled by dispatched steps and not read yet (0..2 with overlap); the newest
+    # is row `last_row` of the output of step `last_step`.
+    unread: int = 0
+    last_row: int = -1
+    last_step: int = -1
+    step_failures: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens, read or not."""
+        return len(self.tokens) + self.unread - len(self.prompt)
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
 
 
-# ---------------------------------------------------------------------------------------------
-# Sampling.
+# Sampling on the device (examples/llama/model.py), re-exported here.
+sample_tokens = llama.sample_tokens
+greedy_tokens = llama.greedy_tokens
 
 
-def _sample_row(logits, temperature, top_p, seed, stream, counter):
-    greedy = jnp.argmax(logits).astype(jnp.int32)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), stream), counter)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)
-    sorted_logits = scaled[order]
-    probs = jax.nn.softmax(sorted_logits)
-    before = jnp.cumsum(probs) - probs           # mass strictly before each token
-    keep_sorted = before < top_p                 # always keeps the most likely token
-    keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
-    masked = jnp.where(keep, scaled, -jnp.inf)
-    sampled = jax.random.categorical(key, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+def _fit(x, n: int, fill: int):
+    """``x[:n]``, padded with ``fill`` to ``n`` entries (static shapes)."""
+    if x.shape[0] >= n:
+        return x[:n]
+    return jnp.concatenate([x, jnp.full((n - x.shape[0],), fill, x.dtype)])
 
 
-@jax.jit
-def sample_tokens(logits, temperature, top_p, seed, stream, counter):
-    """Next tokens ``[B]`` int32 from ``logits [B, V]``; per row temperature (0: argmax), top-p,
-    seed, stream and counter (the key is ``fold_in(fold_in(PRNGKey(seed), stream), counter)``)."""
-    return jax.vmap(_sample_row)(logits, temperature, top_p, seed, stream, counter)
+@functools.partial(jax.jit, static_argnames=("config", "decode", "greedy", "with_logits"),
+                   donate_argnames=("k_cache", "v_cache"))
+def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch, sampling, *,
+               config: llama.LlamaConfig, decode: bool, greedy: bool, with_logits: bool):
+    """One serving step on the device: input tokens, the model, sampling.
+
+    Args:
+      prev_tokens: int32 ``[M]``: the previous step's sampled tokens (its output).
+      gather, host_tokens: int32 ``[T]`` (``T`` the token bucket): token ``t`` is
+        ``prev_tokens[gather[t]]`` where ``gather[t] >= 0`` (a token sampled by the previous step
+        and not read by the host yet), else ``host_tokens[t]``.
+      batch: the manager's :class:`StepBatch` (``[B]`` rows, ``[T]`` tokens).
+      sampling: ``(temperature, top_p, seed, stream, counter)`` ``[B]`` each (see
+        :func:`model.sample_tokens`); ignored when ``greedy``.
+      decode: one token per row (``T`` new tokens = the ``B`` rows): ``decode_step``
+        (``paged_attention``); else ``forward_step`` (``ragged_paged_attention``).
+
+    Returns:
+      ``(tokens [M] int32, logits [B, V] float32 or None, k_cache, v_cache)``: row ``b``'s next
+      token (from the logits of its last new token) at ``tokens[b]``, zeros past ``B``; the
+      caches donated.
+    """
+    tokens = jnp.where(gather >= 0, prev_tokens[jnp.maximum(gather, 0)], host_tokens)
+    B = batch.seq_lens.shape[0]
+    if decode:
+        logits, k_cache, v_cache = llama.decode_step(
+            params, k_cache, v_cache, _fit(tokens, B, 0), _fit(batch.positions, B, 0),
+            _fit(batch.slot_mapping, B, -1), batch.page_table, batch.seq_lens, config=config)
+    else:
+        logits, k_cache, v_cache = llama.forward_step(
+            params, k_cache, v_cache, tokens, batch.positions, batch.slot_mapping,
+            batch.page_table, batch.seq_lens, batch.query_start, config=config)
+    nxt = llama.greedy_tokens(logits) if greedy else llama.sample_tokens(logits, *sampling)
+    out = jax.lax.dynamic_update_slice(jnp.zeros_like(prev_tokens), nxt, (0,))
+    return out, (logits if with_logits else None), k_cache, v_cache
 
 
-@jax.jit
-def greedy_tokens(logits):
-    """``argmax`` per row: :func:`sample_tokens` when every temperature is 0, without its sort
-    over the vocabulary (a full-vocabulary argsort per row costs milliseconds at batch 256)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+@dataclasses.dataclass
+class _Dispatched:
+    """A dispatched step whose sampled tokens the host has not read yet."""
+
+    index: int
+    tokens: jax.Array                  # [max_batch] on the device
+    logits: jax.Array | None
+    rows: list[tuple[_Req, int]]       # (request, row) of every token due
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,18 +276,25 @@ class Server:
             batch_buckets=serve.batch_buckets, token_buckets=serve.token_buckets)
         self.manager = KVCacheManager(self.kv_config, CODECS[serve.cold_codec]())
         self.manager.add_observer(self._on_event)
-        self._forward, self._decode = llama.bind(config)
+        # NOTE: the device step; a test seam (a fault hook wraps it from outside the class).
+        self._model_step = functools.partial(model_step, config=config)
         self._waiting: collections.deque[_Req] = collections.deque()
         self._running: list[_Req] = []
         self._suspended: collections.deque[_Req] = collections.deque()
+        self._closing: list[_Req] = []     # reached max_new_tokens, last token not read yet
         self._done: dict[int, RequestOutput] = {}
         self._next_id = 0
         self._order = 0
         self._shapes: set[tuple] = set()
         self.counters = collections.Counter()
-        self._sample_shapes: set[tuple[int, bool]] = set()
         self._busy_s = 0.0
         self._steady_s = 0.0               # time in steps that compiled nothing
+        # NOTE: committed to the pools' device like every later step output (else the first
+        # step compiles once more for an uncommitted argument).
+        self._prev_tokens = jax.device_put(np.zeros((serve.max_batch,), np.int32),
+                                           self.manager.caches[0][0].sharding)
+        self._inflight: _Dispatched | None = None
+        self._num_dispatched = 0
 
     # -- events ------------------------------------------------------------------------------
 
@@ -251,8 +338,14 @@ class Server:
                                   list(prompt), submitted_at=time.perf_counter()))
         return rid
 
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished (their sequences on the device)."""
+        return len(self._running) + len(self._closing)
+
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._suspended)
+        return bool(self._waiting or self._running or self._suspended or self._closing
+                    or self._inflight is not None)
 
     def generate(self, requests: Sequence[Request]) -> list[RequestOutput]:
         """Submits ``requests``, runs until all finish, returns their outputs in order."""
@@ -266,13 +359,12 @@ class Server:
     def _device_room(self) -> int:
         """Device pages obtainable now (free + pending frees + evictable cached), less one page
         of growth headroom per running sequence."""
-        c = self.manager.stats()["pages"]["device"]
-        return c["free"] + c["pending"] + c["cached"] - len(self._running)
+        return self.manager.num_obtainable_pages(D) - len(self._running)
 
     def _pages(self, n_tokens: int) -> int:
         return -(-n_tokens // self.serve.page_size)
 
-    def _schedule(self) -> None:
+    def _schedule(self, finished: list[RequestOutput]) -> None:
         """Resumes suspended sequences (oldest first), then admits waiting requests."""
         mb = self.serve.max_batch
         while self._suspended and len(self._running) < mb:
@@ -281,7 +373,7 @@ class Server:
                 return  # no room yet; do not admit newer requests ahead of it either
             try:
                 resumed = self.manager.resume(r.seq)
-            except CorruptPageError:          # a parked page failed its checksum: recompute
+            except (CorruptPageError, OSError):   # a parked page is lost: recompute
                 self._suspended.popleft()
                 self._drop_for_recompute(r)
                 continue
@@ -299,7 +391,11 @@ class Server:
             if self._running and self._pages(len(r.tokens) + 1) > self._device_room():
                 return
             self._waiting.popleft()
-            r.seq = self.manager.add_sequence(np.asarray(r.tokens, np.int32))
+            try:
+                r.seq = self.manager.add_sequence(np.asarray(r.tokens, np.int32))
+            except (CorruptPageError, OSError) as e:   # its prefix hit could not be onboarded
+                finished.append(self._fail(r, e))
+                continue
             hit = r.seq.num_reused_tokens
             if r.first_admit:
                 r.first_admit = False
@@ -313,15 +409,17 @@ class Server:
             self._running.append(r)
 
     def _drop_for_recompute(self, r: _Req) -> None:
-        self.manager.close(r.seq)
-        r.seq = None
+        self._close_seq(r)
         r.num_recomputes += 1
         self.counters["recomputes"] += 1
         self._waiting.appendleft(r)
 
     def _preempt(self, r: _Req) -> None:
         self._running.remove(r)
-        res = self.manager.suspend(r.seq)
+        try:
+            res = self.manager.suspend(r.seq)
+        except (CorruptPageError, OSError):
+            res = SuspendResult.MUST_RECOMPUTE
         if res is SuspendResult.SUSPENDED:
             r.num_suspends += 1
             self.counters["suspends"] += 1
@@ -334,117 +432,183 @@ class Server:
     def _plan(self) -> list[tuple[_Req, int]]:
         work: list[tuple[_Req, int]] = []
         budget = self.serve.max_tokens_per_step
-        lefts = [len(r.tokens) - r.seq.num_tokens for r in self._running]
+        lefts = [len(r.tokens) + r.unread - r.seq.num_tokens for r in self._running]
         for r, left in zip(self._running, lefts):   # decoding sequences first: one token each
             if left == 1:
                 work.append((r, 1))
                 budget -= 1
+        chunk = min(budget, self.serve.prefill_chunk_tokens)
         for r, left in zip(self._running, lefts):
-            if left > 1 and budget > 0:
-                n = min(left, budget)
+            if left > 1 and chunk > 0:
+                n = min(left, chunk)
                 work.append((r, n))
-                budget -= n
+                chunk -= n
         return work
 
-    def step(self) -> list[RequestOutput]:
-        """Schedules, runs one model step, samples; returns the requests that finished."""
-        t0 = time.perf_counter()
-        self._schedule()
-        if not self._running:
-            if self._suspended or self._waiting:
-                raise RuntimeError("no sequence can run: the device cannot hold any request")
-            return []
+    def _prepare(self, finished: list[RequestOutput]):
+        """Plans the step and has the manager prepare it; under page pressure reads what is
+        outstanding (finished sequences free pages), then preempts. ``(work, batch)``, or
+        ``None`` when nothing can run now."""
         while True:
+            if any(r.unread and r.last_step != self._num_dispatched for r in self._running):
+                finished += self._drain()  # pragma: no cover  (a token to feed is not at hand)
             work = self._plan()
-            items = [(r.seq, np.array(r.tokens[nt:nt + n], np.int32))
-                     for (r, n), nt in zip(work, [r.seq.num_tokens for r, _ in work])]
+            if not work:
+                return None
+            items = []
+            for r, n in work:
+                nt = r.seq.num_tokens
+                # NOTE: an unread token is fed from the device; prepare_step gets a count.
+                if r.unread:
+                    items.append((r.seq, 1))
+                    continue
+                if r.seq.num_known_tokens < nt:
+                    self._record_ids(r)    # ids given now must follow the known ones
+                items.append((r.seq, np.array(r.tokens[nt:nt + n], np.int32)))
             try:
-                batch = self.manager.prepare_step(items)
-                break
+                return work, self.manager.prepare_step(items)
             except OutOfPagesError:
-                if len(self._running) > 1:
+                if self._inflight is not None:
+                    finished += self._drain()
+                elif len(self._running) > 1:
                     self._preempt(max(self._running, key=lambda r: r.order))
                 elif self._suspended:       # their shared pages pin the device: recompute one
                     victim = self._suspended.pop()
                     self._drop_for_recompute(victim)
                 else:
                     raise
-        n_shapes, n_gen = len(self._shapes) + len(self._sample_shapes), self.counters[
-            "generated_tokens"]
-        finished = self._run(work, batch)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches one model step; returns the requests that finished (with
+        ``overlap``, those whose last token the previous step produced)."""
+        t0 = time.perf_counter()
+        finished: list[RequestOutput] = []
+        self._schedule(finished)
+        n_shapes, n_gen = len(self._shapes), self.counters["generated_tokens"]
+        prepared = self._prepare(finished) if self._running else None
+        if prepared is None:
+            if self._inflight is not None:
+                finished += self._drain()
+            elif (self._suspended or self._waiting) and not finished:
+                raise RuntimeError("no sequence can run: the device cannot hold any request")
+            return finished
+        work, batch = prepared
+        try:
+            new = self._dispatch(work, batch)
+        except Exception as e:  # noqa: BLE001  (a failed step: its requests retry or fail)
+            finished += self._step_failed(work, e)
+            return finished
+        prev, self._inflight = self._inflight, new
+        if prev is not None:
+            finished += self._read(prev)
+        if not self.serve.overlap:
+            finished += self._drain()
+        for r, _ in new.rows:      # done by length: nothing to read first (EOS may come late)
+            if r.finish_reason is None and r.seq is not None and (
+                    r.num_generated >= r.req.max_new_tokens):
+                self._close_seq(r)
+                self._running.remove(r)
+                self._closing.append(r)
         dt = time.perf_counter() - t0
         self._busy_s += dt
-        if len(self._shapes) + len(self._sample_shapes) == n_shapes:   # compiled nothing
+        if len(self._shapes) == n_shapes:   # compiled nothing
             self._steady_s += dt
             self.counters["steady_generated_tokens"] += self.counters["generated_tokens"] - n_gen
         return finished
 
-    def _run(self, work, batch) -> list[RequestOutput]:
+    def _dispatch(self, work, batch) -> _Dispatched:
+        """Builds the host inputs, dispatches the device step (nothing waits for it) and hands
+        the pools back to the manager."""
         counts = [n for _, n in work]
         B, T = len(work), sum(counts)
-        qs = np.asarray(batch.query_start)
         Bb, Tb = batch.seq_lens.shape[0], batch.positions.shape[0]
-        (k, v), = self.manager.caches
-        pure_decode = self.serve.paged_decode and T == B
-        if pure_decode:
-            tokens = np.zeros(Bb, np.int32)
-            slots = np.full(Bb, -1, np.int32)
-            positions = np.zeros(Bb, np.int32)
-            m = min(Bb, Tb)
-            slots[:m] = np.asarray(batch.slot_mapping)[:m]
-            positions[:m] = np.asarray(batch.positions)[:m]
-            slots[B:], positions[B:] = -1, 0
-            tokens[:B] = [r.tokens[pos]        # row b's one new token (T == B)
-                          for (r, _), pos in zip(work, positions[:B].tolist())]
-            self._shapes.add(("decode", Bb))
-            logits, k, v = self._decode(self.params, k, v, tokens, positions, slots,
-                                        batch.page_table, batch.seq_lens)
-            self.counters["decode_steps"] += 1
-        else:
-            tokens = np.zeros(Tb, np.int32)
-            off = 0
-            for r, n in work:
+        decode = self.serve.paged_decode and T == B
+        host_tokens = np.zeros(Tb, np.int32)
+        gather = np.full(Tb, -1, np.int32)
+        off = 0
+        for r, n in work:
+            if r.unread:
+                gather[off] = r.last_row
+            else:
                 end = r.seq.num_tokens
-                tokens[off:off + n] = r.tokens[end - n:end]
-                off += n
-            logits_index = np.maximum(qs[1:] - 1, 0).astype(np.int32)
-            self._shapes.add(("forward", Bb, Tb))
-            logits, k, v = self._forward(self.params, k, v, tokens, batch.positions,
-                                         batch.slot_mapping, batch.page_table, batch.seq_lens,
-                                         batch.query_start, logits_index)
-            self.counters["mixed_steps"] += 1
+                host_tokens[off:off + n] = r.tokens[end - n:end]
+            off += n
+        lens = np.asarray(batch.seq_lens)[:B].tolist()
+        due = [b for b, ((r, _), n) in enumerate(zip(work, lens))
+               if n == len(r.tokens) + r.unread]
+        rows = [work[b][0] for b in due]
+        temp = np.zeros(Bb, np.float32)
+        temp[due] = [r.req.temperature for r in rows]
+        greedy = not temp.any()
+        sampling = None
+        if not greedy:
+            top_p = np.ones(Bb, np.float32)
+            seed = np.zeros(Bb, np.int32)
+            stream = np.zeros(Bb, np.int32)
+            counter = np.zeros(Bb, np.int32)
+            top_p[due] = [r.req.top_p for r in rows]
+            seed[due] = [r.req.seed for r in rows]
+            stream[due] = [r.rid for r in rows]
+            counter[due] = [r.num_generated for r in rows]
+            sampling = (temp, top_p, seed, stream, counter)
+        with_logits = self.serve.record_logits
+        self._shapes.add(("decode" if decode else "forward", Bb, Tb, greedy))
+        (k, v), = self.manager.caches
+        tokens, logits, k, v = self._model_step(
+            self.params, k, v, self._prev_tokens, gather, host_tokens, batch, sampling,
+            decode=decode, greedy=greedy, with_logits=with_logits)
         self.manager.complete_step([(k, v)])
+        tokens.copy_to_host_async()
+        if logits is not None:
+            logits.copy_to_host_async()
+        self._prev_tokens = tokens
+        self._num_dispatched += 1
+        self.counters["decode_steps" if decode else "mixed_steps"] += 1
         self.counters["steps"] += 1
         self.counters["step_tokens"] += T
-        # Sample for every row whose sequence has consumed all its tokens (seq_lens: the
-        # sequences' lengths after this step).
-        lens = np.asarray(batch.seq_lens)[:B].tolist()
-        due = [b for b, ((r, _), n) in enumerate(zip(work, lens)) if n == len(r.tokens)]
-        finished: list[RequestOutput] = []
-        if not due:
-            return finished
-        temp = np.zeros(Bb, np.float32)
-        top_p = np.ones(Bb, np.float32)
-        seed = np.zeros(Bb, np.int32)
-        stream = np.zeros(Bb, np.int32)
-        counter = np.zeros(Bb, np.int32)
-        rows = [work[b][0] for b in due]
-        temp[due] = [r.req.temperature for r in rows]
-        top_p[due] = [r.req.top_p for r in rows]
-        seed[due] = [r.req.seed for r in rows]
-        stream[due] = [r.rid for r in rows]
-        counter[due] = [len(r.tokens) - len(r.prompt) for r in rows]
-        self._sample_shapes.add((Bb, bool(temp.any())))
-        next_tokens = np.asarray(sample_tokens(logits, temp, top_p, seed, stream, counter)
-                                 if temp.any() else greedy_tokens(logits)).tolist()
-        self.counters["generated_tokens"] += len(due)
-        now = time.perf_counter()
-        host_logits = np.asarray(logits) if self.serve.record_logits else None
+        for r, _ in work:
+            r.step_failures = 0
         for b, r in zip(due, rows):
-            tok = next_tokens[b]
+            r.unread += 1
+            r.last_row, r.last_step = b, self._num_dispatched
+        return _Dispatched(self._num_dispatched, tokens, logits, list(zip(rows, due)))
+
+    def _record_ids(self, r: _Req) -> None:
+        """Tells the manager the read ids it has not got yet (tokens fed to steps as counts),
+        so the pages they fill can be committed to the prefix tree."""
+        seq = r.seq
+        if seq is None or seq.state is not SequenceState.ACTIVE:
+            return
+        known = seq.num_known_tokens
+        if known < len(r.tokens):
+            self.manager.record_token_ids(seq, np.asarray(r.tokens[known:], np.int32))
+
+    def _drain(self) -> list[RequestOutput]:
+        """Reads the outstanding step's tokens (blocks until it completed)."""
+        prev, self._inflight = self._inflight, None
+        return self._read(prev) if prev is not None else []
+
+    def _read(self, d: _Dispatched) -> list[RequestOutput]:
+        """The host side of a dispatched step's tokens: append, record, EOS/length checks."""
+        toks = np.asarray(d.tokens).tolist()
+        host_logits = np.asarray(d.logits) if d.logits is not None else None
+        now = time.perf_counter()
+        finished: list[RequestOutput] = []
+        for r, b in d.rows:
+            if r.finish_reason is not None:     # EOS came first: a token past the end
+                self.counters["dropped_tokens"] += 1
+                continue
+            if r.unread == 0:                   # pragma: no cover  (requeued after a failure)
+                continue
+            tok = toks[b]
+            r.unread -= 1
             if len(r.tokens) == len(r.prompt):
                 r.ttft = now - r.submitted_at
             r.tokens.append(tok)
+            if len(r.tokens) % self.serve.page_size == 0:
+                self._record_ids(r)     # a page of ids complete: it can be committed now
+            r.token_times.append(now - r.submitted_at)
+            self.counters["generated_tokens"] += 1
             if host_logits is not None:
                 r.logits.append(host_logits[b])
             if tok in r.eos or len(r.tokens) - len(r.prompt) >= r.req.max_new_tokens:
@@ -452,15 +616,71 @@ class Server:
                 finished.append(self._finish(r))
         return finished
 
-    def _finish(self, r: _Req) -> RequestOutput:
-        self.manager.close(r.seq)
+    def _close_seq(self, r: _Req) -> None:
+        if r.seq is not None and r.seq.state is not SequenceState.CLOSED:
+            self.manager.close(r.seq)
         r.seq = None
-        self._running.remove(r)
+
+    def _finish(self, r: _Req) -> RequestOutput:
+        self._close_seq(r)
+        for queue in (self._running, self._closing, self._waiting, self._suspended):
+            if r in queue:
+                queue.remove(r)
         out = RequestOutput(r.rid, r.prompt, r.generated, r.finish_reason, r.prefix_hit_tokens,
                             r.num_suspends, r.num_recomputes, r.ttft,
-                            np.stack(r.logits) if self.serve.record_logits else None)
+                            np.stack(r.logits) if self.serve.record_logits and r.logits
+                            else None, list(r.token_times), r.error)
         self._done[r.rid] = out
         return out
+
+    def _fail(self, r: _Req, e: BaseException) -> RequestOutput:
+        self.counters["failed_requests"] += 1
+        r.finish_reason, r.error = "error", f"{type(e).__name__}: {e}"[:500]
+        return self._finish(r)
+
+    def _step_failed(self, work, e: BaseException) -> list[RequestOutput]:
+        """The step raised before it was handed back: undo it in the manager, read what the
+        previous step produced, then retry, recompute or fail the step's requests."""
+        self.counters["failed_steps"] += 1
+        mgr = self.manager
+        if hasattr(mgr, "abort_step"):
+            lost = mgr.abort_step()         # the step undone; lost: pools gone, seqs closed
+        else:
+            # NOTE: without abort_step the step's sequences are closed (nothing of this step is
+            # committed: complete_step skips closed sequences) and recomputed; the pools must
+            # be intact (the step failed before consuming them).
+            (k, v), = mgr.caches
+            if k.is_deleted() or v.is_deleted():
+                raise RuntimeError("the failed step consumed the KV pools and this manager has "
+                                   "no abort_step to recover them") from e
+            lost = [r.seq for r, _ in work]
+            for seq in lost:
+                mgr.close(seq)
+            mgr.complete_step([(k, v)])
+        lost_ids = {id(s) for s in lost}
+        finished = self._drain()
+        for r, _ in work:
+            if r.finish_reason is not None:
+                continue
+            r.step_failures += 1
+            if r.seq is not None and id(r.seq) in lost_ids:
+                if r in self._running:
+                    self._running.remove(r)
+                if r.step_failures > self.serve.max_step_retries:
+                    finished.append(self._fail(r, e))
+                else:
+                    self._drop_for_recompute(r)
+            elif r.step_failures > self.serve.max_step_retries:
+                finished.append(self._fail(r, e))
+        for seq in lost:   # other sequences the manager closed (their pools were lost)
+            for r in list(self._running) + list(self._suspended):
+                if r.seq is seq:
+                    if r in self._running:
+                        self._running.remove(r)
+                    else:
+                        self._suspended.remove(r)
+                    self._drop_for_recompute(r)
+        return finished
 
     # -- report ------------------------------------------------------------------------------
 
@@ -474,6 +694,9 @@ class Server:
             "pages": st["pages"],
             "page_size": self.serve.page_size,
             "cold_codec": self.serve.cold_codec,
+            "overlap": self.serve.overlap,
+            "max_tokens_per_step": self.serve.max_tokens_per_step,
+            "prefill_chunk_tokens": self.serve.prefill_chunk_tokens,
             "prompt_tokens": prompt,
             "prefix_hit_tokens": c["prefix_hit_tokens"],
             "prefix_hit_rate": c["prefix_hit_tokens"] / prompt if prompt else 0.0,
@@ -488,6 +711,9 @@ class Server:
             "resumes": c["resumes"],
             "recomputes": c["recomputes"],
             "recompute_hit_tokens": c["recompute_hit_tokens"],
+            "failed_steps": c["failed_steps"],
+            "failed_requests": c["failed_requests"],
+            "dropped_tokens": c["dropped_tokens"],
             "steps": c["steps"],
             "decode_steps": c["decode_steps"],
             "mixed_steps": c["mixed_steps"],
