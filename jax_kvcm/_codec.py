@@ -53,7 +53,9 @@ __all__ = [
 # Cold tier base addresses must be multiples of this (checked here and in the handlers).
 COLD_ADDRESS_ALIGNMENT = 16
 
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                     jnp.dtype(jnp.float8_e4m3fn))
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # NOTE: the handlers refuse hot pages above 2^40 bytes (every offset product then fits int64).
 _MAX_HOT_PAGE_BYTES = 1 << 40
 
@@ -167,7 +169,8 @@ class ColdPageCodec:
         """Takes every hot pool group's layout, once. False (and still unconfigured, with
         :attr:`configure_error` saying why) for an invalid configuration: no descriptions,
         indices not ``0, 1, ...`` in order, a layer group listed twice, an empty group, a
-        non-positive size, an unsupported dtype (float32, bfloat16, float16 are supported).
+        non-positive size, an unsupported dtype (float32, bfloat16, float16 and, for the lossless
+        concat codec only, float8_e4m3fn are supported).
 
         Raises RuntimeError when called a second time (whatever the first call returned).
         """
@@ -314,7 +317,11 @@ class ColdPageCodec:
                 return {}, f"descs[{position}].dtype {desc.dtype!r} is not a dtype"
             if dtype not in _SUPPORTED_DTYPES:
                 return {}, (f"descs[{position}].dtype {dtype} is not supported (float32, "
-                            "bfloat16, float16)")
+                            "bfloat16, float16, float8_e4m3fn)")
+            if dtype == _FP8 and not self.lossless:
+                return {}, (f"descs[{position}].dtype float8_e4m3fn: the {self.name} codec does "
+                            "not take fp8 pools (their scales live outside the pages); use the "
+                            "concat codec, which moves fp8 pages byte-exactly")
             members = desc.layer_groups
             if isinstance(members, (str, bytes)) or not isinstance(members, Sequence) or \
                     len(members) == 0:

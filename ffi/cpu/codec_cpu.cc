@@ -191,6 +191,7 @@ ffi::Error Int8Dispatch(bool encode, char* k_pool, char* v_pool,
     case DType::kF32: Int8Run<float>(encode, k_pool, v_pool, pairs, c, address); break;
     case DType::kBF16: Int8Run<bf16_t>(encode, k_pool, v_pool, pairs, c, address); break;
     case DType::kF16: Int8Run<f16_t>(encode, k_pool, v_pool, pairs, c, address); break;
+    case DType::kF8E4M3: return Invalid("int8 codec: float8_e4m3fn pools are refused");
   }
   return ffi::Error::Success();
 }

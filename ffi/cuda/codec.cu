@@ -518,6 +518,8 @@ ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_po
       return Int8Launch<__nv_bfloat16>(encode, stream, c, k_base, v_base, index_pairs, address);
     case DType::kF16:
       return Int8Launch<__half>(encode, stream, c, k_base, v_base, index_pairs, address);
+    case DType::kF8E4M3:
+      return Invalid("int8 codec: float8_e4m3fn pools are refused");
   }
   return ffi::Error::Internal("int8 codec: unreachable dtype");
 }

@@ -137,7 +137,10 @@ inline ffi::ErrorOr<CodecCall> ParseCodecCall(CodecKind kind, const ffi::AnyBuff
     return Fail("v_pool shape " + DimsToString(vd) + " must equal k_pool shape " +
                 DimsToString(kd));
   auto dt = ToDType(k_pool.element_type());
-  if (!dt) return Fail("k_pool dtype must be float32, bfloat16 or float16");
+  if (!dt) return Fail("k_pool dtype must be float32, bfloat16, float16 or float8_e4m3fn");
+  if (kind == CodecKind::kInt8 && *dt == DType::kF8E4M3)
+    return Fail("k_pool: the int8 codec does not take float8_e4m3fn pools (their scales live "
+                "outside the pages); use the concat codec, which moves fp8 pages byte-exactly");
   if (v_pool.element_type() != k_pool.element_type())
     return Fail("v_pool dtype must equal k_pool dtype");
   CodecCall c;
