@@ -55,7 +55,8 @@ ffi::Error ConcatCopy(bool encode, char* k_pool, char* v_pool, const ffi::AnyBuf
 
 ffi::Error ConcatEncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                                ffi::AnyBuffer index_pairs, uint64_t address,
-                               int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> token) {
+                               int64_t num_cold_slots, int32_t options, ffi::Result<ffi::AnyBuffer> token) {
+  (void)options;
   auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
   if (call.has_error()) return call.error();
@@ -69,8 +70,10 @@ ffi::Error ConcatEncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
 
 ffi::Error ConcatDecodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                                ffi::AnyBuffer index_pairs, uint64_t address,
-                               int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> k_out,
+                               int64_t num_cold_slots, int32_t options,
+                               ffi::Result<ffi::AnyBuffer> k_out,
                                ffi::Result<ffi::AnyBuffer> v_out) {
+  (void)options;
   auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
   if (call.has_error()) return call.error();
@@ -198,7 +201,8 @@ ffi::Error Int8Dispatch(bool encode, char* k_pool, char* v_pool,
 
 ffi::Error Int8EncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                              ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                             ffi::Result<ffi::AnyBuffer> token) {
+                             int32_t options, ffi::Result<ffi::AnyBuffer> token) {
+  (void)options;
   auto call = ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
   if (call.has_error()) return call.error();
@@ -213,7 +217,9 @@ ffi::Error Int8EncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
 
 ffi::Error Int8DecodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                              ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                             ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+                             int32_t options, ffi::Result<ffi::AnyBuffer> k_out,
+                             ffi::Result<ffi::AnyBuffer> v_out) {
+  (void)options;
   auto call = ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
   if (call.has_error()) return call.error();
@@ -233,6 +239,7 @@ namespace xffi = xla::ffi;
       .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */   \
       .Attr<uint64_t>("address")        /* cold tier base */      \
       .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */       \
+      .Attr<int32_t>("options")         /* ignored on CPU */      \
       .Ret<xffi::AnyBuffer>()           /* token int32 [1] */
 
 #define KVCM_DECODE_BINDING                                       \
@@ -242,6 +249,7 @@ namespace xffi = xla::ffi;
       .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */   \
       .Attr<uint64_t>("address")        /* cold tier base */      \
       .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */       \
+      .Attr<int32_t>("options")         /* ignored on CPU */      \
       .Ret<xffi::AnyBuffer>()           /* k_pool (aliased) */    \
       .Ret<xffi::AnyBuffer>()           /* v_pool (aliased) */
 

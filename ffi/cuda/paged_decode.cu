@@ -1,4 +1,5 @@
-// Split-KV paged decode attention on tensor cores (bf16 / f16).
+// Split-KV paged decode attention on tensor cores (bf16 / f16 queries; caches of the query dtype
+// or float8_e4m3fn).
 //
 // Grid (num_splits, num_kv_heads, batch). A CTA owns one sequence, one kv head and one range of
 // 16-token tiles; its G = H / Hkv query heads form the rows of one m16 tile (rows >= G are zero).
@@ -6,6 +7,12 @@
 // ring, keeps its own online-softmax state, and the warps merge through shared memory at the end.
 // With num_splits > 1 the CTA writes an unnormalized partial (o, max, sum) and a combine kernel
 // reduces the splits.
+//
+// fp8 caches: tiles arrive as raw bytes (a 16-byte cp.async moves 16 elements), and each warp
+// converts its tile to f16 in shared memory (e4m3 -> f16 is exact) before the same ldmatrix/mma
+// path runs in f16 (bf16 queries are converted to f16 once: exact for |q| in f16's normal range).
+// The per-(layer, kv head) scales are constant within a CTA: k_scale is folded into the logit
+// scale and v_scale multiplies the merged output, so no per-element scaling happens.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -20,11 +27,42 @@ constexpr int kTile = 16;  // tokens per tile
 constexpr int kWarps = 4;
 
 template <int D>
-constexpr int DefaultStages() { return D <= 128 ? 3 : 2; }
+constexpr int Stages() { return D <= 128 ? 3 : 2; }
 
-template <int D, int kStages>
+// Per warp: kStages {K, V} tiles as they arrive (2 bytes or 1 byte per element) and, for fp8, one
+// converted f16 {K, V} tile.
+template <int D, bool kFp8>
 constexpr int DecodeSmemBytes() {
-  return kWarps * kStages * 2 * kTile * D * 2;
+  return kWarps * (Stages<D>() * 2 * kTile * D * (kFp8 ? 1 : 2) + (kFp8 ? 2 * kTile * D * 2 : 0));
+}
+
+// 16 float8_e4m3fn values (one 16-byte chunk) -> two 16-byte chunks of f16 (exact).
+__device__ __forceinline__ void Fp8ChunkToHalf(const uint4 in, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+  uint32_t h[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] >> 16), __NV_E4M3);
+    h[2 * i] = uint32_t(a.x) | (uint32_t(a.y) << 16);
+    h[2 * i + 1] = uint32_t(b.x) | (uint32_t(b.y) << 16);
+  }
+  lo = make_uint4(h[0], h[1], h[2], h[3]);
+  hi = make_uint4(h[4], h[5], h[6], h[7]);
+}
+
+// Two query elements (one 32-bit word of T) as the MMA operand type M.
+template <typename T, typename M>
+__device__ __forceinline__ uint32_t QueryWord(const T* p) {
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+  if constexpr (std::is_same_v<T, M>) {
+    return w;
+  } else {  // bf16 -> f16
+    __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w);
+    const float2 f = __bfloat1622float2(b);
+    __half2 h = __floats2half2_rn(f.x, f.y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
 }
 
 struct DecodeParams {
@@ -36,10 +74,15 @@ struct DecodeParams {
   float* part_ml;  // [num_splits, B, H, 2]
 };
 
-template <typename T, int D, int kStages, bool kL2Hint>
+// T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T.
+template <typename T, int D, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodeParams p) {
-  constexpr int kChunks = D / 8;
-  constexpr int kTileElems = kTile * D;
+  using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
+  constexpr int kStages = Stages<D>();
+  constexpr int kChunks = D / 8;            // 16-byte chunks of M per row
+  constexpr int kLoadChunks = kFp8 ? D / 16 : D / 8;  // 16-byte chunks per cached row
+  constexpr int kTileElems = kTile * D;     // elements of M per converted tile
+  constexpr int kTileBytes = kTile * D * (kFp8 ? 1 : 2);  // bytes of one arriving tile
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -48,7 +91,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   const int P = int(s.cache.page_size);
 
   extern __shared__ uint4 smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
+  char* smem = reinterpret_cast<char*>(smem_raw);
   __shared__ int cta_bad;
   if (threadIdx.x == 0) cta_bad = 0;
   __syncthreads();
@@ -56,9 +99,20 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   int len = a.seq_lens[b];
   int li = *a.layer;
   uint32_t bits = 0;
-  if (len < 0 || len > s.max_pages * P) { bits |= kBadSeqLen; len = 0; }
+  if (len < 0 || !RowFitsTable(a.window > 0 ? max(0, len - a.window) : 0, len, a)) {
+    bits |= kBadSeqLen;
+    len = 0;
+  }
   if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; len = 0; }
   const int lo = a.window > 0 ? max(0, len - a.window) : 0;
+  LogitTransform logit = p.logit;
+  float v_scale = 1.f;
+  if constexpr (kFp8) {  // per-(layer, kv head) scales, constant in this CTA
+    const float ks = a.k_scale[int64_t(li) * s.cache.num_kv_heads + kvh];
+    logit.scale_log2 *= ks;
+    logit.scale *= ks;
+    v_scale = a.v_scale[int64_t(li) * s.cache.num_kv_heads + kvh];
+  }
   const int tile_lo = lo / kTile, tile_hi = (len + kTile - 1) / kTile;
   const int per_split = (max(tile_hi - tile_lo, 0) + p.num_splits - 1) / p.num_splits;
   const int my_lo = tile_lo + split * per_split;
@@ -72,18 +126,22 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const int col = kk * 16 + c0;
-    qf[kk][0] = r0 < G ? *reinterpret_cast<const uint32_t*>(qb + r0 * D + col) : 0u;
-    qf[kk][1] = r0 + 8 < G ? *reinterpret_cast<const uint32_t*>(qb + (r0 + 8) * D + col) : 0u;
-    qf[kk][2] = r0 < G ? *reinterpret_cast<const uint32_t*>(qb + r0 * D + col + 8) : 0u;
-    qf[kk][3] = r0 + 8 < G ? *reinterpret_cast<const uint32_t*>(qb + (r0 + 8) * D + col + 8) : 0u;
+    qf[kk][0] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col) : 0u;
+    qf[kk][1] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col) : 0u;
+    qf[kk][2] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col + 8) : 0u;
+    qf[kk][3] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col + 8) : 0u;
   }
 
-  const int64_t layer_off = int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D;
-  const T* kbase = static_cast<const T*>(a.k_cache) + layer_off;
-  const T* vbase = static_cast<const T*>(a.v_cache) + layer_off;
+  constexpr int kElemBytes = kFp8 ? 1 : 2;
+  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
+  const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
+  const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
   const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
-  const int64_t token_stride = s.cache.token_stride();
-  T* wsmem = smem + warp * kStages * 2 * kTileElems;
+  const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
+  constexpr int kWarpBytes = kStages * 2 * kTileBytes + (kFp8 ? 2 * kTileElems * 2 : 0);
+  char* wsmem = smem + warp * kWarpBytes;
+  M* conv = reinterpret_cast<M*>(wsmem + kStages * 2 * kTileBytes);  // fp8: converted {K, V}
+  const int max_pages = int(s.max_pages);
 
   // Page indices of a tile, lane-uniform: a 16-token tile spans one page (P >= 16) or two
   // (P == 8). Fetched one iteration ahead so their latency hides behind the compute.
@@ -91,17 +149,19 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     page_lo = page_hi = 0;
     if (it < my_count) {
       const int first = (my_lo + warp + it * kWarps) * kTile;  // < len
-      page_lo = pages[first >> p.page_shift];
-      page_hi = (P >= 16 || first + 8 >= len) ? page_lo : pages[(first + 8) >> p.page_shift];
+      page_lo = pages[TableEntry(first >> p.page_shift, max_pages, a.ring)];
+      page_hi = (P >= 16 || first + 8 >= len)
+                    ? page_lo
+                    : pages[TableEntry((first + 8) >> p.page_shift, max_pages, a.ring)];
     }
   };
   auto load_tile = [&](int it, int stage, int page_lo, int page_hi) {
     const int first = (my_lo + warp + it * kWarps) * kTile;
-    T* ks = wsmem + stage * 2 * kTileElems;
-    T* vs = ks + kTileElems;
+    char* ks = wsmem + stage * 2 * kTileBytes;
+    char* vs = ks + kTileBytes;
 #pragma unroll
-    for (int i = lane; i < kTile * kChunks; i += 32) {
-      const int row = i / kChunks, ch = i % kChunks;
+    for (int i = lane; i < kTile * kLoadChunks; i += 32) {
+      const int row = i / kLoadChunks, ch = i % kLoadChunks;
       const int pos = first + row;
       const int page = (P == 8 && row >= 8) ? page_hi : page_lo;
       bool valid = pos >= lo && pos < len;
@@ -111,17 +171,27 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
           bits |= kBadPage;
           valid = false;
         } else {
-          off = (int64_t(page) * P + (pos & (P - 1))) * token_stride + ch * 8;
+          off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
         }
       }
-      const int so = SwizzledOffset<kChunks>(row, ch);
-      if constexpr (kL2Hint) {
-        CpAsync16L2(SmemAddr(ks + so), kbase + off, valid);
-        CpAsync16L2(SmemAddr(vs + so), vbase + off, valid);
-      } else {
-        CpAsync16(SmemAddr(ks + so), kbase + off, valid);
-        CpAsync16(SmemAddr(vs + so), vbase + off, valid);
-      }
+      // fp8 tiles arrive unswizzled (converted below); 16-bit tiles swizzled for ldmatrix.
+      const int so = kFp8 ? i * 16 : SwizzledOffset<kChunks>(row, ch) * 2;
+      CpAsync16(SmemAddr(ks + so), kbase + off, valid);
+      CpAsync16(SmemAddr(vs + so), vbase + off, valid);
+    }
+  };
+  // fp8: the arrived {K, V} tile of `stage` -> f16, swizzled, into conv (this warp only).
+  auto convert_tile = [&](int stage) {
+    const char* ks = wsmem + stage * 2 * kTileBytes;
+#pragma unroll
+    for (int i = lane; i < 2 * kTile * kLoadChunks; i += 32) {
+      const int kv = i / (kTile * kLoadChunks), j = i % (kTile * kLoadChunks);
+      const int row = j / kLoadChunks, ch = j % kLoadChunks;
+      uint4 lo4, hi4;
+      Fp8ChunkToHalf(*reinterpret_cast<const uint4*>(ks + kv * kTileBytes + j * 16), lo4, hi4);
+      M* dst = conv + kv * kTileElems;
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset<kChunks>(row, 2 * ch)) = lo4;
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset<kChunks>(row, 2 * ch + 1)) = hi4;
     }
   };
 
@@ -141,14 +211,21 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   for (int it = 0; it < my_count; ++it) {
     CpAsyncWait<kStages - 2>();
     __syncwarp();
+    const M* ks;
+    if constexpr (kFp8) {
+      convert_tile(it % kStages);
+      __syncwarp();
+      ks = conv;
+    } else {
+      ks = reinterpret_cast<const M*>(wsmem + (it % kStages) * 2 * kTileBytes);
+    }
+    const M* vs = ks + kTileElems;
     if (it + kStages - 1 < my_count) {
       load_tile(it + kStages - 1, (it + kStages - 1) % kStages, page_lo, page_hi);
       fetch_pages(it + kStages, page_lo, page_hi);
     }
     CpAsyncCommit();
 
-    const T* ks = wsmem + (it % kStages) * 2 * kTileElems;
-    const T* vs = ks + kTileElems;
     // Two independent accumulator chains (even / odd k steps) halve the dependent-mma latency.
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     float sd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -158,11 +235,11 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
       const int row = (lane & 7) + ((lane >> 4) << 3);
       LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
       if (kk % 2 == 0) {
-        Mma<T>::mma(sc[0], qf[kk], r[0], r[1]);
-        Mma<T>::mma(sc[1], qf[kk], r[2], r[3]);
+        Mma<M>::mma(sc[0], qf[kk], r[0], r[1]);
+        Mma<M>::mma(sc[1], qf[kk], r[2], r[3]);
       } else {
-        Mma<T>::mma(sd[0], qf[kk], r[0], r[1]);
-        Mma<T>::mma(sd[1], qf[kk], r[2], r[3]);
+        Mma<M>::mma(sd[0], qf[kk], r[0], r[1]);
+        Mma<M>::mma(sd[1], qf[kk], r[2], r[3]);
       }
     }
 #pragma unroll
@@ -175,18 +252,18 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int pos = tile_pos + nt * 8 + c0 + (j & 1);
-        sc[nt][j] = (pos >= lo && pos < len) ? p.logit(sc[nt][j]) : -INFINITY;
+        sc[nt][j] = (pos >= lo && pos < len) ? logit(sc[nt][j]) : -INFINITY;
       }
     OnlineSoftmax<2, D / 8>(sc, o, m, l);
-    const uint32_t pa[4] = {Mma<T>::pack(sc[0][0], sc[0][1]), Mma<T>::pack(sc[0][2], sc[0][3]),
-                            Mma<T>::pack(sc[1][0], sc[1][1]), Mma<T>::pack(sc[1][2], sc[1][3])};
+    const uint32_t pa[4] = {Mma<M>::pack(sc[0][0], sc[0][1]), Mma<M>::pack(sc[0][2], sc[0][3]),
+                            Mma<M>::pack(sc[1][0], sc[1][1]), Mma<M>::pack(sc[1][2], sc[1][3])};
 #pragma unroll
     for (int n = 0; n < D / 8; n += 2) {
       uint32_t r[4];
       const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
       LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
-      Mma<T>::mma(o[n], pa, r[0], r[1]);
-      Mma<T>::mma(o[n + 1], pa, r[2], r[3]);
+      Mma<M>::mma(o[n], pa, r[0], r[1]);
+      Mma<M>::mma(o[n + 1], pa, r[2], r[3]);
     }
   }
   CpAsyncWait<0>();
@@ -235,10 +312,13 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
         den += f * ml[w * G + row];
       }
     }
+    num *= v_scale;
     if (bad) num = NAN;
     const int64_t head = int64_t(b) * s.num_heads + int64_t(kvh) * G + row;
     if (p.num_splits == 1) {
-      static_cast<T*>(a.out)[head * D + d] = DTypeTraits<T>::from_float(den > 0.f ? num / den : (bad ? NAN : 0.f));
+      // den is 0 only with nothing attended; NaN (a NaN logit) must stay NaN.
+      static_cast<T*>(a.out)[head * D + d] =
+          DTypeTraits<T>::from_float(den == 0.f ? (bad ? NAN : 0.f) : num / den);
     } else {
       const int64_t ph = int64_t(split) * s.batch * s.num_heads + head;
       p.part_o[ph * D + d] = num;
@@ -268,51 +348,47 @@ __global__ void CombineSplitsKernel(const float* __restrict__ part_o,
         den += f * part_ml[pr * 2 + 1];
       }
     }
-    const bool nan = num != num;
-    out[row * D + d] = DTypeTraits<T>::from_float(nan ? NAN : (den > 0.f ? num / den : 0.f));
+    const bool nan = num != num || den != den;
+    out[row * D + d] = DTypeTraits<T>::from_float(nan ? NAN : (den == 0.f ? 0.f : num / den));
   }
 }
 
-// Wave-aware split count (experimental, variants 4/5): every CTA of a decode grid does about the
-// same work, so a grid of 1.3 waves costs 2. Picks the smallest split count in [1, 8] whose grid
-// fills its last wave best (within 2%), keeping >= 2 tiles per warp.
-int64_t WaveAwareSplits(int64_t base, int64_t slots, int64_t max_splits) {
-  int64_t best = 1;
-  double best_eff = 0.0;
-  for (int64_t s = 1; s <= std::min<int64_t>(8, std::max<int64_t>(1, max_splits)); ++s) {
-    const double waves = double(base * s) / double(slots);
-    const double eff = waves / std::ceil(waves);
-    if (eff > best_eff + 0.02) {
-      best_eff = eff;
-      best = s;
-    }
-  }
-  return best;
+// The split count (the one heuristic; measured rows in benchmarks/RESULTS.md). Every CTA of a
+// decode grid streams about the same number of tiles, so:
+// - many rows (batch * num_kv_heads >= one wave of CTAs, e.g. B256 S256, B64 S4096): no split;
+//   the grid already fills the GPU and a combine pass would only add traffic and a launch;
+// - few rows (e.g. B8 S32768, B1 S131072): split each row's tiles so that the grid is one full
+//   wave (slots / rows splits), but never below 2 tiles per warp of a split (shorter splits are
+//   all prologue), and never above 64 (the combine kernel's reads grow with it).
+// max_tiles bounds the tiles of the longest row (the table width, or the window).
+int64_t NumSplits(int64_t rows, int64_t slots, int64_t max_tiles) {
+  if (rows >= slots) return 1;
+  const int64_t by_wave = slots / rows;
+  const int64_t by_length = max_tiles / (2 * kWarps);
+  return std::max<int64_t>(1, std::min<int64_t>({by_wave, by_length, 64}));
 }
 
-template <typename T, int D, int kStages = DefaultStages<D>(), bool kL2Hint = false,
-          bool kWaveAware = false>
+template <typename T, int D, bool kFp8>
 ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
-  constexpr int smem = DecodeSmemBytes<D, kStages>();
-  auto kernel = PagedDecodeKernel<T, D, kStages, kL2Hint>;
+  constexpr int smem = DecodeSmemBytes<D, kFp8>();
+  auto kernel = PagedDecodeKernel<T, D, kFp8>;
   static bool configured = false;  // NOTE: per-template, set on the first launch
+  static int per_sm = 1;
   if (!configured) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
       return LaunchError("paged_attention: cudaFuncSetAttribute");
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
     configured = true;
   }
-  int per_sm = 1;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
-  const int64_t base = s.batch * s.cache.num_kv_heads;
+  const int64_t rows = s.batch * s.cache.num_kv_heads;
   const int64_t slots = int64_t(NumSMs()) * std::max(per_sm, 1);
+  // Tiles a row can read: its table's pages (a ring's reads span at most max_pages pages too),
+  // fewer under a window.
   int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
   if (a.window > 0) max_tiles = std::min<int64_t>(max_tiles, (a.window + kTile - 1) / kTile + 1);
-  // One wave of CTAs when the batch alone cannot fill the GPU; at least 2 tiles per warp.
-  int64_t splits = base < slots ? slots / base : 1;
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, max_tiles / (2 * kWarps)));
-  if constexpr (kWaveAware) splits = WaveAwareSplits(base, slots, max_tiles / (2 * kWarps));
+  const int64_t splits = NumSplits(rows, slots, max_tiles);
 
   DecodeParams p;
   p.a = a;
@@ -322,10 +398,10 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   p.num_splits = int(splits);
   p.part_o = nullptr;
   p.part_ml = nullptr;
-  const int64_t rows = s.batch * s.num_heads;
+  const int64_t heads = s.batch * s.num_heads;
   if (splits > 1) {
-    const size_t o_bytes = size_t(splits * rows * D) * sizeof(float);
-    void* ws = Workspace(stream, o_bytes + size_t(splits * rows * 2) * sizeof(float));
+    const size_t o_bytes = size_t(splits * heads * D) * sizeof(float);
+    void* ws = Workspace(stream, o_bytes + size_t(splits * heads * 2) * sizeof(float));
     if (ws == nullptr) return ffi::Error::Internal("paged_attention: workspace allocation failed");
     p.part_o = static_cast<float*>(ws);
     p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
@@ -334,8 +410,8 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
   if (splits > 1) {
-    CombineSplitsKernel<T><<<unsigned(rows), 128, 0, stream>>>(
-        p.part_o, p.part_ml, static_cast<T*>(a.out), int(splits), rows, D);
+    CombineSplitsKernel<T><<<unsigned(heads), 128, 0, stream>>>(
+        p.part_o, p.part_ml, static_cast<T*>(a.out), int(splits), heads, D);
     return LaunchError("paged_attention (combine kernel)");
   }
   return ffi::Error::Success();
@@ -346,26 +422,18 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
 bool PagedDecodeSupports(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t D = s.cache.head_dim, P = s.cache.page_size;
-  return (s.cache.dtype == DType::kBF16 || s.cache.dtype == DType::kF16) &&
-         (D == 64 || D == 128 || D == 256) && P >= 8 && (P & (P - 1)) == 0 && s.group() <= 16 &&
-         s.batch <= 65535 && s.cache.num_kv_heads <= 65535;
+  const bool half_q = s.q_dtype == DType::kBF16 || s.q_dtype == DType::kF16;
+  return half_q && (s.cache.dtype == s.q_dtype || s.fp8()) && (D == 64 || D == 128 || D == 256) &&
+         P >= 8 && (P & (P - 1)) == 0 && s.group() <= 16 && s.batch <= 65535 &&
+         s.cache.num_kv_heads <= 65535;
 }
 
 ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a) {
   return DispatchHalfDtypeAndHeadDim(a, "paged_attention", [&](auto t, auto d) -> ffi::Error {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    if constexpr (D == 128) {
-      // Experimental variants for tuning (JAX_KVCM_DECODE_VARIANT), head_dim 128 only.
-      if (const char* variant = std::getenv("JAX_KVCM_DECODE_VARIANT")) {
-        if (variant[0] == '1') return Launch<T, 128, 2, false>(stream, a);
-        if (variant[0] == '2') return Launch<T, 128, 3, true>(stream, a);
-        if (variant[0] == '3') return Launch<T, 128, 4, false>(stream, a);
-        if (variant[0] == '4') return Launch<T, 128, 2, false, true>(stream, a);
-        if (variant[0] == '5') return Launch<T, 128, 3, false, true>(stream, a);
-      }
-    }
-    return Launch<T, D>(stream, a);
+    if (a.shape.fp8()) return Launch<T, D, true>(stream, a);
+    return Launch<T, D, false>(stream, a);
   });
 }
 

@@ -45,7 +45,8 @@ __global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_
       const int32_t q0 = a.query_start[b], q1 = a.query_start[b + 1], len = a.seq_lens[b];
       uint32_t bits = 0;
       if (q0 < 0 || q1 < q0 || q1 > s.num_queries || q1 - q0 > len) bits |= kBadQueryStart;
-      if (len < 0 || len > s.max_pages * s.cache.page_size) bits |= kBadSeqLen;
+      const int64_t lo = a.window > 0 ? max(int64_t(0), int64_t(len) - (q1 - q0) + 1 - a.window) : 0;
+      if (len < 0 || !RowFitsTable(lo, len, a)) bits |= kBadSeqLen;
       if (bits) RaiseError(a.error_word, bits);
       else tiles = int32_t((int64_t(q1 - q0) * G + rows_per_cta - 1) / rows_per_cta);
     }
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
       bool valid = pos >= key_lo && pos < key_hi;
       int64_t off = 0;
       if (valid) {
-        const int page = pages[pos >> p.page_shift];
+        const int page = pages[TableEntry(pos >> p.page_shift, int(s.max_pages), a.ring)];
         if (page < 0 || page >= s.cache.num_pages) {
           bits |= kBadPage;
           valid = false;
@@ -295,7 +296,8 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
       lh += __shfl_xor_sync(0xffffffffu, lh, 2);
       const int row = row0 + mt * 16 * kWarps + warp * 16 + r0 + 8 * h;
       if (row >= num_rows) continue;
-      const float inv = bad ? NAN : (lh > 0.f ? 1.f / lh : 0.f);
+      // lh is 0 only with nothing attended; NaN (a NaN logit) stays NaN.
+      const float inv = bad ? NAN : (lh == 0.f ? 0.f : 1.f / lh);
       T* out = static_cast<T*>(a.out) +
                ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
 #pragma unroll
@@ -342,7 +344,9 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
 bool RaggedPrefillSupports(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t D = s.cache.head_dim, P = s.cache.page_size;
+  // NOTE: fp8 caches take the simple kernel here (the decode kernel has the fp8 tile path).
   return (s.cache.dtype == DType::kBF16 || s.cache.dtype == DType::kF16) &&
+         s.q_dtype == s.cache.dtype &&
          (D == 64 || D == 128 || D == 256) && P > 0 && (P & (P - 1)) == 0 &&
          s.cache.num_kv_heads <= 65535 && s.num_queries * s.group() < (int64_t(1) << 30);
 }

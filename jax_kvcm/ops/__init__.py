@@ -22,8 +22,8 @@ sequence non-finite (never a finite wrong value).
 
 Index checking: ``check_indices=True`` (FFI attribute) makes the CUDA handlers synchronize after
 their kernels and raise an error naming the bad argument (the CPU handler always checks). Left
-None, it follows ``JAX_KVCM_CHECK_INDICES=1`` in the environment when the op is traced (the one
-environment override of the ops).
+None, it follows ``JAX_KVCM_CHECK_INDICES=1`` in the environment when the op is traced (the
+environment overrides are listed in ``jax_kvcm._env``).
 """
 
 from __future__ import annotations

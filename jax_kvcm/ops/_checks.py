@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_kvcm import _env
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -18,15 +19,11 @@ FP8_MAX = 448.0
 # Empty placeholder passed as the scale operands of a cache that is not fp8.
 _NO_SCALE_SHAPE = (0,)
 
-# The one environment override of the ops (and of the CUDA codec's debugging mode): when a call
-# leaves ``check_indices=None``, ``JAX_KVCM_CHECK_INDICES=1`` at trace time turns it on.
-CHECK_INDICES_ENV = "JAX_KVCM_CHECK_INDICES"
-
-
 def resolve_check_indices(check_indices: Any) -> bool:
-    """``check_indices`` keyword of the ops: a bool, or None for the environment default."""
+    """``check_indices`` keyword of the ops and codecs: a bool, or None for the environment
+    default (``jax_kvcm._env``)."""
     if check_indices is None:
-        return os.environ.get(CHECK_INDICES_ENV, "") == "1"
+        return _env.check_indices_default()
     if not isinstance(check_indices, (bool, np.bool_)):
         raise TypeError(f"check_indices must be a bool or None, got {check_indices!r}")
     return bool(check_indices)

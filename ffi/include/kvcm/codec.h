@@ -39,6 +39,14 @@ namespace kvcm {
 
 enum class CodecKind { kConcat, kInt8 };
 
+// Bits of the codec handlers' int32 "options" attribute (the codec's configuration; the CPU
+// handlers always check indices and have one data mover, so they ignore them).
+enum CodecOptionBits : int32_t {
+  kOptCheckIndices = 1 << 0,   // CUDA int8: validate the device pairs first, raise on bad ones
+  kOptConcatMemcpy = 1 << 1,   // CUDA concat: memcpy mover even when the copy kernel could run
+  kOptNoMemcpyBatch = 1 << 2,  // CUDA concat memcpy mover: one cudaMemcpyAsync per piece
+};
+
 // Dequantized float32 value of one int8 element (see the file comment).
 KVCM_HD inline float Int8Dequantize(int8_t q, float scale) {
   const float y = float(q) * scale;

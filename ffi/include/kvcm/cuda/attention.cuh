@@ -17,18 +17,34 @@ struct AttentionArgs {
   const int32_t* seq_lens = nullptr;     // [batch]
   const int32_t* query_start = nullptr;  // [batch + 1]; nullptr for decode
   const int32_t* layer = nullptr;        // scalar
+  const float* k_scale = nullptr;        // [num_layers, num_kv_heads] for fp8 caches, else null
+  const float* v_scale = nullptr;
   AttentionShape shape;
   float scale = 1.f;
   int32_t window = 0;     // <= 0: none
   float soft_cap = 0.f;   // <= 0: none
+  bool ring = false;      // ring page table: entry (position / page_size) % max_pages
   uint32_t* error_word = nullptr;
 };
+
+// Page-table entry of page index i (position / page_size) of a row.
+__device__ __forceinline__ int TableEntry(int i, int max_pages, bool ring) {
+  return ring ? i % max_pages : i;
+}
+
+// Whether a row of length len whose reads start at position lo is addressable through its table:
+// len <= max_pages * page_size for absolute tables; for rings, [lo, len) spans <= max_pages pages.
+__device__ __forceinline__ bool RowFitsTable(int64_t lo, int64_t len, const AttentionArgs& a) {
+  const int64_t P = a.shape.cache.page_size, W = a.shape.max_pages;
+  if (!a.ring) return len <= W * P;
+  return len <= 0 || (len + P - 1) / P - lo / P <= W;
+}
 
 // CUDA-core kernel: any dtype, any head_dim, decode or ragged. Correct everywhere, not fast.
 ffi::Error LaunchSimpleAttention(cudaStream_t stream, const AttentionArgs& a);
 
-// Tensor-core split-KV decode (bf16/f16, head_dim 64/128/256, power-of-two page size, GQA group
-// <= 16). Returns false from *Supports when the shape needs the simple kernel instead.
+// Tensor-core split-KV decode (bf16/f16 queries over caches of the same dtype or fp8, head_dim
+// 64/128/256, power-of-two page size, GQA group <= 16). Returns false from *Supports when the shape needs the simple kernel instead.
 bool PagedDecodeSupports(const AttentionArgs& a);
 ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a);
 
@@ -36,8 +52,8 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a);
 bool RaggedPrefillSupports(const AttentionArgs& a);
 ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a);
 
-// Calls launch(T{}, std::integral_constant<int, D>{}) for the tensor-core kernels' dtype (T is
-// __nv_bfloat16 or __half) and head_dim D in {64, 128, 256}; other head dims are an error naming
+// Calls launch(T{}, std::integral_constant<int, D>{}) for the tensor-core kernels' query dtype (T
+// is __nv_bfloat16 or __half) and head_dim D in {64, 128, 256}; other head dims are an error naming
 // `op`. Callers check *Supports first.
 template <typename LaunchFn>
 ffi::Error DispatchHalfDtypeAndHeadDim(const AttentionArgs& a, const char* op, LaunchFn&& launch) {
@@ -49,7 +65,7 @@ ffi::Error DispatchHalfDtypeAndHeadDim(const AttentionArgs& a, const char* op, L
     }
     return ffi::Error::InvalidArgument(std::string(op) + ": unsupported head_dim");
   };
-  if (a.shape.cache.dtype == DType::kBF16) return by_dim(__nv_bfloat16{});
+  if (a.shape.q_dtype == DType::kBF16) return by_dim(__nv_bfloat16{});
   return by_dim(__half{});
 }
 

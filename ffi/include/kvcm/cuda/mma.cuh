@@ -95,13 +95,15 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
 }
 
 // Logit transform shared by the tensor-core kernels: scale, optional soft cap, then log2(e) so
-// that softmax uses exp2.
+// that softmax uses exp2. A non-finite q.k becomes NaN (the non-finite rule: a NaN/inf that a
+// query reads shows in its output, even under a soft cap, which would map inf to a finite cap).
 struct LogitTransform {
   float scale_log2;  // scale * log2(e), used when there is no soft cap
   float scale;
   float soft_cap;    // <= 0: none
   float cap_log2;    // soft_cap * log2(e)
   __device__ __forceinline__ float operator()(float dot) const {
+    if (!(fabsf(dot) < INFINITY)) return NAN;
     if (soft_cap > 0.f) return cap_log2 * FastTanh(dot * scale / soft_cap);
     return dot * scale_log2;
   }
