@@ -26,29 +26,18 @@ namespace {
 constexpr int kTile = 16;  // tokens per tile
 constexpr int kWarps = 4;
 
+// Ring depth: 3 stages (2 CTAs/SM at head_dim 128) keeps the most bytes in flight per warp; 2
+// stages (3 CTAs/SM) has more warps to hide each warp's compute, which wins when the grid is
+// many waves deep (measured on the H200: 256x1024 3.58 vs 3.34 TB/s; at 64x4096 the 3-CTA grid is
+// 1.3 waves and loses, 2.85 vs 3.51). head_dim 256 always uses 2 (smem).
 template <int D>
-constexpr int Stages() { return D <= 128 ? 3 : 2; }
+constexpr int MaxStages() { return D <= 128 ? 3 : 2; }
 
 // Per warp: kStages {K, V} tiles as they arrive (2 bytes or 1 byte per element) and, for fp8, one
 // converted f16 {K, V} tile.
-template <int D, bool kFp8>
+template <int D, bool kFp8, int kStages>
 constexpr int DecodeSmemBytes() {
-  return kWarps * (Stages<D>() * 2 * kTile * D * (kFp8 ? 1 : 2) + (kFp8 ? 2 * kTile * D * 2 : 0));
-}
-
-// 16 float8_e4m3fn values (one 16-byte chunk) -> two 16-byte chunks of f16 (exact).
-__device__ __forceinline__ void Fp8ChunkToHalf(const uint4 in, uint4& lo, uint4& hi) {
-  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
-  uint32_t h[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] & 0xffffu), __NV_E4M3);
-    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] >> 16), __NV_E4M3);
-    h[2 * i] = uint32_t(a.x) | (uint32_t(a.y) << 16);
-    h[2 * i + 1] = uint32_t(b.x) | (uint32_t(b.y) << 16);
-  }
-  lo = make_uint4(h[0], h[1], h[2], h[3]);
-  hi = make_uint4(h[4], h[5], h[6], h[7]);
+  return kWarps * (kStages * 2 * kTile * D * (kFp8 ? 1 : 2) + (kFp8 ? 2 * kTile * D * 2 : 0));
 }
 
 // Two query elements (one 32-bit word of T) as the MMA operand type M.
@@ -75,10 +64,9 @@ struct DecodeParams {
 };
 
 // T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T.
-template <typename T, int D, bool kFp8>
+template <typename T, int D, bool kFp8, int kStages>
 __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodeParams p) {
   using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
-  constexpr int kStages = Stages<D>();
   constexpr int kChunks = D / 8;            // 16-byte chunks of M per row
   constexpr int kLoadChunks = kFp8 ? D / 16 : D / 8;  // 16-byte chunks per cached row
   constexpr int kTileElems = kTile * D;     // elements of M per converted tile
@@ -105,14 +93,8 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   }
   if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; len = 0; }
   const int lo = a.window > 0 ? max(0, len - a.window) : 0;
-  LogitTransform logit = p.logit;
-  float v_scale = 1.f;
-  if constexpr (kFp8) {  // per-(layer, kv head) scales, constant in this CTA
-    const float ks = a.k_scale[int64_t(li) * s.cache.num_kv_heads + kvh];
-    logit.scale_log2 *= ks;
-    logit.scale *= ks;
-    v_scale = a.v_scale[int64_t(li) * s.cache.num_kv_heads + kvh];
-  }
+  float v_scale;
+  const LogitTransform logit = ScaledLogit<kFp8>(p.logit, a, li, kvh, v_scale);
   const int tile_lo = lo / kTile, tile_hi = (len + kTile - 1) / kTile;
   const int per_split = (max(tile_hi - tile_lo, 0) + p.num_splits - 1) / p.num_splits;
   const int my_lo = tile_lo + split * per_split;
@@ -180,21 +162,6 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
       CpAsync16(SmemAddr(vs + so), vbase + off, valid);
     }
   };
-  // fp8: the arrived {K, V} tile of `stage` -> f16, swizzled, into conv (this warp only).
-  auto convert_tile = [&](int stage) {
-    const char* ks = wsmem + stage * 2 * kTileBytes;
-#pragma unroll
-    for (int i = lane; i < 2 * kTile * kLoadChunks; i += 32) {
-      const int kv = i / (kTile * kLoadChunks), j = i % (kTile * kLoadChunks);
-      const int row = j / kLoadChunks, ch = j % kLoadChunks;
-      uint4 lo4, hi4;
-      Fp8ChunkToHalf(*reinterpret_cast<const uint4*>(ks + kv * kTileBytes + j * 16), lo4, hi4);
-      M* dst = conv + kv * kTileElems;
-      *reinterpret_cast<uint4*>(dst + SwizzledOffset<kChunks>(row, 2 * ch)) = lo4;
-      *reinterpret_cast<uint4*>(dst + SwizzledOffset<kChunks>(row, 2 * ch + 1)) = hi4;
-    }
-  };
-
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -213,7 +180,8 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     __syncwarp();
     const M* ks;
     if constexpr (kFp8) {
-      convert_tile(it % kStages);
+      if constexpr (kFp8)  // this warp's arrived tile -> f16 in conv
+        ConvertFp8Tiles<kTile, D>(wsmem + (it % kStages) * 2 * kTileBytes, conv, lane, 32);
       __syncwarp();
       ks = conv;
     } else {
@@ -368,22 +336,32 @@ int64_t NumSplits(int64_t rows, int64_t slots, int64_t max_tiles) {
   return std::max<int64_t>(1, std::min<int64_t>({by_wave, by_length, 64}));
 }
 
-template <typename T, int D, bool kFp8>
-ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
-  const AttentionShape& s = a.shape;
-  constexpr int smem = DecodeSmemBytes<D, kFp8>();
-  auto kernel = PagedDecodeKernel<T, D, kFp8>;
-  static bool configured = false;  // NOTE: per-template, set on the first launch
-  static int per_sm = 1;
-  if (!configured) {
+// CTAs per SM of one kernel instance (configures its shared memory on the first call); 0 when
+// the attribute cannot be set.
+template <typename T, int D, bool kFp8, int kStages>
+int CtasPerSm() {
+  static int per_sm = [] {  // NOTE: per-template, on the first launch
+    constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
+    auto kernel = PagedDecodeKernel<T, D, kFp8, kStages>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
-      return LaunchError("paged_attention: cudaFuncSetAttribute");
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
-    configured = true;
-  }
+      return 0;
+    int n = 1;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem);
+    return std::max(n, 1);
+  }();
+  return per_sm;
+}
+
+template <typename T, int D, bool kFp8, int kStages>
+ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
+  const AttentionShape& s = a.shape;
+  constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
+  auto kernel = PagedDecodeKernel<T, D, kFp8, kStages>;
+  const int per_sm = CtasPerSm<T, D, kFp8, kStages>();
+  if (per_sm == 0) return LaunchError("paged_attention: cudaFuncSetAttribute");
   const int64_t rows = s.batch * s.cache.num_kv_heads;
-  const int64_t slots = int64_t(NumSMs()) * std::max(per_sm, 1);
+  const int64_t slots = int64_t(NumSMs()) * per_sm;
   // Tiles a row can read: its table's pages (a ring's reads span at most max_pages pages too),
   // fewer under a window.
   int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
@@ -432,8 +410,21 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a) {
   return DispatchHalfDtypeAndHeadDim(a, "paged_attention", [&](auto t, auto d) -> ffi::Error {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    if (a.shape.fp8()) return Launch<T, D, true>(stream, a);
-    return Launch<T, D, false>(stream, a);
+    // The ring depth (see MaxStages): the shallower ring when the grid, unsplit, is at least
+    // 4 waves deep at its occupancy (many short rows: B256 S256, B256 S1024); else the deeper.
+    auto run = [&](auto fp8) -> ffi::Error {
+      constexpr bool kFp8 = decltype(fp8)::value;
+      constexpr int kDeep = MaxStages<D>();
+      if constexpr (kDeep > 2) {
+        const int64_t rows = a.shape.batch * a.shape.cache.num_kv_heads;
+        const int per_sm = CtasPerSm<T, D, kFp8, 2>();
+        if (per_sm > 0 && rows >= 4 * int64_t(NumSMs()) * per_sm)
+          return Launch<T, D, kFp8, 2>(stream, a);
+      }
+      return Launch<T, D, kFp8, kDeep>(stream, a);
+    };
+    if (a.shape.fp8()) return run(std::true_type{});
+    return run(std::false_type{});
   });
 }
 

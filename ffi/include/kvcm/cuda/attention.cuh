@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "kvcm/cuda/common.cuh"
+#include "kvcm/cuda/mma.cuh"
 
 namespace kvcm::cuda {
 
@@ -38,6 +39,40 @@ __device__ __forceinline__ bool RowFitsTable(int64_t lo, int64_t len, const Atte
   const int64_t P = a.shape.cache.page_size, W = a.shape.max_pages;
   if (!a.ring) return len <= W * P;
   return len <= 0 || (len + P - 1) / P - lo / P <= W;
+}
+
+// fp8 caches in the tensor-core kernels: the scales of (layer li, kv head kvh) are constant in a
+// CTA, so k_scale folds into the logit transform and v_scale multiplies the normalized output.
+template <bool kFp8>
+__device__ __forceinline__ LogitTransform ScaledLogit(LogitTransform logit, const AttentionArgs& a,
+                                                      int li, int kvh, float& v_scale) {
+  v_scale = 1.f;
+  if constexpr (kFp8) {
+    const int64_t i = int64_t(li) * a.shape.cache.num_kv_heads + kvh;
+    logit.scale_log2 *= a.k_scale[i];
+    logit.scale *= a.k_scale[i];
+    v_scale = a.v_scale[i];
+  }
+  return logit;
+}
+
+// fp8 caches: the {K, V} tiles of kRows x D raw bytes at src (K then V, unswizzled 16-byte chunks
+// in row order) -> f16 tiles at dst (K then V, swizzled for ldmatrix), by threads
+// [thread, thread + stride, ...] of the caller's group.
+template <int kRows, int D>
+__device__ __forceinline__ void ConvertFp8Tiles(const char* src, __half* dst, int thread,
+                                                int stride) {
+  constexpr int kIn = D / 16;  // 16-byte fp8 chunks per row
+#pragma unroll
+  for (int i = thread; i < 2 * kRows * kIn; i += stride) {
+    const int which = i / (kRows * kIn), j = i % (kRows * kIn);
+    const int row = j / kIn, ch = j % kIn;
+    uint4 lo4, hi4;
+    Fp8ChunkToHalf(*reinterpret_cast<const uint4*>(src + which * kRows * D + j * 16), lo4, hi4);
+    __half* out = dst + which * kRows * D;
+    *reinterpret_cast<uint4*>(out + SwizzledOffset<D / 8>(row, 2 * ch)) = lo4;
+    *reinterpret_cast<uint4*>(out + SwizzledOffset<D / 8>(row, 2 * ch + 1)) = hi4;
+  }
 }
 
 // CUDA-core kernel: any dtype, any head_dim, decode or ragged. Correct everywhere, not fast.
