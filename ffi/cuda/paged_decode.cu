@@ -141,6 +141,27 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     const int first = (my_lo + warp + it * kWarps) * kTile;
     char* ks = wsmem + stage * 2 * kTileBytes;
     char* vs = ks + kTileBytes;
+    // Fast path (every tile but a row's first and last, and pages of 16+ tokens): the whole
+    // tile is attended and lies in one valid page, so one lane-uniform check replaces the
+    // per-chunk ones and each lane's rows are a fixed stride apart (its chunk column is fixed:
+    // kLoadChunks divides 32).
+    if (P >= kTile && first >= lo && first + kTile <= len && page_lo >= 0 &&
+        page_lo < s.cache.num_pages) {
+      constexpr int kRowStep = 32 / kLoadChunks;
+      const int ch = lane % kLoadChunks, row0 = lane / kLoadChunks;
+      const int64_t off0 =
+          (int64_t(page_lo) * P + ((first + row0) & (P - 1))) * token_bytes + ch * 16;
+#pragma unroll
+      for (int k = 0; k < kTile / kRowStep; ++k) {
+        const int row = row0 + k * kRowStep;
+        const int i = row * kLoadChunks + ch;
+        const int so = kFp8 ? i * 16 : SwizzledOffset<kChunks>(row, ch) * 2;
+        const int64_t off = off0 + int64_t(k * kRowStep) * token_bytes;
+        CpAsync16(SmemAddr(ks + so), kbase + off, true);
+        CpAsync16(SmemAddr(vs + so), vbase + off, true);
+      }
+      return;
+    }
 #pragma unroll
     for (int i = lane; i < kTile * kLoadChunks; i += 32) {
       const int row = i / kLoadChunks, ch = i % kLoadChunks;
