@@ -4,7 +4,8 @@ decode kernel. Each is optional: when its package is not importable the caller's
 
 Where they come from on a machine without network: install the wheels into a folder and name it
 with ``--anchors DIR`` (it goes on ``sys.path``; SGLang's single ``decode_attention.py`` is looked
-up as ``DIR/sglang*/decode_attention.py`` or in an installed ``sglang``). FlashInfer JIT-compiles
+up in an installed ``sglang``, then as ``DIR/sglang*/decode_attention.py`` and
+``.anchors/sglang*/decode_attention.py`` under the working directory). FlashInfer JIT-compiles
 its kernels with nvcc on first use (about 1.5 minutes on 16 cores for all four); the settings the
 H200 needs are applied by :func:`prepare` unless already set: ``FLASHINFER_CUDA_ARCH_LIST=9.0a``
 (plain 9.0 builds FA3 without the Hopper instructions), ``CUDA_HOME`` from the nvcc found (or
@@ -88,11 +89,12 @@ def sglang_decode(anchor_dir: str | None) -> tuple[Any, str | None]:
         return _cache["sglang"]
     except Exception:  # noqa: BLE001 - try the single file
         pass
-    cands = sorted(glob.glob(os.path.join(anchor_dir or ".anchors", "sglang*",
-                                          "decode_attention.py")))
+    folders = [d for d in (anchor_dir, ".anchors") if d]
+    cands = [c for d in folders
+             for c in sorted(glob.glob(os.path.join(d, "sglang*", "decode_attention.py")))]
     if not cands:
-        _cache["sglang"] = (None, "not installed (no sglang, no "
-                                  f"{anchor_dir or '.anchors'}/sglang*/decode_attention.py)")
+        where = " or ".join(f"{d}/sglang*/decode_attention.py" for d in folders)
+        _cache["sglang"] = (None, f"not installed (no sglang, no {where})")
         return _cache["sglang"]
     try:
         for name in ("sglang", "sglang.srt"):
@@ -104,12 +106,12 @@ def sglang_decode(anchor_dir: str | None) -> tuple[Any, str | None]:
             u = types.ModuleType("sglang.srt.utils")
             u.is_hip = lambda: False
             sys.modules["sglang.srt.utils"] = u
-        spec = importlib.util.spec_from_file_location("kvcm_anchor_sglang_decode", cands[-1])
+        spec = importlib.util.spec_from_file_location("kvcm_anchor_sglang_decode", cands[0])
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)  # triton.jit needs a real file (inspect.getsource)
         _cache["sglang"] = (mod, None)
     except Exception as e:  # noqa: BLE001
-        _cache["sglang"] = (None, f"failed to load {cands[-1]}: {short_error(e)[:150]}")
+        _cache["sglang"] = (None, f"failed to load {cands[0]}: {short_error(e)[:150]}")
     return _cache["sglang"]
 
 

@@ -896,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--anchors", default=None,
                    help="folder with FlashInfer (and its deps) installed, put on sys.path; SGLang's "
                         "decode_attention.py is looked up as DIR/sglang*/decode_attention.py "
-                        "(default: plain imports, then .anchors/)")
+                        "(default: plain imports; SGLang also from .anchors/sglang*/)")
     p.add_argument("--pallas", action="store_true",
                    help="also time jax's Pallas paged attention (slow to compile)")
     p.add_argument("--repeats", type=int, default=7, help="timing samples per method (median)")
