@@ -1,17 +1,29 @@
 #!/usr/bin/env python
-"""Paged attention benchmark: jax_kvcm custom calls vs pure JAX, Pallas, torch SDPA and cuDNN.
+"""Paged attention benchmark: jax_kvcm custom calls vs FlashInfer, SGLang, torch SDPA and cuDNN.
 
 Run on the GPU machine (after `pip install .` of jax_kvcm with its CUDA extension), from anywhere
 except a directory that shadows the installed package with an unbuilt `jax_kvcm/`:
 
-    python benchmarks/attention.py [--json results.json]
+    python benchmarks/attention.py [--json results.json] [--anchors /tmp/anchors]
     JAX_PLATFORMS=cpu python benchmarks/attention.py --quick        # CPU smoke test, tiny shapes
+
+Anchors (same process, same inputs, same correctness check; a row says "not installed" when its
+package does not import; see benchmarks/_anchors.py for the build settings FlashInfer needs):
+  flashinfer-decode[tc]  FlashInfer BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
+  flashinfer-decode      the same with its CUDA-core kernel
+  flashinfer-decode[tc] fp8  over the fp8 copy of the cache (one scale for K and V)
+  sglang-triton          SGLang's Triton decode kernel (decode_attention_fwd)
+  flashinfer-fa3 / -fa2  FlashInfer BatchPrefillWithPagedKVCacheWrapper(backend=...), causal
+  ours fp8               jax_kvcm over a float8_e4m3fn copy of the cache (per-kv-head scales),
+                         checked against the reference on the dequantized cache; the summary
+                         gives its tokens x context / s over ours in bf16
 
 Decode (one query token per sequence; all sequences at length S; H=32, Hkv=8, D=128, page 16,
 bf16; random page table = random permutation of pages 1..B*S/16, page 0 is the null page):
   ours        jax_kvcm.paged_attention under jax.jit
   jax-gather  pure JAX: gather the pages to [B, S, Hkv, D], bf16 GQA einsums with f32 softmax
-  pallas      jax.experimental.pallas.ops.gpu.paged_attention (Triton; deprecated in jax 0.11).
+  pallas      (with --pallas) jax.experimental.pallas.ops.gpu.paged_attention (Triton; deprecated
+              in jax 0.11).
               Its caches are [Hkv, pages, page, D] and it applies NO logit scale, so it gets
               q * 1/sqrt(D) (bf16) and a copy of our cache in its layout (pages 1.. only, block
               tables = ours - 1), both made once outside the timed region. Timed at its defaults;
@@ -33,6 +45,9 @@ Prefill (ragged, causal, all tokens new: query_start = [0, S, 2S, ...], seq_lens
   ours        jax_kvcm.ragged_paged_attention over a cache filled by write_kv (write not timed)
   cudnn       jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
               on dense [B, S, H|Hkv, D]
+
+Mixed (one ragged call): 256 decode rows at context 1024 and one 2048-token chunk after 2048
+cached tokens; ours vs FlashInfer's paged prefill (FA3, FA2) on the same batch.
 
 Every method is checked against a float32 reference on the same inputs before it is timed; a
 failed check or an exception is reported in the table instead of aborting the run.
@@ -62,9 +77,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 try:
-    from benchmarks import _timing  # python -m benchmarks.attention
+    from benchmarks import _anchors, _timing  # python -m benchmarks.attention
 except ImportError:
-    import _timing  # python benchmarks/attention.py (the script's directory is on sys.path)
+    import _anchors  # python benchmarks/attention.py (the script's directory is on sys.path)
+    import _timing
 
 import jax_kvcm  # noqa: E402
 from jax_kvcm.ops import reference  # noqa: E402
@@ -73,10 +89,12 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
 TOL = 2e-2  # rel-L2 tolerance for bf16 outputs vs the float32 reference
 
-DECODE_SHAPES = [(64, 4096), (256, 1024), (8, 32768)]
+DECODE_SHAPES = [(64, 4096), (256, 1024), (8, 32768), (1, 131072), (256, 256)]
 PREFILL_SHAPES = [(8, 2048), (1, 16384)]
 QUICK_DECODE_SHAPES = [(2, 256), (3, 512)]
 QUICK_PREFILL_SHAPES = [(2, 64), (1, 128)]
+MIXED = {"decode_rows": 256, "decode_len": 1024, "chunk": 2048, "chunk_context": 2048}
+QUICK_MIXED = {"decode_rows": 4, "decode_len": 40, "chunk": 48, "chunk_context": 16}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,6 +192,51 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens):
     return jnp.concatenate(outs, axis=0)
 
 
+def fp8_caches(k_cache: jax.Array, v_cache: jax.Array) -> tuple[Any, ...]:
+    """float8_e4m3fn copies of the caches with one power-of-two scale (so the dequantized cache is
+    exact in bf16 and FlashInfer, which takes one scale per tensor, sees the same values):
+    (k8, v8, scale, k_dequantized, v_dequantized)."""
+    amax = float(jnp.maximum(jnp.abs(k_cache).max(), jnp.abs(v_cache).max()))
+    scale = float(2.0 ** math.ceil(math.log2(max(amax, 1e-30) / 448.0)))
+    fp8 = jnp.float8_e4m3fn
+    quant = jax.jit(lambda c: (c.astype(jnp.float32) / scale).astype(fp8))
+    deq = jax.jit(lambda c8: (c8.astype(jnp.float32) * scale).astype(DTYPE))
+    k8, v8 = quant(k_cache), quant(v_cache)
+    return k8, v8, scale, deq(k8), deq(v8)
+
+
+def torch_rows(section: str, shape: str, specs: list[tuple[str, Any, Any]], ref: jax.Array,
+               amount: dict[str, Any], reshape: Any = None) -> list[dict[str, Any]]:
+    """Rows for torch-side anchors: each spec is (method, make(for_check: bool) -> fn, ref or
+    None for the default); fn() returns the output; checked, then timed with CUDA events."""
+    torch = _torch()
+    rows: list[dict[str, Any]] = []
+    for method, make, ref_override in specs:
+        r = row(section, shape, method, **amount)
+        if torch is None:
+            r["error"] = f"skipped: {_timing.import_torch(need_cuda=True)[1]}"
+            rows.append(r)
+            continue
+        try:
+            out = make(True)()
+            torch.cuda.synchronize()
+            got = out.float().cpu().numpy()
+            if reshape is not None:
+                got = reshape(got)
+            c = check(got, ref if ref_override is None else ref_override)
+            r.update(check=c["text"], rel_l2=c["rel_l2"])
+            t = _timing.time_torch(make(False))
+            r.update(ms=t["ms"], timing=t)
+            _log(f"  {method}: {r['ms']:.4f} ms, check {r['check']}")
+        except Exception as e:  # noqa: BLE001
+            msg = _err(e)
+            r["error"] = msg if "not installed" not in msg else msg.split(": ", 1)[-1]
+            _log(f"  {method}: {r['error']}")
+        rows.append(r)
+        free()
+    return rows
+
+
 def bench_decode(b: int, s: int, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     shape = f"B={b} S={s}"
     h, hkv, d = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
@@ -221,6 +284,64 @@ def bench_decode(b: int, s: int, seed: int, args: argparse.Namespace) -> list[di
         rows.append(row("decode", shape, "ours", kv_bytes=kv_bytes, error=_err(e)))
         _log(f"  ours: ERROR {_err(e)}")
 
+    # 1b. ours over an fp8 copy of the cache (half the bytes), against the reference on the
+    # dequantized cache; and the anchors over the same fp8 values
+    ref8 = None
+    try:
+        k8, v8, scale8, kdq, vdq = fp8_caches(k_cache, v_cache)
+        ref8 = jax.block_until_ready(reference_decode(q_check, kdq, vdq, page_table, seq_lens))
+        del kdq, vdq
+        scales = jnp.full((hkv,), scale8, jnp.float32)
+        ours8 = jax.jit(lambda q, k, v, pt, sl, sc: jax_kvcm.paged_attention(
+            q, k, v, pt, sl, k_scale=sc, v_scale=sc))
+        poison_allocator(q_check.shape, DTYPE)
+        c8 = check(ours8(q_check, k8, v8, page_table, seq_lens, scales), ref8)
+        r8 = row("decode", shape, "ours fp8", kv_bytes=kv_bytes // 2, check=c8["text"],
+                 rel_l2=c8["rel_l2"], note=f"float8_e4m3fn K/V, scale {scale8:g}")
+        t = _timing.time_jax(ours8, [(q_time, k8, v8, page_table, seq_lens, scales),
+                                     (q_check, k8, v8, page_table, seq_lens, scales)],
+                             repeats=args.repeats)
+        r8.update(ms=t["ms"], timing=t, fp8=True)
+        rows.append(r8)
+        _log(f"  ours fp8: {r8['ms']:.4f} ms, check {r8['check']}")
+    except Exception as e:  # noqa: BLE001
+        rows.append(row("decode", shape, "ours fp8", kv_bytes=kv_bytes // 2, error=_err(e)))
+        _log(f"  ours fp8: ERROR {_err(e)}")
+        k8 = v8 = None
+
+    # 1c. FlashInfer (tensor-core and CUDA-core decode, and tensor-core over fp8) and SGLang's
+    # Triton decode kernel, over the same pages through torch views of the same memory
+    if _torch() is not None:
+        kt, vt, ptt = to_torch(k_cache), to_torch(v_cache), to_torch(page_table)
+        qs = {True: to_torch(q_check), False: to_torch(q_time)}
+        lens = [s] * b
+        sm = 1.0 / math.sqrt(d)
+        specs = [
+            ("flashinfer-decode[tc]", lambda chk: _anchors.flashinfer_decode(
+                _torch(), qs[chk], kt, vt, ptt, lens, tensor_cores=True, sm_scale=sm), None),
+            ("flashinfer-decode", lambda chk: _anchors.flashinfer_decode(
+                _torch(), qs[chk], kt, vt, ptt, lens, tensor_cores=False, sm_scale=sm), None),
+            ("sglang-triton", lambda chk: _anchors.sglang_triton_decode(
+                _torch(), qs[chk], kt, vt, ptt, lens, sm_scale=sm, anchor_dir=args.anchors),
+             None),
+        ]
+        rows += torch_rows("decode", shape, specs, ref, {"kv_bytes": kv_bytes})
+        if k8 is not None and ref8 is not None:
+            k8t, v8t = to_torch(k8), to_torch(v8)
+            spec8 = [("flashinfer-decode[tc] fp8", lambda chk: _anchors.flashinfer_decode(
+                _torch(), qs[chk], k8t, v8t, ptt, lens, tensor_cores=True, sm_scale=sm,
+                kv_scale=scale8), ref8)]
+            rows += [dict(r, fp8=True) for r in
+                     torch_rows("decode", shape, spec8, ref, {"kv_bytes": kv_bytes // 2})]
+            del k8t, v8t
+        del kt, vt, ptt, qs
+    else:
+        for m in ("flashinfer-decode[tc]", "flashinfer-decode", "sglang-triton"):
+            rows.append(row("decode", shape, m, kv_bytes=kv_bytes,
+                            error=f"skipped: {_timing.import_torch(need_cuda=True)[1]}"))
+    del k8, v8, ref8
+    free()
+
     # 2. pure-JAX gather
     gather = jax.jit(gather_attention)
     try:
@@ -233,7 +354,7 @@ def bench_decode(b: int, s: int, seed: int, args: argparse.Namespace) -> list[di
     free()
 
     # 3. Pallas (Triton) paged attention: its defaults, then a few other splits if it helps
-    if not args.skip_pallas:
+    if args.pallas and not args.skip_pallas:
         rows.extend(bench_pallas(q_check, q_time, k_cache, v_cache, page_table, seq_lens, ref,
                                  shape, kv_bytes, args))
         free()
@@ -515,6 +636,21 @@ def bench_prefill(b: int, s: int, seed: int, args: argparse.Namespace) -> list[d
         rows.append(row("prefill", shape, "ours", flops=flops, error=_err(e),
                         note=write_note.strip()))
         _log(f"  ours: ERROR {_err(e)}")
+    # FlashInfer's paged prefill (FA3, FA2) over the same pages
+    if _torch() is not None:
+        kt, vt, ptt = to_torch(k_cache), to_torch(v_cache), to_torch(page_table)
+        qs = {True: to_torch(qp), False: to_torch(qp2)}
+        pos_np = np.asarray(pos)
+        specs = [(f"flashinfer-{backend}", (lambda be: lambda chk: _anchors.flashinfer_prefill(
+            _torch(), qs[chk], kt, vt, ptt, [s] * b, [s] * b, backend=be,
+            sm_scale=1.0 / math.sqrt(d)))(backend), None) for backend in ("fa3", "fa2")]
+        rows += torch_rows("prefill", shape, specs, ref, {"flops": flops},
+                           reshape=lambda x: x.reshape(b, s, h, d)[:, pos_np])
+        del kt, vt, ptt, qs
+    else:
+        for m in ("flashinfer-fa3", "flashinfer-fa2"):
+            rows.append(row("prefill", shape, m, flops=flops,
+                            error=f"skipped: {_timing.import_torch(need_cuda=True)[1]}"))
     del k_cache, v_cache
     free()
 
@@ -542,6 +678,91 @@ def bench_prefill(b: int, s: int, seed: int, args: argparse.Namespace) -> list[d
 
 
 # ----------------------------------------------------------------------------------------------
+# mixed: decode rows and one prefill chunk in one ragged call
+
+
+def bench_mixed(cfg: dict[str, int], seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    nd, ld, chunk, ctx = cfg["decode_rows"], cfg["decode_len"], cfg["chunk"], cfg["chunk_context"]
+    shape = f"{nd} decode x {ld} + chunk {chunk} after {ctx}"
+    h, hkv, d = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    lens = [ld] * nd + [ctx + chunk]
+    num_new = [1] * nd + [chunk]
+    b, t_rows = nd + 1, nd + chunk
+    width = -(-max(lens) // PAGE)
+    pages_needed = [-(-n // PAGE) for n in lens]
+    num_pages = sum(pages_needed) + 1
+    # FLOPs: decode rows 4*L*H*D each; the chunk 4*H*D*sum_i (ctx + i + 1)
+    flops = 4 * h * d * (nd * ld + sum(ctx + i + 1 for i in range(chunk)))
+    kv_bytes = 2 * sum(lens) * hkv * d * jnp.dtype(DTYPE).itemsize
+    _log(f"\n[mixed {shape}] {t_rows} query rows, {flops / 1e12:.3f} TFLOP")
+    keys = jax.random.split(jax.random.key(seed), 4)
+    k_cache = jax.random.normal(keys[0], (num_pages, PAGE, hkv, d), DTYPE)
+    v_cache = jax.random.normal(keys[1], (num_pages, PAGE, hkv, d), DTYPE)
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(num_pages - 1) + 1
+    pt_np = np.zeros((b, width), np.int32)
+    used = 0
+    for i, n in enumerate(pages_needed):
+        pt_np[i, :n] = perm[used:used + n]
+        used += n
+    page_table = jnp.asarray(pt_np)
+    seq_lens = jnp.asarray(np.array(lens, np.int32))
+    query_start = jnp.asarray(np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32))
+    q = jax.random.normal(keys[2], (t_rows, h, d), DTYPE)
+    q2 = jax.random.normal(keys[3], (t_rows, h, d), DTYPE)
+    # Reference: the decode rows through the decode oracle; the chunk on sampled positions
+    # through the dense causal oracle over its gathered K/V.
+    ref_dec = reference_decode(q[:nd], k_cache, v_cache, page_table[:nd, :-(-ld // PAGE)],
+                               seq_lens[:nd])
+    kc = k_cache[page_table[nd]].reshape(1, -1, hkv, d)[:, :ctx + chunk]
+    vc = v_cache[page_table[nd]].reshape(1, -1, hkv, d)[:, :ctx + chunk]
+    qc = jnp.zeros((1, ctx + chunk, h, d), DTYPE).at[0, ctx:].set(q[nd:])
+    n_sub = min(chunk, 64)
+    sub_pos = np.unique(np.concatenate([[0, chunk - 1], rng.choice(chunk, n_sub - 2,
+                                                                    replace=False)]))
+    ref_chunk = jax.jit(dense_causal_reference)(qc, kc, vc, jnp.asarray(ctx + sub_pos))[0]
+    ref = jnp.concatenate([ref_dec.astype(jnp.float32), ref_chunk], axis=0)
+    del kc, vc, qc
+
+    def pick(out):  # the rows the reference covers
+        out = np.asarray(out)
+        return np.concatenate([out[:nd], out[nd + sub_pos]], axis=0)
+
+    rows: list[dict[str, Any]] = []
+    amount = {"flops": flops, "kv_bytes": kv_bytes}
+    ours = jax.jit(jax_kvcm.ragged_paged_attention)
+    r = row("mixed", shape, "ours", **amount)
+    try:
+        poison_allocator(q.shape, DTYPE)
+        c = check(pick(ours(q, k_cache, v_cache, page_table, seq_lens, query_start)
+                       .astype(jnp.float32)), ref)
+        t = _timing.time_jax(ours, [(q2, k_cache, v_cache, page_table, seq_lens, query_start),
+                                    (q, k_cache, v_cache, page_table, seq_lens, query_start)],
+                             repeats=args.repeats)
+        r.update(ms=t["ms"], timing=t, check=c["text"], rel_l2=c["rel_l2"])
+        _log(f"  ours: {r['ms']:.4f} ms, check {r['check']}")
+    except Exception as e:  # noqa: BLE001
+        r["error"] = _err(e)
+        _log(f"  ours: ERROR {_err(e)}")
+    rows.append(r)
+    if _torch() is not None:
+        kt, vt, ptt = to_torch(k_cache), to_torch(v_cache), to_torch(page_table)
+        qs = {True: to_torch(q), False: to_torch(q2)}
+        specs = [(f"flashinfer-{backend}", (lambda be: lambda chk: _anchors.flashinfer_prefill(
+            _torch(), qs[chk], kt, vt, ptt, lens, num_new, backend=be,
+            sm_scale=1.0 / math.sqrt(d)))(backend), None) for backend in ("fa3", "fa2")]
+        rows += torch_rows("mixed", shape, specs, ref, amount, reshape=pick)
+        del kt, vt, ptt, qs
+    else:
+        for m in ("flashinfer-fa3", "flashinfer-fa2"):
+            rows.append(row("mixed", shape, m, **amount,
+                            error=f"skipped: {_timing.import_torch(need_cuda=True)[1]}"))
+    del k_cache, v_cache, ref
+    free()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 # report
 
 
@@ -556,6 +777,7 @@ def finish_rows(rows: list[dict[str, Any]]) -> None:
         by_shape.setdefault((r["section"], r["shape"]), []).append(r)
     for group in by_shape.values():
         ours = next((r for r in group if r["method"] == "ours" and r["ms"]), None)
+        ours8 = next((r for r in group if r["method"] == "ours fp8" and r["ms"]), None)
         copies = [r for r in group if r["method"].startswith("copy") and r["ms"]]
         copy = next((r for r in copies if r["method"] == "copy (torch)"), None) or next(
             iter(copies), None)  # the ceiling: torch's copy (do_bench), else JAX's
@@ -572,8 +794,9 @@ def finish_rows(rows: list[dict[str, Any]]) -> None:
                                                            / 1e12)
             if "flops" in r:
                 r["tflops"] = r["flops"] / (ms * 1e-3) / 1e12
-            if ours is not None:
-                r["ours_over_this"] = ours["ms"] / ms
+            base = ours8 if r.get("fp8") and r["method"] != "ours fp8" else ours
+            if base is not None:  # fp8 anchors against ours in fp8, the rest against ours
+                r["ours_over_this"] = base["ms"] / ms
 
 
 def ratio_summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
@@ -588,6 +811,7 @@ def ratio_summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str,
 def print_tables(rows: list[dict[str, Any]]) -> None:
     dec = [r for r in rows if r["section"] == "decode"]
     pre = [r for r in rows if r["section"] == "prefill"]
+    mixed = [r for r in rows if r["section"] == "mixed"]
     if dec:
         print("\n### Decode (H=32, Hkv=8, D=128, page 16, bf16, all rows at length S)\n")
         print("| shape | method | ms | KV TB/s = (K+V bytes read)/t | copy r+w TB/s = 2*bytes/t "
@@ -610,9 +834,30 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
             print(f"| {r['shape']} | {r['method']} | {_fmt(r['ms'], 4)} | {_fmt(r.get('tflops'), 1)} "
                   f"| {_fmt(r.get('ours_over_this'), 2)} | {r['check'] or '-'} "
                   f"| {r['error'] or r['note']} |")
+    if mixed:
+        print("\n### Mixed batch in one ragged call (decode rows + a prefill chunk; bf16)\n")
+        print("| shape | method | ms | TFLOP/s | t_ours/t_method | check | note |")
+        print("|---|---|---:|---:|---:|---|---|")
+        for r in mixed:
+            print(f"| {r['shape']} | {r['method']} | {_fmt(r['ms'], 4)} | "
+                  f"{_fmt(r.get('tflops'), 1)} | {_fmt(r.get('ours_over_this'), 2)} | "
+                  f"{r['check'] or '-'} | {r['error'] or r['note']} |")
+    fp8 = [(r["shape"], r) for r in dec if r["method"] == "ours fp8" and r["ms"]]
+    if fp8:
+        print("\n### FP8 K/V decode: tokens x context / s, fp8 over bf16 (ours; target >= 1.8)\n")
+        print("| shape | bf16 ms | fp8 ms | fp8 / bf16 |")
+        print("|---|---:|---:|---:|")
+        for shape, r8 in fp8:
+            r16 = next((r for r in dec if r["shape"] == shape and r["method"] == "ours"
+                        and r["ms"]), None)
+            if r16 is not None:
+                print(f"| {shape} | {r16['ms']:.4f} | {r8['ms']:.4f} | "
+                      f"{r16['ms'] / r8['ms']:.2f} |")
     ratios = ratio_summary(rows)
     if ratios:
-        cols = ["torch-sdpa", "jax-gather", "pallas", "pallas[tuned]", "copy (torch)", "cudnn"]
+        cols = ["flashinfer-decode[tc]", "flashinfer-decode", "sglang-triton",
+                "flashinfer-decode[tc] fp8", "flashinfer-fa3", "flashinfer-fa2", "torch-sdpa",
+                "jax-gather", "pallas", "pallas[tuned]", "copy (torch)", "cudnn"]
         cols = [c for c in cols if any(c in v for v in ratios.values())]
         print("\n### Time ratios t_ours / t_method (< 1: ours faster)\n")
         print("| section | shape | " + " | ".join(f"ours/{c}" for c in cols) + " |")
@@ -647,10 +892,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write all results (with raw samples) here")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes; runs on CPU (Pallas in interpret mode, torch/cuDNN skipped)")
-    p.add_argument("--only", choices=("decode", "prefill"), default=None)
+    p.add_argument("--only", choices=("decode", "prefill", "mixed"), default=None)
+    p.add_argument("--anchors", default=None,
+                   help="folder with FlashInfer (and its deps) installed, put on sys.path; SGLang's "
+                        "decode_attention.py is looked up as DIR/sglang*/decode_attention.py "
+                        "(default: plain imports; SGLang also from .anchors/sglang*/)")
+    p.add_argument("--pallas", action="store_true",
+                   help="also time jax's Pallas paged attention (slow to compile)")
     p.add_argument("--repeats", type=int, default=7, help="timing samples per method (median)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-pallas", action="store_true")
+    p.add_argument("--skip-pallas", action="store_true", help="(the default; kept for scripts)")
     p.add_argument("--no-pallas-sweep", action="store_true",
                    help="time the Pallas op at its defaults only")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
@@ -659,7 +910,9 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = min(args.repeats, 3)
 
     t_start = time.perf_counter()
+    anchor_env = _anchors.prepare(args.anchors)  # before torch / flashinfer are imported
     env = environment()
+    env["anchors"] = anchor_env
     _log("environment:", json.dumps(env))
     if env["backend"] != "gpu" and not args.quick:
         _log("WARNING: no GPU backend; full shapes on CPU will be very slow (use --quick)")
@@ -679,6 +932,14 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_prefill(b, s, args.seed + 100 + i, args)
         except Exception as e:  # noqa: BLE001
             rows.append(row("prefill", f"B={b} S={s}", "(setup)", error=_err(e)))
+            traceback.print_exc()
+        free()
+
+    if args.only in (None, "mixed"):
+        try:
+            rows += bench_mixed(QUICK_MIXED if args.quick else MIXED, args.seed + 200, args)
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("mixed", "mixed", "(setup)", error=_err(e)))
             traceback.print_exc()
         free()
 

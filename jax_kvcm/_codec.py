@@ -22,7 +22,8 @@ Index pairs with a hot slot outside ``[0, S)``, a negative cold slot, or a cold 
 ``>= num_cold_slots`` (when given) are refused: on CPU the call fails with an error naming
 ``index_pairs`` and nothing is written; on CUDA nothing outside the pools and the cold tier is
 touched, the concat codec (host indices) refuses the call the same way, and the int8 codec (device
-indices) skips the bad pairs and reports them under ``JAX_KVCM_CHECK_INDICES=1``, like every op.
+indices) skips the bad pairs and reports them when created with ``check_indices=True`` (or
+``JAX_KVCM_CHECK_INDICES=1``), like every op.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcm import _ffi
+from jax_kvcm import _env, _ffi
 
 __all__ = [
     "ColdPageCodec",
@@ -53,7 +54,11 @@ __all__ = [
 # Cold tier base addresses must be multiples of this (checked here and in the handlers).
 COLD_ADDRESS_ALIGNMENT = 16
 
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                     jnp.dtype(jnp.float8_e4m3fn))
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+# Bits of the handlers' "options" attribute (ffi/include/kvcm/codec.h, CodecOptionBits).
+_OPT_CHECK_INDICES, _OPT_CONCAT_MEMCPY, _OPT_NO_MEMCPY_BATCH = 1, 2, 4
 # NOTE: the handlers refuse hot pages above 2^40 bytes (every offset product then fits int64).
 _MAX_HOT_PAGE_BYTES = 1 << 40
 
@@ -119,7 +124,7 @@ class ColdPageCodec:
     _encode_target: ClassVar[str] = ""
     _decode_target: ClassVar[str] = ""
 
-    __slots__ = ("_groups", "_configure_called", "_consumed", "configure_error")
+    __slots__ = ("_groups", "_configure_called", "_consumed", "_options", "configure_error")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # NOTE: codecs are native (the custom calls are the implementation); a Python subclass
@@ -128,10 +133,16 @@ class ColdPageCodec:
             raise TypeError("codecs are native; Python subclasses are not supported")
         super().__init_subclass__(**kwargs)
 
-    def __init__(self) -> None:
+    def __init__(self, *, check_indices: bool | None = None) -> None:
+        """``check_indices``: the CUDA int8 codec (device index pairs) validates every call's
+        pairs first and raises on bad ones (synchronizing; for debugging); None = the
+        ``JAX_KVCM_CHECK_INDICES`` environment default (``jax_kvcm._env``). The CPU handlers
+        and the concat codec (host index pairs) always refuse bad pairs."""
         if type(self) is ColdPageCodec:
             raise TypeError("ColdPageCodec is abstract: use create_default_cold_page_codec() or "
                             "make_cold_page_codec(name)")
+        from jax_kvcm.ops._checks import resolve_check_indices
+        self._options = _OPT_CHECK_INDICES if resolve_check_indices(check_indices) else 0
         self._groups: dict[int, _Configured] = {}
         self._configure_called = False
         self._consumed = False
@@ -167,7 +178,8 @@ class ColdPageCodec:
         """Takes every hot pool group's layout, once. False (and still unconfigured, with
         :attr:`configure_error` saying why) for an invalid configuration: no descriptions,
         indices not ``0, 1, ...`` in order, a layer group listed twice, an empty group, a
-        non-positive size, an unsupported dtype (float32, bfloat16, float16 are supported).
+        non-positive size, an unsupported dtype (float32, bfloat16, float16 and, for the lossless
+        concat codec only, float8_e4m3fn are supported).
 
         Raises RuntimeError when called a second time (whatever the first call returned).
         """
@@ -314,7 +326,11 @@ class ColdPageCodec:
                 return {}, f"descs[{position}].dtype {desc.dtype!r} is not a dtype"
             if dtype not in _SUPPORTED_DTYPES:
                 return {}, (f"descs[{position}].dtype {dtype} is not supported (float32, "
-                            "bfloat16, float16)")
+                            "bfloat16, float16, float8_e4m3fn)")
+            if dtype == _FP8 and not self.lossless:
+                return {}, (f"descs[{position}].dtype float8_e4m3fn: the {self.name} codec does "
+                            "not take fp8 pools (their scales live outside the pages); use the "
+                            "concat codec, which moves fp8 pages byte-exactly")
             members = desc.layer_groups
             if isinstance(members, (str, bytes)) or not isinstance(members, Sequence) or \
                     len(members) == 0:
@@ -355,8 +371,7 @@ class ColdPageCodec:
                              f"{dtype}{list(shape)}")
         return g
 
-    @staticmethod
-    def _attrs(address: Any, name: str, num_cold_slots: Any) -> dict[str, Any]:
+    def _attrs(self, address: Any, name: str, num_cold_slots: Any) -> dict[str, Any]:
         if isinstance(address, jax.core.Tracer):
             raise TypeError(f"{name} must be a static Python int, not a traced value")
         value = _as_int(address)
@@ -372,7 +387,8 @@ class ColdPageCodec:
             slots = _as_int(num_cold_slots)
             if slots is None or slots < 0:
                 raise ValueError(f"num_cold_slots must be an int >= 0, got {num_cold_slots!r}")
-        return {"address": np.uint64(value), "num_cold_slots": np.int64(slots)}
+        return {"address": np.uint64(value), "num_cold_slots": np.int64(slots),
+                "options": np.int32(self._options)}
 
 
 class ConcatCodec(ColdPageCodec):
@@ -388,10 +404,9 @@ class ConcatCodec(ColdPageCodec):
     to :meth:`register_host_index_pairs` (on CPU, from the operand), before anything moves. On
     CPU the handler memcpy's each piece. On CUDA, when the cold tier is device-accessible (the
     mapped pinned host tier, device memory) one copy kernel moves every piece (one CTA per 32 KiB
-    piece at the Llama-8B shape); for pageable host memory, or with
-    ``JAX_KVCM_CONCAT_COPY=memcpy``, one copy descriptor per page per pool goes in one
-    ``cuMemcpyBatchAsync`` (one ``cudaMemcpyAsync`` each before CUDA 12.8 or with
-    ``JAX_KVCM_NO_MEMCPY_BATCH=1``). The kernel is the default because on the H200 the batched
+    piece at the Llama-8B shape); for pageable host memory, or with ``copy="memcpy"``, one copy
+    descriptor per page per pool goes in one ``cuMemcpyBatchAsync`` (one ``cudaMemcpyAsync`` each
+    before CUDA 12.8 or with ``memcpy_batch=False``). The kernel is the default because on the H200 the batched
     memcpy reached only 0.39x a contiguous pinned copy (``benchmarks/RESULTS.md``).
 
     Batching: all layer groups of one hot pool group share a layout, so they share a batching id
@@ -404,6 +419,24 @@ class ConcatCodec(ColdPageCodec):
     _encode_target = "kvcm_concat_encode_pages"
     _decode_target = "kvcm_concat_decode_pages"
     __slots__ = ()
+
+    def __init__(self, *, copy: str | None = None, memcpy_batch: bool | None = None,
+                 check_indices: bool | None = None) -> None:
+        """``copy``: ``"auto"`` (the copy kernel whenever the cold tier is device-accessible) or
+        ``"memcpy"`` (always memcpy descriptors); ``memcpy_batch``: one ``cuMemcpyBatchAsync`` per
+        call (True, where the driver has it) or one ``cudaMemcpyAsync`` per piece (False). None
+        takes the environment default (``jax_kvcm._env``). CUDA only; the CPU handler ignores
+        both."""
+        super().__init__(check_indices=check_indices)
+        copy = _env.concat_copy_default() if copy is None else copy
+        if copy not in ("auto", "memcpy"):
+            raise ValueError(f"copy must be 'auto' or 'memcpy', got {copy!r}")
+        if memcpy_batch is None:
+            memcpy_batch = _env.memcpy_batch_default()
+        if not isinstance(memcpy_batch, (bool, np.bool_)):
+            raise TypeError(f"memcpy_batch must be a bool or None, got {memcpy_batch!r}")
+        self._options |= (_OPT_CONCAT_MEMCPY if copy == "memcpy" else 0) | (
+            0 if memcpy_batch else _OPT_NO_MEMCPY_BATCH)
 
     def _cold_page_bytes_of(self, desc: HotPoolGroupDesc, itemsize: int) -> int:
         return (2 * desc.num_layers * desc.page_size * desc.num_kv_heads * desc.head_dim
@@ -477,13 +510,14 @@ def create_default_cold_page_codec() -> ConcatCodec:
     return ConcatCodec()
 
 
-def make_cold_page_codec(name: str) -> ColdPageCodec:
-    """A new, unconfigured codec by name: ``"concat"`` or ``"int8"``."""
+def make_cold_page_codec(name: str, **options: Any) -> ColdPageCodec:
+    """A new, unconfigured codec by name: ``"concat"`` or ``"int8"``; ``options`` go to its
+    constructor (``check_indices``; the concat codec's ``copy`` and ``memcpy_batch``)."""
     try:
         cls = _CODECS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown cold-page codec {name!r}; known: {sorted(_CODECS)}") from None
-    return cls()
+    return cls(**options)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -201,6 +201,21 @@ class LayerGroupConfig:
     head_dim: int
     dtype: Any = jnp.bfloat16
     sliding_window: int | None = None
+    # Dtype of the K/V pools: None = dtype; float8_e4m3fn stores K/V in fp8 (scales per layer
+    # and kv head are the user's, passed to the ops); dtype stays the compute dtype.
+    kv_dtype: Any = None
+
+    @property
+    def pool_dtype(self) -> Any:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+
+def _kv_dtype_name(dtype: Any) -> str | None:
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        return None
+    return name if name in ("float32", "bfloat16", "float16", "float8_e4m3fn") else None
 
 
 def _check_buckets(value: Any, name: str, maximum: int) -> tuple[int, ...]:
@@ -288,6 +303,9 @@ class KVCacheConfig:
                 jnp.dtype(g.dtype)
             except TypeError:
                 raise TypeError(f"layer_groups[{i}].dtype {g.dtype!r} is not a dtype") from None
+            if g.kv_dtype is not None and _kv_dtype_name(g.kv_dtype) is None:
+                raise TypeError(f"layer_groups[{i}].kv_dtype must be None, float32, bfloat16, "
+                                f"float16 or float8_e4m3fn, got {g.kv_dtype!r}")
             if g.sliding_window is not None:
                 check_count(g.sliding_window, f"layer_groups[{i}].sliding_window", minimum=1)
         s(self, "layer_groups", groups)
@@ -298,7 +316,7 @@ class KVCacheConfig:
         s(self, "max_window_chunk", self.max_tokens_per_step if self.max_window_chunk is None
           else check_count(self.max_window_chunk, "max_window_chunk", minimum=1))
         page_bytes = [hot_page_bytes(g.num_layers, self.tokens_per_page, g.num_kv_heads,
-                                     g.head_dim, g.dtype) for g in groups]
+                                     g.head_dim, g.pool_dtype) for g in groups]
         if (self.device_pages is None) == (self.device_bytes is None):
             raise ValueError("exactly one of device_pages and device_bytes must be given")
         if (self.pool_ratio is not None or self.typical_batch is not None) and (
@@ -513,7 +531,7 @@ class KVCacheManager:
         self._G = len(config.layer_groups)
         self._P = config.pages_per_seq
         specs = tuple(LayerGroupSpec(g.num_layers, config.tokens_per_page, g.num_kv_heads,
-                                     g.head_dim, g.dtype) for g in config.layer_groups)
+                                     g.head_dim, g.pool_dtype) for g in config.layer_groups)
         self.storage = StorageManager(
             StorageConfig(layer_groups=specs, device_slots=tuple(config.device_pages),
                           host_bytes=config.host_bytes, disk_dir=config.disk_dir,

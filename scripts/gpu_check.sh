@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: build, verify the kernels, run the gpu-marked tests and the
 # benchmarks, print a short table last.   Usage (repo root): bash scripts/gpu_check.sh [flags]
-#   --variants      also time the decode kernel variants (scripts/decode_variants.py)
 #   --no-verify     skip scripts/gpu_verify.py (~4 min; `pytest -m gpu` checks the same ops)
 #   --no-bench      skip every benchmark
 #   --no-attention  skip benchmarks/attention.py
@@ -13,10 +12,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-variants=0 verify=1 attention=1 migration=1 serve=1 arena=1
+verify=1 attention=1 migration=1 serve=1 arena=1
 for arg in "$@"; do
   case "$arg" in
-    --variants) variants=1 ;;
     --no-verify) verify=0 ;;
     --no-bench) attention=0 migration=0 serve=0 arena=0 ;;
     --no-attention) attention=0 ;;
@@ -51,10 +49,6 @@ if [ $verify = 1 ]; then
 fi
 step pytest-gpu pytest_gpu.log bash -c "cd tests && python3 -m pytest -q -m gpu -p no:cacheprovider -x --rootdir=. ."
 tail -5 "$OUT/pytest_gpu.log"
-if [ $variants = 1 ]; then
-  step variants variants.log python3 scripts/decode_variants.py
-  tail -20 "$OUT/variants.log"
-fi
 if [ $attention = 1 ] && [ -f benchmarks/attention.py ]; then
   step attention bench.log python3 benchmarks/attention.py --no-pallas-sweep --json "$OUT/attention.json"
   tail -45 "$OUT/bench.log"

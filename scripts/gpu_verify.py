@@ -75,6 +75,19 @@ def main() -> int:
         ok = err < tol and not np.isnan(np.asarray(got, np.float32)).any()
         failures += not ok
         rows.append(("decode", jnp.dtype(dtype).name, d, f"{h}/{hkv}", page, window, cap, err, ok))
+        # decode over an fp8 cache (per-kv-head scales), against the reference on the
+        # dequantized cache; NaN poison stays NaN through the quantization
+        ks = jnp.asarray(rng.uniform(0.005, 0.05, hkv), jnp.float32)
+        vs = jnp.asarray(rng.uniform(0.005, 0.05, hkv), jnp.float32)
+        k8, v8 = ref.quantize(kc, ks), ref.quantize(vc, vs)
+        kdq, vdq = ref.dequantize(k8, ks), ref.dequantize(v8, vs)
+        want = ref.paged_attention(*jax.device_put((q, kdq, vdq, pt, sl), cpu), **kw)
+        got = jax.jit(lambda *a: jax_kvcm.paged_attention(*a[:5], k_scale=a[5], v_scale=a[6], **kw))(
+            *jax.device_put((q, k8, v8, pt, sl, ks, vs), gpu))
+        err = rel_l2(got.astype(jnp.float32), want.astype(jnp.float32))
+        ok = err < tol and not np.isnan(np.asarray(got, np.float32)).any()
+        failures += not ok
+        rows.append(("dec-fp8", jnp.dtype(dtype).name, d, f"{h}/{hkv}", page, window, cap, err, ok))
         # ragged: mixed prefill chunks, a decode row, an empty sequence, trailing padding rows
         lens = [int(rng.integers(1, max_pages * page)), 1, 0, max_pages * page, int(rng.integers(1, 30))]
         nq = [min(l, int(rng.integers(1, 70))) for l in lens]

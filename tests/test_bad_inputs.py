@@ -104,6 +104,7 @@ WRITE_MUTATIONS = _CACHE_MUTATIONS + [
     ("slot_mapping-length", "slot_mapping", ValueError,
      _edit("slot_mapping", lambda x: np.arange(T + 1, dtype=np.int32))),
     ("layer-given-for-4d", "layer", ValueError, _set(layer=0)),
+    ("check_indices-str", "check_indices", TypeError, _set(check_indices="1")),
 ]
 
 _ATTENTION_MUTATIONS = _CACHE_MUTATIONS + [
@@ -136,6 +137,8 @@ _ATTENTION_MUTATIONS = _CACHE_MUTATIONS + [
     ("soft_cap-nan", "soft_cap", ValueError, _set(soft_cap=float("nan"))),
     ("soft_cap-inf", "soft_cap", ValueError, _set(soft_cap=float("inf"))),
     ("soft_cap-str", "soft_cap", ValueError, _set(soft_cap="30")),
+    ("ring_table-int", "ring_table", TypeError, _set(ring_table=1)),
+    ("check_indices-int", "check_indices", TypeError, _set(check_indices=1)),
 ]
 
 PAGED_MUTATIONS = _ATTENTION_MUTATIONS + [
@@ -159,6 +162,9 @@ LAYER_MUTATIONS = [
     ("layer-float", "layer", TypeError, _set(layer=1.0)),
     ("layer-float-array", "layer", TypeError, _set(layer=np.float32(1.0))),
     ("layer-vector", "layer", TypeError, _set(layer=np.array([1], np.int32))),
+    ("layer-bool", "layer", TypeError, _set(layer=True)),
+    ("layer-numpy-bool", "layer", TypeError, _set(layer=np.bool_(False))),
+    ("layer-bool-array", "layer", TypeError, _set(layer=np.array(True))),
 ]
 
 PYTHON_CASES = (
@@ -337,6 +343,22 @@ def test_write_kv_traced_layer_out_of_range_refused(index_checks, layer):
     with _refused("layer"):
         jax.block_until_ready(write(*args, layer=backend.put(np.int32(layer))))
     assert_bits_equal(np.asarray(args[0]), kc, "k_cache after a refused write_kv", seed)
+
+
+def test_check_indices_keyword_without_env(backend, monkeypatch):
+    """check_indices=True (an FFI attribute) turns checked mode on with no environment variable:
+    a bad page is refused by name on every backend."""
+    monkeypatch.delenv("JAX_KVCM_CHECK_INDICES", raising=False)
+    seed = 8
+    inputs = _attention_inputs(seed, ragged=False)
+    inputs["page_table"][1, 2] = NUM_PAGES * 3
+    args = [inputs[k] for k in ("q", "k_cache", "v_cache", "page_table", "seq_lens")]
+    with _refused("page_table"):
+        jax.block_until_ready(ops.paged_attention(*backend.put(*args), check_indices=True))
+    kc, vc, k, v, slots = _write_inputs(seed)
+    slots[3] = NUM_PAGES * PAGE + 5
+    with _refused("slot_mapping"):
+        jax.block_until_ready(ops.write_kv(*backend.put(kc, vc, k, v, slots), check_indices=True))
 
 
 def test_bad_indices_without_check_env(backend, monkeypatch):

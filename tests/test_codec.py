@@ -38,6 +38,10 @@ LAYOUTS = [
 LAYOUT_IDS = [c[0] for c in LAYOUTS]
 SEEDS = [0, 1]
 
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+# The concat codec moves fp8 pages as they are (their scales live outside the pages).
+CONCAT_DTYPES = DTYPES + [pytest.param(FP8, id="fp8")]
+
 UNIT_ROUNDOFF = {F32: 2.0**-24, BF16: 2.0**-8, F16: 2.0**-11}
 HALF_MIN_SUBNORMAL = {F32: 2.0**-150, BF16: 2.0**-134, F16: 2.0**-25}
 
@@ -200,7 +204,7 @@ def int8_dequantize(page: np.ndarray, shape, dtype) -> tuple[np.ndarray, np.ndar
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("tier_kind", ["host", "device"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", CONCAT_DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_concat_round_trip_is_byte_exact(backend, layout, dtype, tier_kind, seed):
     print(f"seed={seed}")
@@ -246,20 +250,19 @@ def test_concat_round_trip_is_byte_exact(backend, layout, dtype, tier_kind, seed
 
 @pytest.mark.parametrize("tier_kind", ["host", "pageable", "device"])
 @pytest.mark.parametrize("mover", ["auto", "memcpy-batch", "memcpy-each"])
-def test_concat_round_trip_copy_paths(backend, monkeypatch, mover, tier_kind):
+def test_concat_round_trip_copy_paths(backend, mover, tier_kind):
     """Every CUDA data mover: the copy kernel (auto, whenever the cold tier is device-accessible:
-    mapped pinned host or device memory), one cuMemcpyBatchAsync (JAX_KVCM_CONCAT_COPY=memcpy,
-    and auto for pageable host memory, which the GPU reaches only by DMA), and one cudaMemcpyAsync
-    per piece (also JAX_KVCM_NO_MEMCPY_BATCH=1, the path for drivers before 12.8). The CPU handler
-    ignores both variables."""
-    if mover != "auto":
-        monkeypatch.setenv("JAX_KVCM_CONCAT_COPY", "memcpy")
-    if mover == "memcpy-each":
-        monkeypatch.setenv("JAX_KVCM_NO_MEMCPY_BATCH", "1")
+    mapped pinned host or device memory), one cuMemcpyBatchAsync (``copy="memcpy"``, and auto for
+    pageable host memory, which the GPU reaches only by DMA), and one cudaMemcpyAsync per piece
+    (also ``memcpy_batch=False``, the path for drivers before 12.8). The CPU handler ignores both
+    options."""
+    options = dict(copy="auto" if mover == "auto" else "memcpy",
+                   memcpy_batch=mover != "memcpy-each")
     calls_before = _codec._index_registry().concat_mover_calls() if backend.name == "gpu" else None
     rng = np.random.default_rng(5)
     desc = _desc(LAYOUTS[1], BF16)
-    codec = _configured("concat", desc)
+    codec = make_cold_page_codec("concat", **options)
+    assert codec.configure([desc]), codec.configure_error
     k, v = _random_pools(rng, desc)
     tier = ColdTier(backend, tier_kind, 8, codec.cold_page_bytes(0), rng)
     src, dst = np.array([3, 1, 6], np.int32), np.array([7, 0, 2], np.int32)
@@ -631,6 +634,57 @@ def test_configure_refuses_invalid_configurations(case, name):
     assert codec.page_index_location(0) is PageIndexLocation.BAD
     with pytest.raises(RuntimeError, match="only once"):
         codec.configure([_d()])
+
+
+@pytest.mark.parametrize("env,kwargs,bits", [
+    ({}, {}, 0),
+    ({"JAX_KVCM_CONCAT_COPY": "memcpy"}, {}, 2),
+    ({"JAX_KVCM_NO_MEMCPY_BATCH": "1"}, {}, 4),
+    ({"JAX_KVCM_CHECK_INDICES": "1"}, {}, 1),
+    ({"JAX_KVCM_CONCAT_COPY": "memcpy"}, {"copy": "auto"}, 0),  # an explicit option wins
+    ({}, {"copy": "memcpy", "memcpy_batch": False, "check_indices": True}, 7),
+])
+def test_codec_options_and_environment_overrides(monkeypatch, env, kwargs, bits):
+    """Options are codec configuration (the handlers' "options" attribute); the environment
+    supplies only the options left None, read once when the codec is created."""
+    for name in ("JAX_KVCM_CONCAT_COPY", "JAX_KVCM_NO_MEMCPY_BATCH", "JAX_KVCM_CHECK_INDICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    codec = make_cold_page_codec("concat", **kwargs)
+    for name in env:
+        monkeypatch.delenv(name)  # later changes do not affect a created codec
+    assert int(codec._attrs(16, "dst_address", None)["options"]) == bits
+
+
+@pytest.mark.parametrize("kwargs,exc", [({"copy": "fast"}, ValueError),
+                                        ({"memcpy_batch": 1}, TypeError),
+                                        ({"check_indices": "yes"}, TypeError)])
+def test_codec_options_validated(kwargs, exc):
+    with pytest.raises(exc, match=next(iter(kwargs))):
+        make_cold_page_codec("concat", **kwargs)
+    with pytest.raises(TypeError):
+        make_cold_page_codec("int8", copy="memcpy")  # the int8 codec has no copy option
+
+
+def test_int8_codec_refuses_fp8_pools():
+    """fp8 pools: the int8 codec refuses the configuration with a clear reason (configure) and
+    its handlers refuse fp8 pools too; the concat codec takes them (round trips above)."""
+    codec = make_cold_page_codec("int8")
+    assert codec.configure([_d(dtype=jnp.float8_e4m3fn)]) is False
+    assert "float8_e4m3fn" in codec.configure_error and "concat" in codec.configure_error
+    concat = make_cold_page_codec("concat")
+    assert concat.configure([_d(dtype=jnp.float8_e4m3fn)]) is True
+    assert concat.cold_page_bytes(0) == 2 * 2 * 16 * 2 * 64  # one byte per element
+    # The native handler refuses fp8 pools even when reached directly.
+    k = jnp.zeros((2, 8, 16, 2, 64), jnp.float8_e4m3fn)
+    call = jax.ffi.ffi_call(Int8Codec._encode_target, jax.ShapeDtypeStruct((1,), jnp.int32),
+                            has_side_effect=True)
+    buf = np.zeros(1 << 16, np.uint8)
+    with pytest.raises(Exception, match="float8_e4m3fn"):
+        jax.block_until_ready(call(k, k, jnp.zeros((1, 2), jnp.int32),
+                                   address=np.uint64(buf.ctypes.data + (-buf.ctypes.data) % 16),
+                                   num_cold_slots=np.int64(1), options=np.int32(0)))
 
 
 @pytest.mark.parametrize("name", ["concat", "int8"])

@@ -55,7 +55,8 @@ ffi::Error ConcatCopy(bool encode, char* k_pool, char* v_pool, const ffi::AnyBuf
 
 ffi::Error ConcatEncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                                ffi::AnyBuffer index_pairs, uint64_t address,
-                               int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> token) {
+                               int64_t num_cold_slots, int32_t options, ffi::Result<ffi::AnyBuffer> token) {
+  (void)options;
   auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
   if (call.has_error()) return call.error();
@@ -69,8 +70,10 @@ ffi::Error ConcatEncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
 
 ffi::Error ConcatDecodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                                ffi::AnyBuffer index_pairs, uint64_t address,
-                               int64_t num_cold_slots, ffi::Result<ffi::AnyBuffer> k_out,
+                               int64_t num_cold_slots, int32_t options,
+                               ffi::Result<ffi::AnyBuffer> k_out,
                                ffi::Result<ffi::AnyBuffer> v_out) {
+  (void)options;
   auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
   if (call.has_error()) return call.error();
@@ -191,13 +194,15 @@ ffi::Error Int8Dispatch(bool encode, char* k_pool, char* v_pool,
     case DType::kF32: Int8Run<float>(encode, k_pool, v_pool, pairs, c, address); break;
     case DType::kBF16: Int8Run<bf16_t>(encode, k_pool, v_pool, pairs, c, address); break;
     case DType::kF16: Int8Run<f16_t>(encode, k_pool, v_pool, pairs, c, address); break;
+    case DType::kF8E4M3: return Invalid("int8 codec: float8_e4m3fn pools are refused");
   }
   return ffi::Error::Success();
 }
 
 ffi::Error Int8EncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                              ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                             ffi::Result<ffi::AnyBuffer> token) {
+                             int32_t options, ffi::Result<ffi::AnyBuffer> token) {
+  (void)options;
   auto call = ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
   if (call.has_error()) return call.error();
@@ -212,7 +217,9 @@ ffi::Error Int8EncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
 
 ffi::Error Int8DecodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                              ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                             ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+                             int32_t options, ffi::Result<ffi::AnyBuffer> k_out,
+                             ffi::Result<ffi::AnyBuffer> v_out) {
+  (void)options;
   auto call = ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
   if (call.has_error()) return call.error();
@@ -232,6 +239,7 @@ namespace xffi = xla::ffi;
       .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */   \
       .Attr<uint64_t>("address")        /* cold tier base */      \
       .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */       \
+      .Attr<int32_t>("options")         /* ignored on CPU */      \
       .Ret<xffi::AnyBuffer>()           /* token int32 [1] */
 
 #define KVCM_DECODE_BINDING                                       \
@@ -241,6 +249,7 @@ namespace xffi = xla::ffi;
       .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */   \
       .Attr<uint64_t>("address")        /* cold tier base */      \
       .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */       \
+      .Attr<int32_t>("options")         /* ignored on CPU */      \
       .Ret<xffi::AnyBuffer>()           /* k_pool (aliased) */    \
       .Ret<xffi::AnyBuffer>()           /* v_pool (aliased) */
 

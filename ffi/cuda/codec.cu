@@ -1,7 +1,8 @@
 // CUDA handlers of the cold-page codecs: encode_pages / decode_pages, concat and int8 codecs.
 //
 // Layouts and quantization: kvcm/codec.h. Both run on XLA's stream and never synchronize it
-// (except under JAX_KVCM_CHECK_INDICES=1, the debugging mode of every CUDA handler).
+// (except in checked mode, the check_indices option, the debugging mode of every CUDA handler).
+// Options arrive as the int32 "options" attribute (bits in kvcm/codec.h), set per codec.
 //
 // concat (HOST index location): the pairs are validated on the host while the handler runs (bad
 //   pairs are refused before anything is submitted). XLA hands the handler a DEVICE buffer of
@@ -14,14 +15,14 @@
 //     batched memcpy below reached only 0.39x a contiguous pinned copy for 32 KiB pieces, its
 //     submission alone taking as long as the copies; the kernel is what reaches the target.
 //   - memcpy (cold tier in pageable host memory, which only DMA reaches, or
-//     JAX_KVCM_CONCAT_COPY=memcpy): one copy descriptor per page per pool (2 * L per page) in ONE
+//     the concat_memcpy option): one copy descriptor per page per pool (2 * L per page) in ONE
 //     cuMemcpyBatchAsync per call (stream-ordered source access, prefer-overlap-with-compute hint),
 //     the seed's design. The driver entry point is looked up once at run time
 //     (cudaGetDriverEntryPointByVersion, ABI of 12.8); where it does not exist (driver < 12.8), or
-//     with JAX_KVCM_NO_MEMCPY_BATCH=1, the same descriptors go as one cudaMemcpyAsync each.
+//     with the no_memcpy_batch option, the same descriptors go as one cudaMemcpyAsync each.
 // int8 (DEVICE index location): one CTA per (pair, layer, K/V) reads its pair with one 8-byte load;
 //   a pair outside the hot pool or the cold tier makes the CTA raise kBadIndexPair in the error
-//   word and touch nothing (reported as an error naming index_pairs only under JAX_KVCM_CHECK_INDICES=1).
+//   word and touch nothing (reported as an error naming index_pairs only in checked mode).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <nanobind/nanobind.h>
@@ -69,8 +70,6 @@ PFN_cuMemcpyBatchAsync_v12080 MemcpyBatchFn() {
     }
     return reinterpret_cast<PFN_cuMemcpyBatchAsync_v12080>(p);
   }();
-  const char* off = std::getenv("JAX_KVCM_NO_MEMCPY_BATCH");
-  if (off != nullptr && off[0] == '1') return nullptr;
   return fn;
 }
 
@@ -143,12 +142,6 @@ bool DeviceAccessible(uint64_t address) {
   }
 }
 
-// JAX_KVCM_CONCAT_COPY=memcpy forces the memcpy mover (benchmarks, tests); anything else: auto.
-bool ConcatKernelAllowed() {
-  const char* mode = std::getenv("JAX_KVCM_CONCAT_COPY");
-  return mode == nullptr || std::strcmp(mode, "memcpy") != 0;
-}
-
 ffi::Error ConcatKernelLaunch(bool encode, cudaStream_t stream, const CodecCall& c, char* k_base,
                               char* v_base, const ffi::AnyBuffer& index_pairs, uint64_t address) {
   const bool vec = c.hot.piece_bytes() % 16 == 0 && reinterpret_cast<uintptr_t>(k_base) % 16 == 0 &&
@@ -196,7 +189,8 @@ ffi::Error BuildCopyList(CopyList& list, const int32_t* pairs, const CodecCall& 
 
 ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
                       const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
-                      uint64_t address, int64_t num_cold_slots, char* k_base, char* v_base) {
+                      uint64_t address, int64_t num_cold_slots, int32_t options, char* k_base,
+                      char* v_base) {
   const char* op = encode ? "concat encode_pages" : "concat decode_pages";
   auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
                              num_cold_slots);
@@ -222,7 +216,7 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
                      std::to_string(c.num_pairs));
     const int32_t* pairs = it->second.data();
     if (auto err = CheckIndexPairs(pairs, c, encode); err.failure()) return err;
-    use_kernel = ConcatKernelAllowed() && c.num_pairs <= int64_t(INT32_MAX) &&
+    use_kernel = !(options & kOptConcatMemcpy) && c.num_pairs <= int64_t(INT32_MAX) &&
                  2 * c.hot.num_layers <= 65535 && DeviceAccessible(address);
     if (!use_kernel) {
       if (auto err = BuildCopyList(list, pairs, c, encode, address, k_base, v_base, op);
@@ -235,7 +229,8 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
     return ConcatKernelLaunch(encode, stream, c, k_base, v_base, index_pairs, address);
   const size_t count = list.dsts.size();
   // NOTE: cuMemcpyBatchAsync refuses the legacy NULL stream; XLA never hands us that one.
-  PFN_cuMemcpyBatchAsync_v12080 batch = stream != nullptr ? MemcpyBatchFn() : nullptr;
+  PFN_cuMemcpyBatchAsync_v12080 batch =
+      stream != nullptr && !(options & kOptNoMemcpyBatch) ? MemcpyBatchFn() : nullptr;
   if (batch != nullptr) {
     int device = 0;
     cudaGetDevice(&device);
@@ -456,12 +451,13 @@ ffi::Error FinishCodecChecked(cudaStream_t stream, const char* op) {
                    ": bad index: an index_pairs entry is outside the hot pool [0, num_slots) or "
                    "the cold tier [0, num_cold_slots)");
   return Invalid(std::string(op) + ": the error word holds bits " + std::to_string(bits) +
-                 " left by an earlier unchecked op (see JAX_KVCM_CHECK_INDICES)");
+                 " left by an earlier unchecked op (see the check_indices options)");
 }
 
 template <typename T>
 ffi::Error Int8Launch(bool encode, cudaStream_t stream, const CodecCall& c, char* k_base,
-                      char* v_base, const ffi::AnyBuffer& index_pairs, uint64_t address) {
+                      char* v_base, const ffi::AnyBuffer& index_pairs, uint64_t address,
+                      bool checked) {
   const char* op = encode ? "int8 encode_pages" : "int8 decode_pages";
   Int8Args a;
   a.s = c.hot;
@@ -489,7 +485,7 @@ ffi::Error Int8Launch(bool encode, cudaStream_t stream, const CodecCall& c, char
                                                    validate_only);
     }
   };
-  if (CheckIndicesEnabled()) {  // validate first so that a refused call writes nothing
+  if (checked) {  // validate first so that a refused call writes nothing
     launch(true);
     if (auto err = LaunchError(op); err.failure()) return err;
     if (auto err = FinishCodecChecked(stream, op); err.failure()) return err;
@@ -500,7 +496,9 @@ ffi::Error Int8Launch(bool encode, cudaStream_t stream, const CodecCall& c, char
 
 ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
                     const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
-                    uint64_t address, int64_t num_cold_slots, char* k_base, char* v_base) {
+                    uint64_t address, int64_t num_cold_slots, int32_t options, char* k_base,
+                    char* v_base) {
+  const bool checked = (options & kOptCheckIndices) != 0;
   auto call =
       ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address, num_cold_slots);
   if (call.has_error()) return call.error();
@@ -513,11 +511,14 @@ ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_po
                    std::to_string(kMaxInt8Heads) + ") or too large a page piece");
   switch (c.hot.dtype) {
     case DType::kF32:
-      return Int8Launch<float>(encode, stream, c, k_base, v_base, index_pairs, address);
+      return Int8Launch<float>(encode, stream, c, k_base, v_base, index_pairs, address, checked);
     case DType::kBF16:
-      return Int8Launch<__nv_bfloat16>(encode, stream, c, k_base, v_base, index_pairs, address);
+      return Int8Launch<__nv_bfloat16>(encode, stream, c, k_base, v_base, index_pairs, address,
+                                       checked);
     case DType::kF16:
-      return Int8Launch<__half>(encode, stream, c, k_base, v_base, index_pairs, address);
+      return Int8Launch<__half>(encode, stream, c, k_base, v_base, index_pairs, address, checked);
+    case DType::kF8E4M3:
+      return Invalid("int8 codec: float8_e4m3fn pools are refused");
   }
   return ffi::Error::Internal("int8 codec: unreachable dtype");
 }
@@ -525,14 +526,14 @@ ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_po
 // The FFI handlers: one encode and one decode shape for both codecs.
 using CodecCudaFn = ffi::Error (*)(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
                                    const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
-                                   uint64_t address, int64_t num_cold_slots, char* k_base,
-                                   char* v_base);
+                                   uint64_t address, int64_t num_cold_slots, int32_t options,
+                                   char* k_base, char* v_base);
 
 template <CodecCudaFn kCodec>
 ffi::Error EncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                           ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                          ffi::Result<ffi::AnyBuffer> token) {
-  if (auto err = kCodec(true, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                          int32_t options, ffi::Result<ffi::AnyBuffer> token) {
+  if (auto err = kCodec(true, stream, k_pool, v_pool, index_pairs, address, num_cold_slots, options,
                         static_cast<char*>(k_pool.untyped_data()),
                         static_cast<char*>(v_pool.untyped_data()));
       err.failure())
@@ -544,9 +545,10 @@ ffi::Error EncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBu
 template <CodecCudaFn kCodec>
 ffi::Error DecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                           ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                          ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+                          int32_t options, ffi::Result<ffi::AnyBuffer> k_out,
+                          ffi::Result<ffi::AnyBuffer> v_out) {
   // NOTE: k_out / v_out alias the pools (input_output_aliases {0: 0, 1: 1}).
-  return kCodec(false, stream, k_pool, v_pool, index_pairs, address, num_cold_slots,
+  return kCodec(false, stream, k_pool, v_pool, index_pairs, address, num_cold_slots, options,
                 static_cast<char*>(k_out->untyped_data()),
                 static_cast<char*>(v_out->untyped_data()));
 }
@@ -623,6 +625,7 @@ namespace xffi = xla::ffi;
       .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */    \
       .Attr<uint64_t>("address")        /* cold tier base */       \
       .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */        \
+      .Attr<int32_t>("options")         /* CodecOptionBits */      \
       .Ret<xffi::AnyBuffer>()           /* token int32 [1] */
 
 #define KVCM_DECODE_BINDING                                        \
@@ -633,6 +636,7 @@ namespace xffi = xla::ffi;
       .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */    \
       .Attr<uint64_t>("address")        /* cold tier base */       \
       .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */        \
+      .Attr<int32_t>("options")         /* CodecOptionBits */      \
       .Ret<xffi::AnyBuffer>()           /* k_pool (aliased) */     \
       .Ret<xffi::AnyBuffer>()           /* v_pool (aliased) */
 

@@ -1,4 +1,5 @@
-// Split-KV paged decode attention on tensor cores (bf16 / f16).
+// Split-KV paged decode attention on tensor cores (bf16 / f16 queries; caches of the query dtype
+// or float8_e4m3fn).
 //
 // Grid (num_splits, num_kv_heads, batch). A CTA owns one sequence, one kv head and one range of
 // 16-token tiles; its G = H / Hkv query heads form the rows of one m16 tile (rows >= G are zero).
@@ -6,6 +7,12 @@
 // ring, keeps its own online-softmax state, and the warps merge through shared memory at the end.
 // With num_splits > 1 the CTA writes an unnormalized partial (o, max, sum) and a combine kernel
 // reduces the splits.
+//
+// fp8 caches: tiles arrive as raw bytes (a 16-byte cp.async moves 16 elements), and each warp
+// converts its tile to f16 in shared memory (e4m3 -> f16 is exact) before the same ldmatrix/mma
+// path runs in f16 (bf16 queries are converted to f16 once: exact for |q| in f16's normal range).
+// The per-(layer, kv head) scales are constant within a CTA: k_scale is folded into the logit
+// scale and v_scale multiplies the merged output, so no per-element scaling happens.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -19,47 +26,31 @@ namespace {
 constexpr int kTile = 16;  // tokens per tile
 constexpr int kWarps = 4;
 
+// Ring depth: 3 stages (2 CTAs/SM at head_dim 128) keeps the most bytes in flight per warp; 2
+// stages (3 CTAs/SM) has more warps to hide each warp's compute, which wins when the grid is
+// many waves deep (measured on the H200: 256x1024 3.58 vs 3.34 TB/s; at 64x4096 the 3-CTA grid is
+// 1.3 waves and loses, 2.85 vs 3.51). head_dim 256 always uses 2 (smem).
 template <int D>
-constexpr int DefaultStages() { return D <= 128 ? 3 : 2; }
+constexpr int MaxStages() { return D <= 128 ? 3 : 2; }
 
-template <int D, int kStages>
+// Per warp: kStages {K, V} tiles as they arrive (2 bytes or 1 byte per element) and, for fp8, one
+// converted f16 {K, V} tile.
+template <int D, bool kFp8, int kStages>
 constexpr int DecodeSmemBytes() {
-  return kWarps * kStages * 2 * kTile * D * 2;
+  return kWarps * (kStages * 2 * kTile * D * (kFp8 ? 1 : 2) + (kFp8 ? 2 * kTile * D * 2 : 0));
 }
 
-// Online-softmax update of a decode tile (2 n-tiles of 8 tokens, log2 domain, already masked).
-// Rows 8..15 (h == 1) are skipped unless two_halves. The accumulator is rescaled only when some
-// lane's running max grew (warp vote): after the first tiles that is rare, and it saves
-// D / 4 multiplies per tile.
-template <int NO>
-__device__ __forceinline__ void DecodeSoftmax(float (&s)[2][4], float (&o)[NO][4], float (&m)[2],
-                                              float (&l)[2], bool two_halves) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (h == 1 && !two_halves) break;
-    float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[h], mx);
-    const float base = m_new == -INFINITY ? 0.f : m_new;
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][2 * h] = FastExp2(s[nt][2 * h] - base);
-      s[nt][2 * h + 1] = FastExp2(s[nt][2 * h + 1] - base);
-      sum += s[nt][2 * h] + s[nt][2 * h + 1];
-    }
-    if (__any_sync(0xffffffffu, m_new > m[h])) {
-      const float alpha = FastExp2(m[h] - base);  // 1 where this lane's max did not grow
-      l[h] *= alpha;
-#pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        o[n][2 * h] *= alpha;
-        o[n][2 * h + 1] *= alpha;
-      }
-    }
-    l[h] += sum;
-    m[h] = m_new;
+// Two query elements (one 32-bit word of T) as the MMA operand type M.
+template <typename T, typename M>
+__device__ __forceinline__ uint32_t QueryWord(const T* p) {
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+  if constexpr (std::is_same_v<T, M>) {
+    return w;
+  } else {  // bf16 -> f16
+    __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w);
+    const float2 f = __bfloat1622float2(b);
+    __half2 h = __floats2half2_rn(f.x, f.y);
+    return *reinterpret_cast<uint32_t*>(&h);
   }
 }
 
@@ -72,20 +63,23 @@ struct DecodeParams {
   float* part_ml;  // [num_splits, B, H, 2]
 };
 
-template <typename T, int D, int kStages, bool kL2Hint>
+// T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T.
+template <typename T, int D, bool kFp8, int kStages>
 __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodeParams p) {
-  constexpr int kChunks = D / 8;
-  constexpr int kTileElems = kTile * D;
+  using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
+  constexpr int kChunks = D / 8;            // 16-byte chunks of M per row
+  constexpr int kLoadChunks = kFp8 ? D / 16 : D / 8;  // 16-byte chunks per cached row
+  constexpr int kTileElems = kTile * D;     // elements of M per converted tile
+  constexpr int kTileBytes = kTile * D * (kFp8 ? 1 : 2);  // bytes of one arriving tile
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int G = int(s.group());
-  const bool two_halves = G > 8;  // query heads fill rows 8..15 of the m16 tile too
   const int P = int(s.cache.page_size);
 
   extern __shared__ uint4 smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
+  char* smem = reinterpret_cast<char*>(smem_raw);
   __shared__ int cta_bad;
   if (threadIdx.x == 0) cta_bad = 0;
   __syncthreads();
@@ -93,9 +87,14 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   int len = a.seq_lens[b];
   int li = *a.layer;
   uint32_t bits = 0;
-  if (len < 0 || len > s.max_pages * P) { bits |= kBadSeqLen; len = 0; }
+  if (len < 0 || !RowFitsTable(a.window > 0 ? max(0, len - a.window) : 0, len, a)) {
+    bits |= kBadSeqLen;
+    len = 0;
+  }
   if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; len = 0; }
   const int lo = a.window > 0 ? max(0, len - a.window) : 0;
+  float v_scale;
+  const LogitTransform logit = ScaledLogit<kFp8>(p.logit, a, li, kvh, v_scale);
   const int tile_lo = lo / kTile, tile_hi = (len + kTile - 1) / kTile;
   const int per_split = (max(tile_hi - tile_lo, 0) + p.num_splits - 1) / p.num_splits;
   const int my_lo = tile_lo + split * per_split;
@@ -109,76 +108,81 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const int col = kk * 16 + c0;
-    qf[kk][0] = r0 < G ? *reinterpret_cast<const uint32_t*>(qb + r0 * D + col) : 0u;
-    qf[kk][1] = r0 + 8 < G ? *reinterpret_cast<const uint32_t*>(qb + (r0 + 8) * D + col) : 0u;
-    qf[kk][2] = r0 < G ? *reinterpret_cast<const uint32_t*>(qb + r0 * D + col + 8) : 0u;
-    qf[kk][3] = r0 + 8 < G ? *reinterpret_cast<const uint32_t*>(qb + (r0 + 8) * D + col + 8) : 0u;
+    qf[kk][0] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col) : 0u;
+    qf[kk][1] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col) : 0u;
+    qf[kk][2] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col + 8) : 0u;
+    qf[kk][3] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col + 8) : 0u;
   }
 
-  const int64_t layer_off = int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D;
-  const T* kbase = static_cast<const T*>(a.k_cache) + layer_off;
-  const T* vbase = static_cast<const T*>(a.v_cache) + layer_off;
+  constexpr int kElemBytes = kFp8 ? 1 : 2;
+  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
+  const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
+  const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
   const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
-  const int64_t token_stride = s.cache.token_stride();
-  T* wsmem = smem + warp * kStages * 2 * kTileElems;
+  const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
+  constexpr int kWarpBytes = kStages * 2 * kTileBytes + (kFp8 ? 2 * kTileElems * 2 : 0);
+  char* wsmem = smem + warp * kWarpBytes;
+  M* conv = reinterpret_cast<M*>(wsmem + kStages * 2 * kTileBytes);  // fp8: converted {K, V}
+  const int max_pages = int(s.max_pages);
 
   // Page indices of a tile, lane-uniform: a 16-token tile spans one page (P >= 16) or two
-  // (P == 8). Fetched one iteration ahead so their latency hides behind the compute (fetching
-  // a 32-iteration chunk ahead measured the same on the H200).
+  // (P == 8). Fetched one iteration ahead so their latency hides behind the compute.
   auto fetch_pages = [&](int it, int& page_lo, int& page_hi) {
     page_lo = page_hi = 0;
     if (it < my_count) {
       const int first = (my_lo + warp + it * kWarps) * kTile;  // < len
-      page_lo = pages[first >> p.page_shift];
-      page_hi = (P >= 16 || first + 8 >= len) ? page_lo : pages[(first + 8) >> p.page_shift];
+      page_lo = pages[TableEntry(first >> p.page_shift, max_pages, a.ring)];
+      page_hi = (P >= 16 || first + 8 >= len)
+                    ? page_lo
+                    : pages[TableEntry((first + 8) >> p.page_shift, max_pages, a.ring)];
     }
   };
-
-  // Each lane copies the 16-byte chunks (row, ch) with ch = lane % kChunks and rows
-  // lane / kChunks + j * kRowsPerLoad: the row-dependent part of every address is a compile-time
-  // multiple of the token stride, so a tile costs one page check and two adds per chunk.
-  constexpr int kRowsPerLoad = 32 / kChunks;
-  constexpr int kLoads = kTile / kRowsPerLoad;
-  const int lane_row = lane / kChunks, lane_ch = lane % kChunks;
-  const int64_t lane_off = int64_t(lane_row) * token_stride + lane_ch * 8;
   auto load_tile = [&](int it, int stage, int page_lo, int page_hi) {
     const int first = (my_lo + warp + it * kWarps) * kTile;
-    T* ks = wsmem + stage * 2 * kTileElems;
-    T* vs = ks + kTileElems;
-    // Rows 0..7 read page_lo, rows 8..15 page_hi (the same page unless P == 8, and then always
-    // read). With P == 8 a page is checked only when one of its rows is in [lo, len).
-    const bool lo_used = P > 8 || first + 8 > lo;
-    const bool hi_used = P > 8 || first + 8 < len;
-    const bool bad = (lo_used && uint32_t(page_lo) >= uint32_t(s.cache.num_pages)) ||
-                     (hi_used && uint32_t(page_hi) >= uint32_t(s.cache.num_pages));
-    if (bad) bits |= kBadPage;
-    const int in_page = first & (P - 1);  // 0 when P == 8 (tiles are 16-aligned)
-    // Unread or bad pages become page 0, so that no address is out of bounds.
-    const int64_t off_lo =
-        (int64_t(bad || !lo_used ? 0 : page_lo) * P + in_page) * token_stride + lane_off;
-    const int64_t off_hi =
-        P == 8 ? (int64_t(bad || !hi_used ? 0 : page_hi) * P - 8) * token_stride + lane_off : off_lo;
-    const bool full = !bad && first >= lo && first + kTile <= len;
+    char* ks = wsmem + stage * 2 * kTileBytes;
+    char* vs = ks + kTileBytes;
+    // Fast path (every tile but a row's first and last, and pages of 16+ tokens): the whole
+    // tile is attended and lies in one valid page, so one lane-uniform check replaces the
+    // per-chunk ones and each lane's rows are a fixed stride apart (its chunk column is fixed:
+    // kLoadChunks divides 32).
+    if (P >= kTile && first >= lo && first + kTile <= len && page_lo >= 0 &&
+        page_lo < s.cache.num_pages) {
+      constexpr int kRowStep = 32 / kLoadChunks;
+      const int ch = lane % kLoadChunks, row0 = lane / kLoadChunks;
+      const int64_t off0 =
+          (int64_t(page_lo) * P + ((first + row0) & (P - 1))) * token_bytes + ch * 16;
 #pragma unroll
-    for (int j = 0; j < kLoads; ++j) {
-      const int row = lane_row + j * kRowsPerLoad;
-      // j * kRowsPerLoad >= 8 is a compile-time choice of page (rows differ by < kRowsPerLoad
-      // across lanes, and kRowsPerLoad divides 8).
-      const int64_t off = (j * kRowsPerLoad >= 8 ? off_hi : off_lo) +
-                          int64_t(j * kRowsPerLoad) * token_stride;
-      const int pos = first + row;
-      const bool valid = full || (!bad && pos >= lo && pos < len);
-      const int so = SwizzledOffset<kChunks>(row, lane_ch);
-      if constexpr (kL2Hint) {
-        CpAsync16L2(SmemAddr(ks + so), kbase + off, valid);
-        CpAsync16L2(SmemAddr(vs + so), vbase + off, valid);
-      } else {
-        CpAsync16(SmemAddr(ks + so), kbase + off, valid);
-        CpAsync16(SmemAddr(vs + so), vbase + off, valid);
+      for (int k = 0; k < kTile / kRowStep; ++k) {
+        const int row = row0 + k * kRowStep;
+        const int i = row * kLoadChunks + ch;
+        const int so = kFp8 ? i * 16 : SwizzledOffset<kChunks>(row, ch) * 2;
+        const int64_t off = off0 + int64_t(k * kRowStep) * token_bytes;
+        CpAsync16(SmemAddr(ks + so), kbase + off, true);
+        CpAsync16(SmemAddr(vs + so), vbase + off, true);
       }
+      return;
+    }
+#pragma unroll
+    for (int i = lane; i < kTile * kLoadChunks; i += 32) {
+      const int row = i / kLoadChunks, ch = i % kLoadChunks;
+      const int pos = first + row;
+      const int page = (P == 8 && row >= 8) ? page_hi : page_lo;
+      bool valid = pos >= lo && pos < len;
+      int64_t off = 0;
+      if (valid) {
+        if (page < 0 || page >= s.cache.num_pages) {
+          bits |= kBadPage;
+          valid = false;
+        } else {
+          off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
+        }
+      }
+      // fp8 tiles arrive unswizzled (converted below); 16-bit tiles swizzled for ldmatrix.
+      const int so = kFp8 ? i * 16 : SwizzledOffset<kChunks>(row, ch) * 2;
+      CpAsync16(SmemAddr(ks + so), kbase + off, valid);
+      CpAsync16(SmemAddr(vs + so), vbase + off, valid);
     }
   };
-
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -195,14 +199,22 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   for (int it = 0; it < my_count; ++it) {
     CpAsyncWait<kStages - 2>();
     __syncwarp();
+    const M* ks;
+    if constexpr (kFp8) {
+      if constexpr (kFp8)  // this warp's arrived tile -> f16 in conv
+        ConvertFp8Tiles<kTile, D>(wsmem + (it % kStages) * 2 * kTileBytes, conv, lane, 32);
+      __syncwarp();
+      ks = conv;
+    } else {
+      ks = reinterpret_cast<const M*>(wsmem + (it % kStages) * 2 * kTileBytes);
+    }
+    const M* vs = ks + kTileElems;
     if (it + kStages - 1 < my_count) {
       load_tile(it + kStages - 1, (it + kStages - 1) % kStages, page_lo, page_hi);
       fetch_pages(it + kStages, page_lo, page_hi);
     }
     CpAsyncCommit();
 
-    const T* ks = wsmem + (it % kStages) * 2 * kTileElems;
-    const T* vs = ks + kTileElems;
     // Two independent accumulator chains (even / odd k steps) halve the dependent-mma latency.
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     float sd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -212,53 +224,35 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
       const int row = (lane & 7) + ((lane >> 4) << 3);
       LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
       if (kk % 2 == 0) {
-        Mma<T>::mma(sc[0], qf[kk], r[0], r[1]);
-        Mma<T>::mma(sc[1], qf[kk], r[2], r[3]);
+        Mma<M>::mma(sc[0], qf[kk], r[0], r[1]);
+        Mma<M>::mma(sc[1], qf[kk], r[2], r[3]);
       } else {
-        Mma<T>::mma(sd[0], qf[kk], r[0], r[1]);
-        Mma<T>::mma(sd[1], qf[kk], r[2], r[3]);
+        Mma<M>::mma(sd[0], qf[kk], r[0], r[1]);
+        Mma<M>::mma(sd[1], qf[kk], r[2], r[3]);
       }
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) sc[nt][j] += sd[nt][j];
-    // Rows 8..15 of the m16 tile hold query heads only when G > 8; otherwise their logits are
-    // neither transformed nor used (their P fragments below are zero).
     const int tile_pos = (my_lo + warp + it * kWarps) * kTile;
-    const int num_j = two_halves ? 4 : 2;
-    if (p.logit.soft_cap > 0.f) {
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (j < num_j) sc[nt][j] = p.logit.capped(sc[nt][j]);
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) sc[nt][j] *= p.logit.scale_log2;
-    }
-    if (tile_pos < lo || tile_pos + kTile > len) {  // a partial tile: mask (warp-uniform)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int pos = tile_pos + nt * 8 + c0 + (j & 1);
-          if (pos < lo || pos >= len) sc[nt][j] = -INFINITY;
-        }
-    }
-    DecodeSoftmax<D / 8>(sc, o, m, l, two_halves);
-    const uint32_t pa[4] = {
-        Mma<T>::pack(sc[0][0], sc[0][1]), two_halves ? Mma<T>::pack(sc[0][2], sc[0][3]) : 0u,
-        Mma<T>::pack(sc[1][0], sc[1][1]), two_halves ? Mma<T>::pack(sc[1][2], sc[1][3]) : 0u};
+      for (int j = 0; j < 4; ++j) {
+        const int pos = tile_pos + nt * 8 + c0 + (j & 1);
+        sc[nt][j] = (pos >= lo && pos < len) ? logit(sc[nt][j]) : -INFINITY;
+      }
+    OnlineSoftmax<2, D / 8>(sc, o, m, l);
+    const uint32_t pa[4] = {Mma<M>::pack(sc[0][0], sc[0][1]), Mma<M>::pack(sc[0][2], sc[0][3]),
+                            Mma<M>::pack(sc[1][0], sc[1][1]), Mma<M>::pack(sc[1][2], sc[1][3])};
 #pragma unroll
     for (int n = 0; n < D / 8; n += 2) {
       uint32_t r[4];
       const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
       LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
-      Mma<T>::mma(o[n], pa, r[0], r[1]);
-      Mma<T>::mma(o[n + 1], pa, r[2], r[3]);
+      Mma<M>::mma(o[n], pa, r[0], r[1]);
+      Mma<M>::mma(o[n + 1], pa, r[2], r[3]);
     }
   }
   CpAsyncWait<0>();
@@ -307,10 +301,13 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
         den += f * ml[w * G + row];
       }
     }
+    num *= v_scale;
     if (bad) num = NAN;
     const int64_t head = int64_t(b) * s.num_heads + int64_t(kvh) * G + row;
     if (p.num_splits == 1) {
-      static_cast<T*>(a.out)[head * D + d] = DTypeTraits<T>::from_float(den > 0.f ? num / den : (bad ? NAN : 0.f));
+      // den is 0 only with nothing attended; NaN (a NaN logit) must stay NaN.
+      static_cast<T*>(a.out)[head * D + d] =
+          DTypeTraits<T>::from_float(den == 0.f ? (bad ? NAN : 0.f) : num / den);
     } else {
       const int64_t ph = int64_t(split) * s.batch * s.num_heads + head;
       p.part_o[ph * D + d] = num;
@@ -340,51 +337,57 @@ __global__ void CombineSplitsKernel(const float* __restrict__ part_o,
         den += f * part_ml[pr * 2 + 1];
       }
     }
-    const bool nan = num != num;
-    out[row * D + d] = DTypeTraits<T>::from_float(nan ? NAN : (den > 0.f ? num / den : 0.f));
+    const bool nan = num != num || den != den;
+    out[row * D + d] = DTypeTraits<T>::from_float(nan ? NAN : (den == 0.f ? 0.f : num / den));
   }
 }
 
-// Wave-aware split count (experimental, variants 4/5): every CTA of a decode grid does about the
-// same work, so a grid of 1.3 waves costs 2. Picks the smallest split count in [1, 8] whose grid
-// fills its last wave best (within 2%), keeping >= 2 tiles per warp.
-int64_t WaveAwareSplits(int64_t base, int64_t slots, int64_t max_splits) {
-  int64_t best = 1;
-  double best_eff = 0.0;
-  for (int64_t s = 1; s <= std::min<int64_t>(8, std::max<int64_t>(1, max_splits)); ++s) {
-    const double waves = double(base * s) / double(slots);
-    const double eff = waves / std::ceil(waves);
-    if (eff > best_eff + 0.02) {
-      best_eff = eff;
-      best = s;
-    }
-  }
-  return best;
+// The split count (the one heuristic; measured rows in benchmarks/RESULTS.md). Every CTA of a
+// decode grid streams about the same number of tiles, so:
+// - many rows (batch * num_kv_heads >= one wave of CTAs, e.g. B256 S256, B64 S4096): no split;
+//   the grid already fills the GPU and a combine pass would only add traffic and a launch;
+// - few rows (e.g. B8 S32768, B1 S131072): split each row's tiles so that the grid is one full
+//   wave (slots / rows splits), but never below 2 tiles per warp of a split (shorter splits are
+//   all prologue), and never above 64 (the combine kernel's reads grow with it).
+// max_tiles bounds the tiles of the longest row (the table width, or the window).
+int64_t NumSplits(int64_t rows, int64_t slots, int64_t max_tiles) {
+  if (rows >= slots) return 1;
+  const int64_t by_wave = slots / rows;
+  const int64_t by_length = max_tiles / (2 * kWarps);
+  return std::max<int64_t>(1, std::min<int64_t>({by_wave, by_length, 64}));
 }
 
-template <typename T, int D, int kStages = DefaultStages<D>(), bool kL2Hint = false,
-          bool kWaveAware = false>
-ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
-  const AttentionShape& s = a.shape;
-  constexpr int smem = DecodeSmemBytes<D, kStages>();
-  auto kernel = PagedDecodeKernel<T, D, kStages, kL2Hint>;
-  static bool configured = false;  // NOTE: per-template, set on the first launch
-  if (!configured) {
+// CTAs per SM of one kernel instance (configures its shared memory on the first call); 0 when
+// the attribute cannot be set.
+template <typename T, int D, bool kFp8, int kStages>
+int CtasPerSm() {
+  static int per_sm = [] {  // NOTE: per-template, on the first launch
+    constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
+    auto kernel = PagedDecodeKernel<T, D, kFp8, kStages>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
-      return LaunchError("paged_attention: cudaFuncSetAttribute");
-    configured = true;
-  }
-  int per_sm = 1;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
-  const int64_t base = s.batch * s.cache.num_kv_heads;
-  const int64_t slots = int64_t(NumSMs()) * std::max(per_sm, 1);
+      return 0;
+    int n = 1;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem);
+    return std::max(n, 1);
+  }();
+  return per_sm;
+}
+
+template <typename T, int D, bool kFp8, int kStages>
+ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
+  const AttentionShape& s = a.shape;
+  constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
+  auto kernel = PagedDecodeKernel<T, D, kFp8, kStages>;
+  const int per_sm = CtasPerSm<T, D, kFp8, kStages>();
+  if (per_sm == 0) return LaunchError("paged_attention: cudaFuncSetAttribute");
+  const int64_t rows = s.batch * s.cache.num_kv_heads;
+  const int64_t slots = int64_t(NumSMs()) * per_sm;
+  // Tiles a row can read: its table's pages (a ring's reads span at most max_pages pages too),
+  // fewer under a window.
   int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
   if (a.window > 0) max_tiles = std::min<int64_t>(max_tiles, (a.window + kTile - 1) / kTile + 1);
-  // One wave of CTAs when the batch alone cannot fill the GPU; at least 2 tiles per warp.
-  int64_t splits = base < slots ? slots / base : 1;
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, max_tiles / (2 * kWarps)));
-  if constexpr (kWaveAware) splits = WaveAwareSplits(base, slots, max_tiles / (2 * kWarps));
+  const int64_t splits = NumSplits(rows, slots, max_tiles);
 
   DecodeParams p;
   p.a = a;
@@ -393,10 +396,10 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   p.num_splits = int(splits);
   p.part_o = nullptr;
   p.part_ml = nullptr;
-  const int64_t rows = s.batch * s.num_heads;
+  const int64_t heads = s.batch * s.num_heads;
   if (splits > 1) {
-    const size_t o_bytes = size_t(splits * rows * D) * sizeof(float);
-    void* ws = Workspace(stream, o_bytes + size_t(splits * rows * 2) * sizeof(float));
+    const size_t o_bytes = size_t(splits * heads * D) * sizeof(float);
+    void* ws = Workspace(stream, o_bytes + size_t(splits * heads * 2) * sizeof(float));
     if (ws == nullptr) return ffi::Error::Internal("paged_attention: workspace allocation failed");
     p.part_o = static_cast<float*>(ws);
     p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
@@ -405,8 +408,8 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
   if (splits > 1) {
-    CombineSplitsKernel<T><<<unsigned(rows), 128, 0, stream>>>(
-        p.part_o, p.part_ml, static_cast<T*>(a.out), int(splits), rows, D);
+    CombineSplitsKernel<T><<<unsigned(heads), 128, 0, stream>>>(
+        p.part_o, p.part_ml, static_cast<T*>(a.out), int(splits), heads, D);
     return LaunchError("paged_attention (combine kernel)");
   }
   return ffi::Error::Success();
@@ -417,26 +420,31 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
 bool PagedDecodeSupports(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t D = s.cache.head_dim, P = s.cache.page_size;
-  return (s.cache.dtype == DType::kBF16 || s.cache.dtype == DType::kF16) &&
-         (D == 64 || D == 128 || D == 256) && P >= 8 && (P & (P - 1)) == 0 && s.group() <= 16 &&
-         s.batch <= 65535 && s.cache.num_kv_heads <= 65535;
+  const bool half_q = s.q_dtype == DType::kBF16 || s.q_dtype == DType::kF16;
+  return half_q && (s.cache.dtype == s.q_dtype || s.fp8()) && (D == 64 || D == 128 || D == 256) &&
+         P >= 8 && (P & (P - 1)) == 0 && s.group() <= 16 && s.batch <= 65535 &&
+         s.cache.num_kv_heads <= 65535;
 }
 
 ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a) {
   return DispatchHalfDtypeAndHeadDim(a, "paged_attention", [&](auto t, auto d) -> ffi::Error {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    if constexpr (D == 128) {
-      // Experimental variants for tuning (JAX_KVCM_DECODE_VARIANT), head_dim 128 only.
-      if (const char* variant = std::getenv("JAX_KVCM_DECODE_VARIANT")) {
-        if (variant[0] == '1') return Launch<T, 128, 2, false>(stream, a);
-        if (variant[0] == '2') return Launch<T, 128, 3, true>(stream, a);
-        if (variant[0] == '3') return Launch<T, 128, 4, false>(stream, a);
-        if (variant[0] == '4') return Launch<T, 128, 2, false, true>(stream, a);
-        if (variant[0] == '5') return Launch<T, 128, 3, false, true>(stream, a);
+    // The ring depth (see MaxStages): the shallower ring when the grid, unsplit, is at least
+    // 4 waves deep at its occupancy (many short rows: B256 S256, B256 S1024); else the deeper.
+    auto run = [&](auto fp8) -> ffi::Error {
+      constexpr bool kFp8 = decltype(fp8)::value;
+      constexpr int kDeep = MaxStages<D>();
+      if constexpr (kDeep > 2) {
+        const int64_t rows = a.shape.batch * a.shape.cache.num_kv_heads;
+        const int per_sm = CtasPerSm<T, D, kFp8, 2>();
+        if (per_sm > 0 && rows >= 4 * int64_t(NumSMs()) * per_sm)
+          return Launch<T, D, kFp8, 2>(stream, a);
       }
-    }
-    return Launch<T, D>(stream, a);
+      return Launch<T, D, kFp8, kDeep>(stream, a);
+    };
+    if (a.shape.fp8()) return run(std::true_type{});
+    return run(std::false_type{});
   });
 }
 

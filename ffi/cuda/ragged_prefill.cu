@@ -5,6 +5,9 @@
 // (64 for D = 256) of one sequence and one kv head: each warp holds two m16 tiles, so every K/V
 // fragment it reads from shared memory feeds two MMAs. Q sits in shared memory; K/V tiles stream
 // through a shared cp.async ring; warps keep their own online-softmax state.
+// fp8 caches: K/V tiles arrive as raw bytes and the CTA converts each to f16 in shared memory
+// (exact) before the same MMA path runs in f16 (bf16 queries are converted to f16 in shared memory
+// once); k_scale is folded into the logit scale, v_scale into the output normalization.
 // A schedule kernel turns query_start into per-sequence tile offsets first (one CTA per tile,
 // heaviest tiles of each sequence first), and a fill kernel zeroes the padding rows of q.
 #include <cub/block/block_scan.cuh>
@@ -24,8 +27,11 @@ template <int D> constexpr int MTiles() { return D <= 128 ? 2 : 1; }
 template <int D> constexpr int RowsPerCta() { return 16 * kWarps * MTiles<D>(); }
 template <int D> constexpr int KvTile() { return D <= 64 ? 64 : 32; }
 template <int D> constexpr int Stages() { return D <= 128 ? 3 : 2; }
-template <int D> constexpr int SmemBytes() {
-  return RowsPerCta<D>() * D * 2 + Stages<D>() * 2 * KvTile<D>() * D * 2;
+// Q [rows][D] (2 bytes), the ring of arriving {K, V} tiles (1 byte per element for fp8), and for
+// fp8 one converted f16 {K, V} tile.
+template <int D, bool kFp8> constexpr int SmemBytes() {
+  return RowsPerCta<D>() * D * 2 + Stages<D>() * 2 * KvTile<D>() * D * (kFp8 ? 1 : 2) +
+         (kFp8 ? 2 * KvTile<D>() * D * 2 : 0);
 }
 
 // tile_offsets[b] = sum over b' < b of ceil(num_queries(b') * G / rows_per_cta); invalid sequences
@@ -45,7 +51,8 @@ __global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_
       const int32_t q0 = a.query_start[b], q1 = a.query_start[b + 1], len = a.seq_lens[b];
       uint32_t bits = 0;
       if (q0 < 0 || q1 < q0 || q1 > s.num_queries || q1 - q0 > len) bits |= kBadQueryStart;
-      if (len < 0 || len > s.max_pages * s.cache.page_size) bits |= kBadSeqLen;
+      const int64_t lo = a.window > 0 ? max(int64_t(0), int64_t(len) - (q1 - q0) + 1 - a.window) : 0;
+      if (len < 0 || !RowFitsTable(lo, len, a)) bits |= kBadSeqLen;
       if (bits) RaiseError(a.error_word, bits);
       else tiles = int32_t((int64_t(q1 - q0) * G + rows_per_cta - 1) / rows_per_cta);
     }
@@ -80,9 +87,13 @@ struct PrefillParams {
   const int32_t* tile_offsets;  // [B + 1]
 };
 
-template <typename T, int D>
+// T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T.
+template <typename T, int D, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const PrefillParams p) {
+  using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
   constexpr int kChunks = D / 8;
+  constexpr int kLoadChunks = kFp8 ? D / 16 : D / 8;  // 16-byte chunks per cached row
+  constexpr int kTileBytes = KvTile<D>() * D * (kFp8 ? 1 : 2);
   constexpr int kMt = MTiles<D>();
   constexpr int kRows = RowsPerCta<D>();
   constexpr int kKv = KvTile<D>();
@@ -115,14 +126,17 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   const int pos0 = len - nq;  // position of the sequence's first query token
 
   extern __shared__ uint4 smem_raw[];
-  T* qs = reinterpret_cast<T*>(smem_raw);  // [kRows][D], swizzled
-  T* kv = qs + kRows * D;                  // kStages x {K, V} [kKv][D], swizzled
+  M* qs = reinterpret_cast<M*>(smem_raw);  // [kRows][D], swizzled (arrives as T)
+  char* kv = reinterpret_cast<char*>(qs + kRows * D);  // kStages x {K, V} [kKv][D] as they arrive
+  M* conv = reinterpret_cast<M*>(kv + kStages * 2 * kTileBytes);  // fp8: converted {K, V}
   __shared__ int cta_bad;
   if (threadIdx.x == 0) cta_bad = 0;
 
   int li = *a.layer;
   uint32_t bits = 0;
   if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; }
+  float v_scale;
+  const LogitTransform logit = ScaledLogit<kFp8>(p.logit, a, li, kvh, v_scale);
 
   // Q rows -> shared memory (zero-filled past num_rows): row r = (token r / G, head r % G).
   for (int i = threadIdx.x; i < kRows * kChunks; i += kWarps * 32) {
@@ -154,36 +168,37 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   const int key_hi = q_last + 1;
   const int t_lo = key_lo / kKv, t_hi = (key_hi + kKv - 1) / kKv;
 
-  const int64_t layer_off = int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D;
-  const T* kbase = static_cast<const T*>(a.k_cache) + layer_off;
-  const T* vbase = static_cast<const T*>(a.v_cache) + layer_off;
+  constexpr int kElemBytes = kFp8 ? 1 : 2;
+  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
+  const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
+  const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
   const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
-  const int64_t token_stride = s.cache.token_stride();
+  const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
 
   auto load_tile = [&](int t, int stage) {
-    T* ks = kv + stage * 2 * kTileElems;
-    T* vs = ks + kTileElems;
+    char* ks = kv + stage * 2 * kTileBytes;
+    char* vs = ks + kTileBytes;
 #pragma unroll
-    for (int i = threadIdx.x; i < kKv * kChunks; i += kWarps * 32) {
-      const int row = i / kChunks, ch = i % kChunks;
+    for (int i = threadIdx.x; i < kKv * kLoadChunks; i += kWarps * 32) {
+      const int row = i / kLoadChunks, ch = i % kLoadChunks;
       const int pos = t * kKv + row;
       bool valid = pos >= key_lo && pos < key_hi;
       int64_t off = 0;
       if (valid) {
-        const int page = pages[pos >> p.page_shift];
+        const int page = pages[TableEntry(pos >> p.page_shift, int(s.max_pages), a.ring)];
         if (page < 0 || page >= s.cache.num_pages) {
           bits |= kBadPage;
           valid = false;
         } else {
-          off = (int64_t(page) * P + (pos & (P - 1))) * token_stride + ch * 8;
+          off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
         }
       }
-      const int so = SwizzledOffset<kChunks>(row, ch);
+      // fp8 tiles arrive unswizzled (converted below); 16-bit tiles swizzled for ldmatrix.
+      const int so = kFp8 ? i * 16 : SwizzledOffset<kChunks>(row, ch) * 2;
       CpAsync16(SmemAddr(ks + so), kbase + off, valid);
       CpAsync16(SmemAddr(vs + so), vbase + off, valid);
     }
   };
-
   float o[kMt][D / 8][4];
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt)
@@ -205,14 +220,31 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
     const int it = t - t_lo;
     CpAsyncWait<kStages - 2>();
     __syncthreads();
+    const M* ks;
+    if constexpr (kFp8) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        if (it == 0) {  // Q has landed (its group precedes the first tile's): bf16 -> f16
+          for (int i = threadIdx.x; i < kRows * kChunks; i += kWarps * 32) {
+            uint4* chunk = reinterpret_cast<uint4*>(qs) + i;
+            *chunk = Bf16ChunkToHalf(*chunk);
+          }
+        }
+      }
+      if constexpr (kFp8)  // the CTA's arrived tile -> f16 in conv
+        ConvertFp8Tiles<kKv, D>(kv + (it % kStages) * 2 * kTileBytes, conv, threadIdx.x,
+                                kWarps * 32);
+      __syncthreads();
+      ks = conv;
+    } else {
+      ks = reinterpret_cast<const M*>(kv + (it % kStages) * 2 * kTileBytes);
+    }
+    const M* vs = ks + kTileElems;
     if (t + kStages - 1 < t_hi) load_tile(t + kStages - 1, (it + kStages - 1) % kStages);
     CpAsyncCommit();
 
     const int key0 = t * kKv;
     // Skip tiles entirely outside this warp's causal / window band.
     if (key0 > warp_q_hi || (a.window > 0 && key0 + kKv - 1 <= warp_q_lo - a.window)) continue;
-    const T* ks = kv + (it % kStages) * 2 * kTileElems;
-    const T* vs = ks + kTileElems;
     float sc[kMt][kNt][4];
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt)
@@ -233,8 +265,8 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
         LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
 #pragma unroll
         for (int mt = 0; mt < kMt; ++mt) {
-          Mma<T>::mma(sc[mt][nt], qa[mt], r[0], r[1]);
-          Mma<T>::mma(sc[mt][nt + 1], qa[mt], r[2], r[3]);
+          Mma<M>::mma(sc[mt][nt], qa[mt], r[0], r[1]);
+          Mma<M>::mma(sc[mt][nt + 1], qa[mt], r[2], r[3]);
         }
       }
     }
@@ -246,7 +278,7 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
       for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          float x = p.logit(sc[mt][nt][j]);
+          float x = logit(sc[mt][nt][j]);
           if (needs_mask) {
             const int key = key0 + nt * 8 + c0 + (j & 1);
             const int qp = qpos[mt][j >> 1];
@@ -261,10 +293,10 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
       uint32_t pa[kMt][4];
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt) {
-        pa[mt][0] = Mma<T>::pack(sc[mt][2 * ks16][0], sc[mt][2 * ks16][1]);
-        pa[mt][1] = Mma<T>::pack(sc[mt][2 * ks16][2], sc[mt][2 * ks16][3]);
-        pa[mt][2] = Mma<T>::pack(sc[mt][2 * ks16 + 1][0], sc[mt][2 * ks16 + 1][1]);
-        pa[mt][3] = Mma<T>::pack(sc[mt][2 * ks16 + 1][2], sc[mt][2 * ks16 + 1][3]);
+        pa[mt][0] = Mma<M>::pack(sc[mt][2 * ks16][0], sc[mt][2 * ks16][1]);
+        pa[mt][1] = Mma<M>::pack(sc[mt][2 * ks16][2], sc[mt][2 * ks16][3]);
+        pa[mt][2] = Mma<M>::pack(sc[mt][2 * ks16 + 1][0], sc[mt][2 * ks16 + 1][1]);
+        pa[mt][3] = Mma<M>::pack(sc[mt][2 * ks16 + 1][2], sc[mt][2 * ks16 + 1][3]);
       }
 #pragma unroll
       for (int n = 0; n < D / 8; n += 2) {
@@ -273,8 +305,8 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
         LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
 #pragma unroll
         for (int mt = 0; mt < kMt; ++mt) {
-          Mma<T>::mma(o[mt][n], pa[mt], r[0], r[1]);
-          Mma<T>::mma(o[mt][n + 1], pa[mt], r[2], r[3]);
+          Mma<M>::mma(o[mt][n], pa[mt], r[0], r[1]);
+          Mma<M>::mma(o[mt][n + 1], pa[mt], r[2], r[3]);
         }
       }
     }
@@ -295,7 +327,8 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
       lh += __shfl_xor_sync(0xffffffffu, lh, 2);
       const int row = row0 + mt * 16 * kWarps + warp * 16 + r0 + 8 * h;
       if (row >= num_rows) continue;
-      const float inv = bad ? NAN : (lh > 0.f ? 1.f / lh : 0.f);
+      // lh is 0 only with nothing attended; NaN (a NaN logit) stays NaN.
+      const float inv = bad ? NAN : (lh == 0.f ? 0.f : v_scale / lh);
       T* out = static_cast<T*>(a.out) +
                ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
 #pragma unroll
@@ -305,13 +338,13 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
     }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kFp8>
 ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
-  constexpr int smem = SmemBytes<D>();
+  constexpr int smem = SmemBytes<D, kFp8>();
   static bool configured = false;  // NOTE: per-template, set on the first launch
   if (!configured) {
-    if (cudaFuncSetAttribute(RaggedPrefillKernel<T, D>,
+    if (cudaFuncSetAttribute(RaggedPrefillKernel<T, D, kFp8>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return LaunchError("ragged_paged_attention: cudaFuncSetAttribute");
     configured = true;
@@ -332,7 +365,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   // Upper bound on the number of tiles: sum_b ceil(n_b G / kRows) <= T G / kRows + B.
   const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;
   dim3 grid(unsigned(max_tiles), unsigned(s.cache.num_kv_heads));
-  RaggedPrefillKernel<T, D><<<grid, kWarps * 32, smem, stream>>>(p);
+  RaggedPrefillKernel<T, D, kFp8><<<grid, kWarps * 32, smem, stream>>>(p);
   return LaunchError("ragged_paged_attention (prefill kernel)");
 }
 
@@ -341,14 +374,16 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
 bool RaggedPrefillSupports(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t D = s.cache.head_dim, P = s.cache.page_size;
-  return (s.cache.dtype == DType::kBF16 || s.cache.dtype == DType::kF16) &&
+  const bool half_q = s.q_dtype == DType::kBF16 || s.q_dtype == DType::kF16;
+  return half_q && (s.cache.dtype == s.q_dtype || s.fp8()) &&
          (D == 64 || D == 128 || D == 256) && P > 0 && (P & (P - 1)) == 0 &&
          s.cache.num_kv_heads <= 65535 && s.num_queries * s.group() < (int64_t(1) << 30);
 }
 
 ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a) {
   return DispatchHalfDtypeAndHeadDim(a, "ragged_paged_attention", [&](auto t, auto d) {
-    return Launch<decltype(t), decltype(d)::value>(stream, a);
+    if (a.shape.fp8()) return Launch<decltype(t), decltype(d)::value, true>(stream, a);
+    return Launch<decltype(t), decltype(d)::value, false>(stream, a);
   });
 }
 

@@ -1,4 +1,6 @@
-// CUDA write_kv: one warp per token copies its K and V rows (16-byte vectors) into the slot.
+// CUDA write_kv: one warp per token copies its K and V rows (16-byte vectors) into the slot; for an
+// fp8 cache it quantizes them instead: saturate(x / scale[layer, kv head]), rounded to nearest
+// even (cvt.rn.satfinite: +-448, NaN kept), with an IEEE division like the CPU handler.
 #include "kvcm/cuda/common.cuh"
 
 namespace kvcm::cuda {
@@ -41,22 +43,82 @@ __global__ void WriteKvKernel(char* __restrict__ k_cache, char* __restrict__ v_c
   }
 }
 
+// Same indexing as WriteKvKernel; T is the dtype of k and v, the cache is float8_e4m3fn.
+template <typename T>
+__global__ void WriteKvFp8Kernel(__nv_fp8_e4m3* __restrict__ k_cache,
+                                 __nv_fp8_e4m3* __restrict__ v_cache, const T* __restrict__ k,
+                                 const T* __restrict__ v, const int32_t* __restrict__ slot_mapping,
+                                 const int32_t* __restrict__ layer,
+                                 const float* __restrict__ k_scale,
+                                 const float* __restrict__ v_scale, int64_t num_tokens,
+                                 int64_t num_layers, int64_t num_slots, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t layer_elems, uint32_t* error_word,
+                                 bool validate_only) {
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= num_tokens) return;
+  const int32_t li = *layer;
+  if (li < 0 || li >= num_layers) {
+    if (lane == 0) RaiseError(error_word, kBadLayer);
+    return;
+  }
+  const int32_t slot = slot_mapping[warp];
+  if (slot < 0) return;  // padding
+  if (slot >= num_slots) {
+    if (lane == 0) RaiseError(error_word, kBadSlot);
+    return;
+  }
+  if (validate_only) return;
+  const int64_t row = num_kv_heads * head_dim;
+  const int64_t dst = li * layer_elems + int64_t(slot) * row;
+  const float* ks = k_scale + li * num_kv_heads;
+  const float* vs = v_scale + li * num_kv_heads;
+  for (int64_t e = lane; e < row; e += 32) {
+    const int64_t h = e / head_dim;
+    k_cache[dst + e] = DTypeTraits<__nv_fp8_e4m3>::from_float(
+        DTypeTraits<T>::to_float(k[warp * row + e]) / ks[h]);
+    v_cache[dst + e] = DTypeTraits<__nv_fp8_e4m3>::from_float(
+        DTypeTraits<T>::to_float(v[warp * row + e]) / vs[h]);
+  }
+}
+
 ffi::Error WriteKvCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer slot_mapping,
-                           ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> k_out,
-                           ffi::Result<ffi::AnyBuffer> v_out) {
+                           ffi::AnyBuffer layer, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                           bool check_indices) {
   auto cache = ParseWriteKv(k_cache, v_cache, k, v, slot_mapping, layer);
   if (cache.has_error()) return cache.error();
   const CacheShape& c = *cache;
+  if (auto err = CheckScales(c, k_scale, v_scale); err.failure()) return err;
   const int64_t num_tokens = k.dimensions()[0];
   if (num_tokens == 0) return ffi::Error::Success();
   const int64_t elem = ffi::ByteWidth(k_cache.element_type());
   const int64_t row_bytes = c.token_stride() * elem;
-  const bool checked = CheckIndicesEnabled();
+  const bool checked = check_indices;
   uint32_t* error_word = DeviceErrorWord();
   const int threads = 256;
   const int64_t blocks = (num_tokens * 32 + threads - 1) / threads;
+  auto launch_fp8 = [&](auto t, bool validate_only) {
+    using T = decltype(t);
+    WriteKvFp8Kernel<T><<<blocks, threads, 0, stream>>>(
+        static_cast<__nv_fp8_e4m3*>(k_out->untyped_data()),
+        static_cast<__nv_fp8_e4m3*>(v_out->untyped_data()), static_cast<const T*>(k.untyped_data()),
+        static_cast<const T*>(v.untyped_data()),
+        static_cast<const int32_t*>(slot_mapping.untyped_data()),
+        static_cast<const int32_t*>(layer.untyped_data()),
+        static_cast<const float*>(k_scale.untyped_data()),
+        static_cast<const float*>(v_scale.untyped_data()), num_tokens, c.num_layers,
+        c.num_slots(), c.num_kv_heads, c.head_dim, c.layer_stride(), error_word, validate_only);
+  };
   auto launch = [&](bool validate_only) {
+    if (c.dtype == DType::kF8E4M3) {
+      switch (*ToComputeDType(k.element_type())) {
+        case DType::kF32: return launch_fp8(float{}, validate_only);
+        case DType::kBF16: return launch_fp8(__nv_bfloat16{}, validate_only);
+        default: return launch_fp8(__half{}, validate_only);
+      }
+    }
     WriteKvKernel<<<blocks, threads, 0, stream>>>(
         static_cast<char*>(k_out->untyped_data()), static_cast<char*>(v_out->untyped_data()),
         static_cast<const char*>(k.untyped_data()), static_cast<const char*>(v.untyped_data()),
@@ -87,6 +149,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmWriteKvCuda, kvcm::cuda::WriteKvCudaImpl,
                                   .Arg<xffi::AnyBuffer>()  // v
                                   .Arg<xffi::AnyBuffer>()  // slot_mapping
                                   .Arg<xffi::AnyBuffer>()  // layer
+                                  .Arg<xffi::AnyBuffer>()  // k_scale [L, Hkv] f32 (fp8) or []
+                                  .Arg<xffi::AnyBuffer>()  // v_scale
                                   .Ret<xffi::AnyBuffer>()  // k_cache (aliased)
                                   .Ret<xffi::AnyBuffer>()  // v_cache (aliased)
-);
+                                  .Attr<bool>("check_indices"));

@@ -3,7 +3,27 @@
 Page-table convention: caches are ``[num_pages, page_size, num_kv_heads, head_dim]`` (optionally
 with a leading layer axis); token ``i`` of sequence ``b`` lives in page ``page_table[b, i //
 page_size]`` at offset ``i % page_size``; flat slot = ``page * page_size + offset``. Page 0 is the
-null page: page-table padding points there.
+null page: page-table padding points there. With ``ring_table=True`` the table is a ring instead:
+token ``i`` lives in page ``page_table[b, (i // page_size) % page_table.shape[1]]``.
+
+FP8 K/V: caches may be ``float8_e4m3fn`` with float32 scales per (layer, kv head): ``write_kv``
+stores ``saturate(x / scale)`` (rounded to nearest even, clamped to +-448, NaN kept), the attention
+ops read ``float32(stored) * scale``. The scales are operands (they may be traced).
+
+Non-finite values (one rule for the CPU handler, the CUDA kernels and the reference): a NaN or inf
+in a K or V row that a query attends to makes that query's output non-finite (NaN when a K is
+non-finite); values in slots that no query of the call reads (the null page, the tail of a
+sequence's last page, positions before a window, unreferenced pages) never reach any output. The
+CPU handler and the reference are exact per query: a position masked for one query (the causal
+future of a prefill chunk, positions before its window) never affects that query. The CUDA
+tensor-core prefill kernel shares K/V tiles between the queries of one sequence, so a non-finite
+V at a position that a *later* query of the same call reads may also turn earlier queries of that
+sequence non-finite (never a finite wrong value).
+
+Index checking: ``check_indices=True`` (FFI attribute) makes the CUDA handlers synchronize after
+their kernels and raise an error naming the bad argument (the CPU handler always checks). Left
+None, it follows ``JAX_KVCM_CHECK_INDICES=1`` in the environment when the op is traced (the
+environment overrides are listed in ``jax_kvcm._env``).
 """
 
 from __future__ import annotations
@@ -11,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from jax_kvcm import _ffi  # noqa: F401  (registers the handlers)
 from jax_kvcm.ops import _checks
@@ -19,15 +40,21 @@ __all__ = ["paged_attention", "ragged_paged_attention", "write_kv"]
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array, *, layer: Any = None) -> tuple[jax.Array, jax.Array]:
+             slot_mapping: jax.Array, *, layer: Any = None, k_scale: jax.Array | None = None,
+             v_scale: jax.Array | None = None,
+             check_indices: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Writes new K/V rows into their cache slots, in place.
 
     Args:
-      k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` or ``[L, num_pages, page_size, Hkv, D]``.
-      k, v: ``[T, Hkv, D]``, same dtype as the caches.
+      k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` or ``[L, num_pages, page_size, Hkv, D]``,
+        float32, bfloat16, float16 or float8_e4m3fn.
+      k, v: ``[T, Hkv, D]``, the cache dtype (float32, bfloat16 or float16 for an fp8 cache).
       slot_mapping: int32 ``[T]``; flat slot ``page * page_size + offset``; negative = padding,
         skipped.
       layer: int32 scalar (may be traced) selecting the layer when the caches have a layer axis.
+      k_scale, v_scale: fp8 caches only (required there): float32 ``[Hkv]`` (no layer axis) or
+        ``[L, Hkv]``, positive; the cache stores ``saturate(k / k_scale[layer, head])``.
+      check_indices: see the module docstring.
 
     Returns:
       ``(k_cache, v_cache)``, aliased to the inputs: under ``jax.jit(..., donate_argnums=...)``
@@ -35,45 +62,60 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     """
     cache_shape = _checks.check_write(k_cache, v_cache, k, v, slot_mapping)
     layer_arr = _checks.layer_operand(layer, cache_shape)
+    ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
     out_types = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     call = jax.ffi.ffi_call("kvcm_write_kv", out_types, input_output_aliases={0: 0, 1: 1})
-    k_out, v_out = call(k_cache, v_cache, k, v, slot_mapping, layer_arr)
+    k_out, v_out = call(k_cache, v_cache, k, v, slot_mapping, layer_arr, ks, vs,
+                        check_indices=np.bool_(_checks.resolve_check_indices(check_indices)))
     return k_out, v_out
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
                     seq_lens: jax.Array, *, layer: Any = None, scale: float | None = None,
-                    sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> jax.Array:
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                    ring_table: bool = False, check_indices: bool | None = None) -> jax.Array:
     """Decode attention over paged K/V: one query token per sequence.
 
     Args:
-      q: ``[B, H, D]``; row ``b`` is the token at position ``seq_lens[b] - 1`` (already written).
-      k_cache, v_cache: as in :func:`write_kv`; ``H % Hkv == 0`` (GQA: head ``h`` reads kv head
-        ``h // (H // Hkv)``).
+      q: ``[B, H, D]`` float32, bfloat16 or float16; row ``b`` is the token at position
+        ``seq_lens[b] - 1`` (already written).
+      k_cache, v_cache: as in :func:`write_kv`, q's dtype or float8_e4m3fn; ``H % Hkv == 0``
+        (GQA: head ``h`` reads kv head ``h // (H // Hkv)``).
       page_table: int32 ``[B, P]``; padding entries point at the null page 0.
-      seq_lens: int32 ``[B]``; 0 marks a padded row (output zeros, nothing read).
+      seq_lens: int32 ``[B]``; 0 marks a padded row (output zeros, nothing read). At most
+        ``P * page_size`` unless ``ring_table``.
       layer: int32 scalar when the caches have a layer axis.
       scale: logit scale, default ``1/sqrt(D)``.
       sliding_window: attend to the last ``W`` positions only.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
+      k_scale, v_scale: fp8 caches only (required there), as in :func:`write_kv`; K/V are read as
+        ``float32(cache) * scale``.
+      ring_table: the table is a ring of ``P`` entries: position ``p`` lives in page
+        ``page_table[b, (p // page_size) % P]``. The positions a row reads (its window) must span
+        at most ``P`` pages (the CPU handler refuses more).
+      check_indices: see the module docstring.
 
     Returns:
       ``[B, H, D]`` in q's dtype (float32 accumulation).
     """
     cache_shape = _checks.check_attention(q, k_cache, v_cache, page_table, seq_lens, None)
     layer_arr = _checks.layer_operand(layer, cache_shape)
-    attrs = _checks.attention_attrs(scale, sliding_window, soft_cap, cache_shape[-1])
+    ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
+    attrs = _attention_attrs(scale, sliding_window, soft_cap, cache_shape, ring_table,
+                             check_indices)
     call = jax.ffi.ffi_call("kvcm_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_cache, v_cache, page_table, seq_lens, layer_arr, **attrs)
+    return call(q, k_cache, v_cache, page_table, seq_lens, layer_arr, ks, vs, **attrs)
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array, *,
                            layer: Any = None, scale: float | None = None,
-                           sliding_window: int | None = None,
-                           soft_cap: float | None = None) -> jax.Array:
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                           ring_table: bool = False,
+                           check_indices: bool | None = None) -> jax.Array:
     """Prefill / mixed-batch attention over paged K/V with packed (ragged) queries.
 
     Args:
@@ -81,6 +123,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         the *last* tokens of its ``seq_lens[b]`` tokens (already written by :func:`write_kv`).
         Causal within each sequence. Rows at or past ``query_start[B]`` are padding (zeros).
       query_start: int32 ``[B + 1]``, non-decreasing.
+      ring_table: as in :func:`paged_attention`; the positions sequence ``b`` reads (from its
+        first query's window start to ``seq_lens[b]``) must span at most ``P`` pages.
       Other arguments as in :func:`paged_attention`.
 
     Returns:
@@ -88,6 +132,18 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     """
     cache_shape = _checks.check_attention(q, k_cache, v_cache, page_table, seq_lens, query_start)
     layer_arr = _checks.layer_operand(layer, cache_shape)
-    attrs = _checks.attention_attrs(scale, sliding_window, soft_cap, cache_shape[-1])
+    ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
+    attrs = _attention_attrs(scale, sliding_window, soft_cap, cache_shape, ring_table,
+                             check_indices)
     call = jax.ffi.ffi_call("kvcm_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_cache, v_cache, page_table, seq_lens, query_start, layer_arr, **attrs)
+    return call(q, k_cache, v_cache, page_table, seq_lens, query_start, layer_arr, ks, vs,
+                **attrs)
+
+
+def _attention_attrs(scale: Any, sliding_window: Any, soft_cap: Any,
+                     cache_shape: tuple[int, ...], ring_table: Any,
+                     check_indices: Any) -> dict[str, Any]:
+    attrs = _checks.attention_attrs(scale, sliding_window, soft_cap, cache_shape[-1])
+    attrs["ring_table"] = np.bool_(_checks.check_flag(ring_table, "ring_table"))
+    attrs["check_indices"] = np.bool_(_checks.resolve_check_indices(check_indices))
+    return attrs

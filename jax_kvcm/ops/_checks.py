@@ -9,7 +9,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kvcm import _env
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+CACHE_DTYPES = FLOAT_DTYPES + (FP8,)
+# Largest finite float8_e4m3fn: write_kv saturates quantized values to +-FP8_MAX.
+FP8_MAX = 448.0
+# Empty placeholder passed as the scale operands of a cache that is not fp8.
+_NO_SCALE_SHAPE = (0,)
+
+def resolve_check_indices(check_indices: Any) -> bool:
+    """``check_indices`` keyword of the ops and codecs: a bool, or None for the environment
+    default (``jax_kvcm._env``)."""
+    if check_indices is None:
+        return _env.check_indices_default()
+    if not isinstance(check_indices, (bool, np.bool_)):
+        raise TypeError(f"check_indices must be a bool or None, got {check_indices!r}")
+    return bool(check_indices)
+
+
+def check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def _shape(x: Any, name: str) -> tuple[int, ...]:
@@ -35,8 +58,9 @@ def check_caches(k_cache: Any, v_cache: Any) -> tuple[int, ...]:
             "k_cache must have rank 4 [num_pages, page_size, num_kv_heads, head_dim] or 5 "
             f"[num_layers, num_pages, page_size, num_kv_heads, head_dim], got shape {shape}"
         )
-    if jnp.dtype(k_cache.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"k_cache dtype must be float32, bfloat16 or float16, got {k_cache.dtype}")
+    if jnp.dtype(k_cache.dtype) not in CACHE_DTYPES:
+        raise TypeError("k_cache dtype must be float32, bfloat16, float16 or float8_e4m3fn, got "
+                        f"{k_cache.dtype}")
     if _shape(v_cache, "v_cache") != shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {shape}")
     if jnp.dtype(v_cache.dtype) != jnp.dtype(k_cache.dtype):
@@ -54,6 +78,9 @@ def layer_operand(layer: Any, cache_shape: tuple[int, ...]) -> jax.Array:
         return jnp.zeros((), jnp.int32)
     if layer is None:
         raise ValueError(f"layer is required when k_cache has a layer axis (shape {cache_shape})")
+    if isinstance(layer, (bool, np.bool_)) or (
+            hasattr(layer, "dtype") and jnp.dtype(layer.dtype) == jnp.bool_):
+        raise TypeError(f"layer must be an integer, not a boolean ({layer!r})")
     if isinstance(layer, (int, np.integer)):
         if not 0 <= int(layer) < cache_shape[0]:
             raise ValueError(f"layer {int(layer)} is outside [0, {cache_shape[0]})")
@@ -112,7 +139,9 @@ def check_attention(q: Any, k_cache: Any, v_cache: Any, page_table: Any, seq_len
     what = "[T, num_heads, head_dim]" if query_start is not None else "[batch, num_heads, head_dim]"
     if len(q_shape) != 3:
         raise ValueError(f"q must have rank 3 {what}, got shape {q_shape}")
-    if jnp.dtype(q.dtype) != jnp.dtype(k_cache.dtype):
+    if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if jnp.dtype(k_cache.dtype) != FP8 and jnp.dtype(q.dtype) != jnp.dtype(k_cache.dtype):
         raise TypeError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
     if q_shape[2] != head_dim:
         raise ValueError(f"q head_dim {q_shape[2]} must equal the cache head_dim {head_dim}")
@@ -143,9 +172,45 @@ def check_write(k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any) -
     if _shape(v, "v") != k_shape:
         raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {k_shape}")
     for name, x in (("k", k), ("v", v)):
-        if jnp.dtype(x.dtype) != jnp.dtype(k_cache.dtype):
+        if jnp.dtype(k_cache.dtype) == FP8:
+            if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+                raise TypeError(f"{name} dtype must be float32, bfloat16 or float16 (quantized "
+                                f"into the float8_e4m3fn cache), got {x.dtype}")
+            if jnp.dtype(x.dtype) != jnp.dtype(k.dtype):
+                raise TypeError(f"v dtype {v.dtype} must equal k dtype {k.dtype}")
+        elif jnp.dtype(x.dtype) != jnp.dtype(k_cache.dtype):
             raise TypeError(f"{name} dtype {x.dtype} must equal the cache dtype {k_cache.dtype}")
     (t,) = check_int32(slot_mapping, "slot_mapping", 1)
     if t != k_shape[0]:
         raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} must be [T] = [{k_shape[0]}]")
     return cache_shape
+
+
+def scale_operands(k_scale: Any, v_scale: Any, cache_shape: tuple[int, ...],
+                   cache_dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """The float32 ``[num_layers or 1, num_kv_heads]`` scale operands of an fp8 cache (empty
+    placeholders for other caches). Scales are required with fp8 and refused otherwise."""
+    fp8 = jnp.dtype(cache_dtype) == FP8
+    if not fp8:
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x is not None:
+                raise ValueError(f"{name} is only for float8_e4m3fn caches; this cache is "
+                                 f"{jnp.dtype(cache_dtype)} (pass None)")
+        empty = jnp.zeros(_NO_SCALE_SHAPE, jnp.float32)
+        return empty, empty
+    num_kv_heads = cache_shape[-2]
+    want = (num_kv_heads,) if len(cache_shape) == 4 else (cache_shape[0], num_kv_heads)
+    out = []
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            raise ValueError(f"{name} is required with a float8_e4m3fn cache: float32 "
+                             f"{list(want)} (per {'layer and ' if len(want) == 2 else ''}kv head)")
+        shape = _shape(x, name)
+        if jnp.dtype(x.dtype) != jnp.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+        if shape != want:
+            raise ValueError(f"{name} must have shape {list(want)} "
+                             f"([{'num_layers, ' if len(want) == 2 else ''}num_kv_heads]), "
+                             f"got {list(shape)}")
+        out.append(jnp.asarray(x).reshape((-1, num_kv_heads)))
+    return out[0], out[1]

@@ -1,6 +1,7 @@
 """Pure-JAX references for the custom calls: the oracles in tests (slow is fine).
 
-Same signatures and conventions as :mod:`jax_kvcm.ops`; computation in float32.
+Same signatures and conventions as :mod:`jax_kvcm.ops` (fp8 caches, ring tables and the
+non-finite rule included); computation in float32. ``check_indices`` is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -11,79 +12,139 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["paged_attention", "ragged_paged_attention", "write_kv"]
+__all__ = ["dequantize", "paged_attention", "quantize", "ragged_paged_attention", "write_kv"]
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0
 
 
 def _layer_view(cache: jax.Array, layer: Any) -> jax.Array:
     return cache if cache.ndim == 4 else cache[layer]
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layer=None):
+def _layer_scale(scale: Any, layer: Any) -> jax.Array:
+    """The float32 [Hkv] scales of one layer ([Hkv] or [L, Hkv] given)."""
+    scale = jnp.asarray(scale, jnp.float32)
+    return scale if scale.ndim == 1 else scale[layer]
+
+
+def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """float8_e4m3fn of ``x / scale`` (float32 division, saturated to +-448, round to nearest
+    even, NaN kept); ``scale`` [Hkv] broadcasts over x [..., Hkv, D]."""
+    y = x.astype(jnp.float32) / scale[:, None]
+    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def dequantize(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 of an fp8 cache piece [..., Hkv, D] times its per-kv-head scale."""
+    return x.astype(jnp.float32) * scale[:, None]
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layer=None, k_scale=None, v_scale=None,
+             check_indices=None):
     """Reference of :func:`jax_kvcm.ops.write_kv` (functional scatter; negative slots dropped)."""
+    del check_indices
+    if jnp.dtype(k_cache.dtype) == FP8:
+        k = quantize(k, _layer_scale(k_scale, layer))
+        v = quantize(v, _layer_scale(v_scale, layer))
+
     def scatter(cache, rows):
         flat_shape = cache.shape[:-4] + (cache.shape[-4] * cache.shape[-3],) + cache.shape[-2:]
         num_slots = flat_shape[-3]
         slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
         flat = cache.reshape(flat_shape)
         if cache.ndim == 4:
-            flat = flat.at[slots].set(rows, mode="drop")
+            flat = flat.at[slots].set(rows.astype(cache.dtype), mode="drop")
         else:
-            flat = flat.at[layer, slots].set(rows, mode="drop")
+            flat = flat.at[layer, slots].set(rows.astype(cache.dtype), mode="drop")
         return flat.reshape(cache.shape)
     return scatter(k_cache, k), scatter(v_cache, v)
 
 
-def _attend(q, k_seq, v_seq, q_pos, kv_len, scale, sliding_window, soft_cap):
-    """q [N, H, D] at positions q_pos [N] over k_seq/v_seq [S, Hkv, D] (first kv_len valid)."""
-    num_heads, num_kv_heads = q.shape[1], k_seq.shape[1]
+def _attend(q, k_seq, v_seq, kv_pos, q_pos, kv_len, scale, sliding_window, soft_cap):
+    """One query q [H, D] at position q_pos over k_seq/v_seq [S, Hkv, D] (float32) holding the
+    positions kv_pos [S] (only those in [0, kv_len) are valid).
+
+    Non-finite rule: a non-finite q.k at an attended position gives a NaN logit (so the row is
+    NaN even under a soft cap); K/V at positions this query does not attend (past q_pos or
+    kv_len, before its window) are replaced by zeros before any arithmetic, so garbage there
+    (NaN included) cannot reach the output.
+    """
+    num_heads, num_kv_heads = q.shape[0], k_seq.shape[1]
     group = num_heads // num_kv_heads
-    kv_pos = jnp.arange(k_seq.shape[0])
-    # Slots past kv_len (tail of the last page, null-page padding) and before every query's
-    # window (pages a sliding-window manager released to the null page) may hold anything, NaN
-    # included: zero them so that a masked weight times garbage cannot poison the output.
-    live = kv_pos < kv_len
+    mask = (kv_pos >= 0) & (kv_pos <= q_pos) & (kv_pos < kv_len)
     if sliding_window is not None:
-        live &= kv_pos > jnp.min(q_pos) - sliding_window
-    live = live[:, None, None]
-    k = jnp.repeat(jnp.where(live, k_seq.astype(jnp.float32), 0.0), group, axis=1)
-    v = jnp.repeat(jnp.where(live, v_seq.astype(jnp.float32), 0.0), group, axis=1)
-    logits = jnp.einsum("nhd,shd->nhs", q.astype(jnp.float32), k,
-                        precision=jax.lax.Precision.HIGHEST) * scale
+        mask &= kv_pos > q_pos - sliding_window
+    live = mask[:, None, None]
+    k = jnp.repeat(jnp.where(live, k_seq, 0.0), group, axis=1)
+    v = jnp.repeat(jnp.where(live, v_seq, 0.0), group, axis=1)
+    dots = jnp.einsum("hd,shd->hs", q.astype(jnp.float32), k,
+                      precision=jax.lax.Precision.HIGHEST)
+    logits = dots * scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    mask = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < kv_len)
-    if sliding_window is not None:
-        mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-    logits = jnp.where(mask[:, None, :], logits, -jnp.inf)
+    logits = jnp.where(jnp.isfinite(dots), logits, jnp.nan)
+    logits = jnp.where(mask[None, :], logits, -jnp.inf)
     weights = jax.nn.softmax(logits, axis=-1)
-    weights = jnp.where(mask[:, None, :], weights, 0.0)
-    return jnp.einsum("nhs,shd->nhd", weights, v, precision=jax.lax.Precision.HIGHEST)
+    weights = jnp.where(mask[None, :], weights, 0.0)  # rows with no attended position: zeros
+    return jnp.einsum("hs,shd->hd", weights, v, precision=jax.lax.Precision.HIGHEST)
 
 
-def _gather(cache, page_table_row):
-    pages = cache[page_table_row]  # [P, page_size, Hkv, D]
-    return pages.reshape((-1,) + cache.shape[-2:])
+def _gather(cache, page_table_row, kv_len, scale, ring_table):
+    """(K or V of one sequence as float32 [S, Hkv, D], their positions [S]) through its table.
+
+    Absolute table of P entries: positions 0 .. P * page_size - 1. Ring of R entries: the R
+    pages ending with the page of position kv_len - 1 (the only positions a valid call reads),
+    entry (p // page_size) % R for position p; positions below 0 are masked by the caller.
+    """
+    page_size, width = cache.shape[-3], page_table_row.shape[0]
+    if ring_table:
+        first_page = (kv_len + page_size - 1) // page_size - width
+        page_ids = first_page + jnp.arange(width)
+        pages = cache[page_table_row[page_ids % width]]
+        kv_pos = first_page * page_size + jnp.arange(width * page_size)
+    else:
+        pages = cache[page_table_row]  # [P, page_size, Hkv, D]
+        kv_pos = jnp.arange(width * page_size)
+    out = pages.reshape((-1,) + cache.shape[-2:])
+    out = dequantize(out, scale) if jnp.dtype(cache.dtype) == FP8 else out.astype(jnp.float32)
+    return out, kv_pos
+
+
+def _prepare(q, k_cache, v_cache, layer, scale, k_scale, v_scale, ring_table):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kc, vc = _layer_view(k_cache, layer), _layer_view(v_cache, layer)
+    fp8 = jnp.dtype(k_cache.dtype) == FP8
+    ks = _layer_scale(k_scale, layer) if fp8 else None
+    vs = _layer_scale(v_scale, layer) if fp8 else None
+
+    def gather(row, kv_len):
+        k, kv_pos = _gather(kc, row, kv_len, ks, ring_table)
+        v, _ = _gather(vc, row, kv_len, vs, ring_table)
+        return k, v, kv_pos
+    return scale, gather
 
 
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, *, layer=None, scale=None,
-                    sliding_window=None, soft_cap=None):
+                    sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+                    ring_table=False, check_indices=None):
     """Reference of :func:`jax_kvcm.ops.paged_attention` (gather pages, masked softmax)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    kc, vc = _layer_view(k_cache, layer), _layer_view(v_cache, layer)
+    del check_indices
+    scale, gather = _prepare(q, k_cache, v_cache, layer, scale, k_scale, v_scale, ring_table)
 
-    def one(qb, pages, length):
-        out = _attend(qb[None], _gather(kc, pages), _gather(vc, pages), (length - 1)[None],
-                      length, scale, sliding_window, soft_cap)[0]
-        return jnp.where(length > 0, out, 0.0)
+    def one(qb, row, length):
+        k, v, kv_pos = gather(row, length)
+        return _attend(qb, k, v, kv_pos, length - 1, length, scale, sliding_window, soft_cap)
 
     return jax.vmap(one)(q, page_table, seq_lens).astype(q.dtype)
 
 
 def ragged_paged_attention(q, k_cache, v_cache, page_table, seq_lens, query_start, *, layer=None,
-                           scale=None, sliding_window=None, soft_cap=None):
+                           scale=None, sliding_window=None, soft_cap=None, k_scale=None,
+                           v_scale=None, ring_table=False, check_indices=None):
     """Reference of :func:`jax_kvcm.ops.ragged_paged_attention` (per-token gather, causal mask)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    kc, vc = _layer_view(k_cache, layer), _layer_view(v_cache, layer)
+    del check_indices
+    scale, gather = _prepare(q, k_cache, v_cache, layer, scale, k_scale, v_scale, ring_table)
     num_tokens, batch = q.shape[0], page_table.shape[0]
     t = jnp.arange(num_tokens)
     seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, batch - 1)
@@ -91,9 +152,8 @@ def ragged_paged_attention(q, k_cache, v_cache, page_table, seq_lens, query_star
     pos = seq_lens[seq] - (query_start[seq + 1] - t)
 
     def one(qt, b, p):
-        pages = page_table[b]
-        return _attend(qt[None], _gather(kc, pages), _gather(vc, pages), p[None], seq_lens[b],
-                       scale, sliding_window, soft_cap)[0]
+        k, v, kv_pos = gather(page_table[b], seq_lens[b])
+        return _attend(qt, k, v, kv_pos, p, seq_lens[b], scale, sliding_window, soft_cap)
 
     out = jax.vmap(one)(q, seq, pos)
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)

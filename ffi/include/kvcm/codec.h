@@ -39,6 +39,14 @@ namespace kvcm {
 
 enum class CodecKind { kConcat, kInt8 };
 
+// Bits of the codec handlers' int32 "options" attribute (the codec's configuration; the CPU
+// handlers always check indices and have one data mover, so they ignore them).
+enum CodecOptionBits : int32_t {
+  kOptCheckIndices = 1 << 0,   // CUDA int8: validate the device pairs first, raise on bad ones
+  kOptConcatMemcpy = 1 << 1,   // CUDA concat: memcpy mover even when the copy kernel could run
+  kOptNoMemcpyBatch = 1 << 2,  // CUDA concat memcpy mover: one cudaMemcpyAsync per piece
+};
+
 // Dequantized float32 value of one int8 element (see the file comment).
 KVCM_HD inline float Int8Dequantize(int8_t q, float scale) {
   const float y = float(q) * scale;
@@ -137,7 +145,10 @@ inline ffi::ErrorOr<CodecCall> ParseCodecCall(CodecKind kind, const ffi::AnyBuff
     return Fail("v_pool shape " + DimsToString(vd) + " must equal k_pool shape " +
                 DimsToString(kd));
   auto dt = ToDType(k_pool.element_type());
-  if (!dt) return Fail("k_pool dtype must be float32, bfloat16 or float16");
+  if (!dt) return Fail("k_pool dtype must be float32, bfloat16, float16 or float8_e4m3fn");
+  if (kind == CodecKind::kInt8 && *dt == DType::kF8E4M3)
+    return Fail("k_pool: the int8 codec does not take float8_e4m3fn pools (their scales live "
+                "outside the pages); use the concat codec, which moves fp8 pages byte-exactly");
   if (v_pool.element_type() != k_pool.element_type())
     return Fail("v_pool dtype must equal k_pool dtype");
   CodecCall c;

@@ -5,6 +5,10 @@
 //   flat slot = page * page_size + offset;  token i of sequence b lives in page
 //               page_table[b, i / page_size] at offset i % page_size.
 //   page 0 is the null page: page-table padding points there and is never read for valid tokens.
+//   ring tables (ring_table attribute): token i of sequence b lives in page
+//               page_table[b, (i / page_size) % max_pages] instead.
+//   fp8 caches (float8_e4m3fn): float32 scales [num_layers, num_kv_heads] per K and V; stored =
+//               saturate(x / scale), read = float(stored) * scale.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +28,7 @@ namespace kvcm {
 
 namespace ffi = xla::ffi;
 
-enum class DType { kF32, kBF16, kF16 };
+enum class DType { kF32, kBF16, kF16, kF8E4M3 };
 
 inline std::string DimsToString(ffi::Span<const int64_t> dims) {
   std::ostringstream s;
@@ -39,8 +43,16 @@ inline std::optional<DType> ToDType(ffi::DataType t) {
     case ffi::DataType::F32: return DType::kF32;
     case ffi::DataType::BF16: return DType::kBF16;
     case ffi::DataType::F16: return DType::kF16;
+    case ffi::DataType::F8E4M3FN: return DType::kF8E4M3;
     default: return std::nullopt;
   }
+}
+
+// The float dtypes of queries and of K/V written into an fp8 cache.
+inline std::optional<DType> ToComputeDType(ffi::DataType t) {
+  auto d = ToDType(t);
+  if (d && *d == DType::kF8E4M3) return std::nullopt;
+  return d;
 }
 
 inline ffi::Error Invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
@@ -79,7 +91,7 @@ inline ffi::ErrorOr<CacheShape> ParseCaches(const ffi::AnyBuffer& k_cache,
       return Fail("v_cache shape " + DimsToString(vd) + " must equal k_cache shape " +
                      DimsToString(kd));
   auto dt = ToDType(k_cache.element_type());
-  if (!dt) return Fail("k_cache dtype must be float32, bfloat16 or float16");
+  if (!dt) return Fail("k_cache dtype must be float32, bfloat16, float16 or float8_e4m3fn");
   if (v_cache.element_type() != k_cache.element_type())
     return Fail("v_cache dtype must equal k_cache dtype");
   CacheShape c;
@@ -103,8 +115,32 @@ struct AttentionShape {
   int64_t num_heads = 0;
   int64_t batch = 0;        // number of sequences
   int64_t max_pages = 0;    // page_table width
+  DType q_dtype = DType::kF32;  // q and out; the cache dtype or (fp8 caches) any float dtype
   KVCM_HD int64_t group() const { return num_heads / cache.num_kv_heads; }
+  KVCM_HD bool fp8() const { return cache.dtype == DType::kF8E4M3; }
 };
+
+// The k_scale / v_scale operands: float32 [num_layers, num_kv_heads] for an fp8 cache (the
+// Python wrapper reshapes [num_kv_heads]), empty otherwise.
+inline ffi::Error CheckScales(const CacheShape& c, const ffi::AnyBuffer& k_scale,
+                              const ffi::AnyBuffer& v_scale) {
+  const bool fp8 = c.dtype == DType::kF8E4M3;
+  for (const auto* s : {&k_scale, &v_scale}) {
+    const char* name = s == &k_scale ? "k_scale" : "v_scale";
+    auto d = s->dimensions();
+    if (!fp8) {
+      if (s->element_count() != 0)
+        return Invalid(std::string(name) + " is only for float8_e4m3fn caches (pass none)");
+      continue;
+    }
+    if (s->element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != c.num_layers ||
+        d[1] != c.num_kv_heads)
+      return Invalid(std::string(name) + " must be float32 [num_layers, num_kv_heads] = [" +
+                     std::to_string(c.num_layers) + ", " + std::to_string(c.num_kv_heads) +
+                     "] for a float8_e4m3fn cache, got shape " + DimsToString(d));
+  }
+  return ffi::Error::Success();
+}
 
 inline ffi::ErrorOr<AttentionShape> ParseAttention(const ffi::AnyBuffer& q,
                                                    const ffi::AnyBuffer& k_cache,
@@ -120,8 +156,11 @@ inline ffi::ErrorOr<AttentionShape> ParseAttention(const ffi::AnyBuffer& q,
   s.cache = *cache;
   auto qd = q.dimensions();
   if (qd.size() != 3) return Fail("q must have rank 3, got shape " + DimsToString(qd));
-  if (q.element_type() != k_cache.element_type())
+  auto qdt = ToComputeDType(q.element_type());
+  if (!qdt) return Fail("q dtype must be float32, bfloat16 or float16");
+  if (!s.fp8() && q.element_type() != k_cache.element_type())
     return Fail("q dtype must equal the cache dtype");
+  s.q_dtype = *qdt;
   s.num_queries = qd[0];
   s.num_heads = qd[1];
   if (qd[2] != s.cache.head_dim)
@@ -177,8 +216,14 @@ inline ffi::ErrorOr<CacheShape> ParseWriteKv(const ffi::AnyBuffer& k_cache,
   auto vd = v.dimensions();
   if (vd.size() != 3 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
     return Fail("v shape " + DimsToString(vd) + " must equal k shape " + DimsToString(kd));
-  if (k.element_type() != k_cache.element_type() || v.element_type() != k_cache.element_type())
+  if (c.dtype == DType::kF8E4M3) {
+    if (!ToComputeDType(k.element_type()) || v.element_type() != k.element_type())
+      return Fail("k and v must have one dtype, float32, bfloat16 or float16, for a "
+                  "float8_e4m3fn cache");
+  } else if (k.element_type() != k_cache.element_type() ||
+             v.element_type() != k_cache.element_type()) {
     return Fail("k and v dtype must equal the cache dtype");
+  }
   if (slot_mapping.element_type() != ffi::DataType::S32 || slot_mapping.dimensions().size() != 1 ||
       slot_mapping.dimensions()[0] != kd[0])
     return Fail("slot_mapping must be int32 [T] with T=" + std::to_string(kd[0]));

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "kvcm/cuda/common.cuh"
+#include "kvcm/cuda/mma.cuh"
 
 namespace kvcm::cuda {
 
@@ -17,18 +18,68 @@ struct AttentionArgs {
   const int32_t* seq_lens = nullptr;     // [batch]
   const int32_t* query_start = nullptr;  // [batch + 1]; nullptr for decode
   const int32_t* layer = nullptr;        // scalar
+  const float* k_scale = nullptr;        // [num_layers, num_kv_heads] for fp8 caches, else null
+  const float* v_scale = nullptr;
   AttentionShape shape;
   float scale = 1.f;
   int32_t window = 0;     // <= 0: none
   float soft_cap = 0.f;   // <= 0: none
+  bool ring = false;      // ring page table: entry (position / page_size) % max_pages
   uint32_t* error_word = nullptr;
 };
+
+// Page-table entry of page index i (position / page_size) of a row.
+__device__ __forceinline__ int TableEntry(int i, int max_pages, bool ring) {
+  return ring ? i % max_pages : i;
+}
+
+// Whether a row of length len whose reads start at position lo is addressable through its table:
+// len <= max_pages * page_size for absolute tables; for rings, [lo, len) spans <= max_pages pages.
+__device__ __forceinline__ bool RowFitsTable(int64_t lo, int64_t len, const AttentionArgs& a) {
+  const int64_t P = a.shape.cache.page_size, W = a.shape.max_pages;
+  if (!a.ring) return len <= W * P;
+  return len <= 0 || (len + P - 1) / P - lo / P <= W;
+}
+
+// fp8 caches in the tensor-core kernels: the scales of (layer li, kv head kvh) are constant in a
+// CTA, so k_scale folds into the logit transform and v_scale multiplies the normalized output.
+template <bool kFp8>
+__device__ __forceinline__ LogitTransform ScaledLogit(LogitTransform logit, const AttentionArgs& a,
+                                                      int li, int kvh, float& v_scale) {
+  v_scale = 1.f;
+  if constexpr (kFp8) {
+    const int64_t i = int64_t(li) * a.shape.cache.num_kv_heads + kvh;
+    logit.scale_log2 *= a.k_scale[i];
+    logit.scale_over_cap *= a.k_scale[i];
+    v_scale = a.v_scale[i];
+  }
+  return logit;
+}
+
+// fp8 caches: the {K, V} tiles of kRows x D raw bytes at src (K then V, unswizzled 16-byte chunks
+// in row order) -> f16 tiles at dst (K then V, swizzled for ldmatrix), by threads
+// [thread, thread + stride, ...] of the caller's group.
+template <int kRows, int D>
+__device__ __forceinline__ void ConvertFp8Tiles(const char* src, __half* dst, int thread,
+                                                int stride) {
+  constexpr int kIn = D / 16;  // 16-byte fp8 chunks per row
+#pragma unroll
+  for (int i = thread; i < 2 * kRows * kIn; i += stride) {
+    const int which = i / (kRows * kIn), j = i % (kRows * kIn);
+    const int row = j / kIn, ch = j % kIn;
+    uint4 lo4, hi4;
+    Fp8ChunkToHalf(*reinterpret_cast<const uint4*>(src + which * kRows * D + j * 16), lo4, hi4);
+    __half* out = dst + which * kRows * D;
+    *reinterpret_cast<uint4*>(out + SwizzledOffset<D / 8>(row, 2 * ch)) = lo4;
+    *reinterpret_cast<uint4*>(out + SwizzledOffset<D / 8>(row, 2 * ch + 1)) = hi4;
+  }
+}
 
 // CUDA-core kernel: any dtype, any head_dim, decode or ragged. Correct everywhere, not fast.
 ffi::Error LaunchSimpleAttention(cudaStream_t stream, const AttentionArgs& a);
 
-// Tensor-core split-KV decode (bf16/f16, head_dim 64/128/256, power-of-two page size, GQA group
-// <= 16). Returns false from *Supports when the shape needs the simple kernel instead.
+// Tensor-core split-KV decode (bf16/f16 queries over caches of the same dtype or fp8, head_dim
+// 64/128/256, power-of-two page size, GQA group <= 16). Returns false from *Supports when the shape needs the simple kernel instead.
 bool PagedDecodeSupports(const AttentionArgs& a);
 ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a);
 
@@ -36,8 +87,8 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a);
 bool RaggedPrefillSupports(const AttentionArgs& a);
 ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a);
 
-// Calls launch(T{}, std::integral_constant<int, D>{}) for the tensor-core kernels' dtype (T is
-// __nv_bfloat16 or __half) and head_dim D in {64, 128, 256}; other head dims are an error naming
+// Calls launch(T{}, std::integral_constant<int, D>{}) for the tensor-core kernels' query dtype (T
+// is __nv_bfloat16 or __half) and head_dim D in {64, 128, 256}; other head dims are an error naming
 // `op`. Callers check *Supports first.
 template <typename LaunchFn>
 ffi::Error DispatchHalfDtypeAndHeadDim(const AttentionArgs& a, const char* op, LaunchFn&& launch) {
@@ -49,7 +100,7 @@ ffi::Error DispatchHalfDtypeAndHeadDim(const AttentionArgs& a, const char* op, L
     }
     return ffi::Error::InvalidArgument(std::string(op) + ": unsupported head_dim");
   };
-  if (a.shape.cache.dtype == DType::kBF16) return by_dim(__nv_bfloat16{});
+  if (a.shape.q_dtype == DType::kBF16) return by_dim(__nv_bfloat16{});
   return by_dim(__half{});
 }
 

@@ -3,6 +3,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -26,11 +27,9 @@ enum ErrorBits : uint32_t {
 // Per-device error word (cudaMalloc'd once). Handlers pass it to kernels.
 uint32_t* DeviceErrorWord();
 
-// True when JAX_KVCM_CHECK_INDICES=1: handlers then synchronize after their kernels and turn
-// error bits into an ffi::Error naming the argument (slower; for debugging and tests).
-bool CheckIndicesEnabled();
-
-// In checked mode: waits for `stream`, reads and clears the error word, returns the error.
+// Checked mode (the check_indices attribute of every op): handlers synchronize after their
+// kernels and turn error bits into an ffi::Error naming the argument (slower; for debugging and
+// tests). In checked mode: waits for `stream`, reads and clears the error word, returns the error.
 ffi::Error FinishChecked(cudaStream_t stream, const char* op);
 
 // Waits for `stream`, reads the error word and clears it; the bits that were set.
@@ -61,6 +60,19 @@ template <> struct DTypeTraits<__nv_bfloat16> {
 template <> struct DTypeTraits<__half> {
   static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
   static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+// float8_e4m3fn storage: read exactly as float (times the caller's scale), written rounded to
+// nearest even and saturated to +-448 (NaN kept), the CPU handler's and the reference's rule.
+template <> struct DTypeTraits<__nv_fp8_e4m3> {
+  static __device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E4M3)));
+  }
+  static __device__ __forceinline__ __nv_fp8_e4m3 from_float(float x) {
+    __nv_fp8_e4m3 r;
+    r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    return r;
+  }
 };
 
 __device__ __forceinline__ void RaiseError(uint32_t* word, uint32_t bits) {

@@ -8,6 +8,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -77,6 +78,33 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// 16 float8_e4m3fn values (one 16-byte chunk) -> two 16-byte chunks of f16 (exact).
+__device__ __forceinline__ void Fp8ChunkToHalf(const uint4 in, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+  uint32_t h[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[i] >> 16), __NV_E4M3);
+    h[2 * i] = uint32_t(a.x) | (uint32_t(a.y) << 16);
+    h[2 * i + 1] = uint32_t(b.x) | (uint32_t(b.y) << 16);
+  }
+  lo = make_uint4(h[0], h[1], h[2], h[3]);
+  hi = make_uint4(h[4], h[5], h[6], h[7]);
+}
+
+// 8 bfloat16 values (one 16-byte chunk) -> 8 float16 values (exact within f16's normal range).
+__device__ __forceinline__ uint4 Bf16ChunkToHalf(const uint4 in) {
+  uint32_t w[4] = {in.x, in.y, in.z, in.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    __half2 h = __floats2half2_rn(f.x, f.y);
+    w[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 __device__ __forceinline__ float FastExp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -95,7 +123,8 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
 }
 
 // Logit transform shared by the tensor-core kernels: scale, optional soft cap, then log2(e) so
-// that softmax uses exp2.
+// that softmax uses exp2. A non-finite q.k becomes NaN (the non-finite rule: a NaN/inf that a
+// query reads shows in its output, even under a soft cap, which would map inf to a finite cap).
 struct LogitTransform {
   float scale_log2;      // scale * log2(e), used when there is no soft cap
   float soft_cap;        // <= 0: none
@@ -109,15 +138,20 @@ struct LogitTransform {
     return cap_log2 * FastTanh(dot * scale_over_cap);
   }
   __device__ __forceinline__ float operator()(float dot) const {
+    if (!(fabsf(dot) < INFINITY)) return NAN;
     return soft_cap > 0.f ? capped(dot) : dot * scale_log2;
   }
 };
 
 // Online-softmax update for one warp's 16-row tile of NT n-tiles of logits (log2 domain, already
 // masked with -inf). Rescales the output accumulator o[NO][4]; turns s into probabilities.
+// NOTE: the rescale of o (NO * 4 multiplies per lane) is skipped, warp-uniformly, when no row's
+// running max moved (every alpha is exactly 1: the common case once a row has seen its largest
+// logits); the result is bit-identical.
 template <int NT, int NO>
 __device__ __forceinline__ void OnlineSoftmax(float (&s)[NT][4], float (&o)[NO][4], float (&m)[2],
                                               float (&l)[2]) {
+  float alphas[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
@@ -136,12 +170,17 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[NT][4], float (&o)[NO][
       sum += s[nt][2 * h] + s[nt][2 * h + 1];
     }
     l[h] = l[h] * alpha + sum;
+    alphas[h] = alpha;
+    m[h] = m_new;
+  }
+  if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
 #pragma unroll
     for (int n = 0; n < NO; ++n) {
-      o[n][2 * h] *= alpha;
-      o[n][2 * h + 1] *= alpha;
+      o[n][0] *= alphas[0];
+      o[n][1] *= alphas[0];
+      o[n][2] *= alphas[1];
+      o[n][3] *= alphas[1];
     }
-    m[h] = m_new;
   }
 }
 

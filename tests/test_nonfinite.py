@@ -1,0 +1,132 @@
+"""The non-finite rule, the same on the CPU handler, the CUDA kernels and the reference:
+
+- a NaN or inf in a K or V row that a query attends to makes that query's output non-finite
+  (never a silent finite row; a non-finite q.k gives NaN even under a soft cap);
+- garbage (NaN, inf) in slots no query reads -- the null page, the tail of a sequence's last page,
+  positions before a window, pages no table references -- never reaches any output.
+
+Per query the CPU handler and the reference are exact (a position masked for a query never
+affects it); the CUDA prefill kernel may also turn earlier queries of the same sequence
+non-finite for a non-finite V that a later query reads (documented in jax_kvcm.ops), so that one
+assertion is CPU/reference-only.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close, cdiv, reference, to_f32
+from jax_kvcm import ops
+
+P, D, HKV, G = 16, 64, 2, 4
+BAD = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
+
+
+def base_batch(seed, seq_lens, window=None):
+    """float32 caches: every slot that is not a token of some sequence holds NaN (null page,
+    tails, unreferenced pages); pages wholly before each row's window are NaN too and their
+    table entries point at the null page (as a window manager releases them)."""
+    rng = np.random.default_rng(seed)
+    B = len(seq_lens)
+    width = max(cdiv(n, P) for n in seq_lens)
+    num_pages = 1 + B * width + 1
+    k = np.full((num_pages, P, HKV, D), np.nan, np.float32)
+    v = np.full((num_pages, P, HKV, D), np.nan, np.float32)
+    table = np.zeros((B, width), np.int32)
+    nxt = 1
+    for b, n in enumerate(seq_lens):
+        for i in range(cdiv(n, P)):
+            table[b, i] = nxt
+            rows = min(P, n - i * P)
+            k[nxt, :rows] = rng.standard_normal((rows, HKV, D))
+            v[nxt, :rows] = rng.standard_normal((rows, HKV, D))
+            nxt += 1
+        if window is not None:
+            table[b, :max(0, n - window) // P] = 0
+    return rng, k, v, table, np.asarray(seq_lens, np.int32)
+
+
+def slot(table, b, pos):
+    return int(table[b, pos // P]), pos % P
+
+
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("bad", list(BAD))
+def test_decode_attended_nonfinite_shows_and_nothing_else_leaks(backend, dtype_f32_bf16, bad,
+                                                                where, soft_cap):
+    dtype = dtype_f32_bf16
+    seed = 3
+    lens = [37, 50, 16, 0, 70]
+    window = 40
+    rng, k, v, table, lens = base_batch(seed, lens, window)
+    # Row 1 attends to position 30 (in its window [10, 50)): poison one element there.
+    page, off = slot(table, 1, 30)
+    (k if where == "k" else v)[page, off, 0, 5] = BAD[bad]
+    q = rng.standard_normal((len(lens), HKV * G, D)).astype(np.float32)
+    args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), table, lens)
+    out = to_f32(ops.paged_attention(*backend.put(*args), sliding_window=window,
+                                     soft_cap=soft_cap))
+    bad_heads = out[1, :G]  # the query heads reading kv head 0
+    if where == "k":  # a non-finite q.k: the whole row is NaN
+        assert np.isnan(bad_heads).all(), f"row 1 must be NaN (seed={seed})"
+    else:  # a non-finite V element: that output element of every reading head
+        assert not np.isfinite(bad_heads[:, 5]).any(), f"row 1 dim 5 must be non-finite (seed={seed})"
+    # Everything else is finite and right (the garbage in tails, the null page, released pages
+    # and unreferenced pages never leaks).
+    clean_k, clean_v = k.copy(), v.copy()
+    (clean_k if where == "k" else clean_v)[page, off, 0, 5] = 0.0
+    want = reference("paged_attention", args[0], clean_k.astype(dtype), clean_v.astype(dtype),
+                     table, lens, sliding_window=window, soft_cap=soft_cap)
+    keep = np.ones(out.shape[:2], bool)
+    keep[1, :G] = False
+    assert_close(out[keep], want[keep], dtype, "rows that do not read the poison", seed)
+    assert (out[3] == 0).all()
+    # The reference follows the same rule.
+    got_ref = reference("paged_attention", *args, sliding_window=window, soft_cap=soft_cap)
+    assert np.array_equal(np.isfinite(got_ref), np.isfinite(out)), "reference disagrees"
+
+
+@pytest.fixture(params=[jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def dtype_f32_bf16(request):
+    return jnp.dtype(request.param)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_ragged_masked_future_nonfinite_stays_masked(backend, where):
+    """A NaN at position p of a prefill chunk: queries at positions < p never read it."""
+    seed = 5
+    lens = [40, 23]
+    rng, k, v, table, lens = base_batch(seed, lens)
+    p = 35  # sequence 0's queries are positions 20..39; 20..34 must stay finite
+    page, off = slot(table, 0, p)
+    (k if where == "k" else v)[page, off, 1, :] = np.nan
+    query_start = np.array([0, 20, 43], np.int32)
+    q = rng.standard_normal((45, HKV * G, D)).astype(np.float32)
+    args = (q, k, v, table, lens, query_start)
+    out = to_f32(ops.ragged_paged_attention(*backend.put(*args)))
+    want = reference("ragged_paged_attention", *args)
+    readers = slice(15, 20)  # positions 35..39, kv head 1 -> heads 4..7
+    for got, name in ((out, backend.name), (want, "reference")):
+        assert np.isnan(got[readers, G:]).all(), f"{name}: readers of the NaN must be NaN"
+        assert np.isfinite(got[:, :G]).all(), f"{name}: kv head 0 never reads it"
+        assert np.isfinite(got[20:]).all(), f"{name}: sequence 1 never reads it"
+    if backend.name == "cpu" or where == "k":
+        for got, name in ((out, backend.name), (want, "reference")):
+            assert np.isfinite(got[:15]).all(), f"{name}: earlier queries must stay finite"
+        assert_close(out[:15], want[:15], jnp.float32, "earlier queries", seed)
+
+
+def test_reference_masked_nan_does_not_poison():
+    """The issue's case on the reference alone: NaN V at a masked future position, decode row
+    reading only the past (a window) and ragged rows before it."""
+    seed = 6
+    rng, k, v, table, lens = base_batch(seed, [30])
+    page, off = slot(table, 0, 29)
+    v[page, off] = np.nan
+    q = rng.standard_normal((30, HKV * G, D)).astype(np.float32)
+    out = reference("ragged_paged_attention", q, k, v, table, lens,
+                    np.array([0, 30], np.int32))
+    assert np.isfinite(out[:29]).all() and np.isnan(out[29]).all()
