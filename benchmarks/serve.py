@@ -97,6 +97,13 @@ import os
 
 # The 8B run holds ~16 GiB of weights plus one ~40 GiB cache at a time; leave XLA room for both.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+# NOTE: XLA_PYTHON_CLIENT_PREALLOCATE=false (growing the allocator region by region) left no room
+# for the second 32 GiB pool of a 256-sequence 8B run on the H200 (RESOURCE_EXHAUSTED at 48 GiB in
+# use); the default, one preallocated region, serves it.
+if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
+    import sys
+    print("warning: XLA_PYTHON_CLIENT_PREALLOCATE=false may fail the 8B runs' pool allocation "
+          "(fragmented allocator regions); unset it", file=sys.stderr)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

@@ -66,11 +66,16 @@ if [ $serve = 1 ]; then  # the README's main job on the GPU, then the serving be
   tail -25 "$OUT/llama_run.log"
   step manager manager.log python3 benchmarks/manager_overhead.py
   tail -10 "$OUT/manager.log"
-  step decode-step decode_step.log python3 benchmarks/decode_step.py --unroll --json "$OUT/decode_step.json"
+  step decode-step decode_step.log python3 benchmarks/decode_step.py --batch 64 256 --context 1536 \
+    --json "$OUT/decode_step.json"
   tail -8 "$OUT/decode_step.log"
 fi
 if [ $serve = 1 ] && [ -f benchmarks/serve.py ]; then
-  step serve serve.log python3 benchmarks/serve.py --json "$OUT/serve.json"
+  # NOTE: one preallocated arena for the 8B runs. With XLA_PYTHON_CLIENT_PREALLOCATE=false the
+  # allocator grows region by region and the second 32 GiB pool of a 256-sequence run did not
+  # fit (H200, 2026-11-30: RESOURCE_EXHAUSTED with 48 GiB in use).
+  step serve serve.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 benchmarks/serve.py \
+    --workload trtllm --quick --no-check --json "$OUT/serve.json"
   tail -60 "$OUT/serve.log"
 fi
 echo

@@ -1,5 +1,6 @@
 """Every ```python block of the README runs as written (each in a fresh namespace, in a fresh
-temporary working directory), on the CPU, in seconds."""
+temporary working directory), on the CPU, in seconds. A block fenced ```python sketch is an
+outline with placeholders (it names what the reader supplies) and is not run."""
 
 from __future__ import annotations
 
