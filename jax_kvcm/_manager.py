@@ -1754,6 +1754,19 @@ class KVCacheManager:
         """See :meth:`KVCacheConfig.peak_pages`."""
         return self.config.peak_pages(seq_len)
 
+    def num_obtainable_pages(self, level: CacheLevel = CacheLevel.DEVICE) -> int:
+        """Pages an allocation at ``level`` could get now without touching referenced ones:
+        free + pending frees (device: back once the step that may read them completed) +
+        cached (evictable) pages, in the tightest pool of the level. Equals ``free + pending +
+        cached`` of ``stats()["pages"][level]`` with one pool, in constant time (``stats``
+        walks the prefix tree: a scheduler polling it every step pays for the tree's size)."""
+        with self._lock:
+            level = CacheLevel(level)
+            if level not in self._levels:
+                raise ValueError(f"level {level.name} is not configured")
+            extra = self._per_pool(level, self._reclaimable(level))
+            return int((self._pool_free(level) + extra).min())
+
     def max_num_sequences(self, seq_len: int) -> int:
         """How many sequences of ``seq_len`` tokens fit on the device at once (0 when one does
         not fit; ``seq_len`` is clamped to ``max_seq_len``). Sliding-window groups count the
