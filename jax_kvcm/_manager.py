@@ -1071,14 +1071,16 @@ class KVCacheManager:
                                       and not isinstance(x, (bool, np.bool_))):
                     count_list.append(x)
                     continue
-                if x is None or isinstance(x, (bool, np.bool_, float, str, bytes)):
-                    raise TypeError(f"work[{i}][1] must be a token count or 1-D token ids, got "
-                                    f"{type(x).__name__}")
-                arr = x if type(x) is np.ndarray else np.asarray(x)
+                if type(x) is np.ndarray:
+                    arr = x
+                else:
+                    if x is None or isinstance(x, (bool, np.bool_, float, str, bytes)):
+                        raise TypeError(f"work[{i}][1] must be a token count or 1-D token ids, "
+                                        f"got {type(x).__name__}")
+                    arr = np.asarray(x)
                 if arr.ndim != 1 or arr.dtype.kind not in "iu":
                     raise ValueError(f"work[{i}][1]: work items must be (seq, int) or "
                                      "(seq, 1-D token ids)")
-                _check_token_ids(arr, f"work[{i}][1]")
                 count_list.append(arr.size)
                 id_index.append(i)
                 id_arrays.append(arr)
@@ -1100,7 +1102,12 @@ class KVCacheManager:
             if id_arrays:  # NOTE: validated before anything changes
                 idx = np.array(id_index, np.int64)
                 sizes = counts[idx]
-                id_vals = np.concatenate(id_arrays).astype(np.int32)
+                id_vals = np.concatenate(id_arrays)
+                if id_vals.dtype.kind == "f" or (id_vals.size and (
+                        id_vals.min() < 0 or id_vals.max() > MAX_TOKEN_ID)):
+                    for i, arr in zip(id_index, id_arrays):  # (float: uint64 met int64)
+                        _check_token_ids(arr, f"work[{i}][1]")
+                id_vals = id_vals.astype(np.int32)
                 id_rows = np.repeat(rows[idx], sizes)
                 id_pos = (np.arange(id_vals.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
                           + np.repeat(cur[idx], sizes))
