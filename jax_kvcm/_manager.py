@@ -1205,21 +1205,19 @@ class KVCacheManager:
                                       and not isinstance(x, (bool, np.bool_))):
                     count_list.append(x)
                     continue
-                if x is None or isinstance(x, (bool, np.bool_, float, str, bytes)):
-                    raise TypeError(f"work[{i}][1] must be a token count or 1-D token ids, got "
-                                    f"{type(x).__name__}")
-                arr = x if type(x) is np.ndarray else np.asarray(x)
+                if type(x) is np.ndarray:
+                    arr = x
+                else:
+                    if x is None or isinstance(x, (bool, np.bool_, float, str, bytes)):
+                        raise TypeError(f"work[{i}][1] must be a token count or 1-D token ids, "
+                                        f"got {type(x).__name__}")
+                    arr = np.asarray(x)
                 if arr.ndim != 1 or arr.dtype.kind not in "iu":
                     raise ValueError(f"work[{i}][1]: work items must be (seq, int) or "
                                      "(seq, 1-D token ids)")
                 count_list.append(arr.size)
                 id_index.append(i)
                 id_arrays.append(arr)
-            if id_arrays:  # NOTE: one range check for all ids (per item only to name a bad one)
-                every = np.concatenate(id_arrays)
-                if every.size and (every.min() < 0 or every.max() > MAX_TOKEN_ID):
-                    for i, arr in zip(id_index, id_arrays):
-                        _check_token_ids(arr, f"work[{i}][1]")
             rows = np.array(row_list, np.int64)
             counts = np.array(count_list, np.int64)
             if np.unique(rows).size != B:
@@ -1240,7 +1238,12 @@ class KVCacheManager:
             if id_arrays:  # NOTE: validated before anything changes
                 idx = np.array(id_index, np.int64)
                 sizes = counts[idx]
-                id_vals = every.astype(np.int32)
+                id_vals = np.concatenate(id_arrays)
+                if id_vals.dtype.kind == "f" or (id_vals.size and (
+                        id_vals.min() < 0 or id_vals.max() > MAX_TOKEN_ID)):
+                    for i, arr in zip(id_index, id_arrays):  # (float: uint64 met int64)
+                        _check_token_ids(arr, f"work[{i}][1]")
+                id_vals = id_vals.astype(np.int32)
                 id_rows = np.repeat(rows[idx], sizes)
                 id_pos = (np.arange(id_vals.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
                           + np.repeat(cur[idx], sizes))

@@ -60,7 +60,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 groups=st.sampled_from(["1", "1", "2", "w", "1+w", "1+w shared", "w+w"]),
                 window=st.sampled_from([1, 3, 4, 6, 9, 13, 17]),
                 hash_kind=st.sampled_from(["sha", "const"]),
-                faults=st.sampled_from([(0, 0), (0, 0), (1, 1), (FOREVER, 0), (0, FOREVER)]),
+                faults=st.sampled_from([(0, 0), (1, 1), (FOREVER, 0), (1, 0), (0, FOREVER)]),
                 tpp=st.sampled_from([4, 4, 2, 8]),
                 ring=st.booleans(), chunk=st.sampled_from([None, 1, 3, 6]))
     def setup(self, tiers, groups, window, hash_kind, faults, tpp, ring, chunk):
@@ -190,6 +190,12 @@ class ManagerMachine(RuleBasedStateMachine):
             assert s.state is SequenceState.SUSPENDED
             assert _state(self.h) == state
             COUNTS["refused_resume"] += 1
+
+    @precondition(lambda self: self.h is not None)
+    @rule(data=st.data())
+    def suspend_and_resume(self, data):  # NOTE: more resumes, so more (faulty) disk reads
+        self.suspend(data)
+        self.resume(data)
 
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
