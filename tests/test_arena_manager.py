@@ -9,6 +9,7 @@ gathered into a dense pool and fed to the pure-JAX reference.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,18 +46,26 @@ def make(*, budget_chunks=12, max_sequences=4, host_bytes=1 << 20, reuse=True, *
 class Oracle:
     """The K/V written at each position of each sequence (what the arena must hold)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, tol: float = 1e-5) -> None:
         print("seed", seed)
+        self.tol = tol
         self.rng = np.random.default_rng(seed)
         self.kv: dict[int, list[np.ndarray]] = {}   # seq_id -> [(k, v) [2, L, H, D]] per pos
 
-    def step(self, mgr, work):
-        """One step through the manager: new K/V written at the batch's slots; returns the
-        batch after complete_step."""
+    def step(self, mgr, work, run=None):
+        """One step through the manager: new K/V written at the batch's slots (by
+        ``write_step_kv``, or ``run(batch, k, v)`` returning the step's caches, e.g. a donated
+        jitted step); returns the batch after complete_step."""
+        lay = mgr.layout
         batch = mgr.prepare_step(work)
         T = sum(n if isinstance(n, int) else len(n) for _, n in work)
-        kv = self.rng.standard_normal((2, L, T, H, D)).astype(np.float32)
-        mgr.write_step_kv(kv[0], kv[1])
+        kv = self.rng.standard_normal((2, lay.num_layers, T, lay.num_kv_heads,
+                                       lay.head_dim)).astype(np.float32)
+        if run is None:
+            mgr.write_step_kv(kv[0], kv[1])
+            caches = mgr.caches
+        else:
+            caches = run(batch, kv[0], kv[1])
         t = 0
         for seq, n in work:
             n = n if isinstance(n, int) else len(n)
@@ -64,7 +73,7 @@ class Oracle:
             for i in range(n):
                 rows.append(kv[:, :, t + i])
             t += n
-        mgr.complete_step(mgr.caches)
+        mgr.complete_step(caches)
         return batch
 
     def adopt_prefix(self, seq, owner_id: int) -> None:
@@ -74,6 +83,8 @@ class Oracle:
         """Decode attention over the manager's caches and tables == the reference over a dense
         pool of the oracle's K/V, for every layer."""
         kc, vc = mgr.caches[0]
+        lay = mgr.layout
+        L, TPP, H, D = lay.num_layers, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim
         B = len(seqs)
         lens = np.array([s.num_tokens for s in seqs], np.int32)
         P = mgr.config.pages_per_seq
@@ -93,12 +104,15 @@ class Oracle:
             dtable[b, :np_] = np.arange(1 + b * P, 1 + b * P + np_)
         q = self.rng.standard_normal((B, 2 * H, D)).astype(np.float32)
         for layer in range(L):
-            got = jax_kvcm.paged_attention(jnp.asarray(q), kc, vc, jnp.asarray(table),
-                                           jnp.asarray(lens), layer=layer)
-            want = reference.paged_attention(jnp.asarray(q), jnp.asarray(dense[0]),
-                                             jnp.asarray(dense[1]), jnp.asarray(dtable),
-                                             jnp.asarray(lens), layer=layer)
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+            got = jax_kvcm.paged_attention(jax.device_put(q, kc.device), kc, vc,
+                                           jax.device_put(table, kc.device),
+                                           jax.device_put(lens, kc.device), layer=layer)
+            with jax.default_device(jax.devices("cpu")[0]):
+                want = reference.paged_attention(jnp.asarray(q), jnp.asarray(dense[0]),
+                                                 jnp.asarray(dense[1]), jnp.asarray(dtable),
+                                                 jnp.asarray(lens), layer=layer)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=self.tol,
+                                       atol=self.tol)
 
 
 def prompt(rng, n, prefix=()):
