@@ -30,9 +30,10 @@ group is the arena; the prefix tree, eviction and the cold tiers are not used):
   batch's slot mapping) and the ops read :attr:`caches` in place (no copy; the attention ops
   touch only the slots their tables name); ``complete_step(manager.caches)`` then takes the
   same arrays back.
-- Unsupported here (TypeError naming the call): ``compact``, ``record_token_ids``,
-  ``recover_from_failed_step``, ``state`` / ``Sequence.phase``, ``private_pages_per_sequence``,
-  ``add_observer``, cold page codecs.
+- Observers get :class:`~jax_kvcm.ManagerEvent` "suspended" / "resumed" only (no tiers, no
+  commits); a ``cold_page_codec`` is accepted and unused.
+- Unsupported here (TypeError naming the call): ``compact``, ``recover_from_failed_step``,
+  ``state`` / ``Sequence.phase``, ``private_pages_per_sequence``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
+import warnings
 from collections.abc import Sequence as _Seq
 from typing import Any
 
@@ -49,7 +51,8 @@ import numpy as np
 
 from jax_kvcm._arena import Arena, ArenaConfig, ArenaHostStore, ArenaLayout, ArenaSequence, \
     ArenaSuspend
-from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, OutOfPagesError, Sequence,
+from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, ManagerEvent, OutOfPagesError,
+                               Sequence,
                                SequenceState, StepInFlightError, SuspendResult, _prompt_array,
                                _Stats)
 from jax_kvcm._prefix_tree import salt_bytes
@@ -110,8 +113,7 @@ class ArenaKVCacheManager(KVCacheManager):
     def __init__(self, config: KVCacheConfig, cold_page_codec: Any = None, *,
                  device: jax.Device | None = None, _hash_fn: Any = None,
                  backend: str = "auto") -> None:
-        if cold_page_codec is not None:
-            raise ValueError("cold_page_codec: the arena backend has no cold tiers")
+        del cold_page_codec  # NOTE: accepted for the same call; the arena has no cold tiers
         self.config = config
         self._lock = threading.RLock()
         self._tpp = config.tokens_per_page
@@ -142,6 +144,7 @@ class ArenaKVCacheManager(KVCacheManager):
         self._close_after_step: list[tuple[ArenaSequence, list[bytes]]] = []
         self._fence: Any = None
         self._shut = False
+        self._observers: list[Any] = []
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -168,6 +171,37 @@ class ArenaKVCacheManager(KVCacheManager):
         del self._seqs[seq.seq_id]
         del self._aseq[seq.seq_id]
         seq.state = SequenceState.CLOSED
+
+    def add_observer(self, fn: Any) -> None:
+        """``fn(event)`` for each "suspended" / "resumed" :class:`ManagerEvent` (called inside
+        the call that caused it; an exception from ``fn`` is warned about, never propagated)."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self._observers.append(fn)
+
+    def _notify(self, event: ManagerEvent) -> None:
+        for fn in list(self._observers):
+            try:
+                fn(event)
+            except Exception as e:  # noqa: BLE001 - an observer never breaks the manager
+                warnings.warn(f"observer {fn!r} raised {e!r}", RuntimeWarning, stacklevel=3)
+
+    def record_token_ids(self, seq: Sequence, token_ids: Any) -> None:
+        """As :meth:`KVCacheManager.record_token_ids`: ids of positions ``num_known_tokens``
+        onward; full chunks of them are registered as spans when the sequence closes."""
+        with self._lock:
+            self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
+            self._need_pools("record_token_ids")
+            arr = token_ids if type(token_ids) is np.ndarray else np.asarray(token_ids)
+            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+                raise ValueError("token_ids must be a 1-D array of integer ids")
+            r = seq._row
+            k, n = int(self._known[r]), int(arr.size)
+            if k + n > self.config.max_seq_len:
+                raise ValueError(f"token_ids: {k} known + {n} ids exceed max_seq_len "
+                                 f"{self.config.max_seq_len}")
+            self._tokens[r, k:k + n] = arr
+            self._known[r] = k + n
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -241,6 +275,7 @@ class ArenaKVCacheManager(KVCacheManager):
             if self.arena.suspend(self._aseq[seq.seq_id], self._host) is ArenaSuspend.SUSPENDED:
                 seq.state = SequenceState.SUSPENDED
                 self._stats.num_suspended += 1
+                self._notify(ManagerEvent("suspended", seq.num_pages, CacheLevel.HOST))
                 return SuspendResult.SUSPENDED
             self._stats.num_refused_suspends += 1
             return SuspendResult.MUST_RECOMPUTE
@@ -256,6 +291,7 @@ class ArenaKVCacheManager(KVCacheManager):
                 return False
             seq.state = SequenceState.ACTIVE
             self._stats.num_resumed += 1
+            self._notify(ManagerEvent("resumed", seq.num_pages, CacheLevel.DEVICE))
             return True
 
     # -- steps -----------------------------------------------------------------------------
@@ -379,23 +415,26 @@ class ArenaKVCacheManager(KVCacheManager):
         self._close_after_step = []
 
     def abort_step(self) -> list[Sequence]:
-        """Undoes the prepared step: its sequences go back to their lengths before it (chunks
-        mapped for it stay mapped to them). Returns the step's sequences still open."""
+        """Undoes the prepared step: its sequences go back to their lengths and known tokens
+        before it (chunks mapped for it stay mapped to them). Returns ``[]``: nothing is lost
+        even when a donated step consumed the pool arrays, since the arena's memory outlives
+        them (they are imported again; the failed step can only have written slots past the
+        restored lengths)."""
         with self._lock:
             self._check_open()
             if self._in_step is None:
                 raise RuntimeError("abort_step without a prepared step")
             seqs, rows, cur, known, _ = self._in_step
             self._in_step = None
-            out = []
             for s, r, n, kn in zip(seqs, rows.tolist(), cur.tolist(), known.tolist()):
                 if s.state is SequenceState.ACTIVE:
                     self._len[r], self._known[r] = n, kn
                     self._npages[r] = -(-n // self._tpp)
-                    out.append(s)
+            if any(a.is_deleted() for a in self._pools[0]):
+                self._pools = [self.arena.pool_arrays()]
             self._finish_closes(None)
             self._stats.num_aborted_steps += 1
-            return out
+            return []
 
     # -- planning, stats, teardown ---------------------------------------------------------
 
@@ -436,7 +475,18 @@ class ArenaKVCacheManager(KVCacheManager):
             out["num_active"] = sum(s.state is SequenceState.ACTIVE for s in self._seqs.values())
             out["num_suspended_now"] = len(self._seqs) - out["num_active"]
             out["host_used_bytes"] = self._host.used_bytes
-            out["arena"] = dataclasses.asdict(self.arena.stats())
+            a = self.arena.stats()
+            out["arena"] = dataclasses.asdict(a)
+            ppc = self.arena.pages_per_chunk
+            # NOTE: in pages of whole chunks (the unit mapped): referenced = chunks active
+            # ranges map, cached = the rest in use (parked ranges, unmapped spans).
+            active = sum(s.num_pages for s in self._aseq.values() if s.active)
+            used = (a.used_chunks - 1) * ppc
+            cap = self.device_capacity_pages
+            out["pages"] = {"device": {"capacity": cap, "free": cap - used, "pending": 0,
+                                       "referenced": min(used, active),
+                                       "cached": used - min(used, active)}}
+            out["num_committed_pages"] = a.num_spans * ppc
             return out
 
     def check_invariants(self) -> None:
@@ -461,9 +511,7 @@ class ArenaKVCacheManager(KVCacheManager):
             self._shut = True
 
     compact = _unsupported("compact")
-    record_token_ids = _unsupported("record_token_ids")
     recover_from_failed_step = _unsupported("recover_from_failed_step")
     state = _unsupported("state")
     _phase = _unsupported("Sequence.phase")
     private_pages_per_sequence = _unsupported("private_pages_per_sequence")
-    add_observer = _unsupported("add_observer")

@@ -302,7 +302,7 @@ def test_close_during_a_step_waits_for_it_and_abort_rolls_back():
         assert mgr.stats()["arena"]["num_parked"] == 0
         with pytest.raises(jax_kvcm.StepInFlightError):
             mgr.suspend(b)
-        assert mgr.abort_step() == [b]
+        assert mgr.abort_step() == []
         assert b.num_tokens == 12 and mgr.stats()["arena"]["num_parked"] == 1
         o.step(mgr, [(b, 1)])
         o.check_attention(mgr, [b])
@@ -347,5 +347,30 @@ def test_bad_config_and_misuse_name_the_field():
         mgr.abort_step()
         with pytest.raises(TypeError, match="compact"):
             mgr.compact([0])
+    finally:
+        mgr.shutdown()
+
+
+def test_recorded_token_ids_make_generated_chunks_reusable():
+    o = Oracle(9)
+    mgr = make()
+    try:
+        p = prompt(o.rng, CT - 4)
+        s = mgr.add_sequence(p)
+        o.step(mgr, [(s, CT - 4)])
+        for _ in range(8):  # decode by count, the ids read later (an overlapped loop)
+            o.step(mgr, [(s, 1)])
+        gen = o.rng.integers(0, 1000, 8).astype(np.int32)
+        mgr.record_token_ids(s, gen)
+        assert s.num_known_tokens == CT + 4
+        owner = s.seq_id
+        mgr.close(s)
+        t = mgr.add_sequence(np.concatenate([p, gen, [7]]))
+        assert t.num_reused_tokens == CT
+        o.adopt_prefix(t, owner)
+        o.step(mgr, [(t, 5)])
+        o.check_attention(mgr, [t])
+        u = mgr.add_sequence(np.concatenate([p, gen[:-1] + 1, [7, 7]]))
+        assert u.num_reused_tokens == 0  # a different token in the chunk: no match
     finally:
         mgr.shutdown()

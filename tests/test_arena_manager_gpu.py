@@ -122,3 +122,48 @@ def test_shared_prefix_cycles_alias_and_map_nothing_in_steady_state():
         assert mgr.stats()["arena"]["num_alias_hits"] == 60
     finally:
         mgr.shutdown()
+
+
+def test_llama_server_on_the_arena_generates_what_the_paged_server_does(tmp_path):
+    """examples/llama/serve.Server end to end on the arena (donated jitted steps, CUDA
+    kernels): greedy tokens of a float32 model equal the paged server's, prompts sharing a
+    whole chunk alias it."""
+    from conftest import random_hf_llama
+    from examples.llama import loader as llama_loader
+    from examples.llama import serve
+
+    if jax.default_backend() != "gpu" or not _ffi.cuda_extension_available():
+        pytest.fail("needs a GPU and the CUDA extension")
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_theta=10000.0)
+    random_hf_llama("llama", base, 5).save_pretrained(tmp_path, safe_serialization=True)
+    config, params, _ = llama_loader.load_checkpoint(tmp_path, dtype="float32", progress=False)
+    page = 16
+    slot = page * 2 * 32 * 4                     # 2 KV heads of 32 dims, float32
+    ppc = SP // slot                             # 512 pages = 8,192 tokens per chunk
+    max_len = ppc * page + 256
+    rng = np.random.default_rng(23)
+    system = [1] + rng.integers(3, 128, ppc * page).tolist()
+    reqs = [serve.Request(prompt=system + rng.integers(3, 128, 20 + i).tolist(),
+                          max_new_tokens=12, eos_token_ids=[]) for i in range(4)]
+    reqs += [serve.Request(prompt=[1] + rng.integers(3, 128, 30).tolist(), max_new_tokens=12,
+                           eos_token_ids=[])]
+    common = dict(page_size=page, max_batch=4, max_tokens_per_step=1024,
+                  prefill_chunk_tokens=1024, max_seq_len=max_len)
+    outs = {}
+    for hb in ("paged", "arena"):
+        arena = (ArenaConfig(max_sequences=4, max_pages_per_sequence=-(-max_len // page),
+                             budget_bytes=12 * 2 * 2 * SP, super_page_bytes=SP)
+                 if hb == "arena" else None)
+        srv = serve.Server(params, config, serve.ServeConfig(
+            device_pages=4 * (-(-max_len // page)), hot_backend=hb, arena=arena, **common))
+        srv.generate(reqs[:1])   # the system prompt's chunk committed
+        outs[hb] = [o.generated_ids for o in srv.generate(reqs)]
+        if hb == "arena":
+            st = srv.manager.stats()["arena"]
+            assert st["num_alias_hits"] >= 4, st
+            srv.manager.shutdown()
+    same = sum(a == b for a, b in zip(outs["paged"], outs["arena"]))
+    assert same >= len(reqs) - 1, (outs["paged"], outs["arena"])
