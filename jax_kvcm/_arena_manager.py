@@ -24,7 +24,8 @@ group is the arena; the prefix tree, eviction and the cold tiers are not used):
   them) and back into a fresh range, byte-identical. No disk tier.
 - **Steps.** On the GPU the jitted step donates :attr:`caches` (the reservation imported with
   DLPack) and returns them; ``complete_step`` checks the returned K pool still starts at the
-  reservation (a copy would silently detach the manager from its memory). On CPU a donated step
+  reservation (a copy would silently detach the manager from its memory; checked on the first
+  16 steps and every 256th, as reading the pointer may wait for the step). On CPU a donated step
   copies its whole input, which faults on unmapped super-pages, so the CPU step path writes the
   step's new K/V with :meth:`ArenaKVCacheManager.write_step_kv` (host writes into the arena at the
   batch's slot mapping) and the ops read :attr:`caches` in place (no copy; the attention ops
@@ -377,7 +378,8 @@ class ArenaKVCacheManager(KVCacheManager):
     def complete_step(self, caches: _Seq[tuple[jax.Array, jax.Array]]) -> None:
         """Takes back the pools (the donated step's outputs on the GPU, or :attr:`caches`
         itself after :meth:`write_step_kv`) and records the step's fence on its ranges. Raises
-        ValueError when the returned K/V pools are not the reservation (a copy)."""
+        ValueError when the returned K pool is not the reservation (a copy; checked on the first
+        16 steps and every 256th)."""
         with self._lock:
             self._check_open()
             if self._in_step is None:
@@ -395,7 +397,11 @@ class ArenaKVCacheManager(KVCacheManager):
                                      f"{b.shape} {b.dtype}")
                 if a.is_deleted():
                     raise ValueError(f"{name} was deleted (the step failed?): call abort_step()")
-            if pair[0].unsafe_buffer_pointer() != self.arena.base_address:
+            # NOTE: the pointer is read on the first steps and every 256th only: reading it may
+            # wait for the step, which would serialize an overlapped loop.
+            n = self._stats.num_steps
+            if (n < 16 or n % 256 == 0) and (
+                    pair[0].unsafe_buffer_pointer() != self.arena.base_address):
                 raise ValueError("caches[0][0] is not the arena's memory (the step copied the "
                                  "pool: donate the caches)")
             seqs = self._in_step[0]

@@ -59,7 +59,9 @@ def _runner(mgr):
         kp, vp = pad.copy(), pad.copy()
         kp[:, :T], vp[:, :T] = kn, vn
         k, v = mgr.caches[0]
-        return [jitted(k, v, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(batch.slot_mapping))]
+        k, v = jitted(k, v, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(batch.slot_mapping))
+        assert k.unsafe_buffer_pointer() == mgr.arena.base_address, "the step copied the pool"
+        return [(k, v)]
 
     return run
 
@@ -74,7 +76,7 @@ def test_donated_steps_through_the_manager_keep_the_arena_and_read_back():
             o.step(mgr, [(s, s.num_known_tokens)], run)
         o.check_attention(mgr, seqs)
         before = mgr.stats()["arena"]
-        for _ in range(300):  # complete_step checks the pool pointer after every step
+        for _ in range(300):  # run() checks the pool pointer after every step
             o.step(mgr, [(s, 1) for s in seqs], run)
         o.check_attention(mgr, seqs)
         after = mgr.stats()["arena"]
