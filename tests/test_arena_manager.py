@@ -46,9 +46,9 @@ def make(*, budget_chunks=12, max_sequences=4, host_bytes=1 << 20, reuse=True, *
 class Oracle:
     """The K/V written at each position of each sequence (what the arena must hold)."""
 
-    def __init__(self, seed: int, tol: float = 1e-5) -> None:
+    def __init__(self, seed: int, tol: float = 1e-5, det: bool = False) -> None:
         print("seed", seed)
-        self.tol = tol
+        self.tol, self.seed, self.det = tol, seed, det
         self.rng = np.random.default_rng(seed)
         self.kv: dict[int, list[np.ndarray]] = {}   # seq_id -> [(k, v) [2, L, H, D]] per pos
 
@@ -61,6 +61,15 @@ class Oracle:
         T = sum(n if isinstance(n, int) else len(n) for _, n in work)
         kv = self.rng.standard_normal((2, lay.num_layers, T, lay.num_kv_heads,
                                        lay.head_dim)).astype(np.float32)
+        if self.det:  # prompt tokens: K/V a function of (token, position), as in a model
+            t = 0
+            for seq, n in work:
+                for i in range(n):
+                    pos = seq.num_tokens - n + i
+                    if pos < seq.num_known_tokens:
+                        kv[:, :, t + i] = self.det_kv(int(mgr._tokens[seq._row, pos]), pos,
+                                                      lay)
+                t += n
         if run is None:
             mgr.write_step_kv(kv[0], kv[1])
             caches = mgr.caches
@@ -75,6 +84,16 @@ class Oracle:
             t += n
         mgr.complete_step(caches)
         return batch
+
+    def det_kv(self, token: int, pos: int, lay) -> np.ndarray:
+        r = np.random.default_rng([self.seed, token, pos])
+        return r.standard_normal((2, lay.num_layers, lay.num_kv_heads,
+                                  lay.head_dim)).astype(np.float32)
+
+    def adopt_prompt(self, mgr, seq, tokens) -> None:
+        """``seq``'s reused tokens hold the deterministic K/V of its prompt (``det``)."""
+        self.kv[seq.seq_id] = [self.det_kv(int(tokens[p]), p, mgr.layout)
+                               for p in range(seq.num_reused_tokens)]
 
     def adopt_prefix(self, seq, owner_id: int) -> None:
         self.kv[seq.seq_id] = list(self.kv[owner_id][:seq.num_reused_tokens])
@@ -372,5 +391,66 @@ def test_recorded_token_ids_make_generated_chunks_reusable():
         o.check_attention(mgr, [t])
         u = mgr.add_sequence(np.concatenate([p, gen[:-1] + 1, [7, 7]]))
         assert u.num_reused_tokens == 0  # a different token in the chunk: no match
+    finally:
+        mgr.shutdown()
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_random_walk_through_the_manager_keeps_every_sequence_readable(seed):
+    """Random admissions (some sharing a one-chunk system prompt), steps, closes (also inside a
+    step), suspends and resumes under a tight budget; every ACTIVE sequence's K/V are checked
+    through the op after every operation. Refusals (OutOfPagesError, MUST_RECOMPUTE, resume
+    False) must change nothing."""
+    o = Oracle(seed, det=True)
+    rng = o.rng
+    mgr = make(budget_chunks=8, max_sequences=5, host_bytes=6 * 2 * L * PPC * TPP * H * D * 4)
+    system = rng.integers(0, 1000, CT).astype(np.int32)
+    live: list = []
+    try:
+        for _ in range(100):
+            op = rng.choice(["add", "step", "step", "step", "close", "suspend", "resume"])
+            active = [s for s in live if s.state is SequenceState.ACTIVE]
+            if op == "add":
+                n = int(rng.integers(2, 2 * CT))
+                p = prompt(rng, max(n, CT + 1), system) if rng.random() < 0.5 else prompt(rng, n)
+                try:
+                    s = mgr.add_sequence(p)
+                except jax_kvcm.OutOfPagesError:
+                    continue
+                o.adopt_prompt(mgr, s, p)
+                live.append(s)
+            elif op == "step" and active:
+                pick = ([s for s in active if rng.random() < 0.7] or active[:1])[:4]
+                work = [(s, 1 if s.num_tokens >= s.num_known_tokens
+                         else min(s.num_known_tokens - s.num_tokens, CT)) for s in pick]
+                work = [(s, n) for s, n in work if s.num_tokens + n <= MAX_LEN]
+                if not work:
+                    continue
+                lens = [s.num_tokens for s, _ in work]
+                try:
+                    o.step(mgr, work)
+                except jax_kvcm.OutOfPagesError:
+                    assert [s.num_tokens for s, _ in work] == lens
+                    continue
+            elif op == "close" and live:
+                s = live.pop(int(rng.integers(len(live))))
+                mgr.close(s)
+            elif op == "suspend" and active:
+                s = active[int(rng.integers(len(active)))]
+                n = s.num_tokens
+                r = mgr.suspend(s)
+                assert s.num_tokens == n
+                assert (s.state is SequenceState.SUSPENDED) == (
+                    r is jax_kvcm.SuspendResult.SUSPENDED)
+            elif op == "resume":
+                for s in live:
+                    if s.state is SequenceState.SUSPENDED:
+                        assert mgr.resume(s) == (s.state is SequenceState.ACTIVE)
+                        break
+            mgr.check_invariants()
+            active = [s for s in live if s.state is SequenceState.ACTIVE and s.num_tokens]
+            if active:
+                o.check_attention(mgr, active[:4])
+        print(mgr.stats()["arena"])
     finally:
         mgr.shutdown()
