@@ -134,6 +134,7 @@ ANCHOR = {"system": "TensorRT-LLM paged KV", "model": "Llama-3.1-8B", "gpu": "on
           "output_tokens_per_s": 8563.0, "source": "TensorRT-LLM PR 'Contiguous primary KV cache (P0)', trtllm-bench, paged v2 baseline",
           "h200_over_h100_bandwidth": 1.4}
 TARGET_PAGED_OVER_DENSE = 0.95
+TARGET_ARENA_OVER_PAGED = 0.98  # issue 13: the arena within 2% of paged tokens/s
 
 LLAMA_31_8B = llama.LlamaConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -185,6 +186,9 @@ class Setup:
     run_shared: bool = True
     record_logits: bool = False          # float32 oracle: compare logits too (tiny)
     seed: int = 0
+    # Hot backends run side by side on the random rows and the shared "on" run ("arena": the
+    # contiguous arena, GPU only; its budget is the paged pool's bytes plus a chunk per range).
+    hot_backends: tuple[str, ...] = ("paged",)
 
     @property
     def max_total_len(self) -> int:
@@ -333,8 +337,27 @@ def shared_requests(setup: Setup) -> list[serve.Request]:
 # The two paths.
 
 
-def _serve_config(setup: Setup, concurrency: int, prefix: bool) -> serve.ServeConfig:
+ARENA_SUPER_PAGE = 2 << 20
+
+
+def _arena_config(setup: Setup, concurrency: int) -> jax_kvcm.ArenaConfig:
+    """The arena of a run: a range per running request, the paged pool's bytes plus one chunk
+    per range and the null chunk (each range rounds its last chunk up)."""
+    m = setup.model
+    slot = setup.page_size * m.num_key_value_heads * m.head_dim * jnp.dtype(m.jnp_dtype).itemsize
+    chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, ARENA_SUPER_PAGE))
+    pool = setup.pool_pages(concurrency) * 2 * m.num_hidden_layers * slot
+    return jax_kvcm.ArenaConfig(max_sequences=concurrency,
+                                max_pages_per_sequence=setup.pages_per_seq,
+                                budget_bytes=pool + (concurrency + 1) * chunk,
+                                super_page_bytes=ARENA_SUPER_PAGE)
+
+
+def _serve_config(setup: Setup, concurrency: int, prefix: bool,
+                  hot_backend: str = "paged") -> serve.ServeConfig:
+    arena = _arena_config(setup, concurrency) if hot_backend == "arena" else None
     return serve.ServeConfig(
+        hot_backend=hot_backend, arena=arena,
         page_size=setup.page_size, device_pages=setup.pool_pages(concurrency),
         max_batch=concurrency, max_tokens_per_step=setup.step_tokens,
         prefill_chunk_tokens=setup.prefill_chunk, host_bytes=setup.host_bytes,
@@ -366,17 +389,22 @@ def _summary(label: str, path: str, workload: str, concurrency: int,
 
 def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, concurrency: int,
               prefix: bool, workload: str, label: str,
-              warm_prompts: Sequence[list[int]] = ()) -> tuple[dict, list]:
+              warm_prompts: Sequence[list[int]] = (),
+              hot_backend: str = "paged") -> tuple[dict, list]:
     """Warm-up on a throwaway server (same shapes), then the timed run on a fresh one.
 
     ``warm_prompts``: served (one output token each) on the fresh server before the clock
     starts, so their full pages sit committed in the prefix cache, as hot system prompts do in
-    a server that has been running."""
-    scfg = _serve_config(setup, concurrency, prefix)
+    a server that has been running. ``hot_backend="arena"`` adds ``arena``: map/unmap calls in
+    the second half of the generated tokens (steady state), alias hits, peak mapped bytes."""
+    scfg = _serve_config(setup, concurrency, prefix, hot_backend)
+    arena = hot_backend == "arena"
     t = time.perf_counter()
     warm = serve.Server(params, setup.model, scfg)
     warm.generate([serve.Request(prompt=list(range(1, setup.page_size + 2)), max_new_tokens=2,
                                  eos_token_ids=[])])
+    if arena:
+        warm.manager.shutdown()   # its reservation, before the timed run's
     del warm
     gc.collect()   # its pool (a cycle through the manager's observer) before the next one
     warmup_s = time.perf_counter() - t
@@ -397,6 +425,8 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     decode_ms: list[float] = []
     step_ms: list[float] = []
     paused = 0.0
+    arena_half: dict | None = None
+    arena_peak = 0
     t0 = time.perf_counter()
     while server.has_work():
         n_dec = server.counters["decode_steps"]
@@ -413,6 +443,11 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
             peak_pages = max(peak_pages, pool - mgr.num_obtainable_pages())   # referenced
             peak_active = max(peak_active, server.num_running)
             progress(server.counters["generated_tokens"])
+            if arena:
+                a = mgr.arena.stats()
+                arena_peak = max(arena_peak, a.mapped_bytes)
+                if arena_half is None and server.counters["generated_tokens"] * 2 >= total:
+                    arena_half = dataclasses.asdict(a)
             paused += time.perf_counter() - ts
     seconds = time.perf_counter() - t0 - paused
     compiles = _COMPILES["n"] - n_compiles
@@ -421,8 +456,21 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
                   * setup.model.num_key_value_heads * setup.model.head_dim
                   * jnp.dtype(setup.model.jnp_dtype).itemsize)
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    extra: dict[str, Any] = {"hot_backend": hot_backend,
+                             "kv_bytes_used_peak": peak_pages * page_bytes}
+    if arena:
+        a = dataclasses.asdict(mgr.arena.stats())
+        half = arena_half or a
+        extra.update(
+            arena_steady_map_calls=a["num_map_calls"] - half["num_map_calls"],
+            arena_steady_unmap_calls=a["num_unmap_calls"] - half["num_unmap_calls"],
+            arena_map_calls=a["num_map_calls"], arena_unmap_calls=a["num_unmap_calls"],
+            arena_alias_hits=a["num_alias_hits"], arena_adoptions=a["num_adoptions"],
+            arena_mapped_bytes_peak=max(arena_peak, a["mapped_bytes"]),
+            arena_budget_bytes=scfg.arena.budget_bytes,
+            kv_bytes_used_peak=max(arena_peak, a["mapped_bytes"]))
     res = _summary(
-        label, "paged", workload, concurrency, requests, [outs[i] for i in sorted(outs)],
+        label, hot_backend, workload, concurrency, requests, [outs[i] for i in sorted(outs)],
         seconds, compiles, warmup_s, decode_ms, prefix_reuse=prefix,
         prefix_hit_rate=(sum(o.prefix_hit_tokens for o in outs.values())
                          / max(1, sum(len(r.prompt) for r in requests))),
@@ -434,8 +482,10 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         recomputes=rep["recomputes"], step_ms_p50=_pct(step_ms, 50),
         pages_per_tier=rep["pages"], pages_offloaded=rep["pages_offloaded"],
         pages_onboarded=rep["pages_onboarded"], host_bytes=setup.host_bytes,
-        prefill_chunk_tokens=setup.prefill_chunk, overlap=scfg.overlap)
+        prefill_chunk_tokens=setup.prefill_chunk, overlap=scfg.overlap, **extra)
     done = [outs[i] for i in sorted(outs)]
+    if arena:
+        mgr.shutdown()
     del server, mgr
     gc.collect()
     return res, done
@@ -640,6 +690,30 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
 
     big: dict[str, dict | None] = {"run": None}   # the paged run at the largest concurrency
 
+    def beside(pres: dict | None, what: str, reqs, **kwargs: Any) -> None:
+        """The other hot backends on the same requests as the paged run ``pres``."""
+        for hb in setup.hot_backends:
+            if hb == "paged":
+                continue
+            res, _ = attempt(f"{hb} {what}", run_paged, reqs, hot_backend=hb, **kwargs)
+            if pres is not None and res is not None:
+                comparisons.append(dict(
+                    kind=f"{hb}_vs_paged", paged=pres["name"], other=res["name"],
+                    tokens_per_s_over_paged=(res["output_tokens_per_s"]
+                                             / pres["output_tokens_per_s"]),
+                    target=TARGET_ARENA_OVER_PAGED,
+                    kv_bytes_used_peak_over_paged=(res["kv_bytes_used_peak"]
+                                                   / max(pres["kv_bytes_used_peak"], 1)),
+                    steady_map_calls=res.get("arena_steady_map_calls"),
+                    steady_unmap_calls=res.get("arena_steady_unmap_calls"),
+                    alias_hits=res.get("arena_alias_hits")))
+                log(f"    {res['name']} / {pres['name']}: "
+                    f"{comparisons[-1]['tokens_per_s_over_paged']:.3f}x tokens/s, "
+                    f"{comparisons[-1]['kv_bytes_used_peak_over_paged']:.2f}x K/V bytes, "
+                    f"steady map/unmap {res.get('arena_steady_map_calls')}/"
+                    f"{res.get('arena_steady_unmap_calls')}, alias hits "
+                    f"{res.get('arena_alias_hits')}")
+
     def random_rows() -> None:
         for c in sorted(setup.concurrencies):
             reqs = rand[:int(round(c * setup.requests_factor))]
@@ -649,6 +723,7 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
                               prefix=True, workload="random")
             if c == cmax:
                 big["run"] = pres
+            beside(pres, f"random c{c}", reqs, concurrency=c, prefix=True, workload="random")
             if setup.run_dense:
                 dres, _ = attempt(f"dense random c{c}", run_dense, reqs, batch=c,
                                   max_len=setup.input_len + setup.output_len,
@@ -676,6 +751,8 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         if "on" in setup.shared_runs:
             runs["on"] = attempt(f"paged shared c{cs} prefix on", run_paged, sreqs,
                                  concurrency=cs, prefix=True, workload="shared")
+            beside(runs["on"][0], f"shared c{cs} prefix on", sreqs, concurrency=cs,
+                   prefix=True, workload="shared")
         if "warm" in setup.shared_runs:
             runs["warm"] = attempt(f"paged shared c{cs} prefix on, warm", run_paged, sreqs,
                                    concurrency=cs, prefix=True, workload="shared",
@@ -736,9 +813,10 @@ def markdown(out: dict[str, Any]) -> str:
              "prefix hit | pages used / pool | K/V GiB |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in out["results"]:
-        pages = (f"{r['pages_used_peak']} / {r['pool_pages']}" if r["path"] == "paged"
+        managed = r["path"] in ("paged", "arena")
+        pages = (f"{r['pages_used_peak']} / {r['pool_pages']}" if managed
                  else f"dense max_len {r['max_len']}")
-        hit = f"{r['prefix_hit_rate']:.1%}" if r["path"] == "paged" else "-"
+        hit = f"{r['prefix_hit_rate']:.1%}" if managed else "-"
         lines.append(
             f"| {r['name']} | {r['path']} | {r['workload']} | {r['concurrency']} | "
             f"{r['requests']} | {r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
@@ -780,6 +858,13 @@ def markdown(out: dict[str, Any]) -> str:
                          f"{c['prefix_hit_rate']:.1%}; TTFT p50 off/on "
                          f"{c['ttft_p50_off_over_on']:.2f}x; pages used on/off "
                          f"{c['pages_used_on_over_off']:.2f} |")
+        elif c["kind"] == "arena_vs_paged":
+            ok = "met" if c["tokens_per_s_over_paged"] >= c["target"] else "NOT met"
+            lines.append(f"| {c['other']} / {c['paged']} tok/s | "
+                         f"{c['tokens_per_s_over_paged']:.3f}x | target >= {c['target']}: {ok}; "
+                         f"steady-state map/unmap calls {c['steady_map_calls']}/"
+                         f"{c['steady_unmap_calls']}; alias hits {c['alias_hits']}; peak K/V "
+                         f"bytes arena/paged {c['kv_bytes_used_peak_over_paged']:.2f}x |")
         elif c["kind"] == "equal_memory":
             run = ""
             if "paged_over_dense" in c:
@@ -843,6 +928,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-equal-memory", action="store_true",
                    help="report the equal-memory capacities without running the dense batch")
     p.add_argument("--no-dense", action="store_true", help="paged runs only")
+    p.add_argument("--hot-backend", nargs="+", choices=("paged", "arena"), default=None,
+                   help="hot backends side by side (paged always runs as the reference; "
+                        "arena needs a GPU)")
     p.add_argument("--no-shared", action="store_true", help="skip the shared-prefix workload")
     p.add_argument("--no-check", action="store_true",
                    help="skip the tiny float32 paged-vs-dense check before an 8B run")
@@ -873,6 +961,8 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         over["equal_memory_run"] = False
     if args.no_dense:
         over["run_dense"] = False
+    if args.hot_backend:
+        over["hot_backends"] = ("paged",) + tuple(b for b in args.hot_backend if b != "paged")
     if args.no_shared:
         over["run_shared"] = False
     s = dataclasses.replace(s, **over)
@@ -885,6 +975,9 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         raise SystemExit("--equal-memory-max-len must hold input + output")
     if s.prefill_chunk < 1:
         raise SystemExit("--prefill-chunk must be >= 1")
+    if "arena" in s.hot_backends and jax.default_backend() != "gpu":
+        raise SystemExit("--hot-backend arena needs a GPU: a donated CPU step copies the whole "
+                         "reservation (unmapped super-pages and all)")
     return s
 
 

@@ -35,6 +35,7 @@ def _find_installed_extension() -> None:
 
 _find_installed_extension()
 
+from jax_kvcm._arena import ArenaConfig
 from jax_kvcm._codec import (ColdPageCodec, ConcatCodec, Int8Codec,
                              create_default_cold_page_codec, make_cold_page_codec)
 from jax_kvcm._ffi import cuda_extension_available
@@ -47,6 +48,7 @@ from jax_kvcm._types import CacheLevel
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
 
 __all__ = [
+    "ArenaConfig",
     "CacheLevel",
     "ColdPageCodec",
     "ConcatCodec",

@@ -651,6 +651,50 @@ class Arena:
         self._page_io(rng, first_page, k, v, write=False)
         return k, v
 
+    def write_tokens(self, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Host write of single tokens: token ``t`` goes to flat token slot ``slot_mapping[t]``
+        (``page_slot * tokens_per_page + offset``; -1: padding, skipped). ``k``/``v`` are
+        ``[num_layers, T, num_kv_heads, head_dim]``. Every slot must lie in a mapped chunk of
+        an active sequence that no other range shares (never a registered span: writing one
+        would change every alias); ValueError otherwise, nothing written. Waits for the fence
+        of the ranges written first (the CPU step path: the arena is written through here)."""
+        self._check_open()
+        lay = self.layout
+        sm = np.asarray(slot_mapping)
+        T = sm.shape[0] if sm.ndim == 1 else -1
+        tok = lay.num_kv_heads * lay.head_dim * lay.itemsize
+        if (T < 0 or k.shape != v.shape or k.ndim != 4 or k.shape[0] != lay.num_layers
+                or k.shape[1] != T or k.nbytes != lay.num_layers * T * tok):
+            raise ValueError(f"k and v must be [{lay.num_layers}, {T}, {lay.num_kv_heads}, "
+                             f"{lay.head_dim}] of {lay.dtype} for slot_mapping of shape "
+                             f"{sm.shape}, got {k.shape} and {v.shape}")
+        keep = np.flatnonzero(sm >= 0)
+        sm = sm[keep].astype(np.int64)
+        chunk = sm // (lay.tokens_per_page * self.pages_per_chunk)
+        C = self.chunks_per_range
+        ranges = set()
+        for c in np.unique(chunk).tolist():
+            r, i = divmod(c - 1, C)
+            rng = self._ranges[r] if 0 <= r < len(self._ranges) else None
+            ch = rng.chunks[i] if rng is not None and rng.seq is not None else None
+            if c < 1 or ch is None or ch.key is not None or ch.refs != 1:
+                raise ValueError(f"slot_mapping writes chunk {c}, which is not a private mapped "
+                                 "chunk of an active sequence")
+            ranges.add(r)
+        for r in ranges:
+            _wait(self._ranges[r].fence)
+        k = np.ascontiguousarray(k[:, keep])
+        v = np.ascontiguousarray(v[:, keep])
+        # NOTE: consecutive token slots are consecutive bytes: one write per run per pool-layer.
+        cut = np.flatnonzero(np.diff(sm) != 1) + 1
+        starts, ends = np.r_[0, cut], np.r_[cut, sm.size]
+        for pool, arr in enumerate((k, v)):
+            for layer in range(lay.num_layers):
+                base = (pool * lay.num_layers + layer) * self._pool_layer_bytes
+                addr = arr.ctypes.data + layer * sm.size * tok
+                for a, b in zip(starts.tolist(), ends.tolist()):
+                    self._res.write(base + int(sm[a]) * tok, addr + a * tok, (b - a) * tok)
+
     def _page_io(self, rng: _Range, first: int, k: np.ndarray, v: np.ndarray, *,
                  write: bool) -> None:
         lay, sb = self.layout, self.layout.slot_bytes

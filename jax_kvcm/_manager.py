@@ -119,6 +119,21 @@ class _CallLock:
         self._after()
 
 
+def _prompt_array(tokens: Any, max_seq_len: int) -> np.ndarray:
+    """``add_sequence``'s ``tokens`` as int32 ``[n]``, validated (ValueError naming it)."""
+    try:
+        toks = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError("tokens must be a 1-D sequence of int32 token ids") from None
+    if toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
+        raise ValueError("tokens must be a 1-D sequence of int32 token ids")
+    _check_token_ids(toks, "tokens")
+    toks = toks.astype(np.int32)
+    if toks.size > max_seq_len:
+        raise ValueError(f"{toks.size} tokens exceed max_seq_len {max_seq_len}")
+    return toks
+
+
 def _le_bytes(tokens: np.ndarray) -> bytes:
     """int32 token ids as little-endian bytes (the block-key encoding)."""
     return tokens.tobytes() if _LITTLE else tokens.astype("<i4").tobytes()
@@ -261,6 +276,12 @@ class KVCacheConfig:
 
     Buckets default to powers of two up to the maxima (token buckets start at
     ``tokens_per_page``).
+
+    ``hot_backend``: "paged" (default) or "arena": the device pages of each sequence are then
+    consecutive in one virtual reservation with physical memory mapped on demand
+    (``arena``: an :class:`~jax_kvcm._arena.ArenaConfig`; one full-attention layer group;
+    ``device_pages``/``device_bytes`` are left out: the budget is ``arena.budget_bytes``). See
+    :mod:`jax_kvcm._arena_manager`.
     """
 
     tokens_per_page: int
@@ -280,6 +301,8 @@ class KVCacheConfig:
     typical_batch: tuple[int, ...] | None = None
     ring_tables: bool = False
     max_window_chunk: int | None = None
+    hot_backend: str = "paged"
+    arena: Any = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -317,6 +340,13 @@ class KVCacheConfig:
           else check_count(self.max_window_chunk, "max_window_chunk", minimum=1))
         page_bytes = [hot_page_bytes(g.num_layers, self.tokens_per_page, g.num_kv_heads,
                                      g.head_dim, g.pool_dtype) for g in groups]
+        if self.hot_backend not in ("paged", "arena"):
+            raise ValueError(f"hot_backend must be 'paged' or 'arena', got {self.hot_backend!r}")
+        if self.hot_backend == "arena":
+            from jax_kvcm._arena_manager import check_arena_config
+            check_arena_config(self, groups, page_bytes)
+        elif self.arena is not None:
+            raise ValueError("arena is only for hot_backend='arena'")
         if (self.device_pages is None) == (self.device_bytes is None):
             raise ValueError("exactly one of device_pages and device_bytes must be given")
         if (self.pool_ratio is not None or self.typical_batch is not None) and (
@@ -518,7 +548,18 @@ class _Stats:
 
 
 class KVCacheManager:
-    """See the module docstring. Public calls are serialized by one lock."""
+    """See the module docstring. Public calls are serialized by one lock.
+
+    With ``config.hot_backend == "arena"`` the constructor returns an
+    :class:`~jax_kvcm._arena_manager.ArenaKVCacheManager` (the same calls over a contiguous
+    arena; see there)."""
+
+    def __new__(cls, config: KVCacheConfig, *args: Any, **kwargs: Any) -> KVCacheManager:
+        if (cls is KVCacheManager and isinstance(config, KVCacheConfig)
+                and config.hot_backend == "arena"):
+            from jax_kvcm._arena_manager import ArenaKVCacheManager
+            return super().__new__(ArenaKVCacheManager)
+        return super().__new__(cls)
 
     def __init__(self, config: KVCacheConfig, cold_page_codec: ColdPageCodec | None = None, *,
                  device: jax.Device | None = None,
@@ -1017,16 +1058,7 @@ class KVCacheManager:
         token, so the step still produces logits). Lower-tier hits are onboarded to the device
         when the pools are free (not between prepare_step and complete_step) and room exists;
         otherwise the match stops before them."""
-        try:
-            toks = np.asarray(tokens)
-        except (TypeError, ValueError, OverflowError):
-            raise ValueError("tokens must be a 1-D sequence of int32 token ids") from None
-        if toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
-            raise ValueError("tokens must be a 1-D sequence of int32 token ids")
-        _check_token_ids(toks, "tokens")
-        toks = toks.astype(np.int32)
-        if toks.size > self.config.max_seq_len:
-            raise ValueError(f"{toks.size} tokens exceed max_seq_len {self.config.max_seq_len}")
+        toks = _prompt_array(tokens, self.config.max_seq_len)
         salt_b = salt_bytes(salt)
         with self._lock:
             self._check_open()
@@ -1171,6 +1203,99 @@ class KVCacheManager:
 
     # -- steps -------------------------------------------------------------------------------
 
+    def _parse_work(self, work: _Seq[tuple[Sequence, Any]]) -> tuple[
+            list[Sequence], np.ndarray, np.ndarray, list[int], list[np.ndarray], Any]:
+        """``prepare_step``'s ``work`` validated (nothing changes): its sequences, their rows
+        and new-token counts, and the items given as token ids (their indices, the arrays and
+        all of them concatenated)."""
+        cfg = self.config
+        B = len(work)
+        if B == 0 or B > cfg.max_batch:
+            raise ValueError(f"work must hold 1..{cfg.max_batch} sequences, got {B}")
+        seqs: list[Sequence] = []
+        row_list: list[int] = []
+        count_list: list[int] = []
+        id_index: list[int] = []
+        id_arrays: list[np.ndarray] = []
+        active = SequenceState.ACTIVE
+        for i, item in enumerate(work):
+            try:
+                seq, x = item
+            except (TypeError, ValueError):
+                raise TypeError(f"work[{i}] must be a (Sequence, tokens) pair") from None
+            if type(seq) is not Sequence or seq.state is not active or seq._mgr is not self:
+                if not isinstance(seq, Sequence):
+                    raise TypeError(f"work[{i}][0] must be a Sequence, got "
+                                    f"{type(seq).__name__}")
+                self._check_seq(seq, SequenceState.ACTIVE)
+            seqs.append(seq)
+            row_list.append(seq._row)
+            if type(x) is int or (isinstance(x, (int, np.integer))
+                                  and not isinstance(x, (bool, np.bool_))):
+                count_list.append(x)
+                continue
+            if type(x) is np.ndarray:
+                arr = x
+            else:
+                if x is None or isinstance(x, (bool, np.bool_, float, str, bytes)):
+                    raise TypeError(f"work[{i}][1] must be a token count or 1-D token ids, "
+                                    f"got {type(x).__name__}")
+                arr = np.asarray(x)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(f"work[{i}][1]: work items must be (seq, int) or "
+                                 "(seq, 1-D token ids)")
+            count_list.append(arr.size)
+            id_index.append(i)
+            id_arrays.append(arr)
+        if id_arrays:  # NOTE: one range check for all ids (per item only to name a bad one)
+            every = np.concatenate(id_arrays)
+            if every.dtype.kind == "f" or (every.size and (  # (float: uint64 met int64)
+                    every.min() < 0 or every.max() > MAX_TOKEN_ID)):
+                for i, arr in zip(id_index, id_arrays):
+                    _check_token_ids(arr, f"work[{i}][1]")
+        rows = np.array(row_list, np.int64)
+        counts = np.array(count_list, np.int64)
+        if np.unique(rows).size != B:
+            raise ValueError("a sequence appears twice in work")
+        if counts.min() < 1:
+            raise ValueError("every work item must add at least one token")
+        T = int(counts.sum())
+        if T > cfg.max_tokens_per_step:
+            raise ValueError(f"{T} tokens exceed max_tokens_per_step "
+                             f"{cfg.max_tokens_per_step}")
+        return seqs, rows, counts, id_index, id_arrays, every if id_arrays else None
+
+    def _check_ids(self, rows: np.ndarray, counts: np.ndarray, cur: np.ndarray,
+                   id_index: list[int], id_arrays: list[np.ndarray], every: Any) -> tuple:
+        """Refuses token ids that contradict known ones (nothing changes); returns what
+        :meth:`_store_ids` needs (``[0]``: the rows' known counts before the step)."""
+        known = self._known[rows]
+        if not id_arrays:
+            return (known,)
+        idx = np.array(id_index, np.int64)
+        sizes = counts[idx]
+        id_vals = every.astype(np.int32)
+        id_rows = np.repeat(rows[idx], sizes)
+        id_pos = (np.arange(id_vals.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+                  + np.repeat(cur[idx], sizes))
+        id_known = np.repeat(known[idx], sizes)
+        overlap = id_pos < id_known
+        if overlap.any() and not np.array_equal(
+                self._tokens[id_rows[overlap], id_pos[overlap]], id_vals[overlap]):
+            raise ValueError("token ids contradict the prompt of a sequence in work")
+        return known, rows, cur, idx, sizes, id_vals, id_rows, id_pos, id_known
+
+    def _store_ids(self, ids: tuple, new_len: np.ndarray) -> None:
+        """Stores the step's token ids (only when contiguous with the ids already known)."""
+        if len(ids) == 1:
+            return
+        known, rows, cur, idx, sizes, id_vals, id_rows, id_pos, id_known = ids
+        ok = id_known >= np.repeat(cur[idx], sizes)
+        self._tokens[id_rows[ok], id_pos[ok]] = id_vals[ok]
+        grow = known[idx] >= cur[idx]
+        r = rows[idx][grow]
+        self._known[r] = np.maximum(known[idx][grow], new_len[idx][grow])
+
     def prepare_step(self, work: _Seq[tuple[Sequence, Any]]) -> StepBatch:
         """``work``: ``[(seq, num_new_tokens or new token ids), ...]`` (distinct ACTIVE
         sequences). Allocates pages (evicting cached pages when needed) and returns the padded
@@ -1180,78 +1305,15 @@ class KVCacheManager:
             self._check_open()
             if self._in_step is not None:
                 raise StepInFlightError("a step is in flight: call complete_step first")
-            B = len(work)
-            if B == 0 or B > cfg.max_batch:
-                raise ValueError(f"work must hold 1..{cfg.max_batch} sequences, got {B}")
-            seqs: list[Sequence] = []
-            row_list: list[int] = []
-            count_list: list[int] = []
-            id_index: list[int] = []
-            id_arrays: list[np.ndarray] = []
-            active = SequenceState.ACTIVE
-            for i, item in enumerate(work):
-                try:
-                    seq, x = item
-                except (TypeError, ValueError):
-                    raise TypeError(f"work[{i}] must be a (Sequence, tokens) pair") from None
-                if type(seq) is not Sequence or seq.state is not active or seq._mgr is not self:
-                    if not isinstance(seq, Sequence):
-                        raise TypeError(f"work[{i}][0] must be a Sequence, got "
-                                        f"{type(seq).__name__}")
-                    self._check_seq(seq, SequenceState.ACTIVE)
-                seqs.append(seq)
-                row_list.append(seq._row)
-                if type(x) is int or (isinstance(x, (int, np.integer))
-                                      and not isinstance(x, (bool, np.bool_))):
-                    count_list.append(x)
-                    continue
-                if type(x) is np.ndarray:
-                    arr = x
-                else:
-                    if x is None or isinstance(x, (bool, np.bool_, float, str, bytes)):
-                        raise TypeError(f"work[{i}][1] must be a token count or 1-D token ids, "
-                                        f"got {type(x).__name__}")
-                    arr = np.asarray(x)
-                if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                    raise ValueError(f"work[{i}][1]: work items must be (seq, int) or "
-                                     "(seq, 1-D token ids)")
-                count_list.append(arr.size)
-                id_index.append(i)
-                id_arrays.append(arr)
-            rows = np.array(row_list, np.int64)
-            counts = np.array(count_list, np.int64)
-            if np.unique(rows).size != B:
-                raise ValueError("a sequence appears twice in work")
-            if counts.min() < 1:
-                raise ValueError("every work item must add at least one token")
-            T = int(counts.sum())
-            if T > cfg.max_tokens_per_step:
-                raise ValueError(f"{T} tokens exceed max_tokens_per_step "
-                                 f"{cfg.max_tokens_per_step}")
+            seqs, rows, counts, id_index, id_arrays, every = self._parse_work(work)
+            B, T = len(seqs), int(counts.sum())
             if self._win:
                 self._win.check_chunks(counts)
             cur = self._len[rows]
             new_len = cur + counts
             if new_len.max() > cfg.max_seq_len:
                 raise ValueError(f"a sequence would exceed max_seq_len {cfg.max_seq_len}")
-            known = self._known[rows]
-            if id_arrays:  # NOTE: validated before anything changes
-                idx = np.array(id_index, np.int64)
-                sizes = counts[idx]
-                id_vals = np.concatenate(id_arrays)
-                if id_vals.dtype.kind == "f" or (id_vals.size and (
-                        id_vals.min() < 0 or id_vals.max() > MAX_TOKEN_ID)):
-                    for i, arr in zip(id_index, id_arrays):  # (float: uint64 met int64)
-                        _check_token_ids(arr, f"work[{i}][1]")
-                id_vals = id_vals.astype(np.int32)
-                id_rows = np.repeat(rows[idx], sizes)
-                id_pos = (np.arange(id_vals.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-                          + np.repeat(cur[idx], sizes))
-                id_known = np.repeat(known[idx], sizes)
-                overlap = id_pos < id_known
-                if overlap.any() and not np.array_equal(
-                        self._tokens[id_rows[overlap], id_pos[overlap]], id_vals[overlap]):
-                    raise ValueError("token ids contradict the prompt of a sequence in work")
+            ids = self._check_ids(rows, counts, cur, id_index, id_arrays, every)
             # Pages.
             npages = self._npages[rows]
             need = -(-new_len // tpp) - npages
@@ -1267,13 +1329,7 @@ class KVCacheManager:
                 for kind in self._kinds:
                     kind.set_slots(rep, off, slots[kind.ids])
                 self._npages[rows] = npages + need
-            # Tokens (only when contiguous with the ids already known).
-            if id_arrays:
-                ok = id_known >= np.repeat(cur[idx], sizes)
-                self._tokens[id_rows[ok], id_pos[ok]] = id_vals[ok]
-                grow = known[idx] >= cur[idx]
-                r = rows[idx][grow]
-                self._known[r] = np.maximum(known[idx][grow], new_len[idx][grow])
+            self._store_ids(ids, new_len)
             self._len[rows] = new_len
             # Buffers.
             Bb = pick_bucket(cfg.batch_buckets, B)
@@ -1301,7 +1357,7 @@ class KVCacheManager:
             if self._G == 1:
                 pt, sm = pt[0], sm[0]
             self._ran[rows] = 1
-            self._in_step = (seqs, rows, npages, cur, known)
+            self._in_step = (seqs, rows, npages, cur, ids[0])
             self._handed = list(self.storage.pools)
             return StepBatch(page_table=pt, seq_lens=seq_lens, query_start=qs, slot_mapping=sm,
                              positions=positions)

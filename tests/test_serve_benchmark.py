@@ -109,3 +109,21 @@ def test_trtllm_preset_tiny():
             quick.output_len) == (512, 256, 1024, 1024) and quick.host_bytes > 0
     assert bench.setup_from_args(bench.parse_args(["--workload", "trtllm"])).shared_requests \
         == 2500
+
+
+def test_arena_rows_need_a_gpu_and_cover_the_paged_pool():
+    """--hot-backend arena is refused on the CPU (a donated CPU step copies the reservation);
+    the arena's budget holds the paged pool's bytes plus a chunk per range and the null one."""
+    import jax
+
+    setup = bench.TINY_SETUP
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit, match="needs a GPU"):
+            bench.setup_from_args(bench.parse_args(["--tiny", "--hot-backend", "arena"]))
+    a = bench._arena_config(setup, 4)
+    m = setup.model
+    slot = setup.page_size * m.num_key_value_heads * m.head_dim * np.dtype(m.jnp_dtype).itemsize
+    pool = setup.pool_pages(4) * 2 * m.num_hidden_layers * slot
+    chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, bench.ARENA_SUPER_PAGE))
+    assert a.budget_bytes == pool + 5 * chunk and a.max_sequences == 4
+    assert a.max_pages_per_sequence == setup.pages_per_seq

@@ -143,6 +143,10 @@ class ServeConfig:
     # fewer buckets, fewer compiled programs (benchmarks/serve.py uses one of each).
     batch_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
+    # The manager's hot backend: "paged", or "arena" with ``arena`` an ArenaConfig (then
+    # device_pages is unused: the budget is arena.budget_bytes; GPU only, the steps donate).
+    hot_backend: str = "paged"
+    arena: Any = None
 
     def __post_init__(self) -> None:
         if self.cold_codec not in CODECS:
@@ -269,8 +273,9 @@ class Server:
                                  sliding_window=config.sliding_window)
         self.kv_config = KVCacheConfig(
             tokens_per_page=serve.page_size, layer_groups=(group,),
-            device_pages=serve.device_pages, host_bytes=serve.host_bytes,
-            disk_dir=serve.disk_dir, disk_bytes=serve.disk_bytes,
+            device_pages=None if serve.hot_backend == "arena" else serve.device_pages,
+            host_bytes=serve.host_bytes, disk_dir=serve.disk_dir, disk_bytes=serve.disk_bytes,
+            hot_backend=serve.hot_backend, arena=serve.arena,
             enable_prefix_reuse=serve.enable_prefix_reuse, max_batch=serve.max_batch,
             max_tokens_per_step=serve.max_tokens_per_step, max_seq_len=serve.max_seq_len,
             batch_buckets=serve.batch_buckets, token_buckets=serve.token_buckets)
