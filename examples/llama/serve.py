@@ -208,6 +208,8 @@ class Server:
         self._sample_shapes: set[tuple[int, bool]] = set()
         self._busy_s = 0.0
         self._steady_s = 0.0               # time in steps that compiled nothing
+        self._token_cursor: dict[int, int] = {}   # new_tokens(): generated tokens handed out
+        self._cursor_next_id = 0                  # new_tokens(): ids below this are tracked
 
     # -- events ------------------------------------------------------------------------------
 
@@ -461,6 +463,58 @@ class Server:
                             np.stack(r.logits) if self.serve.record_logits else None)
         self._done[r.rid] = out
         return out
+
+    # -- hooks for a front end (examples/llama/server.py): streaming and cancellation --------
+
+    def new_tokens(self) -> dict[int, list[int]]:
+        """The tokens each request generated since the previous call: ``{request id: [token,
+        ...]}`` (requests that got none are absent). A request that finished since then is
+        included once with its last tokens (EOS included). Call it between steps, e.g. after
+        every :meth:`step`; O(live requests)."""
+        cursor = self._token_cursor
+        for rid in range(self._cursor_next_id, self._next_id):
+            cursor[rid] = 0
+        self._cursor_next_id = self._next_id
+        live = {r.rid: r for q in (self._running, self._suspended, self._waiting) for r in q}
+        out: dict[int, list[int]] = {}
+        for rid, sent in list(cursor.items()):
+            r = live.get(rid)
+            if r is None:                      # finished (or cancelled) since the last call
+                del cursor[rid]
+                done = self._done.get(rid)
+                if done is not None and len(done.generated_ids) > sent:
+                    out[rid] = done.generated_ids[sent:]
+                continue
+            n = len(r.tokens) - len(r.prompt)
+            if n > sent:
+                out[rid] = r.tokens[len(r.prompt) + sent:]
+                cursor[rid] = n
+        return out
+
+    def cancel(self, request_id: int) -> RequestOutput | None:
+        """Ends a waiting, running or suspended request now: its sequence is closed (its full
+        pages stay in the prefix cache, the rest are freed) and it is never scheduled again.
+        Returns its output so far (``finish_reason`` "cancelled"), or None when the id is not
+        live (unknown, finished or already cancelled). Call it between steps."""
+        for queue in (self._running, self._suspended, self._waiting):
+            r = next((x for x in queue if x.rid == request_id), None)
+            if r is None:
+                continue
+            queue.remove(r)
+            if r.seq is not None:
+                self.manager.close(r.seq)
+                r.seq = None
+            self._token_cursor.pop(request_id, None)
+            r.finish_reason = "cancelled"
+            return RequestOutput(r.rid, r.prompt, r.generated, r.finish_reason,
+                                 r.prefix_hit_tokens, r.num_suspends, r.num_recomputes, r.ttft)
+        return None
+
+    def pop_output(self, request_id: int) -> RequestOutput | None:
+        """Removes and returns a finished request's output (None if it has none): a long-running
+        server calls it for every request, since finished outputs are otherwise kept for
+        :meth:`generate`."""
+        return self._done.pop(request_id, None)
 
     # -- report ------------------------------------------------------------------------------
 
