@@ -26,15 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax_kvcm  # noqa: F401  (the installed package first; then the sibling modules)
+import jax_kvcm  # noqa: F401  (the installed package first; then the repo root)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a script (python examples/llama/run.py): import the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "examples.llama"
 
 import numpy as np  # noqa: E402
 
-import loader  # noqa: E402  (examples/llama/loader.py)
-import model as llama  # noqa: E402
-import serve  # noqa: E402
+from . import loader  # noqa: E402
+from . import model as llama  # noqa: E402
+from . import serve  # noqa: E402
 
 DEFAULT_CONFIG = llama.LlamaConfig(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -61,8 +63,6 @@ def _ids(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="DIR",
-                   help="HF checkpoint directory (default: a built-in random Llama)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a text prompt (repeatable; needs tokenizer.json in --model)")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
@@ -73,6 +73,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true",
                    help="one JSON object per request, then one with the KV report")
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model, tier, codec and batching flags (shared with examples/llama/server.py)."""
+    p.add_argument("--model", metavar="DIR",
+                   help="HF checkpoint directory (default: a built-in random Llama)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="override the checkpoint dtype")
     p.add_argument("--page-size", type=int, default=8, help="tokens per page")
@@ -87,28 +95,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-step", type=int, default=64,
                    help="token budget of one step (chunked prefill)")
     p.add_argument("--max-seq-len", type=int, default=512)
-    return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.disk_bytes and not args.disk_dir:
-        raise SystemExit("--disk-bytes needs --disk-dir")
-    if args.disk_dir and not args.disk_bytes:
-        args.disk_bytes = 64 << 20
+def load_model(args: argparse.Namespace, progress: bool = True, write_default=None):
+    """``(path, config, params, tokenizer, tmp)`` for ``args.model``, or for the built-in random
+    Llama written by ``write_default(dir) -> path`` (default: the checkpoint alone) into ``tmp``,
+    a ``TemporaryDirectory`` the caller cleans up (None with ``--model``)."""
     tmp = None
-    t0 = time.perf_counter()
     if args.model is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvcm-llama-")
-        path = loader.write_random_checkpoint(Path(tmp.name) / "random-llama", DEFAULT_CONFIG,
-                                              seed=0)
+        path = (write_default or write_default_checkpoint)(Path(tmp.name))
     else:
         path = Path(args.model)
     try:
         config, params, tokenizer = loader.load_checkpoint(path, dtype=args.dtype,
-                                                           progress=not args.json)
+                                                           progress=progress)
     except (ValueError, OSError) as e:
         raise SystemExit(f"cannot load {path}: {e}") from None
+    return path, config, params, tokenizer, tmp
+
+
+def write_default_checkpoint(directory: Path) -> Path:
+    """The built-in random Llama as a HF checkpoint under ``directory``."""
+    return loader.write_random_checkpoint(directory / "random-llama", DEFAULT_CONFIG, seed=0)
+
+
+def serve_config(args: argparse.Namespace, **overrides) -> serve.ServeConfig:
+    """The ServeConfig of the engine flags (built-in model: a small device pool and a host
+    tier, so that it runs under pressure). Raises ValueError for bad values."""
+    if args.disk_bytes and not args.disk_dir:
+        raise SystemExit("--disk-bytes needs --disk-dir")
+    disk_bytes = args.disk_bytes or ((64 << 20) if args.disk_dir else 0)
+    default_model = args.model is None
+    device_pages = args.device_pages or (20 if default_model else 1024)
+    host_bytes = args.host_bytes if args.host_bytes is not None else (
+        (4 << 20) if default_model else 0)
+    return serve.ServeConfig(
+        page_size=args.page_size, device_pages=device_pages, host_bytes=host_bytes,
+        disk_dir=args.disk_dir, disk_bytes=disk_bytes, cold_codec=args.cold_codec,
+        max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
+        max_seq_len=args.max_seq_len, **overrides)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    path, config, params, tokenizer, tmp = load_model(args, progress=not args.json)
     load_s = time.perf_counter() - t0
 
     prompts: list[list[int]] = []
@@ -125,16 +157,8 @@ def main(argv=None) -> int:
         prompts = default_prompts()
 
     default_model = args.model is None
-    device_pages = args.device_pages or (20 if default_model else 1024)
-    host_bytes = args.host_bytes if args.host_bytes is not None else (
-        (4 << 20) if default_model else 0)
     try:
-        cfg = serve.ServeConfig(
-            page_size=args.page_size, device_pages=device_pages, host_bytes=host_bytes,
-            disk_dir=args.disk_dir, disk_bytes=args.disk_bytes, cold_codec=args.cold_codec,
-            max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
-            max_seq_len=args.max_seq_len)
-        server = serve.Server(params, config, cfg)
+        server = serve.Server(params, config, serve_config(args))
         requests = [serve.Request(p, args.max_new_tokens, temperature=args.temperature,
                                   top_p=args.top_p, seed=args.seed) for p in prompts]
         # Built-in prompts: the first alone, then the rest (they reuse its prefix pages).
