@@ -427,3 +427,17 @@ def test_sigterm_shuts_down_cleanly(srv_long):
     assert not list(disk.iterdir()), f"left behind: {list(disk.iterdir())}"
     assert not list(s.tmpdir.iterdir()), f"left behind: {list(s.tmpdir.iterdir())}"
     assert "Traceback" not in s.logs(), s.logs()
+
+
+def test_http_benchmark_tiny(tmp_path):
+    """benchmarks/serve_http.py --tiny: the same greedy tokens through HTTP as in process."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/serve_http.py"), "--tiny",
+                        "--requests", "16", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["identical_generations"] == 1.0 and res["http_all_complete"]
+    assert [x["path"] for x in res["results"]] == ["in-process", "http"]
+    assert all(x["generated_tokens"] == 16 * 16 for x in res["results"])
+    assert res["http_over_in_process"] > 0

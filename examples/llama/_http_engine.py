@@ -23,6 +23,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = ["Engine", "Handle"]
 
 log = logging.getLogger("examples.llama.server")
 
+SWITCH_INTERVAL_S = 5e-4
 # Histogram buckets (seconds).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -79,7 +81,11 @@ class Engine:
     # -- event loop side ------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the engine thread; tokens go to ``loop``. Also shortens the interpreter's GIL
+        switch interval (process-wide, 5 ms -> 0.5 ms): when a step's device wait ends, the
+        engine thread gets the GIL back from the event loop within 0.5 ms instead of 5."""
         self._loop = loop
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread.start()
 
     @property

@@ -484,6 +484,11 @@ class _Generation:
                 first = self._choice([], "", None, True)
                 first["delta"]["role"] = "assistant"
                 yield _event(self._response(first, None, chunk=True))
+            # NOTE: the chunks of one step are the server's hot path (one per running request
+            # per step, on the event loop while the engine thread waits for the device): a
+            # fixed head and a few formatted fields, no dict and no full json.dumps.
+            head = _event(self._response({"index": 0}, None, chunk=True))[:-len("}]}\n\n")]
+            field = '"delta":{"content":%s}' if self.chat else '"text":%s'
             while (got := await self._next(coalesce=False)) is not None:
                 ids, piece = got
                 if self.error is not None:
@@ -492,8 +497,9 @@ class _Generation:
                 if self.disconnected:
                     break
                 if ids or piece or self.finish is not None:
-                    yield _event(self._response(self._choice(ids, piece, self.finish, True),
-                                                None, chunk=True))
+                    yield (f'{head},{field % json.dumps(piece)},"logprobs":null,'
+                           f'"finish_reason":{json.dumps(self.finish)},'
+                           f'"token_ids":[{",".join(map(str, ids))}]}}]}}\n\n')
             if self.include_usage and self.error is None:
                 yield _event(self._response({}, self._usage(), chunk=True))
             yield "data: [DONE]\n\n"
