@@ -244,7 +244,10 @@ def create_app(server: serve.Server, *, tokenizer: Any = None, chat_template: Ch
     already waited for connections by then)."""
     metrics = _Metrics()
     engine = Engine(server, max_open=server.serve.max_batch + max_queue, metrics=metrics)
-    st = _State(engine, metrics, tokenizer, chat_template, model_name, server.serve.max_seq_len)
+    # The longest sequence that fits alone (max_seq_len, or fewer when the device pool is small):
+    # the default max_tokens of a chat request and the model's max_model_len.
+    longest = server.manager.max_seq_len_for(1)
+    st = _State(engine, metrics, tokenizer, chat_template, model_name, longest)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -357,7 +360,7 @@ def _check_body(st: _State, body: _Sampling) -> list[str]:
 async def _generate(st: _State, request: Request, body: _Sampling, prompt: list[int],
                     max_tokens: int | None, *, chat: bool) -> Response:
     stops = _check_body(st, body)
-    if max_tokens is None:               # chat default: up to max_seq_len
+    if max_tokens is None:               # chat default: as long as fits
         max_tokens = max(1, st.max_seq_len - len(prompt))
     engine = st.engine
     if not engine.accepting:
