@@ -47,7 +47,6 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
 
 import argparse  # noqa: E402
-import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402

@@ -249,7 +249,11 @@ class Engine:
         """Engine thread, last: answers what is left, closes the storage (files, memory)."""
         items: list = []
         for h in list(self._live):
-            self._cancel(h, items)
+            try:
+                self._cancel(h, items)
+            except Exception:  # noqa: BLE001  (a failed engine: end the stream regardless)
+                log.exception("cancel at shutdown failed")
+                self._end(h, "cancelled", items)
         while self._cmds:
             kind, arg = self._cmds.popleft()
             if kind == "submit":
@@ -257,11 +261,18 @@ class Engine:
             elif kind == "snapshot":
                 self._loop.call_soon_threadsafe(_resolve, arg, RuntimeError("engine stopped"))
         self._flush(items)
-        if not self._closed:
-            self._closed = True
+        self._close_storage()
+
+    def _close_storage(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
             # NOTE: KVCacheManager has no close(); its StorageManager removes the disk files
             # and frees the host tier's memory.
             self.server.manager.storage.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing the storage failed")
 
     # -- shutdown ---------------------------------------------------------------------------
 
@@ -286,9 +297,8 @@ class Engine:
         self.begin_shutdown(timeout)
         if self._thread.is_alive():
             self._thread.join()
-        elif not self._closed:     # never started
-            self._closed = True
-            self.server.manager.storage.close()
+        else:                      # never started
+            self._close_storage()
 
 
 def _resolve(fut: asyncio.Future, res: Any) -> None:
