@@ -4,9 +4,10 @@ share the server's interpreter): every request opened at once as one streaming
 
     python benchmarks/_http_load.py URL IN.json OUT.json
 
-IN: ``{"prompts": [[ids], ...], "max_tokens": N}``; OUT: ``{"t0": [...], "times": [[...], ...],
-"tokens": [[...], ...]}`` (``time.perf_counter`` seconds, which on Linux is one clock for all
-processes) or ``{"error": message}``. Imports only httpx (no jax).
+IN: ``{"prompts": [[ids], ...], "max_tokens": N, "start_at": T}`` (sending starts at
+``time.perf_counter() == T``, so that several client processes start together); OUT: ``{"t0":
+[...], "times": [[...], ...], "tokens": [[...], ...]}`` (``time.perf_counter`` seconds, which
+on Linux is one clock for all processes) or ``{"error": message}``. Imports only httpx (no jax).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ async def _one(c: httpx.AsyncClient, body: dict, i: int, out: dict) -> None:
             out["times"][i] += [now] * len(ids)
 
 
-async def run(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+async def run(url: str, prompts: list[list[int]], max_tokens: int, start_at: float) -> dict:
     n = len(prompts)
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     out = {"t0": [0.0] * n, "times": [[] for _ in range(n)], "tokens": [[] for _ in range(n)]}
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as c:
@@ -47,7 +49,8 @@ def main() -> int:
     url, src, dst = sys.argv[1:4]
     spec = json.loads(open(src).read())
     try:
-        out = asyncio.run(run(url, spec["prompts"], spec["max_tokens"]))
+        out = asyncio.run(run(url, spec["prompts"], spec["max_tokens"],
+                              spec.get("start_at", 0.0)))
     except Exception as e:  # noqa: BLE001  (reported to the benchmark)
         out = {"error": f"{type(e).__name__}: {e}"}
     with open(dst, "w") as f:

@@ -24,9 +24,9 @@ sequences at their longest, so few survive).
 - ``in-process``: ``Server.submit`` for every request, then ``step()`` until done; a request's
   token times are taken from :meth:`Server.new_tokens` after each step.
 - ``http``: the same ``Server`` behind ``create_app`` (uvicorn on 127.0.0.1 in this process; one
-  engine thread), driven by a client process (``benchmarks/_http_load.py``: ``httpx``, one
-  streaming ``/v1/completions`` per request, all opened at once); token times are chunk arrival
-  times at the client.
+  engine thread), driven by ``--client-procs`` client processes (``benchmarks/_http_load.py``:
+  ``httpx``, one streaming ``/v1/completions`` per request, all opened at once); token times are
+  chunk arrival times at the clients.
 
 **Measured**: output tokens/s (generated tokens / wall time from the first submission to the last
 token), time to first token (from submission, so queueing included) and inter-token latency
@@ -160,7 +160,8 @@ def run_in_process(server: serve.Server, w: Workload, prompts: list[list[int]]) 
 # Through HTTP.
 
 
-def run_http(server: serve.Server, w: Workload, prompts: list[list[int]]) -> tuple[dict, list]:
+def run_http(server: serve.Server, w: Workload, prompts: list[list[int]],
+             client_procs: int = 8) -> tuple[dict, list]:
     import uvicorn
 
     from examples.llama.server import create_app
@@ -177,18 +178,33 @@ def run_http(server: serve.Server, w: Workload, prompts: list[list[int]]) -> tup
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.05)
         with tempfile.TemporaryDirectory(prefix="kvcm-http-bench-") as tmp:
-            src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-            src.write_text(json.dumps({"prompts": prompts, "max_tokens": w.output_len}))
-            client = subprocess.run([sys.executable, str(ROOT / "benchmarks/_http_load.py"),
-                                     f"http://127.0.0.1:{port}", str(src), str(dst)],
-                                    capture_output=True, text=True)
-            payload = json.loads(dst.read_text()) if dst.is_file() else {
-                "error": f"client exited with {client.returncode}: {client.stderr[-2000:]}"}
+            # NOTE: several client processes: one asyncio client parsing every chunk of 256
+            # streams falls behind the server (httpx parses HTTP in Python), which would
+            # measure the client.
+            n = max(1, min(client_procs, len(prompts)))
+            start_at = time.perf_counter() + 3.0    # every client starts sending then
+            procs = []
+            for k in range(n):
+                src, dst = Path(tmp) / f"in{k}.json", Path(tmp) / f"out{k}.json"
+                src.write_text(json.dumps({"prompts": prompts[k::n], "max_tokens": w.output_len,
+                                           "start_at": start_at}))
+                procs.append((dst, subprocess.Popen(
+                    [sys.executable, str(ROOT / "benchmarks/_http_load.py"),
+                     f"http://127.0.0.1:{port}", str(src), str(dst)],
+                    stderr=subprocess.PIPE, text=True)))
+            parts = []
+            for dst, proc in procs:
+                _, err = proc.communicate()
+                parts.append(json.loads(dst.read_text()) if dst.is_file() else {
+                    "error": f"client exited with {proc.returncode}: {err[-2000:]}"})
         uv.should_exit = True       # the app's lifespan stops the engine (storage closed)
         thread.join()
-    if "error" in payload:
-        raise RuntimeError(f"client failed: {payload['error']}")
-    t0s, times, tokens = payload["t0"], payload["times"], payload["tokens"]
+    errors = [p["error"] for p in parts if "error" in p]
+    if errors:
+        raise RuntimeError(f"client failed: {errors[0]}")
+    t0s, times, tokens = ([0.0] * len(prompts), [[] for _ in prompts], [[] for _ in prompts])
+    for k, part in enumerate(parts):       # client k had requests k, k + n, k + 2n, ...
+        t0s[k::n], times[k::n], tokens[k::n] = part["t0"], part["times"], part["tokens"]
     t0 = min(t0s)
     seconds = max(ts[-1] for ts in times if ts) - t0
     gen = sum(map(len, tokens))
@@ -210,7 +226,7 @@ def _socket():
 # ---------------------------------------------------------------------------------------------
 
 
-def bench_http(w: Workload, params: Any) -> dict[str, Any]:
+def bench_http(w: Workload, params: Any, client_procs: int = 8) -> dict[str, Any]:
     systems, prompts = make_prompts(w)
     pool = w.concurrency * (w.pages_per_seq + 1)
     cfg = serve.ServeConfig(page_size=w.page_size, device_pages=pool, max_batch=w.concurrency,
@@ -227,7 +243,7 @@ def bench_http(w: Workload, params: Any) -> dict[str, Any]:
     res_in, tok_in = run_in_process(server, w, prompts)
     results.append(res_in)
     bench._log(_fmt(res_in))
-    res_http, tok_http = run_http(server, w, prompts)
+    res_http, tok_http = run_http(server, w, prompts, client_procs)
     results.append(res_http)
     bench._log(_fmt(res_http))
     same = sum(a == b for a, b in zip(tok_in, tok_http)) / len(prompts)
@@ -267,6 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     size.add_argument("--tiny", action="store_true", help="tiny float32 model (CPU, seconds)")
     p.add_argument("--requests", type=int, help="number of requests")
     p.add_argument("--concurrency", type=int, help="requests running at once (max_batch)")
+    p.add_argument("--client-procs", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                   help="load-generating client processes (default: half the CPUs, at most 8)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     return p.parse_args(argv)
@@ -284,7 +302,8 @@ def main(argv=None) -> dict[str, Any]:
                f"concurrency {w.concurrency}, {w.system_prompts} system prompts of "
                f"~{w.system_len} tokens")
     params = bench._params(types.SimpleNamespace(model=w.model, seed=w.seed))
-    out = bench_http(w, params)
+    out = bench_http(w, params, args.client_procs)
+    out["client_procs"] = args.client_procs
     print(markdown(out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -292,8 +292,12 @@ def test_64_concurrent_streaming_clients(srv, hf):
         'kvcm_requests_finished_total{reason="length"}'] - before[
         'kvcm_requests_finished_total{reason="eos"}'] == 64
     assert m["kvcm_prefix_hit_tokens_total"] > before["kvcm_prefix_hit_tokens_total"]
-    print("suspends", m["kvcm_suspends_total"], "offloaded",
-          m['kvcm_pages_offloaded_total{tier="host"}'])
+    # Under pressure: 64 prompts of 3-4 pages through a 20-page device push cached pages to host
+    # (running sequences may also be suspended, depending on timing).
+    off = 'kvcm_pages_offloaded_total{tier="host"}'
+    assert m[off] > before[off]
+    print("suspends", m["kvcm_suspends_total"] - before["kvcm_suspends_total"], "offloaded",
+          m[off] - before[off])
 
 
 def test_disconnect_mid_stream_frees_pages(srv_long):
