@@ -458,3 +458,63 @@ def test_http_benchmark_tiny(tmp_path):
     assert [x["path"] for x in res["results"]] == ["in-process", "http"]
     assert all(x["generated_tokens"] == 16 * 16 for x in res["results"])
     assert res["http_over_in_process"] > 0
+
+
+def test_in_process_app_without_tokenizer_and_engine_failure(tmp_path):
+    """``create_app`` under uvicorn in a thread, on a checkpoint without a tokenizer: text, chat
+    and stop strings are refused with 400 and token ids work; then a step that raises (a fault
+    injected into this server instance) fails the running request with 500 and the server
+    reports itself unhealthy instead of dying."""
+    import threading
+
+    import uvicorn
+
+    from examples.llama import loader, serve
+    from examples.llama.server import create_app
+
+    path = llama_run.write_default_checkpoint(tmp_path)
+    config, params, tok = loader.load_checkpoint(path, progress=False)
+    assert tok is None
+    server = serve.Server(params, config, serve.ServeConfig(page_size=8, device_pages=32,
+                                                            max_batch=4, max_seq_len=128))
+    app = create_app(server, model_name="m")
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not uv.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+
+        def post(path, body):
+            return httpx.post(url + path, json=body, timeout=60)
+
+        r = post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+        r = post("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stop": "x"})
+        assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+        r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+        r = post("/v1/completions", {"prompt": [1, 7, 8], "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        (c,) = r.json()["choices"]
+        assert c["text"] == "" and len(c["token_ids"]) == 3
+
+        def broken_step():
+            raise RuntimeError("injected step failure")
+
+        server.step = broken_step          # NOTE: this instance only (a test seam)
+        r = post("/v1/completions", {"prompt": [1, 7, 8], "max_tokens": 3})
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"], r.text
+        h = httpx.get(url + "/health", timeout=10)
+        assert h.status_code == 503 and "injected" in h.json()["error"]["message"]
+        r = post("/v1/completions", {"prompt": [1, 7, 8], "max_tokens": 3})
+        assert r.status_code == 503, r.text
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+    assert not thread.is_alive()
