@@ -207,6 +207,21 @@ def test_greedy_completion_matches_cli_and_transformers(srv, client, hf):
     assert [d["generated_ids"] for d in lines] == got
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--max-batch", "9", "--max-tokens-per-step", "4"], "argument --max-tokens-per-step"),
+    (["--port", "70000"], "argument --port"),
+    (["--host-bytes", "4 lots"], "argument --host-bytes"),
+    (["--model", "/nonexistent/ckpt"], "argument --model")])
+def test_bad_flags_fail_before_loading(args, needle):
+    """The runner's flags and checks (shared through run.add_engine_args/check_engine_args), in
+    the runner's error style: ``server.py: error: argument ...``, exit status 2, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "examples.llama.server", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"server.py: error: {needle}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_readme_client_block(srv, client, capsys):
     """The README's openai-client block runs as written against a server (its port changed):
     tests/test_readme.py leaves the server's client blocks to this test."""
