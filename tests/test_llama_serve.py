@@ -342,6 +342,53 @@ def test_overlapped_loop_matches_synchronous(case, pressure, tmp_path):
             _check_greedy(case["hf"], r.prompt, over[i][0], 14, f"request {i}")
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stream_and_cancel_hooks(case, overlap):
+    """The HTTP server's hooks: ``new_tokens`` streams every request's tokens in order (their
+    concatenation is the request's output); ``cancel`` of a running request while a step that
+    samples for it is in flight, and of a waiting one, ends them at once: no later token is
+    streamed, no output is produced, their pages are released once nothing runs (invariants
+    hold), and the other requests still generate HF's greedy tokens."""
+    seed = 21
+    print("seed", seed)
+    _, reqs = _workload(np.random.default_rng(seed))
+    srv = _server(case, overlap=overlap, max_tokens_per_step=12, prefill_chunk_tokens=6)
+    rids = [srv.submit(r) for r in reqs]       # max_batch 4: rids 4, 5 wait
+    streamed = {rid: [] for rid in rids}
+    finished, cancelled = {}, {}
+    while srv.has_work():
+        for out in srv.step():
+            finished[out.request_id] = out
+        for rid, toks in srv.new_tokens().items():
+            streamed[rid] += toks
+        if not cancelled and len(streamed[1]) >= 2:     # request 1 decoding
+            running = {r.rid for r in srv._running}
+            assert 1 in running and 5 not in running, running
+            if overlap:
+                assert srv._inflight is not None and 1 in {r.rid for r, _ in srv._inflight.rows}
+            for rid in (1, 5):
+                out = srv.cancel(rid)
+                assert out.finish_reason == "cancelled" and out.request_id == rid
+                cancelled[rid] = out
+            assert srv.cancel(1) is None                       # no longer live
+    assert sorted(finished) == [0, 2, 3, 4] and not set(finished) & set(cancelled)
+    assert 0 < len(cancelled[1].generated_ids) < 14 and cancelled[5].generated_ids == []
+    for rid, out in cancelled.items():
+        assert streamed[rid] == out.generated_ids, (rid, streamed[rid], out.generated_ids)
+    for rid, out in finished.items():
+        assert streamed[rid] == out.generated_ids and len(out.generated_ids) == 14, rid
+        if reqs[rid].temperature == 0:
+            _check_greedy(case["hf"], reqs[rid].prompt, out.generated_ids, 14, f"request {rid}")
+        assert srv.pop_output(rid) is out and srv.pop_output(rid) is None
+    assert srv.cancel(0) is None                               # finished: not live
+    rep = srv.report()
+    if overlap:
+        assert rep["dropped_tokens"] >= 1, rep       # the in-flight token of request 1
+    srv.manager.check_invariants()
+    assert srv.manager.stats()["pages"]["device"]["referenced"] == 0
+
+
 class _FailingStep:
     """A fault hook around a server's device step (outside the production class): raises
     instead of running the step on the calls numbered in ``fail_on``."""

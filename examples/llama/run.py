@@ -34,15 +34,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax_kvcm  # noqa: F401  (the installed package first; then the sibling modules)
+import jax_kvcm  # noqa: F401  (the installed package first; then the repo root)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a script (python examples/llama/run.py): import the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "examples.llama"
 
 import numpy as np  # noqa: E402
 
-import loader  # noqa: E402  (examples/llama/loader.py; safetensors etc. are imported on use)
-import model as llama  # noqa: E402
-import serve  # noqa: E402
+from . import loader  # noqa: E402  (safetensors etc. are imported on use)
+from . import model as llama  # noqa: E402
+from . import serve  # noqa: E402
 
 DEFAULT_CONFIG = llama.LlamaConfig(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -119,9 +121,6 @@ def make_parser() -> argparse.ArgumentParser:
         prog="run.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", metavar="DIR",
-      help="HF checkpoint directory (default: a built-in random Llama written to a temporary "
-           "directory)")
     a("--prompt", action="append", default=[], metavar="TEXT",
       help="a text prompt (repeatable; needs tokenizer.json in --model; default: none)")
     a("--prompt-ids", action="append", default=[], metavar="1,2,3", type=token_ids,
@@ -135,6 +134,17 @@ def make_parser() -> argparse.ArgumentParser:
     a("--seed", type=count(0), default=0, metavar="N", help="sampling seed (default: %(default)s)")
     a("--json", action="store_true",
       help="one JSON object per request, then one with the KV report (default: text)")
+    add_engine_args(p)
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model, tier, codec and batching flags (shared with examples/llama/server.py; checked
+    by :func:`check_engine_args`)."""
+    a = p.add_argument
+    a("--model", metavar="DIR",
+      help="HF checkpoint directory (default: a built-in random Llama written to a temporary "
+           "directory)")
     a("--dtype", choices=["float32", "bfloat16", "float16"],
       help="override the checkpoint dtype (default: the checkpoint's)")
     a("--page-size", type=count(1), default=8, metavar="N",
@@ -155,7 +165,6 @@ def make_parser() -> argparse.ArgumentParser:
       help="token budget of one step, chunked prefill; >= --max-batch (default: %(default)s)")
     a("--max-seq-len", type=count(1), default=512, metavar="N",
       help="prompt + new tokens per request (default: %(default)s)")
-    return p
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -164,6 +173,28 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"argument --temperature: must be >= 0, got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
         p.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
+    check_engine_args(p, args)
+    if args.model is None:
+        if args.prompt:
+            p.error("argument --prompt: the built-in model has no tokenizer: use --prompt-ids, "
+                    "or --model with a tokenizer.json")
+    else:
+        m = Path(args.model)
+        if not args.prompt and not args.prompt_ids:
+            p.error("argument --model: needs --prompt or --prompt-ids")
+        if args.prompt and not (m / "tokenizer.json").is_file():
+            p.error(f"argument --prompt: needs a tokenizer.json in the model directory ({m}); "
+                    "use --prompt-ids instead")
+    for ids in args.prompt_ids:
+        if len(ids) + args.max_new_tokens > args.max_seq_len:
+            p.error(f"argument --prompt-ids: {len(ids)} prompt + {args.max_new_tokens} new "
+                    f"tokens exceed --max-seq-len {args.max_seq_len}")
+
+
+def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of :func:`add_engine_args`' flags that need no checkpoint (``p.error`` on the
+    first bad one); fills in ``args.disk_bytes`` (64 MiB with ``--disk-dir``, else 0) and
+    creates ``--disk-dir``."""
     if args.max_tokens_per_step < args.max_batch:
         p.error(f"argument --max-tokens-per-step: must be >= --max-batch ({args.max_batch}), "
                 f"got {args.max_tokens_per_step}")
@@ -185,25 +216,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"argument --disk-dir: {d} is not writable")
     else:
         args.disk_bytes = 0
-    if args.model is None:
-        if args.prompt:
-            p.error("argument --prompt: the built-in model has no tokenizer: use --prompt-ids, "
-                    "or --model with a tokenizer.json")
-    else:
+    if args.model is not None:
         m = Path(args.model)
         if not m.is_dir():
             p.error(f"argument --model: {m} is not a directory")
         if not (m / "config.json").is_file():
             p.error(f"argument --model: {m} has no config.json (not a HF checkpoint)")
-        if not args.prompt and not args.prompt_ids:
-            p.error("argument --model: needs --prompt or --prompt-ids")
-        if args.prompt and not (m / "tokenizer.json").is_file():
-            p.error(f"argument --prompt: needs a tokenizer.json in the model directory ({m}); "
-                    "use --prompt-ids instead")
-    for ids in args.prompt_ids:
-        if len(ids) + args.max_new_tokens > args.max_seq_len:
-            p.error(f"argument --prompt-ids: {len(ids)} prompt + {args.max_new_tokens} new "
-                    f"tokens exceed --max-seq-len {args.max_seq_len}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -224,31 +242,9 @@ def main(argv=None) -> int:
     check_args(parser, args)
 
     default_model = args.model is None
-    device_pages = args.device_pages or (20 if default_model else 1024)
-    host_bytes = args.host_bytes if args.host_bytes is not None else (
-        (4 << 20) if default_model else 0)
-    try:
-        cfg = serve.ServeConfig(
-            page_size=args.page_size, device_pages=device_pages, host_bytes=host_bytes,
-            disk_dir=args.disk_dir, disk_bytes=args.disk_bytes, cold_codec=args.cold_codec,
-            max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
-            max_seq_len=args.max_seq_len)
-    except ValueError as e:
-        parser.error(str(e))
-
-    tmp = None
+    cfg = serve_config(parser, args)
     t0 = time.perf_counter()
-    if default_model:
-        tmp = tempfile.TemporaryDirectory(prefix="kvcm-llama-")
-        path = loader.write_random_checkpoint(Path(tmp.name) / "random-llama",
-                                              DEFAULT_CONFIG, seed=0)
-    else:
-        path = Path(args.model)
-    try:
-        config, params, tokenizer = loader.load_checkpoint(path, dtype=args.dtype,
-                                                           progress=not args.json)
-    except (ValueError, OSError) as e:
-        parser.error(f"cannot load {path}: {e}")
+    path, config, params, tokenizer, tmp = load_model(parser, args, progress=not args.json)
     load_s = time.perf_counter() - t0
 
     prompts: list[list[int]] = []
@@ -304,6 +300,54 @@ def main(argv=None) -> int:
     if tmp is not None:
         tmp.cleanup()
     return 0
+
+
+def serve_config(p: argparse.ArgumentParser, args: argparse.Namespace,
+                 **overrides) -> serve.ServeConfig:
+    """The ServeConfig of :func:`add_engine_args`' flags (after :func:`check_engine_args`);
+    the built-in model gets a small device pool and a host tier, so that it runs under
+    pressure. ``overrides``: other ServeConfig fields. A bad combination ends with
+    ``p.error``."""
+    default_model = args.model is None
+    device_pages = args.device_pages or (20 if default_model else 1024)
+    host_bytes = args.host_bytes if args.host_bytes is not None else (
+        (4 << 20) if default_model else 0)
+    try:
+        return serve.ServeConfig(
+            page_size=args.page_size, device_pages=device_pages, host_bytes=host_bytes,
+            disk_dir=args.disk_dir, disk_bytes=args.disk_bytes, cold_codec=args.cold_codec,
+            max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
+            max_seq_len=args.max_seq_len, **overrides)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def load_model(p: argparse.ArgumentParser, args: argparse.Namespace, *, progress: bool = True,
+               write_default=None):
+    """``(path, config, params, tokenizer, tmp)`` for ``--model``, or for the built-in random
+    Llama written by ``write_default(directory) -> path`` (default:
+    :func:`write_default_checkpoint`) into ``tmp``, a ``TemporaryDirectory`` the caller cleans
+    up (None with ``--model``). A checkpoint that does not load ends with ``p.error``."""
+    tmp = None
+    if args.model is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvcm-llama-")
+        path = (write_default or write_default_checkpoint)(Path(tmp.name))
+    else:
+        path = Path(args.model)
+    try:
+        config, params, tokenizer = loader.load_checkpoint(path, dtype=args.dtype,
+                                                           progress=progress)
+    except (ValueError, OSError) as e:
+        if tmp is not None:
+            tmp.cleanup()
+        p.error(f"cannot load {path}: {e}")
+    return path, config, params, tokenizer, tmp
+
+
+def write_default_checkpoint(directory: Path) -> Path:
+    """The built-in random Llama (:data:`DEFAULT_CONFIG`, seed 0) as a HF checkpoint under
+    ``directory``; returns its path."""
+    return loader.write_random_checkpoint(directory / "random-llama", DEFAULT_CONFIG, seed=0)
 
 
 def default_prompts() -> list[list[int]]:

@@ -99,7 +99,7 @@ class RequestOutput:
     request_id: int
     prompt_ids: list[int]
     generated_ids: list[int]
-    finish_reason: str                 # "eos", "length" or "error" (see ServeConfig)
+    finish_reason: str                 # "eos", "length", "error" (see ServeConfig), "cancelled"
     prefix_hit_tokens: int             # prompt tokens reused at the first admission
     num_suspends: int = 0
     num_recomputes: int = 0
@@ -300,6 +300,8 @@ class Server:
                                            self.manager.caches[0][0].sharding)
         self._inflight: _Dispatched | None = None
         self._num_dispatched = 0
+        self._token_cursor: dict[int, int] = {}   # new_tokens(): generated tokens handed out
+        self._cursor_next_id = 0                  # new_tokens(): ids below this are tracked
 
     # -- events ------------------------------------------------------------------------------
 
@@ -631,12 +633,15 @@ class Server:
         for queue in (self._running, self._closing, self._waiting, self._suspended):
             if r in queue:
                 queue.remove(r)
-        out = RequestOutput(r.rid, r.prompt, r.generated, r.finish_reason, r.prefix_hit_tokens,
-                            r.num_suspends, r.num_recomputes, r.ttft,
-                            np.stack(r.logits) if self.serve.record_logits and r.logits
-                            else None, list(r.token_times), r.error)
+        out = self._output(r)
         self._done[r.rid] = out
         return out
+
+    def _output(self, r: _Req) -> RequestOutput:
+        return RequestOutput(r.rid, r.prompt, r.generated, r.finish_reason, r.prefix_hit_tokens,
+                             r.num_suspends, r.num_recomputes, r.ttft,
+                             np.stack(r.logits) if self.serve.record_logits and r.logits
+                             else None, list(r.token_times), r.error)
 
     def _fail(self, r: _Req, e: BaseException) -> RequestOutput:
         self.counters["failed_requests"] += 1
@@ -686,6 +691,60 @@ class Server:
                         self._suspended.remove(r)
                     self._drop_for_recompute(r)
         return finished
+
+    # -- hooks for a front end (examples/llama/server.py): streaming and cancellation --------
+
+    def new_tokens(self) -> dict[int, list[int]]:
+        """The tokens each request got since the previous call: ``{request id: [token, ...]}``
+        (requests that got none are absent). Tokens appear as the loop reads them (with
+        ``overlap``, one step after the step that sampled them). A request that finished since
+        then is included once with its last tokens (EOS included); a cancelled one never again.
+        Call it between steps, e.g. after every :meth:`step`; O(live requests)."""
+        cursor = self._token_cursor
+        for rid in range(self._cursor_next_id, self._next_id):
+            cursor[rid] = 0
+        self._cursor_next_id = self._next_id
+        live = {r.rid: r for q in (self._running, self._closing, self._suspended, self._waiting)
+                for r in q}
+        out: dict[int, list[int]] = {}
+        for rid, sent in list(cursor.items()):
+            r = live.get(rid)
+            if r is None:                      # finished (or cancelled) since the last call
+                del cursor[rid]
+                done = self._done.get(rid)
+                if done is not None and len(done.generated_ids) > sent:
+                    out[rid] = done.generated_ids[sent:]
+                continue
+            n = len(r.tokens) - len(r.prompt)
+            if n > sent:
+                out[rid] = r.tokens[len(r.prompt) + sent:]
+                cursor[rid] = n
+        return out
+
+    def cancel(self, request_id: int) -> RequestOutput | None:
+        """Ends a waiting, running, suspended or closing request now: its sequence is closed
+        (full pages stay in the prefix cache, the rest are freed once the step in flight that
+        reads them completed: the manager fences them) and it is never scheduled again; tokens
+        the step in flight samples for it are dropped when read. Returns its output so far
+        (``finish_reason`` "cancelled"; not kept for :meth:`pop_output`), or None when the id is
+        not live (unknown, finished or already cancelled). Call it between steps."""
+        for queue in (self._running, self._closing, self._suspended, self._waiting):
+            r = next((x for x in queue if x.rid == request_id), None)
+            if r is None:
+                continue
+            queue.remove(r)
+            self._close_seq(r)
+            self._token_cursor.pop(request_id, None)
+            r.finish_reason = "cancelled"     # _read drops its unread tokens
+            self.counters["cancelled_requests"] += 1
+            return self._output(r)
+        return None
+
+    def pop_output(self, request_id: int) -> RequestOutput | None:
+        """Removes and returns a finished request's output (None if it has none): a long-running
+        server calls it for every request, since finished outputs are otherwise kept for
+        :meth:`generate`."""
+        return self._done.pop(request_id, None)
 
     # -- report ------------------------------------------------------------------------------
 

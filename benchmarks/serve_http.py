@@ -1,0 +1,316 @@
+#!/usr/bin/env python
+"""HTTP serving benchmark (issue 14): the runner's serving loop through the OpenAI-compatible
+server (``examples/llama/server.py``) with streaming clients, against the same loop in process.
+
+Run on the GPU machine from the repo root, after installing jax_kvcm with its CUDA extension:
+
+    python benchmarks/serve_http.py --quick --json serve_http.json   # 320 requests (~3 min)
+    python benchmarks/serve_http.py                                   # 640 requests
+    JAX_PLATFORMS=cpu python benchmarks/serve_http.py --tiny          # tiny model on CPU, seconds
+
+**Model**: Llama-3.1-8B's shape with random bf16 weights (``benchmarks/serve.py``'s, drawn on the
+device: no download); ``--tiny``: that script's tiny float32 model.
+
+**Workload** (the shared-prefix set of the seed benchmark, smaller): requests of 1,024 prompt
+tokens (one of 15 system prompts of 512 +- 32 tokens, then a unique suffix) and 1,024 output
+tokens, greedy, EOS ignored; all submitted at t=0, at most ``--concurrency`` (256) running, the
+rest queued. Both runs go through one server (16-token pages, a pool of ``concurrency x
+(pages(2,048) + 1)`` pages, 4,096-token steps, one batch and one token bucket) after a warm-up
+that compiles every step program and serves the 15 system prompts (a running server has them
+cached). The two runs serve the same requests, in-process first: pages the first run left cached
+could help the second, so each run's prefix hit rate is printed (the pool only holds the running
+sequences at their longest, so few survive).
+
+- ``in-process``: ``Server.submit`` for every request, then ``step()`` until done; a request's
+  token times are taken from :meth:`Server.new_tokens` after each step.
+- ``http``: the same ``Server`` behind ``create_app`` (uvicorn on 127.0.0.1 in this process; one
+  engine thread), driven by ``--client-procs`` client processes (``benchmarks/_http_load.py``:
+  ``httpx``, one streaming ``/v1/completions`` per request, all opened at once); token times are
+  chunk arrival times at the clients.
+
+**Measured**: output tokens/s (generated tokens / wall time from the first submission to the last
+token), time to first token (from submission, so queueing included) and inter-token latency
+(between consecutive tokens of a request), p50 and p99; the ratio http / in-process tokens/s
+(target >= 0.95); token agreement between the runs (the same greedy requests: identical on the
+CPU; bfloat16 on a GPU may drift where batch composition differs).
+
+``--tiny`` is a correctness check (exit status 1 unless every HTTP generation is complete and
+equals the in-process one); its ratio means little: a tiny step takes about a millisecond on the
+CPU, so per-token HTTP work dominates there, while an 8B decode step on the GPU leaves the event
+loop tens of milliseconds of device time to stream the previous step's tokens in.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_kvcm  # noqa: E402,F401  (the installed package first; then the repo root)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # after jax_kvcm: its unbuilt source tree must not shadow it
+
+from benchmarks import serve as bench  # noqa: E402
+from examples.llama import serve  # noqa: E402
+
+TARGET_HTTP_OVER_IN_PROCESS = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    model: Any
+    requests: int = 640
+    concurrency: int = 256
+    input_len: int = 1024
+    output_len: int = 1024
+    system_prompts: int = 15
+    system_len: int = 512
+    system_jitter: int = 32
+    page_size: int = 16
+    step_tokens: int = 4096
+    seed: int = 0
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-(self.input_len + self.output_len) // self.page_size)
+
+
+FULL = Workload("llama-3.1-8b-shape", bench.LLAMA_31_8B)
+QUICK = dataclasses.replace(FULL, requests=320)
+TINY = Workload("tiny", bench.TINY, requests=48, concurrency=8, input_len=40, output_len=16,
+                system_prompts=5, system_len=24, system_jitter=4, page_size=8, step_tokens=64)
+
+
+def make_prompts(w: Workload) -> tuple[list[list[int]], list[list[int]]]:
+    """(system prompts, request prompts): request ``i`` = system ``i % n`` + a unique suffix up
+    to ``input_len`` tokens."""
+    rng = np.random.default_rng(w.seed + 1)
+    V = w.model.vocab_size
+    j = w.system_jitter
+    systems = [rng.integers(0, V, w.system_len + int(rng.integers(-j, j + 1))).tolist()
+               for _ in range(w.system_prompts)]
+    prompts = [systems[i % len(systems)]
+               + rng.integers(0, V, w.input_len - len(systems[i % len(systems)])).tolist()
+               for i in range(w.requests)]
+    return systems, prompts
+
+
+def _latencies(t0: Sequence[float], times: Sequence[Sequence[float]]) -> dict[str, float]:
+    ttft = [ts[0] - s for s, ts in zip(t0, times) if ts]
+    itl = np.concatenate([np.diff(ts) for ts in times if len(ts) > 1] or [np.zeros(0)])
+    return dict(ttft_p50_s=bench._pct(ttft, 50), ttft_p99_s=bench._pct(ttft, 99),
+                itl_p50_s=bench._pct(itl, 50), itl_p99_s=bench._pct(itl, 99))
+
+
+def _hits(server: serve.Server, before: dict) -> float:
+    rep = server.report()
+    prompt = rep["prompt_tokens"] - before["prompt_tokens"]
+    return (rep["prefix_hit_tokens"] - before["prefix_hit_tokens"]) / max(1, prompt)
+
+
+# ---------------------------------------------------------------------------------------------
+# In process.
+
+
+def run_in_process(server: serve.Server, w: Workload, prompts: list[list[int]]) -> tuple[dict,
+                                                                                           list]:
+    before = server.report()
+    rids = [server.submit(serve.Request(p, w.output_len, eos_token_ids=[])) for p in prompts]
+    index = {rid: i for i, rid in enumerate(rids)}
+    t0 = time.perf_counter()
+    times: list[list[float]] = [[] for _ in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    while server.has_work():
+        finished = server.step()
+        now = time.perf_counter()
+        for rid, ids in server.new_tokens().items():   # before pop_output: the last tokens
+            i = index.get(rid)
+            if i is None:         # the warm-up's requests
+                continue
+            tokens[i] += ids
+            times[i] += [now] * len(ids)
+        for out in finished:
+            server.pop_output(out.request_id)
+    seconds = max(ts[-1] for ts in times) - t0
+    gen = sum(map(len, tokens))
+    res = dict(path="in-process", requests=len(prompts), generated_tokens=gen, seconds=seconds,
+               output_tokens_per_s=gen / seconds, prefix_hit_rate=_hits(server, before),
+               **_latencies([t0] * len(prompts), times))
+    return res, tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Through HTTP.
+
+
+def run_http(server: serve.Server, w: Workload, prompts: list[list[int]],
+             client_procs: int = 8) -> tuple[dict, list]:
+    import uvicorn
+
+    from examples.llama.server import create_app
+
+    before = server.report()
+    app = create_app(server, model_name="bench", max_queue=len(prompts))
+    with _socket() as sock:
+        port = sock.getsockname()[1]
+        uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not uv.started:
+            if not thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        with tempfile.TemporaryDirectory(prefix="kvcm-http-bench-") as tmp:
+            # NOTE: several client processes: one asyncio client parsing every chunk of 256
+            # streams falls behind the server (httpx parses HTTP in Python), which would
+            # measure the client.
+            n = max(1, min(client_procs, len(prompts)))
+            start_at = time.perf_counter() + 3.0    # every client starts sending then
+            procs = []
+            for k in range(n):
+                src, dst = Path(tmp) / f"in{k}.json", Path(tmp) / f"out{k}.json"
+                src.write_text(json.dumps({"prompts": prompts[k::n], "max_tokens": w.output_len,
+                                           "start_at": start_at}))
+                procs.append((dst, subprocess.Popen(
+                    [sys.executable, str(ROOT / "benchmarks/_http_load.py"),
+                     f"http://127.0.0.1:{port}", str(src), str(dst)],
+                    stderr=subprocess.PIPE, text=True)))
+            parts = []
+            for dst, proc in procs:
+                _, err = proc.communicate()
+                parts.append(json.loads(dst.read_text()) if dst.is_file() else {
+                    "error": f"client exited with {proc.returncode}: {err[-2000:]}"})
+        uv.should_exit = True       # the app's lifespan stops the engine (storage closed)
+        thread.join()
+    errors = [p["error"] for p in parts if "error" in p]
+    if errors:
+        raise RuntimeError(f"client failed: {errors[0]}")
+    t0s, times, tokens = ([0.0] * len(prompts), [[] for _ in prompts], [[] for _ in prompts])
+    for k, part in enumerate(parts):       # client k had requests k, k + n, k + 2n, ...
+        t0s[k::n], times[k::n], tokens[k::n] = part["t0"], part["times"], part["tokens"]
+    t0 = min(t0s)
+    seconds = max(ts[-1] for ts in times if ts) - t0
+    gen = sum(map(len, tokens))
+    res = dict(path="http", requests=len(prompts), generated_tokens=gen, seconds=seconds,
+               output_tokens_per_s=gen / seconds, prefix_hit_rate=_hits(server, before),
+               **_latencies(t0s, times))
+    return res, tokens
+
+
+def _socket():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(2048)
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_http(w: Workload, params: Any, client_procs: int = 8) -> dict[str, Any]:
+    systems, prompts = make_prompts(w)
+    pool = w.concurrency * (w.pages_per_seq + 1)
+    cfg = serve.ServeConfig(page_size=w.page_size, device_pages=pool, max_batch=w.concurrency,
+                            max_tokens_per_step=w.step_tokens,
+                            max_seq_len=w.pages_per_seq * w.page_size,
+                            batch_buckets=(w.concurrency,), token_buckets=(w.step_tokens,))
+    server = serve.Server(params, w.model, cfg)
+    t = time.perf_counter()
+    server.generate([serve.Request(list(range(1, w.page_size + 2)), 2, eos_token_ids=[])])
+    server.generate([serve.Request(list(s), 1, eos_token_ids=[]) for s in systems])
+    bench._log(f"warm-up (compiles, {len(systems)} system prompts cached): "
+               f"{time.perf_counter() - t:.1f} s")
+    results = []
+    res_in, tok_in = run_in_process(server, w, prompts)
+    results.append(res_in)
+    bench._log(_fmt(res_in))
+    res_http, tok_http = run_http(server, w, prompts, client_procs)
+    results.append(res_http)
+    bench._log(_fmt(res_http))
+    same = sum(a == b for a, b in zip(tok_in, tok_http)) / len(prompts)
+    ratio = res_http["output_tokens_per_s"] / res_in["output_tokens_per_s"]
+    complete = all(len(t) == w.output_len for t in tok_http)
+    return dict(workload=dataclasses.asdict(dataclasses.replace(w, model=None)),
+                model=w.name, device=jax.devices()[0].device_kind, results=results,
+                http_over_in_process=ratio, target=TARGET_HTTP_OVER_IN_PROCESS,
+                identical_generations=same, http_all_complete=complete, pool_pages=pool)
+
+
+def _fmt(r: dict) -> str:
+    return (f"  {r['path']:>10}: {r['output_tokens_per_s']:9.1f} tok/s ({r['generated_tokens']} "
+            f"tokens in {r['seconds']:.2f} s), TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms p99 "
+            f"{r['ttft_p99_s'] * 1e3:.1f} ms, ITL p50 {r['itl_p50_s'] * 1e3:.2f} ms p99 "
+            f"{r['itl_p99_s'] * 1e3:.2f} ms, prefix hit rate {r['prefix_hit_rate']:.1%}")
+
+
+def markdown(out: dict) -> str:
+    lines = ["| path | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | prefix hits |",
+             "|---|---|---|---|---|"]
+    for r in out["results"]:
+        lines.append(f"| {r['path']} | {r['output_tokens_per_s']:.0f} | "
+                     f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f} | "
+                     f"{r['itl_p50_s'] * 1e3:.1f} / {r['itl_p99_s'] * 1e3:.1f} | "
+                     f"{r['prefix_hit_rate']:.1%} |")
+    lines.append(f"\nhttp / in-process tokens/s: {out['http_over_in_process']:.3f} (target >= "
+                 f"{out['target']}); identical generations {out['identical_generations']:.0%}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="320 requests")
+    size.add_argument("--tiny", action="store_true", help="tiny float32 model (CPU, seconds)")
+    p.add_argument("--requests", type=int, help="number of requests")
+    p.add_argument("--concurrency", type=int, help="requests running at once (max_batch)")
+    p.add_argument("--client-procs", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                   help="load-generating client processes (default: half the CPUs, at most 8)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict[str, Any]:
+    args = parse_args(argv)
+    w = TINY if args.tiny else QUICK if args.quick else FULL
+    w = dataclasses.replace(w, seed=args.seed, requests=args.requests or w.requests,
+                            concurrency=args.concurrency or w.concurrency)
+    bench._preflight(args.tiny)
+    dev = jax.devices()[0]
+    bench._log(f"jax {jax.__version__} on {dev.device_kind} ({jax.default_backend()}); "
+               f"{w.name}: {w.requests} requests of {w.input_len}/{w.output_len} tokens, "
+               f"concurrency {w.concurrency}, {w.system_prompts} system prompts of "
+               f"~{w.system_len} tokens")
+    params = bench._params(types.SimpleNamespace(model=w.model, seed=w.seed))
+    out = bench_http(w, params, args.client_procs)
+    out["client_procs"] = args.client_procs
+    print(markdown(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    if args.tiny and (out["identical_generations"] < 1.0 or not out["http_all_complete"]):
+        raise SystemExit("tiny check failed: HTTP and in-process generations differ")
+    return out
+
+
+if __name__ == "__main__":
+    main()
