@@ -213,3 +213,33 @@ def test_window_off_by_one_does_not_match(case):
             [serve.Request(prompt + ref.generated_ids[:-1], 1, eos_token_ids=())])
         err = float(np.linalg.norm(out.logits - last.logits) / np.linalg.norm(last.logits))
         assert err > 1e-2, f"window {w} indistinguishable from {WINDOW} (rel L2 {err:.2e})"
+
+
+@pytest.mark.parametrize("case", ["qwen3_mixed"], indirect=True)
+def test_forward_step_grouped_absolute_tables(case):
+    """The model alone, without the manager: make_caches gives one pool per KV group, and one
+    ragged step over absolute [G, B, P] tables (rings=None) gives HF's logits at every position."""
+    import jax.numpy as jnp
+
+    config, params = case["config"], case["params"]
+    prompt = _prompt(np.random.default_rng(5), 45)
+    T, page, num_pages = len(prompt), 4, 16
+    kc, vc = llama.make_caches(config, num_pages, page)
+    assert [k.shape[0] for k in kc] == [1, 3]
+    pos = np.arange(T, dtype=np.int32)
+    tables, slots = [], []
+    for g in range(2):  # the groups' pools are separate: give them different page orders
+        pages = (np.arange(1, num_pages) if g else np.arange(num_pages - 1, 0, -1)).astype(np.int32)
+        tables.append(pages[None, :])
+        slots.append(pages[pos // page] * page + pos % page)
+    logits, _, _ = llama.forward_step(
+        params, kc, vc, jnp.asarray(prompt, jnp.int32), jnp.asarray(pos),
+        jnp.asarray(np.stack(slots)), jnp.asarray(np.stack(tables)),
+        jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32),
+        jnp.arange(T, dtype=jnp.int32), config=config)
+    want = _hf_logits(case["hf"], prompt)
+    err = float(np.linalg.norm(np.asarray(logits) - want) / np.linalg.norm(want))
+    assert err <= 1e-4, f"rel L2 {err:.2e}"
+    with pytest.raises(ValueError, match="PagedRunner"):
+        from examples.llama.paged_runner import PagedRunner
+        PagedRunner(params, config)
