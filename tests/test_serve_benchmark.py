@@ -109,3 +109,15 @@ def test_trtllm_preset_tiny():
             quick.output_len) == (512, 256, 1024, 1024) and quick.host_bytes > 0
     assert bench.setup_from_args(bench.parse_args(["--workload", "trtllm"])).shared_requests \
         == 2500
+
+
+def test_tiny_mixed_layer_rows():
+    """--sliding-window: the paged rows on a model with full and window layers (two KV groups,
+    ring tables); the runs over the same requests (prefix reuse on, warm, off) still agree."""
+    args = bench.parse_args(["--tiny", "--sliding-window", "8", "--full-every", "2"])
+    setup = bench.setup_from_args(args)
+    assert setup.model.layer_windows() == (8, None) and not setup.run_dense
+    out = bench.main(["--tiny", "--sliding-window", "8", "--full-every", "2"])
+    assert out["agreement"] and all(a["identical"] == a["requests"] > 0
+                                    for a in out["agreement"])
+    assert not any("dense" in r["name"] for r in out["results"])
