@@ -131,11 +131,14 @@ def test_older_qwen2_fields_and_bad_layer_types():
     d = dict(model_type="qwen2", vocab_size=8, hidden_size=8, intermediate_size=8,
              num_hidden_layers=3, num_attention_heads=2, sliding_window=4,
              max_window_layers=1)
-    # use_sliding_window False (the Qwen2.5 checkpoints): no window anywhere.
-    assert llama.LlamaConfig.from_hf_dict({**d, "use_sliding_window": False}).layer_windows() \
-        == (None, None, None)
-    assert llama.LlamaConfig.from_hf_dict({**d, "use_sliding_window": True}).layer_windows() \
-        == (None, 4, 4)
+    # use_sliding_window false (the Qwen2.5 checkpoints) or absent: no window anywhere.
+    for off in ({"use_sliding_window": False}, {}):
+        assert llama.LlamaConfig.from_hf_dict({**d, **off}).layer_windows() == (None,) * 3
+        assert transformers.Qwen2Config(**{**d, **off}).layer_types == ["full_attention"] * 3
+    on = {**d, "use_sliding_window": True}
+    assert llama.LlamaConfig.from_hf_dict(on).layer_windows() == (None, 4, 4)
+    assert transformers.Qwen2Config(**on).layer_types == ["full_attention"] + \
+        ["sliding_attention"] * 2
     with pytest.raises(ValueError, match="layer_types"):
         llama.LlamaConfig.from_hf_dict({**d, "layer_types": ["full_attention"] * 2})
     with pytest.raises(ValueError, match="layer_types"):

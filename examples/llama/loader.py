@@ -1,5 +1,5 @@
-"""Loads a HF Llama/Mistral/Qwen2/Qwen3 checkpoint directory into :mod:`model`'s params pytree, and writes
-deterministic random-weight checkpoints in the same HF format.
+"""Loads a HF Llama/Mistral/Qwen2/Qwen3 checkpoint directory into :mod:`model`'s params pytree, and
+writes deterministic random-weight checkpoints in the same HF format.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` /
 any ``*.safetensors`` files, or a sharded set listed by ``model.safetensors.index.json``; read with

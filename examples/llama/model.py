@@ -10,14 +10,14 @@ layer, so every layer's weights are their own buffers)::
      "norm": [D],
      "lm_head": [D, V]}          # absent when config.tie_word_embeddings (embed.T is used)
 
-Qwen2 layers add ``"bqkv": [(H + 2*Hkv)*Dh]`` (the q/k/v projection biases, fused like ``wqkv``);
-Qwen3 layers add ``"q_norm": [Dh], "k_norm": [Dh]`` (an RMSNorm over each head's q and k, before
-RoPE). ``wqkv`` is ``[wq | wk | wv]`` and ``w_gate_up`` is ``[w_gate | w_up]`` along the output axis: one
-GEMM each instead of three and two. The layer loop is a Python loop (unrolled at trace time), so
-XLA sees L separate weight buffers and feeds each GEMM its weights as they are. (Stacking the
-layers along a leading axis and running ``lax.scan`` makes every step slice each layer's weights
-out of the stack: a copy of all the weights per step, which at batch 64 cost about as much as the
-rest of the step; :func:`stack_layers` builds that layout, kept for comparison in
+``wqkv`` is ``[wq | wk | wv]`` and ``w_gate_up`` is ``[w_gate | w_up]`` along the output axis: one
+GEMM each instead of three and two. Qwen2 layers add ``"bqkv": [(H + 2*Hkv)*Dh]`` (the q/k/v
+projection biases, fused like ``wqkv``); Qwen3 layers add ``"q_norm": [Dh], "k_norm": [Dh]`` (an
+RMSNorm over each head's q and k, before RoPE). The layer loop is a Python loop (unrolled at trace
+time), so XLA sees L separate weight buffers and feeds each GEMM its weights as they are.
+(Stacking the layers along a leading axis and running ``lax.scan`` makes every step slice each
+layer's weights out of the stack: a copy of all the weights per step, which at batch 64 cost about
+as much as the rest of the step; :func:`stack_layers` builds that layout, kept for comparison in
 ``benchmarks/decode_step.py``.)
 
 KV caches are ``[L, num_pages, page_size, Hkv, Dh]`` in the params' dtype; page 0 is the null page.
@@ -49,9 +49,9 @@ HF conventions followed (checked against transformers in tests/test_llama_model.
 ``rotate_half`` over ``cat(freqs, freqs)`` (the HF checkpoint layout, q/k already permuted),
 "llama3" / "linear" inverse-frequency scaling, RMSNorm in float32 then cast back before the weight,
 SwiGLU ``down(silu(gate(x)) * up(x))``, GQA head ``h`` -> kv head ``h // (H // Hkv)``, scale
-``Dh ** -0.5``, and the sliding window W of Mistral and Qwen2/3 = the last W positions including the query
-(transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - W``; its sliding cache keeps
-``W - 1`` past tokens plus the new one), the ops' own convention. Matmuls use
+``Dh ** -0.5``, and the sliding window W of Mistral and Qwen2/3 = the last W positions including
+the query (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - W``; its sliding cache
+keeps ``W - 1`` past tokens plus the new one), the ops' own convention. Matmuls use
 ``Precision.HIGHEST`` for float32 models (float32 stays float32 on GPUs: no TF32) and the default
 precision for bf16/f16 ones.
 """
@@ -79,6 +79,13 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _check_layer_types(types: Any, num_layers: int) -> None:
+    if (not isinstance(types, (list, tuple)) or len(types) != num_layers
+            or not set(types) <= set(_LAYER_TYPES)):
+        raise ValueError(f"layer_types must list {num_layers} entries out of {_LAYER_TYPES}, "
+                         f"got {types!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +133,7 @@ class LlamaConfig:
         types = self.layer_types
         if types is None:
             return
-        if len(types) != self.num_hidden_layers or not set(types) <= set(_LAYER_TYPES):
-            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries out of "
-                             f"{_LAYER_TYPES}, got {types!r}")
+        _check_layer_types(types, self.num_hidden_layers)
         if "sliding_attention" in types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is "
                              "not set")
@@ -187,18 +192,21 @@ class LlamaConfig:
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r} ({', '.join(_DTYPES)})")
         window = d.get("sliding_window")
-        if d.get("use_sliding_window") is False:
+        qwen = model_type in ("qwen2", "qwen3")
+        # Qwen2/3 slide only with use_sliding_window (false when absent, as in transformers).
+        if d.get("use_sliding_window", not qwen) is False:
             window = None
         window = int(window) if window else None
         num_layers = int(d["num_hidden_layers"])
         layer_types = d.get("layer_types")
-        if layer_types is None and model_type in ("qwen2", "qwen3") and window:
+        if layer_types is None and qwen and window:
             # Older Qwen configs: the layers from max_window_layers on slide (as transformers
             # derives layer_types from them).
             first = int(d.get("max_window_layers", num_layers))
             layer_types = ["full_attention" if i < first else "sliding_attention"
                            for i in range(num_layers)]
         if layer_types is not None and window is None:
+            _check_layer_types(layer_types, num_layers)
             layer_types = None         # transformers: no window, every layer attends fully
         return cls(
             vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
