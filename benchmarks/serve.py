@@ -934,6 +934,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-shared", action="store_true", help="skip the shared-prefix workload")
     p.add_argument("--no-check", action="store_true",
                    help="skip the tiny float32 paged-vs-dense check before an 8B run")
+    p.add_argument("--sliding-window", type=int, metavar="W",
+                   help="a mixed-layer model: every layer but each --full-every-th slides over "
+                        "the last W positions (HF layer_types; the window group gets ring "
+                        "tables); paged runs only (the dense baseline has no window)")
+    p.add_argument("--full-every", type=int, default=4, metavar="K",
+                   help="with --sliding-window: layers K-1, 2K-1, ... attend fully (default 4: "
+                        "3 of 4 layers slide)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--compile-cache", metavar="DIR",
                    help="JAX persistent compilation cache directory (repeated runs compile less)")
@@ -965,6 +972,15 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         over["hot_backends"] = ("paged",) + tuple(b for b in args.hot_backend if b != "paged")
     if args.no_shared:
         over["run_shared"] = False
+    if args.sliding_window is not None:
+        if args.sliding_window < 1 or args.full_every < 1:
+            raise SystemExit("--sliding-window and --full-every must be >= 1")
+        m = s.model
+        types = tuple("full_attention" if i % args.full_every == args.full_every - 1
+                      else "sliding_attention" for i in range(m.num_hidden_layers))
+        over.update(name=f"{s.name}-window{args.sliding_window}", run_dense=False,
+                    equal_memory_run=False, model=dataclasses.replace(
+                        m, sliding_window=args.sliding_window, layer_types=types))
     s = dataclasses.replace(s, **over)
     if min(s.concurrencies) < 1 or s.input_len < 1 or s.output_len < 1:
         raise SystemExit("concurrency, --input-len and --output-len must be >= 1")

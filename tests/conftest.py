@@ -303,17 +303,18 @@ def compile_counter():
 
 def random_hf_llama(kind: str, config_kwargs: dict, seed: int, *, embed_std: float = 1.0,
                     weight_scale: float = 0.6):
-    """A float32 HF ``LlamaForCausalLM`` (``kind="llama"``) or ``MistralForCausalLM`` with eager
-    attention and seeded random weights larger than HF's default init (std 0.02 gives near-uniform
-    logits and generations that repeat one token, which would make token-for-token checks weak):
-    norms ``1 + 0.1 N(0, 1)``, embeddings ``embed_std * N(0, 1)``, matrices
+    """A float32 HF ``LlamaForCausalLM`` (``kind="llama"``), ``MistralForCausalLM``,
+    ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` with eager attention and seeded random weights
+    larger than HF's default init (std 0.02 gives near-uniform logits and generations that repeat
+    one token, which would make token-for-token checks weak): norms ``1 + 0.1 N(0, 1)``, biases
+    ``0.3 N(0, 1)``, embeddings ``embed_std * N(0, 1)``, matrices
     ``weight_scale / sqrt(fan_in) * N(0, 1)``. Needs torch and transformers."""
     import torch
     import transformers
 
-    mistral = kind == "mistral"
-    cfg_cls = transformers.MistralConfig if mistral else transformers.LlamaConfig
-    model_cls = transformers.MistralForCausalLM if mistral else transformers.LlamaForCausalLM
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+    cfg_cls = getattr(transformers, prefix + "Config")
+    model_cls = getattr(transformers, prefix + "ForCausalLM")
     cfg = cfg_cls(**config_kwargs)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -321,7 +322,9 @@ def random_hf_llama(kind: str, config_kwargs: dict, seed: int, *, embed_std: flo
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:
+            if name.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif p.ndim == 1:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 std = embed_std if "embed" in name else weight_scale / p.shape[1] ** 0.5

@@ -127,3 +127,13 @@ def test_arena_rows_need_a_gpu_and_cover_the_paged_pool():
     chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, bench.ARENA_SUPER_PAGE))
     assert a.budget_bytes == pool + 5 * chunk and a.max_sequences == 4
     assert a.max_pages_per_sequence == setup.pages_per_seq
+def test_tiny_mixed_layer_rows():
+    """--sliding-window: the paged rows on a model with full and window layers (two KV groups,
+    ring tables); the runs over the same requests (prefix reuse on, warm, off) still agree."""
+    args = bench.parse_args(["--tiny", "--sliding-window", "8", "--full-every", "2"])
+    setup = bench.setup_from_args(args)
+    assert setup.model.layer_windows() == (8, None) and not setup.run_dense
+    out = bench.main(["--tiny", "--sliding-window", "8", "--full-every", "2"])
+    assert out["agreement"] and all(a["identical"] == a["requests"] > 0
+                                    for a in out["agreement"])
+    assert not any("dense" in r["name"] for r in out["results"])

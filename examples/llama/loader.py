@@ -1,5 +1,5 @@
-"""Loads a HF Llama/Mistral checkpoint directory into :mod:`model`'s params pytree, and writes
-deterministic random-weight checkpoints in the same HF format.
+"""Loads a HF Llama/Mistral/Qwen2/Qwen3 checkpoint directory into :mod:`model`'s params pytree, and
+writes deterministic random-weight checkpoints in the same HF format.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` /
 any ``*.safetensors`` files, or a sharded set listed by ``model.safetensors.index.json``; read with
@@ -41,6 +41,10 @@ _LAYER_NAMES = {
     "mlp_norm": (("post_attention_layernorm.weight",), False),
     "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
     "w_down": (("mlp.down_proj.weight",), True),
+    # Qwen2 (config.qkv_bias) and Qwen3 (config.qk_norm) only.
+    "bqkv": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), False),
+    "q_norm": (("self_attn.q_norm.weight",), False),
+    "k_norm": (("self_attn.k_norm.weight",), False),
 }
 
 _RAW_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -142,7 +146,8 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[st
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     out_dims = {"self_attn.q_proj.weight": q_dim, "self_attn.k_proj.weight": kv_dim,
                 "self_attn.v_proj.weight": kv_dim, "mlp.gate_proj.weight": c.intermediate_size,
-                "mlp.up_proj.weight": c.intermediate_size}
+                "mlp.up_proj.weight": c.intermediate_size, "self_attn.q_proj.bias": q_dim,
+                "self_attn.k_proj.bias": kv_dim, "self_attn.v_proj.bias": kv_dim}
 
     def get(name: str, want: tuple[int, ...], transpose: bool) -> np.ndarray:
         if name not in tensors:
@@ -159,14 +164,17 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[st
 
     def layer(i: int) -> dict[str, Any]:
         out = {}
-        for ours, (parts, transpose) in _LAYER_NAMES.items():
-            want = shapes["layers"][i][ours]
+        for ours, want in shapes["layers"][i].items():
+            parts, transpose = _LAYER_NAMES[ours]
             if len(parts) == 1:
                 out[ours] = cast(get(f"model.layers.{i}.{parts[0]}", want, transpose))
-                continue
-            out[ours] = cast(np.concatenate(
-                [get(f"model.layers.{i}.{hf}", (want[0], out_dims[hf]), transpose)
-                 for hf in parts], axis=1))
+            elif len(want) == 1:  # fused biases
+                out[ours] = cast(np.concatenate(
+                    [get(f"model.layers.{i}.{hf}", (out_dims[hf],), False) for hf in parts]))
+            else:
+                out[ours] = cast(np.concatenate(
+                    [get(f"model.layers.{i}.{hf}", (want[0], out_dims[hf]), transpose)
+                     for hf in parts], axis=1))
         return out
 
     params: dict[str, Any] = {
@@ -234,6 +242,13 @@ def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0
         tensors[p + "self_attn.q_proj.weight"] = dense(q_dim, D)
         tensors[p + "self_attn.k_proj.weight"] = dense(kv_dim, D)
         tensors[p + "self_attn.v_proj.weight"] = dense(kv_dim, D)
+        if c.qkv_bias:
+            for name, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                tensors[p + f"self_attn.{name}_proj.bias"] = (
+                    gain / np.sqrt(D) * rng.standard_normal(n, dtype=np.float32)).astype(np_dtype)
+        if c.qk_norm:
+            tensors[p + "self_attn.q_norm.weight"] = norm(c.head_dim)
+            tensors[p + "self_attn.k_norm.weight"] = norm(c.head_dim)
         tensors[p + "self_attn.o_proj.weight"] = dense(D, q_dim)
         tensors[p + "post_attention_layernorm.weight"] = norm(D)
         tensors[p + "mlp.gate_proj.weight"] = dense(I, D)

@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral) in plain JAX over a params pytree, attending through
-jax_kvcm's paged custom calls.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in plain JAX over a params pytree,
+attending through jax_kvcm's paged custom calls.
 
 Params pytree (weights stored ``[in, out]``, i.e. transposed from HF's ``[out, in]``; one dict per
 layer, so every layer's weights are their own buffers)::
@@ -11,17 +11,30 @@ layer, so every layer's weights are their own buffers)::
      "lm_head": [D, V]}          # absent when config.tie_word_embeddings (embed.T is used)
 
 ``wqkv`` is ``[wq | wk | wv]`` and ``w_gate_up`` is ``[w_gate | w_up]`` along the output axis: one
-GEMM each instead of three and two. The layer loop is a Python loop (unrolled at trace time), so
-XLA sees L separate weight buffers and feeds each GEMM its weights as they are. (Stacking the
-layers along a leading axis and running ``lax.scan`` makes every step slice each layer's weights
-out of the stack: a copy of all the weights per step, which at batch 64 cost about as much as the
-rest of the step; :func:`stack_layers` builds that layout, kept for comparison in
+GEMM each instead of three and two. Qwen2 layers add ``"bqkv": [(H + 2*Hkv)*Dh]`` (the q/k/v
+projection biases, fused like ``wqkv``); Qwen3 layers add ``"q_norm": [Dh], "k_norm": [Dh]`` (an
+RMSNorm over each head's q and k, before RoPE). The layer loop is a Python loop (unrolled at trace
+time), so XLA sees L separate weight buffers and feeds each GEMM its weights as they are.
+(Stacking the layers along a leading axis and running ``lax.scan`` makes every step slice each
+layer's weights out of the stack: a copy of all the weights per step, which at batch 64 cost about
+as much as the rest of the step; :func:`stack_layers` builds that layout, kept for comparison in
 ``benchmarks/decode_step.py``.)
 
 KV caches are ``[L, num_pages, page_size, Hkv, Dh]`` in the params' dtype; page 0 is the null page.
 The caches keep their layer axis (they are the manager's pools) and the ops take a static
 ``layer=`` index; ``write_kv`` aliases its outputs to the donated caches, so K/V are written in
 place.
+
+**Layer groups.** Layers attend either to everything (``"full_attention"``) or to a sliding window
+(``"sliding_attention"``), per HF's ``config.layer_types``; :meth:`LlamaConfig.kv_groups` groups
+the layers by kind (full layers first, then the window layers), one KV pool per group (the
+manager's layer groups). With one group (Llama, Mistral, most Qwen2/3 checkpoints) the caches are
+one ``[L, ...]`` pair and the tables ``[B, P]`` / ``[T]``; with ``G`` groups the caches are tuples
+of ``G`` pools ``[L_g, ...]``, ``page_table`` is ``[G, B, P]`` and ``slot_mapping`` ``[G, T]`` (the
+manager's ``StepBatch``), and layer ``l`` writes and reads its group's pool at its index within the
+group. The steps' static ``rings`` argument says, per group, whether its table is a ring
+(``KVCacheConfig(ring_tables=True)``): ``rings[g] = R > 0`` reads ``page_table[g, :, :R]`` with
+``ring_table=True``; 0 reads the whole absolute row.
 
 Every step (prefill chunks, mixed prefill+decode batches, pure decode) goes through
 :func:`forward_step`: ``write_kv`` of the new tokens' K/V, then ``ragged_paged_attention``.
@@ -36,8 +49,9 @@ HF conventions followed (checked against transformers in tests/test_llama_model.
 ``rotate_half`` over ``cat(freqs, freqs)`` (the HF checkpoint layout, q/k already permuted),
 "llama3" / "linear" inverse-frequency scaling, RMSNorm in float32 then cast back before the weight,
 SwiGLU ``down(silu(gate(x)) * up(x))``, GQA head ``h`` -> kv head ``h // (H // Hkv)``, scale
-``Dh ** -0.5``, and Mistral's sliding window W = the last W positions including the query
-(transformers: ``kv_idx > q_idx - W``), the ops' own convention. Matmuls use
+``Dh ** -0.5``, and the sliding window W of Mistral and Qwen2/3 = the last W positions including
+the query (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - W``; its sliding cache
+keeps ``W - 1`` past tokens plus the new one), the ops' own convention. Matmuls use
 ``Precision.HIGHEST`` for float32 models (float32 stays float32 on GPUs: no TF32) and the default
 precision for bf16/f16 ones.
 """
@@ -62,11 +76,22 @@ __all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "forward_
            "greedy_tokens", "stack_layers"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _check_layer_types(types: Any, num_layers: int) -> None:
+    if (not isinstance(types, (list, tuple)) or len(types) != num_layers
+            or not set(types) <= set(_LAYER_TYPES)):
+        raise ValueError(f"layer_types must list {num_layers} entries out of {_LAYER_TYPES}, "
+                         f"got {types!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The HF ``config.json`` fields a Llama/Mistral decoder needs (hashable: a static jit arg)."""
+    """The HF ``config.json`` fields a Llama/Mistral/Qwen2/Qwen3 decoder needs (hashable: a static
+    jit arg)."""
 
     vocab_size: int
     hidden_size: int
@@ -85,6 +110,11 @@ class LlamaConfig:
     rope_original_max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # Per layer "full_attention" or "sliding_attention" (HF layer_types); None: every layer
+    # slides when sliding_window is set (Mistral), else every layer is full.
+    layer_types: tuple[str, ...] | None = None
+    qkv_bias: bool = False             # Qwen2: q/k/v projections have biases
+    qk_norm: bool = False              # Qwen3: RMSNorm over each head's q and k before RoPE
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -99,13 +129,38 @@ class LlamaConfig:
     def jnp_dtype(self):
         return _DTYPES[self.dtype]
 
+    def __post_init__(self) -> None:
+        types = self.layer_types
+        if types is None:
+            return
+        _check_layer_types(types, self.num_hidden_layers)
+        if "sliding_attention" in types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is "
+                             "not set")
+        object.__setattr__(self, "layer_types", tuple(types))
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        types = self.layer_types or (
+            ("sliding_attention" if self.sliding_window else "full_attention",)
+            * self.num_hidden_layers)
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
+    def kv_groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
+        """``((window, layers), ...)``: the layers of each attention kind, full layers first,
+        one KV pool each (the order of the manager's layer groups)."""
+        windows = self.layer_windows()
+        kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        return tuple((w, tuple(i for i, x in enumerate(windows) if x == w)) for w in kinds)
+
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], *, dtype: str | None = None) -> "LlamaConfig":
         """Parses a HF ``config.json`` dict (transformers 4.x ``rope_scaling``/``rope_theta`` or
         5.x ``rope_parameters`` layouts). ``dtype`` overrides ``torch_dtype``/``dtype``."""
         model_type = d.get("model_type", "llama")
-        if model_type not in ("llama", "mistral"):
-            raise ValueError(f"unsupported model_type {model_type!r} (llama or mistral)")
+        if model_type not in _ARCHITECTURES:
+            raise ValueError(f"unsupported model_type {model_type!r} "
+                             f"({', '.join(_ARCHITECTURES)})")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if key not in d:
@@ -113,6 +168,8 @@ class LlamaConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (silu)")
+        # Llama/Mistral/Qwen3's attention_bias also biases o_proj: not supported. Qwen2 always
+        # has q/k/v biases (and no o_proj bias).
         if d.get("attention_bias") or d.get("mlp_bias"):
             raise ValueError("attention_bias / mlp_bias are not supported")
         heads = int(d["num_attention_heads"])
@@ -135,12 +192,26 @@ class LlamaConfig:
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r} ({', '.join(_DTYPES)})")
         window = d.get("sliding_window")
-        if d.get("use_sliding_window") is False:
+        qwen = model_type in ("qwen2", "qwen3")
+        # Qwen2/3 slide only with use_sliding_window (false when absent, as in transformers).
+        if d.get("use_sliding_window", not qwen) is False:
             window = None
+        window = int(window) if window else None
+        num_layers = int(d["num_hidden_layers"])
+        layer_types = d.get("layer_types")
+        if layer_types is None and qwen and window:
+            # Older Qwen configs: the layers from max_window_layers on slide (as transformers
+            # derives layer_types from them).
+            first = int(d.get("max_window_layers", num_layers))
+            layer_types = ["full_attention" if i < first else "sliding_attention"
+                           for i in range(num_layers)]
+        if layer_types is not None and window is None:
+            _check_layer_types(layer_types, num_layers)
+            layer_types = None         # transformers: no window, every layer attends fully
         return cls(
             vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
             intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=heads,
+            num_hidden_layers=num_layers, num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(head_dim), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_type=rope_type, rope_factor=float(rope.get("factor", 1.0)),
@@ -150,7 +221,9 @@ class LlamaConfig:
                 rope.get("original_max_position_embeddings",
                          max_pos if rope_type == "llama3" else 8192)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            layer_types=tuple(layer_types) if layer_types is not None else None,
+            qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
             max_position_embeddings=max_pos,
             bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype,
             model_type=model_type)
@@ -171,8 +244,7 @@ class LlamaConfig:
                 "high_freq_factor": self.rope_high_freq_factor,
                 "original_max_position_embeddings": self.rope_original_max_position_embeddings}
         d = {
-            "architectures": ["MistralForCausalLM" if self.model_type == "mistral"
-                              else "LlamaForCausalLM"],
+            "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -187,8 +259,12 @@ class LlamaConfig:
                              else self.eos_token_id),
             "torch_dtype": self.dtype, "attention_bias": False, "mlp_bias": False,
         }
-        if self.model_type == "mistral":
+        if self.model_type != "llama":
             d["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = self.sliding_window is not None
+            d["layer_types"] = [("sliding_attention" if w else "full_attention")
+                                for w in self.layer_windows()]
         return d
 
 
@@ -199,6 +275,10 @@ def param_shapes(config: LlamaConfig) -> dict[str, Any]:
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = {"attn_norm": (D,), "wqkv": (D, q_dim + 2 * kv_dim), "wo": (q_dim, D),
              "mlp_norm": (D,), "w_gate_up": (D, 2 * I), "w_down": (I, D)}
+    if c.qkv_bias:
+        layer["bqkv"] = (q_dim + 2 * kv_dim,)
+    if c.qk_norm:
+        layer["q_norm"] = layer["k_norm"] = (c.head_dim,)
     shapes = {
         "embed": (V, D),
         "layers": [dict(layer) for _ in range(c.num_hidden_layers)],
@@ -242,6 +322,8 @@ def init_params(config: LlamaConfig, seed: int = 0, *, on_device: bool = False) 
     def std_of(name, shape):
         if name.endswith("norm"):
             return None
+        if name == "bqkv":
+            return gain / math.sqrt(config.hidden_size)
         return embed_std if name == "embed" else gain / math.sqrt(shape[-2])
 
     def make(path, shape):
@@ -261,10 +343,17 @@ def init_params(config: LlamaConfig, seed: int = 0, *, on_device: bool = False) 
 
 
 def make_caches(config: LlamaConfig, num_pages: int, page_size: int):
-    """Zeroed ``(k_cache, v_cache)`` ``[L, num_pages, page_size, Hkv, Dh]`` in the model dtype."""
-    shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads,
-             config.head_dim)
-    return jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype)
+    """Zeroed ``(k_cache, v_cache)`` ``[L, num_pages, page_size, Hkv, Dh]`` in the model dtype;
+    with several :meth:`LlamaConfig.kv_groups`, tuples of one ``[L_g, ...]`` pool per group."""
+    def pools(num_layers):
+        shape = (num_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+        return jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype)
+
+    groups = config.kv_groups()
+    if len(groups) == 1:
+        return pools(config.num_hidden_layers)
+    k, v = zip(*(pools(len(layers)) for _, layers in groups))
+    return tuple(k), tuple(v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,9 +417,14 @@ def _layer(lp, config: LlamaConfig, h, cos, sin, k_cache, v_cache, layer, kv_att
     H, Hkv, Dh, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
     x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
     qkv = _mm(x, lp["wqkv"])                                  # [T, (H + 2 Hkv) Dh]
+    if c.qkv_bias:                                            # Qwen2
+        qkv = qkv + lp["bqkv"]
     q = qkv[:, :H * Dh].reshape(T, H, Dh)
     k = qkv[:, H * Dh:(H + Hkv) * Dh].reshape(T, Hkv, Dh)
     v = qkv[:, (H + Hkv) * Dh:].reshape(T, Hkv, Dh)
+    if c.qk_norm:                                             # Qwen3
+        q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     o, k_cache, v_cache = kv_attend(q, k, v, k_cache, v_cache, layer)
@@ -352,6 +446,8 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, k
     h = params["embed"][tokens]  # [T, D]
     layers = params["layers"]
     if isinstance(layers, dict):  # stacked weights (stack_layers): one lax.scan, for comparison
+        if len(config.kv_groups()) > 1:
+            raise ValueError("stacked layers need one KV group (all layers of one kind)")
         def body(carry, xs):
             h, kc, vc = carry
             lp, layer = xs
@@ -365,13 +461,35 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, k
     return h, k_cache, v_cache
 
 
-def _paged(slot_mapping, attend):
-    """``kv_attend`` for :func:`_decoder`: ``write_kv`` at ``slot_mapping``, then
-    ``attend(q, k_cache, v_cache, layer)`` (a paged op)."""
-    def kv_attend(q, k, v, kc, vc, layer):
-        kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer)
-        return attend(q, kc, vc, layer), kc, vc
-    return kv_attend
+def _paged(config: LlamaConfig, slot_mapping, page_table, rings, attend):
+    """``kv_attend`` for :func:`_decoder` over the paged pools of :meth:`LlamaConfig.kv_groups`:
+    layer ``l`` of group ``g`` (the ``i``-th layer there) does ``write_kv`` into pool ``g`` at
+    ``slot_mapping[g]``, then ``attend(q, k_pool, v_pool, table, i, window, ring)`` (a paged op)
+    with group ``g``'s table and window (see the module doc for the shapes and ``rings``)."""
+    groups = config.kv_groups()
+    rings = rings or (0,) * len(groups)
+    if len(rings) != len(groups):
+        raise ValueError(f"rings must have one entry per KV group ({len(groups)}), got {rings}")
+
+    def table(g):
+        t = page_table if len(groups) == 1 else page_table[g]
+        return t[:, :rings[g]] if rings[g] else t
+
+    if len(groups) == 1:  # one pool: the layer index is the pool's (a traced one under scan)
+        def kv_attend(q, k, v, kc, vc, layer):
+            kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer)
+            return attend(q, kc, vc, table(0), layer, groups[0][0], rings[0] > 0), kc, vc
+        return kv_attend
+
+    where = {layer: (g, i) for g, (_, layers) in enumerate(groups)
+             for i, layer in enumerate(layers)}
+
+    def kv_attend_grouped(q, k, v, kcs, vcs, layer):
+        g, i = where[layer]
+        kc, vc = jax_kvcm.write_kv(kcs[g], vcs[g], k, v, slot_mapping[g], layer=i)
+        o = attend(q, kc, vc, table(g), i, groups[g][0], rings[g] > 0)
+        return o, kcs[:g] + (kc,) + kcs[g + 1:], vcs[:g] + (vc,) + vcs[g + 1:]
+    return kv_attend_grouped
 
 
 def _logits(params, config: LlamaConfig, h):
@@ -383,9 +501,11 @@ def _logits(params, config: LlamaConfig, h):
     return out.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))
+@functools.partial(jax.jit, static_argnames=("config", "rings"),
+                   donate_argnames=("k_cache", "v_cache"))
 def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens,
-                 query_start, logits_index=None, *, config: LlamaConfig):
+                 query_start, logits_index=None, *, config: LlamaConfig,
+                 rings: tuple[int, ...] | None = None):
     """One ragged step (prefill chunks, decode tokens, or a mix) for a batch of sequences.
 
     Args:
@@ -398,36 +518,42 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
       logits_index: int32 ``[N]``: rows of ``tokens`` to produce logits for; None (default):
         ``query_start[1:] - 1``, the last new token of each sequence (``N = B``; a padded row
         gets the last real token's logits); ``arange(T)`` for all.
+      rings: per KV group, its ring-table width or 0 (absolute table); None: all absolute. With
+        several groups the caches are tuples, ``slot_mapping`` ``[G, T]`` and ``page_table``
+        ``[G, B, P]`` (see the module doc).
 
     Returns:
       ``(logits [N, vocab] float32, k_cache, v_cache)``; the caches are donated (updated in
       place).
     """
-    def attend(q, kc, vc, layer):
-        return jax_kvcm.ragged_paged_attention(q, kc, vc, page_table, seq_lens, query_start,
-                                               layer=layer, sliding_window=config.sliding_window)
+    def attend(q, kc, vc, table, layer, window, ring):
+        return jax_kvcm.ragged_paged_attention(q, kc, vc, table, seq_lens, query_start,
+                                               layer=layer, sliding_window=window,
+                                               ring_table=ring)
 
     h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
-                                   _paged(slot_mapping, attend))
+                                   _paged(config, slot_mapping, page_table, rings, attend))
     if logits_index is None:
         logits_index = jnp.maximum(query_start[1:] - 1, 0)
     return _logits(params, config, h[logits_index]), k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("k_cache", "v_cache"))
+@functools.partial(jax.jit, static_argnames=("config", "rings"),
+                   donate_argnames=("k_cache", "v_cache"))
 def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens, *,
-                config: LlamaConfig):
+                config: LlamaConfig, rings: tuple[int, ...] | None = None):
     """Pure decode: one new token per sequence (``tokens [B]`` at ``positions = seq_lens - 1``),
-    attention by ``paged_attention``. Padded rows: ``seq_lens[b] = 0`` and ``slot_mapping[b] = -1``.
+    attention by ``paged_attention``. Padded rows: ``seq_lens[b] = 0`` and ``slot_mapping[b] = -1``
+    (``[..., b]`` with several KV groups; ``rings`` as in :func:`forward_step`).
 
     Returns ``(logits [B, vocab] float32, k_cache, v_cache)`` (caches donated).
     """
-    def attend(q, kc, vc, layer):
-        return jax_kvcm.paged_attention(q, kc, vc, page_table, seq_lens, layer=layer,
-                                        sliding_window=config.sliding_window)
+    def attend(q, kc, vc, table, layer, window, ring):
+        return jax_kvcm.paged_attention(q, kc, vc, table, seq_lens, layer=layer,
+                                        sliding_window=window, ring_table=ring)
 
     h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
-                                   _paged(slot_mapping, attend))
+                                   _paged(config, slot_mapping, page_table, rings, attend))
     return _logits(params, config, h), k_cache, v_cache
 
 

@@ -82,6 +82,9 @@ class PagedRunner:
                  chunk_size: int = 32, paged_decode: bool = True, prefix_sharing: bool = True):
         if chunk_size < 1 or max_batch < 1 or num_pages < 2:
             raise ValueError("need chunk_size >= 1, max_batch >= 1 and num_pages >= 2")
+        if len(config.kv_groups()) > 1:
+            raise ValueError("config: PagedRunner has one pool for all layers; a model with "
+                             "full and sliding layers (layer_types) runs in serve.Server")
         self.params, self.config = params, config
         self.page_size, self.max_batch, self.chunk_size = page_size, max_batch, chunk_size
         self.max_seq_len = max_seq_len

@@ -209,10 +209,12 @@ def _fit(x, n: int, fill: int):
     return jnp.concatenate([x, jnp.full((n - x.shape[0],), fill, x.dtype)])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "decode", "greedy", "with_logits"),
+@functools.partial(jax.jit, static_argnames=("config", "rings", "decode", "greedy",
+                                             "with_logits"),
                    donate_argnames=("k_cache", "v_cache"))
 def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch, sampling, *,
-               config: llama.LlamaConfig, decode: bool, greedy: bool, with_logits: bool):
+               config: llama.LlamaConfig, rings: tuple[int, ...] | None = None, decode: bool,
+               greedy: bool, with_logits: bool):
     """One serving step on the device: input tokens, the model, sampling.
 
     Args:
@@ -225,6 +227,8 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
         :func:`model.sample_tokens`); ignored when ``greedy``.
       decode: one token per row (``T`` new tokens = the ``B`` rows): ``decode_step``
         (``paged_attention``); else ``forward_step`` (``ragged_paged_attention``).
+      k_cache, v_cache, rings: the model's pools (tuples with several KV groups) and ring widths
+        (see examples/llama/model.py).
 
     Returns:
       ``(tokens [M] int32, logits [B, V] float32 or None, k_cache, v_cache)``: row ``b``'s next
@@ -234,16 +238,28 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
     tokens = jnp.where(gather >= 0, prev_tokens[jnp.maximum(gather, 0)], host_tokens)
     B = batch.seq_lens.shape[0]
     if decode:
+        slots = batch.slot_mapping  # [T], or [G, T] with several KV groups
+        slots = (_fit(slots, B, -1) if slots.ndim == 1
+                 else jax.vmap(lambda s: _fit(s, B, -1))(slots))
         logits, k_cache, v_cache = llama.decode_step(
             params, k_cache, v_cache, _fit(tokens, B, 0), _fit(batch.positions, B, 0),
-            _fit(batch.slot_mapping, B, -1), batch.page_table, batch.seq_lens, config=config)
+            slots, batch.page_table, batch.seq_lens, config=config, rings=rings)
     else:
         logits, k_cache, v_cache = llama.forward_step(
             params, k_cache, v_cache, tokens, batch.positions, batch.slot_mapping,
-            batch.page_table, batch.seq_lens, batch.query_start, config=config)
+            batch.page_table, batch.seq_lens, batch.query_start, config=config, rings=rings)
     nxt = llama.greedy_tokens(logits) if greedy else llama.sample_tokens(logits, *sampling)
     out = jax.lax.dynamic_update_slice(jnp.zeros_like(prev_tokens), nxt, (0,))
     return out, (logits if with_logits else None), k_cache, v_cache
+
+
+def _model_caches(caches):
+    """The manager's pools (one ``(k, v)`` per layer group) as the model takes them: one
+    ``(k, v)`` pair for one group, else a tuple of ``k`` pools and one of ``v`` pools."""
+    if len(caches) == 1:
+        return caches[0]
+    k, v = zip(*caches)
+    return tuple(k), tuple(v)
 
 
 @dataclasses.dataclass
@@ -267,12 +283,16 @@ class Server:
         self.serve = serve = serve or ServeConfig()
         if serve.disk_dir:
             os.makedirs(serve.disk_dir, exist_ok=True)
-        group = LayerGroupConfig(num_layers=config.num_hidden_layers,
-                                 num_kv_heads=config.num_key_value_heads,
-                                 head_dim=config.head_dim, dtype=config.jnp_dtype,
-                                 sliding_window=config.sliding_window)
+        # One layer group per attention kind (full layers; window layers), in the model's
+        # kv_groups order; window groups get ring tables (width independent of max_seq_len).
+        groups = tuple(LayerGroupConfig(num_layers=len(layers),
+                                        num_kv_heads=config.num_key_value_heads,
+                                        head_dim=config.head_dim, dtype=config.jnp_dtype,
+                                        sliding_window=window)
+                       for window, layers in config.kv_groups())
         self.kv_config = KVCacheConfig(
-            tokens_per_page=serve.page_size, layer_groups=(group,),
+            tokens_per_page=serve.page_size, layer_groups=groups,
+            ring_tables=any(g.sliding_window is not None for g in groups),
             device_pages=None if serve.hot_backend == "arena" else serve.device_pages,
             host_bytes=serve.host_bytes, disk_dir=serve.disk_dir, disk_bytes=serve.disk_bytes,
             hot_backend=serve.hot_backend, arena=serve.arena,
@@ -281,8 +301,10 @@ class Server:
             batch_buckets=serve.batch_buckets, token_buckets=serve.token_buckets)
         self.manager = KVCacheManager(self.kv_config, CODECS[serve.cold_codec]())
         self.manager.add_observer(self._on_event)
+        rings = tuple(w if g.sliding_window else 0
+                      for g, w in zip(groups, self.kv_config.table_widths))
         # NOTE: the device step; a test seam (a fault hook wraps it from outside the class).
-        self._model_step = functools.partial(model_step, config=config)
+        self._model_step = functools.partial(model_step, config=config, rings=rings)
         self._waiting: collections.deque[_Req] = collections.deque()
         self._running: list[_Req] = []
         self._suspended: collections.deque[_Req] = collections.deque()
@@ -560,11 +582,11 @@ class Server:
             sampling = (temp, top_p, seed, stream, counter)
         with_logits = self.serve.record_logits
         self._shapes.add(("decode" if decode else "forward", Bb, Tb, greedy))
-        (k, v), = self.manager.caches
+        k, v = _model_caches(self.manager.caches)
         tokens, logits, k, v = self._model_step(
             self.params, k, v, self._prev_tokens, gather, host_tokens, batch, sampling,
             decode=decode, greedy=greedy, with_logits=with_logits)
-        self.manager.complete_step([(k, v)])
+        self.manager.complete_step(list(zip(k, v)) if isinstance(k, tuple) else [(k, v)])
         tokens.copy_to_host_async()
         if logits is not None:
             logits.copy_to_host_async()
@@ -659,14 +681,14 @@ class Server:
             # NOTE: without abort_step the step's sequences are closed (nothing of this step is
             # committed: complete_step skips closed sequences) and recomputed; the pools must
             # be intact (the step failed before consuming them).
-            (k, v), = mgr.caches
-            if k.is_deleted() or v.is_deleted():
+            caches = mgr.caches
+            if any(a.is_deleted() for kv in caches for a in kv):
                 raise RuntimeError("the failed step consumed the KV pools and this manager has "
                                    "no abort_step to recover them") from e
             lost = [r.seq for r, _ in work]
             for seq in lost:
                 mgr.close(seq)
-            mgr.complete_step([(k, v)])
+            mgr.complete_step(caches)
         lost_ids = {id(s) for s in lost}
         finished = self._drain()
         for r, _ in work:
