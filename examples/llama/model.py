@@ -8,7 +8,8 @@ layer, so every layer's weights are their own buffers)::
      "layers": [{"attn_norm": [D], "wqkv": [D, (H + 2*Hkv)*Dh], "wo": [H*Dh, D],
                  "mlp_norm": [D], "w_gate_up": [D, 2*I], "w_down": [I, D]}, ...],   # L dicts
      "norm": [D],
-     "lm_head": [D, V]}          # absent when config.tie_word_embeddings (embed.T is used)
+     "lm_head": [D, V],          # absent when config.tie_word_embeddings (embed.T is used)
+     "kv_scales": {"k": [L, Hkv], "v": [L, Hkv]}}   # optional, float32: FP8 K/V scales
 
 ``wqkv`` is ``[wq | wk | wv]`` and ``w_gate_up`` is ``[w_gate | w_up]`` along the output axis: one
 GEMM each instead of three and two. The layer loop is a Python loop (unrolled at trace time), so
@@ -22,6 +23,12 @@ KV caches are ``[L, num_pages, page_size, Hkv, Dh]`` in the params' dtype; page 
 The caches keep their layer axis (they are the manager's pools) and the ops take a static
 ``layer=`` index; ``write_kv`` aliases its outputs to the donated caches, so K/V are written in
 place.
+
+FP8 K/V: caches in ``float8_e4m3fn`` (``make_caches(..., kv_dtype=jnp.float8_e4m3fn)``, or the
+manager's pools with ``LayerGroupConfig(kv_dtype=...)``) store ``saturate(k / k_scale)``; the step
+sees the cache dtype at trace time and passes ``params["kv_scales"]`` (float32 ``[L, Hkv]``, from
+the checkpoint: see ``loader.py``) to ``write_kv`` and the attention op, or 1.0 everywhere when the
+params have none. Caches in the compute dtype ignore ``kv_scales`` (the bf16 program is unchanged).
 
 Every step (prefill chunks, mixed prefill+decode batches, pure decode) goes through
 :func:`forward_step`: ``write_kv`` of the new tokens' K/V, then ``ragged_paged_attention``.
@@ -57,7 +64,7 @@ import numpy as np
 
 import jax_kvcm
 
-__all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "forward_step",
+__all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "kv_scales", "forward_step",
            "decode_step", "bind", "rope_inv_freq", "param_shapes", "sample_tokens",
            "greedy_tokens", "stack_layers"]
 
@@ -260,11 +267,26 @@ def init_params(config: LlamaConfig, seed: int = 0, *, on_device: bool = False) 
         make, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make_caches(config: LlamaConfig, num_pages: int, page_size: int):
-    """Zeroed ``(k_cache, v_cache)`` ``[L, num_pages, page_size, Hkv, Dh]`` in the model dtype."""
+def make_caches(config: LlamaConfig, num_pages: int, page_size: int, *, kv_dtype: Any = None):
+    """Zeroed ``(k_cache, v_cache)`` ``[L, num_pages, page_size, Hkv, Dh]`` in ``kv_dtype``
+    (None: the model dtype; ``jnp.float8_e4m3fn`` for FP8 K/V)."""
     shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads,
              config.head_dim)
-    return jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype)
+    dtype = config.jnp_dtype if kv_dtype is None else kv_dtype
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def kv_scales(params, config: LlamaConfig, k_cache) -> dict[str, jax.Array]:
+    """The ops' ``k_scale`` / ``v_scale`` keyword arguments (float32 ``[L, Hkv]``) for caches in
+    ``float8_e4m3fn``: ``params["kv_scales"]`` when present, else 1.0; ``{}`` for caches in any
+    other dtype (they take no scales)."""
+    if k_cache.dtype != jnp.float8_e4m3fn:
+        return {}
+    scales = params.get("kv_scales")
+    if scales is None:
+        ones = jnp.ones((config.num_hidden_layers, config.num_key_value_heads), jnp.float32)
+        return {"k_scale": ones, "v_scale": ones}
+    return {"k_scale": scales["k"], "v_scale": scales["v"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,11 +387,12 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, k
     return h, k_cache, v_cache
 
 
-def _paged(slot_mapping, attend):
+def _paged(slot_mapping, attend, scales):
     """``kv_attend`` for :func:`_decoder`: ``write_kv`` at ``slot_mapping``, then
-    ``attend(q, k_cache, v_cache, layer)`` (a paged op)."""
+    ``attend(q, k_cache, v_cache, layer)`` (a paged op); ``scales``: :func:`kv_scales`, passed
+    to both (the attend closures take them too)."""
     def kv_attend(q, k, v, kc, vc, layer):
-        kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer)
+        kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer, **scales)
         return attend(q, kc, vc, layer), kc, vc
     return kv_attend
 
@@ -403,12 +426,15 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
       ``(logits [N, vocab] float32, k_cache, v_cache)``; the caches are donated (updated in
       place).
     """
+    scales = kv_scales(params, config, k_cache)
+
     def attend(q, kc, vc, layer):
         return jax_kvcm.ragged_paged_attention(q, kc, vc, page_table, seq_lens, query_start,
-                                               layer=layer, sliding_window=config.sliding_window)
+                                               layer=layer, sliding_window=config.sliding_window,
+                                               **scales)
 
     h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
-                                   _paged(slot_mapping, attend))
+                                   _paged(slot_mapping, attend, scales))
     if logits_index is None:
         logits_index = jnp.maximum(query_start[1:] - 1, 0)
     return _logits(params, config, h[logits_index]), k_cache, v_cache
@@ -422,12 +448,14 @@ def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_
 
     Returns ``(logits [B, vocab] float32, k_cache, v_cache)`` (caches donated).
     """
+    scales = kv_scales(params, config, k_cache)
+
     def attend(q, kc, vc, layer):
         return jax_kvcm.paged_attention(q, kc, vc, page_table, seq_lens, layer=layer,
-                                        sliding_window=config.sliding_window)
+                                        sliding_window=config.sliding_window, **scales)
 
     h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
-                                   _paged(slot_mapping, attend))
+                                   _paged(slot_mapping, attend, scales))
     return _logits(params, config, h), k_cache, v_cache
 
 
