@@ -159,7 +159,7 @@ def test_loader_reads_kv_scales(tmp_path):
     with pytest.raises(llama_loader.CheckpointError, match="none for layer 1"):
         load_with({"model.layers.0.self_attn.k_scale": _f32(1),
                    "model.layers.0.self_attn.v_scale": _f32(1)})
-    with pytest.raises(llama_loader.CheckpointError, match="but not 'model.layers.0.self_attn.v_sc"):
+    with pytest.raises(llama_loader.CheckpointError, match="but not 'model.layers.0.self_attn.v_"):
         load_with({"model.layers.0.self_attn.k_scale": _f32(1)})
     bad = {f"model.layers.{i}.self_attn.{w}_scale": _f32(1) for i in range(2) for w in "kv"}
     with pytest.raises(llama_loader.CheckpointError, match="finite and > 0"):
