@@ -17,12 +17,17 @@ hot <-> host (GB/s = 1e9 bytes per second of *uncompressed* hot bytes; int8 also
   contiguous       torch: one 1 GiB copy_ between a CUDA tensor and a pinned CPU tensor (the
                    ceiling; measured at the start and at the end of the run, ratios use the
                    median of both sets of samples)
-  concat           StorageManager.migrate with ConcatCodec: its default CUDA mover for a mapped
-                   pinned tier, one copy-kernel launch per codec call (CTA per 32 KiB piece)
-  concat[memcpy-batch] the same with JAX_KVCM_CONCAT_COPY=memcpy: one cuMemcpyBatchAsync per
-                   codec call (4096 pages = one call, 262144 descriptors of 32 KiB)
-  concat[no-batch] JAX_KVCM_CONCAT_COPY=memcpy JAX_KVCM_NO_MEMCPY_BATCH=1: the fallback before
-                   CUDA 12.8, one cudaMemcpyAsync per 32 KiB piece issued from C++
+  concat           StorageManager.migrate with ConcatCodec(copy="auto"): its default CUDA mover
+                   for a mapped pinned tier, one copy-kernel launch per codec call (CTA per
+                   32 KiB piece)
+  concat[memcpy-batch] a manager of its own with ConcatCodec(copy="memcpy", memcpy_batch=True):
+                   one cuMemcpyBatchAsync per codec call (4096 pages = one call, 262144
+                   descriptors of 32 KiB)
+  concat[no-batch] a manager of its own with ConcatCodec(copy="memcpy", memcpy_batch=False):
+                   the fallback before CUDA 12.8, one cudaMemcpyAsync per 32 KiB piece issued
+                   from C++
+                   (every codec is built with explicit options: the JAX_KVCM_CONCAT_COPY /
+                   JAX_KVCM_NO_MEMCPY_BATCH environment defaults do not reach any row)
   int8             StorageManager.migrate with Int8Codec (CUDA kernels reading/writing the mapped
                    pinned host tier directly; cold page 1026 KiB)
   per-piece loop   torch: for each page and each of the 64 pools, dst[...].copy_(src[...],
@@ -101,8 +106,6 @@ LG = 0  # the one layer group
 GB = 1e9
 GiB = 1 << 30
 IO_CHUNK = 1 << 30  # plain disk I/O: bytes per pwrite/preadv call (Linux caps one call at 2 GiB)
-NO_BATCH_ENV = "JAX_KVCM_NO_MEMCPY_BATCH"
-COPY_ENV = "JAX_KVCM_CONCAT_COPY"
 
 TARGET_CONCAT_VS_CONTIG = 0.8
 TARGET_INT8_VS_CONCAT = 1.5
@@ -335,8 +338,6 @@ def environment(disk_dir: str | None) -> dict[str, Any]:
                     pass
     if env["backend"] == "gpu":
         env.update(driver_info())
-    if os.environ.get(NO_BATCH_ENV):
-        env["warning"] = f"{NO_BATCH_ENV}={os.environ[NO_BATCH_ENV]} was set at start (cleared)"
     if disk_dir:
         env["disk_dir"] = disk_dir
         env["disk_fs"] = fs_type(disk_dir)
@@ -791,27 +792,39 @@ def _concat_hot_host(sm: StorageManager, slots_pool: np.ndarray, shape: Shape,
     _log(f"  concat check: {v}")
     rows += time_cycles(sm, slots_pool, shape, args.repeats, rng, name, None,
                         note=f"{batch}; check {'ok' if v.get('ok') else 'FAIL'}")
-    # The memcpy movers (read on every call): one cuMemcpyBatchAsync per call (the codec
-    # design's original path), then one cudaMemcpyAsync per descriptor (the fallback before CUDA 12.8).
-    for label, env, note in (
-            ("concat[memcpy-batch]", {COPY_ENV: "memcpy"},
-             f"{COPY_ENV}=memcpy: one cuMemcpyBatchAsync per call, "
+    return rows
+
+
+def _concat_memcpy_rows(shape: Shape, args: argparse.Namespace,
+                        rng: np.random.Generator) -> list[dict[str, Any]]:
+    """The memcpy movers, each on a manager built with its codec options (one at a time, after
+    the default mover's manager is closed): one cuMemcpyBatchAsync per call (the codec design's
+    original path), then one cudaMemcpyAsync per descriptor (the fallback before CUDA 12.8)."""
+    rows: list[dict[str, Any]] = []
+    for label, batched, note in (
+            ("concat[memcpy-batch]", True,
+             f'ConcatCodec(copy="memcpy"): one cuMemcpyBatchAsync per call, '
              f"{shape.pages * 2 * shape.num_layers} descriptors"),
-            ("concat[no-batch]", {COPY_ENV: "memcpy", NO_BATCH_ENV: "1"},
-             f"{COPY_ENV}=memcpy {NO_BATCH_ENV}=1: one cudaMemcpyAsync per "
+            ("concat[no-batch]", False,
+             f'ConcatCodec(copy="memcpy", memcpy_batch=False): one cudaMemcpyAsync per '
              f"{shape.piece_bytes >> 10} KiB piece, from C++")):
         if jax.default_backend() != "gpu":
             note = "no effect on CPU (same memcpy path)"
-        os.environ.update(env)
+        sm = None
         try:
+            sm, slots_pool = build_manager(
+                shape, ConcatCodec(copy="memcpy", memcpy_batch=batched),
+                shape.pages + args.host_extra_pages, None, 0, args.seed + 1)
             rows += time_cycles(sm, slots_pool, shape, args.piece_repeats, rng, label, None,
                                 note=note, warmup=1)
         except Exception as e:  # noqa: BLE001
             rows.append(row("hot<->host", label, "both", error=_err(e)))
             _log(f"  {label}: ERROR {_err(e)}")
         finally:
-            for key in env:
-                os.environ.pop(key, None)
+            if sm is not None:
+                sm.close()
+            del sm
+            free_memory()
     return rows
 
 
@@ -822,7 +835,8 @@ def run_concat(shape: Shape, args: argparse.Namespace, disk_dir: str | None, dis
     name = "concat (StorageManager.migrate, ConcatCodec)"
     t0 = time.perf_counter()
     try:
-        sm, slots_pool = build_manager(shape, ConcatCodec(), shape.pages + args.host_extra_pages,
+        sm, slots_pool = build_manager(shape, ConcatCodec(copy="auto", memcpy_batch=True),
+                                       shape.pages + args.host_extra_pages,
                                        disk_dir, disk_pages, args.seed + 1)
     except Exception as e:  # noqa: BLE001
         _log(f"  concat manager: ERROR {_err(e)}")
@@ -865,6 +879,8 @@ def run_concat(shape: Shape, args: argparse.Namespace, disk_dir: str | None, dis
         sm.close()
         del sm
         free_memory()
+    if not args.disk_only:
+        rows += _concat_memcpy_rows(shape, args, rng)
     return rows
 
 
@@ -1087,8 +1103,6 @@ def main(argv: list[str] | None = None) -> int:
         args.skip_torch = args.skip_int8 = True
         # The hot pages only feed the host tier once: no second set for random draws.
         shape = Shape(**{**shape.__dict__, "hot_slots": shape.pages})
-    os.environ.pop(NO_BATCH_ENV, None)
-    os.environ.pop(COPY_ENV, None)
 
     t_start = time.perf_counter()
     disk_dir = None if args.skip_disk else pick_disk_dir(args.disk_dir)

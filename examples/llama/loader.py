@@ -5,6 +5,21 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors`` /
 any ``*.safetensors`` files, or a sharded set listed by ``model.safetensors.index.json``; read with
 the ``safetensors`` package (numpy framework; bfloat16 comes back as ``ml_dtypes.bfloat16``).
 ``tokenizer.json``, when present, is loaded with ``tokenizers``.
+
+FP8 K/V scales: when the checkpoint carries per-layer K/V cache scales (a model quantized with an
+FP8 KV cache), they become ``params["kv_scales"] = {"k": [L, Hkv], "v": [L, Hkv]}`` (float32),
+which the model passes to the ops when its caches are ``float8_e4m3fn`` (the cache stores
+``k / k_scale``). Recognized names, per layer ``i``, first match wins (the names vLLM loads):
+
+- ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale`` (llm-compressor / compressed-tensors);
+- ``model.layers.{i}.self_attn.k_proj.output_scale`` / ``.v_proj.output_scale`` (ModelOpt,
+  AutoFP8);
+- ``model.layers.{i}.self_attn.kv_scale`` (one scale for K and V; older exports).
+
+Each is a scalar (one scale for every KV head, the usual per-tensor scale) or ``[Hkv]``; finite
+and > 0. Either every layer has them or none does (a partial set is an error). A checkpoint
+without them gets no ``kv_scales`` and FP8 K/V then uses 1.0 (fine for the activations of most
+models, whose K/V stay well inside fp8's +-448; an outlier saturates there).
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ except ImportError:  # pragma: no cover
     from model import LlamaConfig, init_scales, param_shapes  # type: ignore[no-redef]
 
 __all__ = ["load_checkpoint", "load_config", "load_tokenizer", "write_random_checkpoint",
-           "hf_to_params", "CheckpointError"]
+           "hf_to_params", "kv_scales_from_tensors", "CheckpointError"]
 
 
 class CheckpointError(ValueError):
@@ -46,6 +61,11 @@ _LAYER_NAMES = {
     "q_norm": (("self_attn.q_norm.weight",), False),
     "k_norm": (("self_attn.k_norm.weight",), False),
 }
+
+# Per-layer (K name, V name) pairs under model.layers.{i}. for FP8 K/V scales, tried in order.
+_KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),
+                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+                   ("self_attn.kv_scale", "self_attn.kv_scale"))
 
 _RAW_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
                "F64": np.float64}
@@ -184,11 +204,54 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[st
     }
     if not config.tie_word_embeddings:
         params["lm_head"] = cast(get("lm_head.weight", shapes["lm_head"], True))
+    scales = kv_scales_from_tensors(tensors, config)
+    if scales is not None:
+        params["kv_scales"] = scales
     extra = [k for k in tensors if k.startswith(f"model.layers.{config.num_hidden_layers}.")]
     if extra:
         raise CheckpointError(f"checkpoint has more layers than config.num_hidden_layers="
                               f"{config.num_hidden_layers} (e.g. {extra[0]!r})")
     return params
+
+
+def kv_scales_from_tensors(tensors: dict[str, np.ndarray],
+                           config: LlamaConfig) -> dict[str, Any] | None:
+    """``{"k": [L, Hkv], "v": [L, Hkv]}`` float32 FP8 K/V scales from the checkpoint's tensors
+    (names in the module doc), or None when it has none."""
+    L, Hkv = config.num_hidden_layers, config.num_key_value_heads
+    found: list[tuple[str, np.ndarray, np.ndarray] | None] = []
+    for i in range(L):
+        pair = next(((f"model.layers.{i}.{k}", f"model.layers.{i}.{v}")
+                     for k, v in _KV_SCALE_NAMES if f"model.layers.{i}.{k}" in tensors), None)
+        if pair is None:
+            found.append(None)
+            continue
+        if pair[1] not in tensors:
+            raise CheckpointError(f"checkpoint has {pair[0]!r} but not {pair[1]!r}")
+        k, v = (_head_scales(n, tensors[n], Hkv) for n in pair)
+        found.append((pair[0], k, v))
+    if all(f is None for f in found):
+        return None
+    if any(f is None for f in found):
+        have = next(f[0] for f in found if f is not None)
+        missing = found.index(None)
+        raise CheckpointError(f"checkpoint has FP8 K/V scales for some layers (e.g. {have!r}) "
+                              f"but none for layer {missing}")
+    k = np.stack([f[1] for f in found])  # type: ignore[index]
+    v = np.stack([f[2] for f in found])  # type: ignore[index]
+    return {"k": jnp.asarray(k, jnp.float32), "v": jnp.asarray(v, jnp.float32)}
+
+
+def _head_scales(name: str, arr: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """One layer's scale tensor (scalar, ``[1]`` or ``[Hkv]``) as float32 ``[Hkv]``."""
+    a = np.asarray(arr, np.float32).reshape(-1)
+    if a.size not in (1, num_kv_heads):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(np.shape(arr))}; an FP8 K/V "
+                              f"scale is a scalar or [{num_kv_heads}] (one per KV head)")
+    if not (np.all(np.isfinite(a)) and np.all(a > 0)):
+        raise CheckpointError(f"tensor {name!r}: FP8 K/V scales must be finite and > 0, got "
+                              f"{a.tolist()}")
+    return np.broadcast_to(a, (num_kv_heads,)).copy()
 
 
 def load_checkpoint(path: str | Path, *, dtype: str | None = None,
@@ -206,9 +269,12 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None,
 
 
 def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0,
-                            dtype: str | None = None, *, shards: int = 1) -> Path:
+                            dtype: str | None = None, *, shards: int = 1,
+                            kv_scales: tuple[Any, Any] | None = None) -> Path:
     """Writes a deterministic random-weight HF-format checkpoint (config.json + safetensors).
 
+    ``kv_scales=(k, v)`` (float32, ``[L]`` or ``[L, Hkv]``) also writes FP8 K/V scales as
+    ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale`` (the llm-compressor layout).
     ``shards=2`` splits the tensors over ``model-0000{1,2}-of-00002.safetensors`` with a
     ``model.safetensors.index.json`` (the sharded path). Same (config, seed, dtype) -> same bytes.
     Weight scales from :func:`model.init_scales` (varied greedy generations, unlike HF's 0.02).
@@ -254,6 +320,9 @@ def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0
         tensors[p + "mlp.gate_proj.weight"] = dense(I, D)
         tensors[p + "mlp.up_proj.weight"] = dense(I, D)
         tensors[p + "mlp.down_proj.weight"] = dense(D, I)
+        if kv_scales is not None:
+            tensors[p + "self_attn.k_scale"] = np.asarray(kv_scales[0][i], np.float32)
+            tensors[p + "self_attn.v_scale"] = np.asarray(kv_scales[1][i], np.float32)
     tensors["model.norm.weight"] = norm(D)
     if not c.tie_word_embeddings:
         tensors["lm_head.weight"] = dense(V, D)  # fan-in D

@@ -8,7 +8,8 @@ layer, so every layer's weights are their own buffers)::
      "layers": [{"attn_norm": [D], "wqkv": [D, (H + 2*Hkv)*Dh], "wo": [H*Dh, D],
                  "mlp_norm": [D], "w_gate_up": [D, 2*I], "w_down": [I, D]}, ...],   # L dicts
      "norm": [D],
-     "lm_head": [D, V]}          # absent when config.tie_word_embeddings (embed.T is used)
+     "lm_head": [D, V],          # absent when config.tie_word_embeddings (embed.T is used)
+     "kv_scales": {"k": [L, Hkv], "v": [L, Hkv]}}   # optional, float32: FP8 K/V scales
 
 ``wqkv`` is ``[wq | wk | wv]`` and ``w_gate_up`` is ``[w_gate | w_up]`` along the output axis: one
 GEMM each instead of three and two. Qwen2 layers add ``"bqkv": [(H + 2*Hkv)*Dh]`` (the q/k/v
@@ -35,6 +36,12 @@ manager's ``StepBatch``), and layer ``l`` writes and reads its group's pool at i
 group. The steps' static ``rings`` argument says, per group, whether its table is a ring
 (``KVCacheConfig(ring_tables=True)``): ``rings[g] = R > 0`` reads ``page_table[g, :, :R]`` with
 ``ring_table=True``; 0 reads the whole absolute row.
+
+FP8 K/V: caches in ``float8_e4m3fn`` (``make_caches(..., kv_dtype=jnp.float8_e4m3fn)``, or the
+manager's pools with ``LayerGroupConfig(kv_dtype=...)``) store ``saturate(k / k_scale)``; the step
+sees the cache dtype at trace time and passes ``params["kv_scales"]`` (float32 ``[L, Hkv]`` over the model's layers,
+from the checkpoint: see ``loader.py``; each group's pool gets the rows of its layers) to ``write_kv`` and the attention op, or 1.0 everywhere when the
+params have none. Caches in the compute dtype ignore ``kv_scales`` (the bf16 program is unchanged).
 
 Every step (prefill chunks, mixed prefill+decode batches, pure decode) goes through
 :func:`forward_step`: ``write_kv`` of the new tokens' K/V, then ``ragged_paged_attention``.
@@ -71,7 +78,7 @@ import numpy as np
 
 import jax_kvcm
 
-__all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "forward_step",
+__all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "kv_scales", "forward_step",
            "decode_step", "bind", "rope_inv_freq", "param_shapes", "sample_tokens",
            "greedy_tokens", "stack_layers"]
 
@@ -342,18 +349,36 @@ def init_params(config: LlamaConfig, seed: int = 0, *, on_device: bool = False) 
         make, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make_caches(config: LlamaConfig, num_pages: int, page_size: int):
-    """Zeroed ``(k_cache, v_cache)`` ``[L, num_pages, page_size, Hkv, Dh]`` in the model dtype;
-    with several :meth:`LlamaConfig.kv_groups`, tuples of one ``[L_g, ...]`` pool per group."""
+def make_caches(config: LlamaConfig, num_pages: int, page_size: int, *, kv_dtype: Any = None):
+    """Zeroed ``(k_cache, v_cache)`` ``[L, num_pages, page_size, Hkv, Dh]`` in ``kv_dtype`` (None:
+    the model dtype; ``jnp.float8_e4m3fn`` for FP8 K/V); with several
+    :meth:`LlamaConfig.kv_groups`, tuples of one ``[L_g, ...]`` pool per group."""
+    dtype = config.jnp_dtype if kv_dtype is None else kv_dtype
+
     def pools(num_layers):
         shape = (num_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
-        return jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
     groups = config.kv_groups()
     if len(groups) == 1:
         return pools(config.num_hidden_layers)
     k, v = zip(*(pools(len(layers)) for _, layers in groups))
     return tuple(k), tuple(v)
+
+
+def kv_scales(params, config: LlamaConfig, k_cache) -> dict[str, jax.Array]:
+    """The ops' ``k_scale`` / ``v_scale`` keyword arguments (float32 ``[L, Hkv]``, rows in the
+    model's layer order) for caches in ``float8_e4m3fn``: ``params["kv_scales"]`` when present,
+    else 1.0; ``{}`` for caches in any other dtype (they take no scales). ``k_cache``: one pool
+    or a tuple of per-group pools."""
+    first = k_cache[0] if isinstance(k_cache, tuple) else k_cache
+    if first.dtype != jnp.float8_e4m3fn:
+        return {}
+    scales = params.get("kv_scales")
+    if scales is None:
+        ones = jnp.ones((config.num_hidden_layers, config.num_key_value_heads), jnp.float32)
+        return {"k_scale": ones, "v_scale": ones}
+    return {"k_scale": scales["k"], "v_scale": scales["v"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,11 +486,12 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, k
     return h, k_cache, v_cache
 
 
-def _paged(config: LlamaConfig, slot_mapping, page_table, rings, attend):
+def _paged(config: LlamaConfig, slot_mapping, page_table, rings, attend, scales):
     """``kv_attend`` for :func:`_decoder` over the paged pools of :meth:`LlamaConfig.kv_groups`:
     layer ``l`` of group ``g`` (the ``i``-th layer there) does ``write_kv`` into pool ``g`` at
-    ``slot_mapping[g]``, then ``attend(q, k_pool, v_pool, table, i, window, ring)`` (a paged op)
-    with group ``g``'s table and window (see the module doc for the shapes and ``rings``)."""
+    ``slot_mapping[g]``, then ``attend(q, k_pool, v_pool, table, i, window, ring, scales)`` (a
+    paged op) with group ``g``'s table, window and FP8 scales (see the module doc for the shapes
+    and ``rings``; ``scales``: :func:`kv_scales`, ``{}`` unless the caches are fp8)."""
     groups = config.kv_groups()
     rings = rings or (0,) * len(groups)
     if len(rings) != len(groups):
@@ -477,17 +503,20 @@ def _paged(config: LlamaConfig, slot_mapping, page_table, rings, attend):
 
     if len(groups) == 1:  # one pool: the layer index is the pool's (a traced one under scan)
         def kv_attend(q, k, v, kc, vc, layer):
-            kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer)
-            return attend(q, kc, vc, table(0), layer, groups[0][0], rings[0] > 0), kc, vc
+            kc, vc = jax_kvcm.write_kv(kc, vc, k, v, slot_mapping, layer=layer, **scales)
+            return attend(q, kc, vc, table(0), layer, groups[0][0], rings[0] > 0, scales), kc, vc
         return kv_attend
 
     where = {layer: (g, i) for g, (_, layers) in enumerate(groups)
              for i, layer in enumerate(layers)}
+    group_scales = [{name: a[np.asarray(layers)] for name, a in scales.items()}
+                    for _, layers in groups]
 
     def kv_attend_grouped(q, k, v, kcs, vcs, layer):
         g, i = where[layer]
-        kc, vc = jax_kvcm.write_kv(kcs[g], vcs[g], k, v, slot_mapping[g], layer=i)
-        o = attend(q, kc, vc, table(g), i, groups[g][0], rings[g] > 0)
+        kc, vc = jax_kvcm.write_kv(kcs[g], vcs[g], k, v, slot_mapping[g], layer=i,
+                                   **group_scales[g])
+        o = attend(q, kc, vc, table(g), i, groups[g][0], rings[g] > 0, group_scales[g])
         return o, kcs[:g] + (kc,) + kcs[g + 1:], vcs[:g] + (vc,) + vcs[g + 1:]
     return kv_attend_grouped
 
@@ -526,13 +555,14 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
       ``(logits [N, vocab] float32, k_cache, v_cache)``; the caches are donated (updated in
       place).
     """
-    def attend(q, kc, vc, table, layer, window, ring):
+    def attend(q, kc, vc, table, layer, window, ring, scales):
         return jax_kvcm.ragged_paged_attention(q, kc, vc, table, seq_lens, query_start,
                                                layer=layer, sliding_window=window,
-                                               ring_table=ring)
+                                               ring_table=ring, **scales)
 
-    h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
-                                   _paged(config, slot_mapping, page_table, rings, attend))
+    h, k_cache, v_cache = _decoder(
+        params, config, k_cache, v_cache, tokens, positions,
+        _paged(config, slot_mapping, page_table, rings, attend, kv_scales(params, config, k_cache)))
     if logits_index is None:
         logits_index = jnp.maximum(query_start[1:] - 1, 0)
     return _logits(params, config, h[logits_index]), k_cache, v_cache
@@ -548,12 +578,13 @@ def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_
 
     Returns ``(logits [B, vocab] float32, k_cache, v_cache)`` (caches donated).
     """
-    def attend(q, kc, vc, table, layer, window, ring):
+    def attend(q, kc, vc, table, layer, window, ring, scales):
         return jax_kvcm.paged_attention(q, kc, vc, table, seq_lens, layer=layer,
-                                        sliding_window=window, ring_table=ring)
+                                        sliding_window=window, ring_table=ring, **scales)
 
-    h, k_cache, v_cache = _decoder(params, config, k_cache, v_cache, tokens, positions,
-                                   _paged(config, slot_mapping, page_table, rings, attend))
+    h, k_cache, v_cache = _decoder(
+        params, config, k_cache, v_cache, tokens, positions,
+        _paged(config, slot_mapping, page_table, rings, attend, kv_scales(params, config, k_cache)))
     return _logits(params, config, h), k_cache, v_cache
 
 

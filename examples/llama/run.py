@@ -4,6 +4,7 @@ generation and the KV report.
     python examples/llama/run.py                      # built-in default (CPU: a few seconds)
     python examples/llama/run.py --model DIR --prompt "Hello" --max-new-tokens 64
     python examples/llama/run.py --prompt-ids 1,5,9 --prompt-ids 1,5,7 --json
+    python examples/llama/run.py --kv-dtype fp8      # K/V pools in float8_e4m3fn
 
 With no ``--model``, a small Llama (2 layers, hidden 128, vocab 512) with deterministic random
 weights is written as a HF-format checkpoint into a temporary directory and loaded back through
@@ -159,6 +160,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
       help="disk tier size, e.g. 64GiB (default: 64MiB with --disk-dir)")
     a("--cold-codec", choices=sorted(serve.CODECS), default="concat",
       help="cold page codec (default: %(default)s)")
+    a("--kv-dtype", choices=sorted(serve.KV_DTYPES), default="auto",
+      help="K/V cache dtype: auto (the model's) or fp8 (float8_e4m3fn, scales from the "
+           "checkpoint's k_scale/v_scale tensors, else 1.0; needs --cold-codec concat) "
+           "(default: %(default)s)")
     a("--max-batch", type=count(1), default=8, metavar="N",
       help="most sequences per step (default: %(default)s)")
     a("--max-tokens-per-step", type=count(1), default=64, metavar="N",
@@ -198,6 +203,9 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.max_tokens_per_step < args.max_batch:
         p.error(f"argument --max-tokens-per-step: must be >= --max-batch ({args.max_batch}), "
                 f"got {args.max_tokens_per_step}")
+    if args.kv_dtype == "fp8" and args.cold_codec == "int8":
+        p.error("argument --kv-dtype: fp8 needs --cold-codec concat (the int8 codec does not "
+                "take fp8 pools)")
     if args.disk_bytes and not args.disk_dir:
         p.error("argument --disk-bytes: needs --disk-dir")
     if args.disk_dir is not None:
@@ -256,9 +264,11 @@ def main(argv=None) -> int:
         prompts = default_prompts()
 
     if not args.json:
+        kv = "fp8" + (" (checkpoint scales)" if "kv_scales" in params else " (scales 1.0)")
         print(f"model: {'built-in random Llama' if default_model else path} "
               f"({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
-              f"{config.vocab_size}, {config.dtype}); loaded in {load_s:.2f}s; "
+              f"{config.vocab_size}, {config.dtype}, K/V "
+              f"{kv if args.kv_dtype == 'fp8' else config.dtype}); loaded in {load_s:.2f}s; "
               f"{len(prompts)} requests", flush=True)
 
     def emit(out) -> None:
@@ -317,7 +327,7 @@ def serve_config(p: argparse.ArgumentParser, args: argparse.Namespace,
             page_size=args.page_size, device_pages=device_pages, host_bytes=host_bytes,
             disk_dir=args.disk_dir, disk_bytes=args.disk_bytes, cold_codec=args.cold_codec,
             max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
-            max_seq_len=args.max_seq_len, **overrides)
+            max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype, **overrides)
     except ValueError as e:
         p.error(str(e))
 
@@ -367,7 +377,7 @@ def format_report(r: dict) -> str:
         f"{r['prompt_tokens']} prompt tokens reused; page size {r['page_size']})",
         f"  pages offloaded: {r['pages_offloaded']} (to host {r['pages_offloaded_to_host']}, "
         f"to disk {r['pages_offloaded_to_disk']}; host -> disk {r['pages_host_to_disk']}); "
-        f"onboarded: {r['pages_onboarded']}; codec {r['cold_codec']}",
+        f"onboarded: {r['pages_onboarded']}; codec {r['cold_codec']}; K/V {r['kv_dtype']}",
         f"  suspends: {r['suspends']}, resumes: {r['resumes']}, recomputes: {r['recomputes']}",
         f"  steps: {r['steps']} ({r['decode_steps']} decode, {r['mixed_steps']} prefill/mixed), "
         f"{len(r['compiled_shapes'])} compiled step shapes",

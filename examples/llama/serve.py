@@ -79,6 +79,8 @@ __all__ = ["Request", "RequestOutput", "ServeConfig", "Server", "sample_tokens",
            "CODECS"]
 
 CODECS = {"concat": ConcatCodec, "int8": Int8Codec}
+# ServeConfig.kv_dtype -> the pools' dtype (None: the model's compute dtype).
+KV_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
 
 
@@ -147,11 +149,21 @@ class ServeConfig:
     # device_pages is unused: the budget is arena.budget_bytes; GPU only, the steps donate).
     hot_backend: str = "paged"
     arena: Any = None
+    # K/V pools: "auto" in the model's dtype; "fp8" in float8_e4m3fn with the params'
+    # "kv_scales" (the checkpoint's, else 1.0; see model.kv_scales). Half the bytes of bf16 per
+    # page: twice the pages in the same memory. The int8 cold codec refuses fp8 pools.
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.cold_codec not in CODECS:
             raise ValueError(f"cold_codec must be one of {sorted(CODECS)}, got "
                              f"{self.cold_codec!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got "
+                             f"{self.kv_dtype!r}")
+        if self.kv_dtype == "fp8" and self.cold_codec == "int8":
+            raise ValueError("kv_dtype 'fp8' needs cold_codec 'concat' (the int8 codec "
+                             "quantizes float pools, not fp8 ones)")
         if self.max_tokens_per_step < self.max_batch:
             raise ValueError("max_tokens_per_step must be >= max_batch (every running sequence "
                              "decodes in one step)")
@@ -288,7 +300,8 @@ class Server:
         groups = tuple(LayerGroupConfig(num_layers=len(layers),
                                         num_kv_heads=config.num_key_value_heads,
                                         head_dim=config.head_dim, dtype=config.jnp_dtype,
-                                        sliding_window=window)
+                                        sliding_window=window,
+                                        kv_dtype=KV_DTYPES[serve.kv_dtype])
                        for window, layers in config.kv_groups())
         self.kv_config = KVCacheConfig(
             tokens_per_page=serve.page_size, layer_groups=groups,
@@ -780,6 +793,7 @@ class Server:
             "pages": st["pages"],
             "page_size": self.serve.page_size,
             "cold_codec": self.serve.cold_codec,
+            "kv_dtype": str(self.manager.caches[0][0].dtype),
             "overlap": self.serve.overlap,
             "max_tokens_per_step": self.serve.max_tokens_per_step,
             "prefill_chunk_tokens": self.serve.prefill_chunk_tokens,
