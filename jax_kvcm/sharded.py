@@ -190,6 +190,12 @@ def _run(per_shard: Any, mesh: Mesh, out_specs: Any, operands: list[tuple[Any, P
         return per_shard(*xs[:num_plain], given.get("layer", layer),
                          given.get("k_scale"), given.get("v_scale"))
 
+    # NOTE: on a mesh with Explicit axes (jax.make_mesh's default) shard_map refuses operands
+    # whose sharding type differs from in_specs; reshard them (replicated -> split is a local
+    # slice, no communication; operands already placed as specified are untouched). Auto axes
+    # let shard_map insert the same resharding itself.
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        args = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
     # NOTE: check_vma=False: the custom calls have no varying-manual-axes rule; the out_specs
     # above are exact (outputs split over heads like their inputs).
     fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs,

@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
+    ap.add_argument("--manager", action="store_true",
+                    help="check a KVCacheManager on the mesh instead of the bare ops")
     args = ap.parse_args()
     if args.platform == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -32,6 +34,11 @@ def main() -> None:
     devices = jax.devices()
     assert len(devices) >= args.devices, (len(devices), args.devices)
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=devices[:args.tp])
+    if args.manager:
+        from sharded_manager_check import check_manager
+        num_cases = check_manager(mesh, args.seed)
+        print(f"OK manager devices={args.devices} tp={args.tp} seed={args.seed} steps={num_cases}")
+        return
     checks = Checks(mesh, args.seed)
     checks.all()
     print(f"OK devices={args.devices} tp={args.tp} seed={args.seed} cases={checks.num_cases}")

@@ -35,8 +35,39 @@ def test_sharded_ops_equal_unsharded(devices, tp):
     print(run_worker("--devices", str(devices), "--tp", str(tp), "--seed", str(seed)))
 
 
+@pytest.mark.parametrize("devices,tp", [(2, 2), (4, 4)])
+def test_manager_on_a_mesh(devices, tp):
+    """Pools split over KV heads; prepare_step / complete_step with sharded steps; attention
+    outputs and pool contents against a closed-form oracle (sharded_manager_check.py)."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    print(f"seed={seed}")
+    print(run_worker("--devices", str(devices), "--tp", str(tp), "--seed", str(seed),
+                     "--manager"))
+
+
+def test_config_mesh_errors_name_the_field():
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kvcm import KVCacheConfig, LayerGroupConfig
+    mesh = jax.make_mesh((1,), ("tp",))
+    group = LayerGroupConfig(2, 3, 8, jnp.float32)
+    cfg = KVCacheConfig(tokens_per_page=4, layer_groups=(group,), device_pages=8, mesh=mesh)
+    assert cfg.num_shards == 1 and cfg.device_pool_bytes() == 9 * 2 * 2 * 4 * 3 * 8 * 4
+    with pytest.raises(ValueError, match="mesh_axis 'dp'"):
+        KVCacheConfig(tokens_per_page=4, layer_groups=(group,), device_pages=8, mesh=mesh,
+                      mesh_axis="dp")
+    with pytest.raises(TypeError, match="mesh must be"):
+        KVCacheConfig(tokens_per_page=4, layer_groups=(group,), device_pages=8, mesh="tp")
+    with pytest.raises(ValueError, match="host_bytes and disk_bytes"):
+        KVCacheConfig(tokens_per_page=4, layer_groups=(group,), device_pages=8, mesh=mesh,
+                      host_bytes=1 << 20)
+
+
 @pytest.mark.gpu
 def test_sharded_ops_two_gpus():
     seed = int.from_bytes(os.urandom(2), "little")
     print(f"seed={seed}")
     print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu"))
+    print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu",
+                     "--manager"))
