@@ -139,6 +139,7 @@ class Checks:
                 for window, ring in windows:
                     self.attention(num_kv_heads, num_heads, ragged, fp8, window, ring)
         self.refusals()
+        self.in_place()
 
     def write(self, num_kv_heads, fp8):
         jax, jnp, np, ops, sharded = self.jax, self.jnp, self.np, self.ops, self.sharded
@@ -213,6 +214,30 @@ class Checks:
             eager = op(self.put_heads(q), self.put_heads(kc, 5), self.put_heads(vc, 5), *idx,
                        mesh=self.mesh, layer=layer, **static)
             self.assert_same(eager, want, tag + " eager int layer")
+
+    def in_place(self):
+        """A donated write_kv per shard writes each shard's buffer in place: no pool copy in
+        the compiled program, the same buffers before and after."""
+        jax, jnp, sharded = self.jax, self.jnp, self.sharded
+        tag = self.case("in place")
+        shape = (2, 16, 4, 2 * self.tp, 8)
+        kc, vc = (self.put_heads(jnp.zeros(shape, jnp.float32), 5) for _ in range(2))
+        rows = jnp.ones((8, 2 * self.tp, 8), jnp.float32)
+        slots = jnp.arange(8, dtype=jnp.int32)
+
+        def two_layers(kc_, vc_, r, sm):
+            for layer in range(2):
+                kc_, vc_ = sharded.write_kv(kc_, vc_, r, r, sm, mesh=self.mesh, layer=layer)
+            return kc_, vc_
+
+        fn = jax.jit(two_layers, donate_argnums=(0, 1))
+        hlo = fn.lower(kc, vc, rows, slots).compile().as_text()
+        copies = [line for line in hlo.splitlines() if " copy(" in line or "copy-start" in line]
+        assert not copies, f"{tag}: the compiled step copies: {copies[:3]}"
+        before = [x.data.unsafe_buffer_pointer() for x in kc.addressable_shards]
+        kc, vc = fn(kc, vc, rows, slots)
+        after = [x.data.unsafe_buffer_pointer() for x in kc.addressable_shards]
+        assert before == after, f"{tag}: shard buffers moved {before} -> {after}"
 
     def refusals(self):
         jnp, sharded = self.jnp, self.sharded
