@@ -39,13 +39,13 @@ def main() -> None:
         num_cases = check_manager(mesh, args.seed)
         print(f"OK manager devices={args.devices} tp={args.tp} seed={args.seed} steps={num_cases}")
         return
-    checks = Checks(mesh, args.seed)
+    checks = Checks(mesh, args.seed, exact=args.platform == "cpu")
     checks.all()
     print(f"OK devices={args.devices} tp={args.tp} seed={args.seed} cases={checks.num_cases}")
 
 
 class Checks:
-    def __init__(self, mesh, seed: int) -> None:
+    def __init__(self, mesh, seed: int, exact: bool) -> None:
         import jax
         import jax.numpy as jnp
         import ml_dtypes
@@ -57,6 +57,10 @@ class Checks:
         self.fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
         self.mesh, self.seed, self.num_cases = mesh, seed, 0
         self.tp = int(mesh.shape["tp"])
+        # NOTE: on the CPU each head is computed alone, so splitting heads changes no bit; the
+        # CUDA kernels may pick another work split for fewer heads (another summation order):
+        # there the attention outputs are compared with a tolerance (writes stay bit-exact).
+        self.exact = exact
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -93,7 +97,8 @@ class Checks:
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         assert np.isfinite(got).all(), f"{tag}: non-finite output"
         err = float(np.max(np.abs(got - want)))
-        assert err < 2e-4, f"{tag}: max abs error {err}"
+        limit = 2e-4 * max(1.0, float(np.abs(want).max()))
+        assert err <= limit, f"{tag}: max abs error {err} > {limit}"
 
     def assert_head_sharded(self, x, tag):
         spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
@@ -207,13 +212,14 @@ class Checks:
                  None if ks is None else self.put_scale(ks),
                  None if vs is None else self.put_scale(vs))
         self.assert_head_sharded(got, tag)
-        self.assert_same(got, want, tag + " vs unsharded")
+        (self.assert_same if self.exact else self.assert_close)(got, want, tag + " vs unsharded")
         self.assert_close(got, oracle, tag + " vs reference")
         # A Python-int layer and no jit: the same bits.
         if not fp8:
             eager = op(self.put_heads(q), self.put_heads(kc, 5), self.put_heads(vc, 5), *idx,
                        mesh=self.mesh, layer=layer, **static)
-            self.assert_same(eager, want, tag + " eager int layer")
+            (self.assert_same if self.exact else self.assert_close)(eager, want,
+                                                                    tag + " eager int layer")
 
     def in_place(self):
         """A donated write_kv per shard writes each shard's buffer in place: no pool copy in
@@ -232,8 +238,11 @@ class Checks:
 
         fn = jax.jit(two_layers, donate_argnums=(0, 1))
         hlo = fn.lower(kc, vc, rows, slots).compile().as_text()
-        copies = [line for line in hlo.splitlines() if " copy(" in line or "copy-start" in line]
-        assert not copies, f"{tag}: the compiled step copies: {copies[:3]}"
+        pool = "f32[2,16,4,2,8]"   # one shard of a pool
+        copies = [line for line in hlo.splitlines()
+                  if pool in line and (" copy(" in line or "copy-start" in line)]
+        assert pool in hlo, f"{tag}: no {pool} in the compiled step (shard shape changed?)"
+        assert not copies, f"{tag}: the compiled step copies a pool: {copies[:3]}"
         before = [x.data.unsafe_buffer_pointer() for x in kc.addressable_shards]
         kc, vc = fn(kc, vc, rows, slots)
         after = [x.data.unsafe_buffer_pointer() for x in kc.addressable_shards]
