@@ -53,7 +53,8 @@ class Checks:
 
         from jax_kvcm import ops, sharded
         from jax_kvcm.ops import reference as ref
-        self.jax, self.jnp, self.np, self.ops, self.sharded, self.ref = jax, jnp, np, ops, sharded, ref
+        self.jax, self.jnp, self.np = jax, jnp, np
+        self.ops, self.sharded, self.ref = ops, sharded, ref
         self.fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
         self.mesh, self.seed, self.num_cases = mesh, seed, 0
         self.tp = int(mesh.shape["tp"])
