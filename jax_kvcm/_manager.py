@@ -282,6 +282,13 @@ class KVCacheConfig:
     (``arena``: an :class:`~jax_kvcm._arena.ArenaConfig`; one full-attention layer group;
     ``device_pages``/``device_bytes`` are left out: the budget is ``arena.budget_bytes``). See
     :mod:`jax_kvcm._arena_manager`.
+    Tensor parallelism: ``mesh`` (a ``jax.sharding.Mesh``) splits every hot pool over its KV-head
+    axis on mesh axis ``mesh_axis`` (:attr:`pool_sharding`); each group's ``num_kv_heads`` must be
+    divisible by that axis's size. The manager is unchanged (a page id is the same page on every
+    device); the step calls :mod:`jax_kvcm.sharded`'s ops with the same mesh. Then
+    ``device_bytes`` is the budget of *one* device (pages are sized by their per-device bytes,
+    :meth:`device_page_bytes`). Cold tiers (``host_bytes``, ``disk_bytes``) are not supported with
+    a mesh yet (refused).
     """
 
     tokens_per_page: int
@@ -303,6 +310,8 @@ class KVCacheConfig:
     max_window_chunk: int | None = None
     hot_backend: str = "paged"
     arena: Any = None
+    mesh: jax.sharding.Mesh | None = None
+    mesh_axis: str = "tp"
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -338,11 +347,13 @@ class KVCacheConfig:
             raise TypeError("ring_tables must be a bool")
         s(self, "max_window_chunk", self.max_tokens_per_step if self.max_window_chunk is None
           else check_count(self.max_window_chunk, "max_window_chunk", minimum=1))
-        page_bytes = [hot_page_bytes(g.num_layers, self.tokens_per_page, g.num_kv_heads,
-                                     g.head_dim, g.pool_dtype) for g in groups]
+        self._check_mesh()
+        page_bytes = list(self.device_page_bytes())
         if self.hot_backend not in ("paged", "arena"):
             raise ValueError(f"hot_backend must be 'paged' or 'arena', got {self.hot_backend!r}")
         if self.hot_backend == "arena":
+            if self.mesh is not None:
+                raise ValueError("hot_backend='arena' does not take a mesh (one device)")
             from jax_kvcm._arena_manager import check_arena_config
             check_arena_config(self, groups, page_bytes)
         elif self.arena is not None:
@@ -377,6 +388,9 @@ class KVCacheConfig:
         check_count(self.disk_bytes, "disk_bytes", minimum=0)
         if self.disk_bytes and not self.disk_dir:
             raise ValueError("disk_dir is required when disk_bytes > 0")
+        if self.mesh is not None and (self.host_bytes or self.disk_bytes):
+            raise ValueError("host_bytes and disk_bytes must be 0 with a mesh: cold tiers per "
+                             "KV-head shard are not implemented yet")
         if not isinstance(self.enable_prefix_reuse, bool):
             raise TypeError("enable_prefix_reuse must be a bool")
         check_count(self.max_batch, "max_batch", minimum=1)
@@ -388,6 +402,49 @@ class KVCacheConfig:
               else _check_buckets(self.token_buckets, "token_buckets", self.max_tokens_per_step))
         s(self, "batch_buckets", bb)
         s(self, "token_buckets", tb)
+
+    def _check_mesh(self) -> None:
+        if self.mesh is None:
+            return
+        if not isinstance(self.mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got "
+                            f"{type(self.mesh).__name__}")
+        if self.mesh_axis not in self.mesh.axis_names:
+            raise ValueError(f"mesh_axis {self.mesh_axis!r} is not an axis of the mesh (axes "
+                             f"{self.mesh.axis_names})")
+        n = self.num_shards
+        for i, g in enumerate(self.layer_groups):
+            if g.num_kv_heads % n:
+                hint = (" (fewer KV heads than shards: replicate each KV head up to the axis "
+                        "size)" if g.num_kv_heads < n else "")
+                raise ValueError(f"layer_groups[{i}].num_kv_heads {g.num_kv_heads} must be "
+                                 f"divisible by the size {n} of mesh axis {self.mesh_axis!r}"
+                                 f"{hint}")
+
+    @property
+    def num_shards(self) -> int:
+        """Devices one pool is split over: the size of ``mesh_axis`` (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.shape[self.mesh_axis])
+
+    @property
+    def pool_sharding(self) -> jax.sharding.NamedSharding | None:
+        """Placement of every hot pool ``[L, pages, page_size, Hkv, D]``: KV heads split over
+        ``mesh_axis`` (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        spec = jax.sharding.PartitionSpec(None, None, None, self.mesh_axis, None)
+        return jax.sharding.NamedSharding(self.mesh, spec)
+
+    def device_page_bytes(self) -> tuple[int, ...]:
+        """Bytes one page of each layer group (K and V, every layer) occupies on *one* device:
+        its KV heads divided by :attr:`num_shards`."""
+        return tuple(hot_page_bytes(g.num_layers, self.tokens_per_page,
+                                    g.num_kv_heads // self.num_shards, g.head_dim, g.pool_dtype)
+                     for g in self.layer_groups)
+
+    def device_pool_bytes(self) -> int:
+        """Bytes of every hot pool (null pages included) on one device."""
+        return sum((n + 1) * b for n, b in zip(self.device_pages, self.device_page_bytes()))
 
     def _split_device_bytes(self, nbytes: int, page_bytes: list[int]) -> tuple[int, ...]:
         """Usable pages per layer group from ``pool_ratio`` or ``typical_batch``."""
@@ -576,7 +633,8 @@ class KVCacheManager:
         self.storage = StorageManager(
             StorageConfig(layer_groups=specs, device_slots=tuple(config.device_pages),
                           host_bytes=config.host_bytes, disk_dir=config.disk_dir,
-                          disk_bytes=config.disk_bytes), cold_page_codec, device=device)
+                          disk_bytes=config.disk_bytes), cold_page_codec,
+            device=self._placement(config, device))
         self.tree = PrefixTree(_hash_fn, self._G)
         # One group manager per layer-group kind (each owns its groups' page tables).
         full = [g for g, lg in enumerate(config.layer_groups) if not lg.sliding_window]
@@ -740,6 +798,15 @@ class KVCacheManager:
     def _need_pools(self, what: str) -> None:
         if self._in_step is not None:
             raise StepInFlightError(f"{what} needs the pools: call complete_step first")
+
+    @staticmethod
+    def _placement(config: KVCacheConfig, device: jax.Device | None) -> Any:
+        """Where the hot pools live: ``config.pool_sharding`` with a mesh, else ``device``."""
+        if config.mesh is None:
+            return device
+        if device is not None:
+            raise ValueError("give either device or KVCacheConfig.mesh, not both")
+        return config.pool_sharding
 
     @property
     def caches(self) -> list[tuple[jax.Array, jax.Array]]:
@@ -1421,6 +1488,11 @@ class KVCacheManager:
                 if a is handed:
                     raise ValueError(f"{name} is the pool prepare_step handed out, not the "
                                      "step's output (did the step fail?): call abort_step()")
+                sharding = self.config.pool_sharding
+                if sharding is not None and not a.sharding.is_equivalent_to(sharding, a.ndim):
+                    raise ValueError(f"{name} is placed as {a.sharding}, expected the pools' "
+                                     f"{sharding} (KV heads split over mesh axis "
+                                     f"{self.config.mesh_axis!r})")
             out.append((pair[0], pair[1]))
         return out
 
@@ -1880,6 +1952,10 @@ class KVCacheManager:
                             for lv, pools in per_pool.items()}
             out["pages_per_pool"] = per_pool
             out["storage"] = self.storage.stats()
+            cfg = self.config
+            out["per_device"] = dict(num_shards=cfg.num_shards,
+                                     page_bytes=list(cfg.device_page_bytes()),
+                                     pool_bytes=cfg.device_pool_bytes())
             return out
 
     def _page_counts(self, level: CacheLevel) -> list[dict[str, Any]]:

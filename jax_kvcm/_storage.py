@@ -166,7 +166,7 @@ class StorageManager:
     validated when no cold tier exists)."""
 
     def __init__(self, config: StorageConfig, cold_page_codec: ColdPageCodec | None = None, *,
-                 device: jax.Device | None = None) -> None:
+                 device: jax.Device | jax.sharding.NamedSharding | None = None) -> None:
         # 1. Consume the codec at the call boundary, before anything can fail.
         if cold_page_codec is not None:
             if not isinstance(cold_page_codec, ColdPageCodec):
@@ -196,7 +196,8 @@ class StorageManager:
 
     # -- construction ------------------------------------------------------------------------
 
-    def _build(self, config: StorageConfig, device: jax.Device | None) -> None:
+    def _build(self, config: StorageConfig,
+               device: jax.Device | jax.sharding.NamedSharding | None) -> None:
         specs = tuple(config.layer_groups)
         if not specs or not all(isinstance(s, LayerGroupSpec) for s in specs):
             raise ValueError("config.layer_groups must be a non-empty sequence of LayerGroupSpec")
@@ -237,6 +238,11 @@ class StorageManager:
 
         # 2. Hot storage (slot 0 of every group is the null page).
         self.device = device or jax.devices()[0]
+        # NOTE: a NamedSharding (tensor parallelism) places every pool split as it says; index
+        # buffers are then replicated over its mesh (a slot is the same slot on every shard).
+        self._index_placement = (jax.sharding.NamedSharding(device.mesh,
+                                                            jax.sharding.PartitionSpec())
+                                 if isinstance(device, jax.sharding.NamedSharding) else self.device)
         self.device_allocators = []
         for n in device_slots:
             alloc = SlotAllocator(n + 1)
@@ -247,8 +253,7 @@ class StorageManager:
         for h, g in enumerate(self.hot_groups):
             s = specs[g[0]]
             shape = (s.num_layers, device_slots[h] + 1, s.page_size, s.num_kv_heads, s.head_dim)
-            zeros = jax.device_put(jnp.zeros(shape, s.dtype), self.device)
-            self.pools.append((zeros, jax.device_put(jnp.zeros(shape, s.dtype), self.device)))
+            self.pools.append((self._zeros(shape, s.dtype), self._zeros(shape, s.dtype)))
 
         # 3-5. Configure the codec, query and validate every batching class.
         descs = [HotPoolGroupDesc(index=h, layer_groups=g, num_layers=specs[g[0]].num_layers,
@@ -411,8 +416,14 @@ class StorageManager:
         """Replaces every hot pool by zeros of the same shape and dtype on :attr:`device` (after
         a failed step consumed the pools: their content is gone; the caller forgets it)."""
         self._check_open()
-        self.pools = [tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), self.device)
-                            for a in pair) for pair in self.pools]
+        self.pools = [tuple(self._zeros(a.shape, a.dtype) for a in pair) for pair in self.pools]
+
+    def _zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        """A zero pool on :attr:`device`; a sharded one is created in place, shard by shard
+        (never whole on one device first)."""
+        if isinstance(self.device, jax.sharding.NamedSharding):
+            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.device)()
+        return jax.device_put(jnp.zeros(shape, dtype), self.device)
 
     # -- allocation of hot pages -------------------------------------------------------------
 
@@ -645,7 +656,7 @@ class StorageManager:
         return fn
 
     def _put_pairs(self, lg: int, chunk: np.ndarray) -> jax.Array:
-        arr = jax.device_put(chunk, self.device)
+        arr = jax.device_put(chunk, self._index_placement)
         if self.index_location[lg] == PageIndexLocation.HOST:
             self._codec.register_host_index_pairs(arr, chunk)
         return arr
@@ -683,7 +694,7 @@ class StorageManager:
         fn = self._jitted("copy", h, 0)
         for chunk in self._index_batches(dst, src):
             k, v = self.pools[h]
-            k, v, _ = fn(k, v, jax.device_put(chunk, self.device))
+            k, v, _ = fn(k, v, jax.device_put(chunk, self._index_placement))
             self.pools[h] = (k, v)
 
     def _track_host_indices(self, lg: int, pairs: jax.Array, done: jax.Array) -> None:
