@@ -193,16 +193,7 @@ class ArenaKVCacheManager(KVCacheManager):
         with self._lock:
             self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
             self._need_pools("record_token_ids")
-            arr = token_ids if type(token_ids) is np.ndarray else np.asarray(token_ids)
-            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-                raise ValueError("token_ids must be a 1-D array of integer ids")
-            r = seq._row
-            k, n = int(self._known[r]), int(arr.size)
-            if k + n > self.config.max_seq_len:
-                raise ValueError(f"token_ids: {k} known + {n} ids exceed max_seq_len "
-                                 f"{self.config.max_seq_len}")
-            self._tokens[r, k:k + n] = arr
-            self._known[r] = k + n
+            self._store_recorded_ids(seq, token_ids)
 
     # -- sequences -------------------------------------------------------------------------
 

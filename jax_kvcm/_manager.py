@@ -1588,20 +1588,25 @@ class KVCacheManager:
             if self._in_step is not None:
                 raise StepInFlightError("record_token_ids: a step is in flight: call "
                                         "complete_step first")
-            arr = token_ids if type(token_ids) is np.ndarray else np.asarray(token_ids)
-            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-                raise ValueError("token_ids must be a 1-D array of integer ids")
-            r = seq._row
-            k, n = int(self._known[r]), int(arr.size)
-            if k + n > self.config.max_seq_len:
-                raise ValueError(f"token_ids: {k} known + {n} ids exceed max_seq_len "
-                                 f"{self.config.max_seq_len}")
-            if n == 0:
-                return
-            self._tokens[r, k:k + n] = arr
-            self._known[r] = k + n
-            if self.config.enable_prefix_reuse and seq.state is SequenceState.ACTIVE:
-                self._commit([seq], np.array([r], np.int64))
+            if self._store_recorded_ids(seq, token_ids) and self.config.enable_prefix_reuse \
+                    and seq.state is SequenceState.ACTIVE:
+                self._commit([seq], np.array([seq._row], np.int64))
+
+    def _store_recorded_ids(self, seq: Sequence, token_ids: Any) -> int:
+        """:meth:`record_token_ids`' ids validated (nothing changes on error) and stored after
+        the ids already known; returns how many (lock held)."""
+        arr = token_ids if type(token_ids) is np.ndarray else np.asarray(token_ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise ValueError("token_ids must be a 1-D array of integer ids")
+        _check_token_ids(arr, "token_ids")
+        r = seq._row
+        k, n = int(self._known[r]), int(arr.size)
+        if k + n > self.config.max_seq_len:
+            raise ValueError(f"token_ids: {k} known + {n} ids exceed max_seq_len "
+                             f"{self.config.max_seq_len}")
+        self._tokens[r, k:k + n] = arr
+        self._known[r] = k + n
+        return n
 
     def _commit(self, seqs: list[Sequence], rows: np.ndarray) -> None:
         tpp, tree, hash_fn = self._tpp, self.tree, self.tree.hash_fn

@@ -84,6 +84,8 @@ def test_misuse_is_raised_and_changes_nothing():
         mgr.record_token_ids(seq, np.asarray([1.5]))
     with pytest.raises(ValueError, match="max_seq_len"):
         mgr.record_token_ids(seq, np.zeros(36, np.int32))
+    with pytest.raises(ValueError, match="outside"):  # would wrap in int32 and alias a prompt
+        mgr.record_token_ids(seq, np.array([7, 2**32 + 1], np.int64))
     assert seq.num_known_tokens == 5
     mgr.close(seq)
     with pytest.raises(ValueError, match="closed"):
