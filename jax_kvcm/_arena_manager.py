@@ -55,9 +55,9 @@ from jax_kvcm._arena import Arena, ArenaConfig, ArenaHostStore, ArenaLayout, Are
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, ManagerEvent, OutOfPagesError,
                                Sequence,
                                SequenceState, StepInFlightError, SuspendResult, _prompt_array,
-                               _Stats)
+                               _row_buffers, _Stats)
 from jax_kvcm._prefix_tree import salt_bytes
-from jax_kvcm._step_batch import StepBatch, pick_bucket
+from jax_kvcm._step_batch import StepBatch
 from jax_kvcm._types import CacheLevel
 
 __all__ = ["ArenaKVCacheManager", "check_arena_config"]
@@ -326,17 +326,7 @@ class ArenaKVCacheManager(KVCacheManager):
             self._store_ids(ids, new_len)
             self._len[rows] = new_len
             self._npages[rows] = npages
-            Bb = pick_bucket(cfg.batch_buckets, B)
-            Tb = pick_bucket(cfg.token_buckets, T)
-            qs = np.empty(Bb + 1, np.int32)
-            qs[0] = 0
-            np.cumsum(counts, out=qs[1:B + 1])
-            qs[B + 1:] = T
-            pos = np.arange(T) - np.repeat(qs[:B], counts) + np.repeat(cur, counts)
-            positions = np.zeros(Tb, np.int32)
-            positions[:T] = pos
-            seq_lens = np.zeros(Bb, np.int32)
-            seq_lens[:B] = new_len
+            Bb, Tb, qs, pos, positions, seq_lens = _row_buffers(cfg, counts, cur, new_len)
             base = np.array([a.base_slot for a in aseqs], np.int64)
             pt = np.zeros((Bb, self._P), np.int32)
             ar = np.arange(self._P)

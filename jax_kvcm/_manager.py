@@ -101,6 +101,27 @@ def _check_token_ids(arr: np.ndarray, name: str) -> None:
         raise ValueError(f"{name}: token id {int(bad)} is outside [0, {MAX_TOKEN_ID}] (int32)")
 
 
+def _row_buffers(cfg: KVCacheConfig, counts: np.ndarray, cur: np.ndarray,
+                 new_len: np.ndarray) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray,
+                                               np.ndarray]:
+    """The table-independent part of a :class:`StepBatch` for ``B`` rows adding ``counts[b]``
+    tokens after ``cur[b]``: ``(Bb, Tb, query_start [Bb+1], pos [T], positions [Tb],
+    seq_lens [Bb])``, padded to the configured (batch, token) buckets."""
+    B, T = counts.size, int(counts.sum())
+    Bb = pick_bucket(cfg.batch_buckets, B)
+    Tb = pick_bucket(cfg.token_buckets, T)
+    qs = np.empty(Bb + 1, np.int32)
+    qs[0] = 0
+    np.cumsum(counts, out=qs[1:B + 1])
+    qs[B + 1:] = T
+    pos = np.arange(T) - np.repeat(qs[:B], counts) + np.repeat(cur, counts)
+    positions = np.zeros(Tb, np.int32)
+    positions[:T] = pos
+    seq_lens = np.zeros(Bb, np.int32)
+    seq_lens[:B] = new_len
+    return Bb, Tb, qs, pos, positions, seq_lens
+
+
 class _CallLock:
     """The manager's lock; leaving the outermost ``with`` delivers the events the call queued
     to the observers (so they see a consistent manager, and may call back into it)."""
@@ -1399,18 +1420,8 @@ class KVCacheManager:
             self._store_ids(ids, new_len)
             self._len[rows] = new_len
             # Buffers.
-            Bb = pick_bucket(cfg.batch_buckets, B)
-            Tb = pick_bucket(cfg.token_buckets, T)
-            qs = np.empty(Bb + 1, np.int32)
-            qs[0] = 0
-            np.cumsum(counts, out=qs[1:B + 1])
-            qs[B + 1:] = T
+            Bb, Tb, qs, pos, positions, seq_lens = _row_buffers(cfg, counts, cur, new_len)
             tok_row = np.repeat(rows, counts)
-            pos = np.arange(T) - np.repeat(qs[:B], counts) + np.repeat(cur, counts)
-            positions = np.zeros(Tb, np.int32)
-            positions[:T] = pos
-            seq_lens = np.zeros(Bb, np.int32)
-            seq_lens[:B] = new_len
             pt = np.zeros((self._G, Bb, self._width), np.int32)
             sm = np.full((self._G, Tb), -1, np.int32)
             pj, off = pos // tpp, pos % tpp
