@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (DTYPES, SEEDS, assert_close, assert_zero_rows, flat_slots, make_caches,
-                      random_page_table, reference, to_f32)
+from conftest import (DTYPES, SEEDS, assert_close, assert_zero_rows, cdiv, flat_slots,
+                      make_caches, random_page_table, reference, to_f32)
 from jax_kvcm import ops
 
 
@@ -274,6 +274,35 @@ def test_ragged_decode_rows_equal_paged_attention(backend, seed):
     assert_close(ragged[:n], decode[:n], jnp.float32, "ragged vs decode rows", seed)
     assert_zero_rows(ragged, np.arange(n, len(q)), "ragged padding rows", seed)
     assert_zero_rows(decode, np.arange(n, len(q)), "decode padded rows", seed)
+
+
+@pytest.mark.parametrize("decode_rows", [3, 40])
+def test_ragged_mixed_decode_rows_and_chunk(backend, decode_rows):
+    """A mixed step in one ragged call: long single-query (decode) rows beside a prefill chunk,
+    with padding rows. On CUDA the decode rows run the split-KV decode kernel inside the ragged
+    call (3 long rows: several splits and the combine kernel; 40: one split), the chunk the
+    prefill kernel; the output must match the reference row for row."""
+    seed = 300 + decode_rows
+    rng = np.random.default_rng(seed)
+    page, hkv, group, head_dim, dtype = 16, 2, 4, 128, jnp.bfloat16
+    chunk_ctx, chunk = 200, 150
+    dec_lens = rng.integers(1500, 2049, size=decode_rows)
+    seq_lens = np.concatenate([dec_lens[:decode_rows // 2], [chunk_ctx + chunk],
+                               dec_lens[decode_rows // 2:]]).astype(np.int32)
+    num_new = np.where(np.arange(len(seq_lens)) == decode_rows // 2, chunk, 1)
+    query_start = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+    num_rows = int(query_start[-1]) + 5  # trailing padding rows must be zero
+    max_pages = cdiv(int(seq_lens.max()), page)
+    num_pages = 1 + sum(cdiv(int(n), page) for n in seq_lens) + 3
+    table = random_page_table(rng, seq_lens, page, max_pages, num_pages)
+    k, v = make_caches(rng, None, num_pages, page, hkv, head_dim, table, seq_lens)
+    q = rng.standard_normal((num_rows, hkv * group, head_dim)).astype(np.float32)
+    print(f"seed={seed} seq_lens={seq_lens.tolist()} query_start={query_start.tolist()}")
+    args = tuple(x.astype(dtype) for x in (q, k, v)) + (table, seq_lens, query_start)
+    out = ops.ragged_paged_attention(*backend.put(*args))
+    want = reference("ragged_paged_attention", *args)
+    assert_zero_rows(out, np.arange(query_start[-1], num_rows), "mixed padding rows", seed)
+    assert_close(out, want, dtype, f"mixed {decode_rows} decode rows + chunk", seed)
 
 
 # ---------------------------------------------------------------------------------------------

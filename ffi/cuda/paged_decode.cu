@@ -8,6 +8,10 @@
 // With num_splits > 1 the CTA writes an unnormalized partial (o, max, sum) and a combine kernel
 // reduces the splits.
 //
+// Ragged calls (query_start set) run this kernel for their single-query sequences (decode rows of
+// a mixed batch): sequence b's query row is query_start[b], and CTAs of other sequences exit at
+// once (the ragged prefill kernel owns those; see ragged_prefill.cu).
+//
 // fp8 caches: tiles arrive as raw bytes (a 16-byte cp.async moves 16 elements), and each warp
 // converts its tile to f16 in shared memory (e4m3 -> f16 is exact) before the same ldmatrix/mma
 // path runs in f16 (bf16 queries are converted to f16 once: exact for |q| in f16's normal range).
@@ -84,6 +88,13 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   if (threadIdx.x == 0) cta_bad = 0;
   __syncthreads();
 
+  // The q / out row of this sequence: b for decode calls, query_start[b] for ragged ones.
+  int64_t qrow = b;
+  if (a.query_start != nullptr) {
+    if (!IsRaggedDecodeRow(a, b)) return;  // CTA-uniform (b is the CTA's)
+    qrow = a.query_start[b];
+  }
+
   int len = a.seq_lens[b];
   int li = *a.layer;
   uint32_t bits = 0;
@@ -103,7 +114,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
 
   // Q rows kvh*G + r for r < G as A fragments, one per 16-wide k step.
   const int r0 = lane / 4, c0 = (lane % 4) * 2;
-  const T* qb = static_cast<const T*>(a.q) + (int64_t(b) * s.num_heads + int64_t(kvh) * G) * D;
+  const T* qb = static_cast<const T*>(a.q) + (qrow * s.num_heads + int64_t(kvh) * G) * D;
   uint32_t qf[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
@@ -303,13 +314,13 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     }
     num *= v_scale;
     if (bad) num = NAN;
-    const int64_t head = int64_t(b) * s.num_heads + int64_t(kvh) * G + row;
+    const int64_t head = int64_t(kvh) * G + row;
     if (p.num_splits == 1) {
       // den is 0 only with nothing attended; NaN (a NaN logit) must stay NaN.
-      static_cast<T*>(a.out)[head * D + d] =
+      static_cast<T*>(a.out)[(qrow * s.num_heads + head) * D + d] =
           DTypeTraits<T>::from_float(den == 0.f ? (bad ? NAN : 0.f) : num / den);
-    } else {
-      const int64_t ph = int64_t(split) * s.batch * s.num_heads + head;
+    } else {  // partials are indexed by sequence b (the combine kernel maps b to its q row)
+      const int64_t ph = (int64_t(split) * s.batch + b) * s.num_heads + head;
       p.part_o[ph * D + d] = num;
       if (d == 0) {
         p.part_ml[ph * 2] = mx;
@@ -320,11 +331,19 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
 }
 
 // Merges the splits of each (b, h): out = sum_i 2^(m_i - M) o_i / sum_i 2^(m_i - M) l_i.
+// Ragged calls: only single-query sequences, written at their q row.
 template <typename T>
-__global__ void CombineSplitsKernel(const float* __restrict__ part_o,
-                                    const float* __restrict__ part_ml, T* __restrict__ out,
-                                    int num_splits, int64_t num_rows, int D) {
-  const int64_t row = blockIdx.x;
+__global__ void CombineSplitsKernel(const AttentionArgs a, const float* __restrict__ part_o,
+                                    const float* __restrict__ part_ml, int num_splits) {
+  const int64_t row = blockIdx.x, num_rows = a.shape.batch * a.shape.num_heads;
+  const int64_t H = a.shape.num_heads, D = a.shape.cache.head_dim;
+  const int b = int(row / H);
+  int64_t out_row = row;
+  if (a.query_start != nullptr) {
+    if (!IsRaggedDecodeRow(a, b)) return;
+    out_row = int64_t(a.query_start[b]) * H + row % H;
+  }
+  T* __restrict__ out = static_cast<T*>(a.out);
   float mx = -INFINITY;
   for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, part_ml[(i * num_rows + row) * 2]);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -338,7 +357,7 @@ __global__ void CombineSplitsKernel(const float* __restrict__ part_o,
       }
     }
     const bool nan = num != num || den != den;
-    out[row * D + d] = DTypeTraits<T>::from_float(nan ? NAN : (den == 0.f ? 0.f : num / den));
+    out[out_row * D + d] = DTypeTraits<T>::from_float(nan ? NAN : (den == 0.f ? 0.f : num / den));
   }
 }
 
@@ -375,7 +394,7 @@ int CtasPerSm() {
 }
 
 template <typename T, int D, bool kFp8, int kStages>
-ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
+ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {
   const AttentionShape& s = a.shape;
   constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
   auto kernel = PagedDecodeKernel<T, D, kFp8, kStages>;
@@ -399,17 +418,19 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   const int64_t heads = s.batch * s.num_heads;
   if (splits > 1) {
     const size_t o_bytes = size_t(splits * heads * D) * sizeof(float);
-    void* ws = Workspace(stream, o_bytes + size_t(splits * heads * 2) * sizeof(float));
+    char* ws = static_cast<char*>(Workspace(
+        stream, workspace_offset + o_bytes + size_t(splits * heads * 2) * sizeof(float)));
     if (ws == nullptr) return ffi::Error::Internal("paged_attention: workspace allocation failed");
-    p.part_o = static_cast<float*>(ws);
+    ws += workspace_offset;
+    p.part_o = reinterpret_cast<float*>(ws);
     p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
   }
   dim3 grid(unsigned(splits), unsigned(s.cache.num_kv_heads), unsigned(s.batch));
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
   if (splits > 1) {
-    CombineSplitsKernel<T><<<unsigned(heads), 128, 0, stream>>>(
-        p.part_o, p.part_ml, static_cast<T*>(a.out), int(splits), heads, D);
+    CombineSplitsKernel<T><<<unsigned(heads), 128, 0, stream>>>(a, p.part_o, p.part_ml,
+                                                                 int(splits));
     return LaunchError("paged_attention (combine kernel)");
   }
   return ffi::Error::Success();
@@ -426,7 +447,7 @@ bool PagedDecodeSupports(const AttentionArgs& a) {
          s.cache.num_kv_heads <= 65535;
 }
 
-ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a) {
+ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {
   return DispatchHalfDtypeAndHeadDim(a, "paged_attention", [&](auto t, auto d) -> ffi::Error {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
@@ -439,9 +460,9 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a) {
         const int64_t rows = a.shape.batch * a.shape.cache.num_kv_heads;
         const int per_sm = CtasPerSm<T, D, kFp8, 2>();
         if (per_sm > 0 && rows >= 4 * int64_t(NumSMs()) * per_sm)
-          return Launch<T, D, kFp8, 2>(stream, a);
+          return Launch<T, D, kFp8, 2>(stream, a, workspace_offset);
       }
-      return Launch<T, D, kFp8, kDeep>(stream, a);
+      return Launch<T, D, kFp8, kDeep>(stream, a, workspace_offset);
     };
     if (a.shape.fp8()) return run(std::true_type{});
     return run(std::false_type{});

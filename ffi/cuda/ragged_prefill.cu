@@ -10,6 +10,12 @@
 // once); k_scale is folded into the logit scale, v_scale into the output normalization.
 // A schedule kernel turns query_start into per-sequence tile offsets first (one CTA per tile,
 // heaviest tiles of each sequence first), and a fill kernel zeroes the padding rows of q.
+// Single-query sequences (the decode rows of a mixed batch) go to the split-KV decode kernel in
+// the same call when it supports the shape: a 128-row tile for one token's G rows would do 128 /
+// G times the MMA work per K/V byte and run at a fraction of the memory rate (measured: 256
+// decode rows at context 1,024 took 5x the decode kernel's time inside a mixed call).
+// Non-finite values: tiles that the CTA's rows read only in part are sanitized
+// (SanitizeTileRows) so that NaN/inf in V at a position a row does not read never reaches it.
 #include <cub/block/block_scan.cuh>
 
 #include "kvcm/cuda/attention.cuh"
@@ -36,7 +42,8 @@ template <int D, bool kFp8> constexpr int SmemBytes() {
 
 // tile_offsets[b] = sum over b' < b of ceil(num_queries(b') * G / rows_per_cta); invalid sequences
 // (bad query_start or seq_lens) get no tiles and raise error bits.
-__global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_per_cta) {
+__global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_per_cta,
+                               bool decode_rows_elsewhere) {
   using Scan = cub::BlockScan<int32_t, kScheduleThreads>;
   __shared__ typename Scan::TempStorage temp;
   __shared__ int32_t carry;
@@ -54,7 +61,8 @@ __global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_
       const int64_t lo = a.window > 0 ? max(int64_t(0), int64_t(len) - (q1 - q0) + 1 - a.window) : 0;
       if (len < 0 || !RowFitsTable(lo, len, a)) bits |= kBadSeqLen;
       if (bits) RaiseError(a.error_word, bits);
-      else tiles = int32_t((int64_t(q1 - q0) * G + rows_per_cta - 1) / rows_per_cta);
+      else if (!(decode_rows_elsewhere && IsRaggedDecodeRow(a, b)))
+        tiles = int32_t((int64_t(q1 - q0) * G + rows_per_cta - 1) / rows_per_cta);
     }
     int32_t excl, total;
     Scan(temp).ExclusiveSum(tiles, excl, total);
@@ -130,7 +138,11 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   char* kv = reinterpret_cast<char*>(qs + kRows * D);  // kStages x {K, V} [kKv][D] as they arrive
   M* conv = reinterpret_cast<M*>(kv + kStages * 2 * kTileBytes);  // fp8: converted {K, V}
   __shared__ int cta_bad;
-  if (threadIdx.x == 0) cta_bad = 0;
+  __shared__ uint32_t bad_keys[2][(kKv + 31) / 32];  // by tile parity: SanitizeTileRows flags
+  if (threadIdx.x == 0) {
+    cta_bad = 0;
+    for (int i = 0; i < (kKv + 31) / 32; ++i) bad_keys[0][i] = bad_keys[1][i] = 0u;
+  }
 
   int li = *a.layer;
   uint32_t bits = 0;
@@ -205,8 +217,12 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
   float m[kMt][2], l[kMt][2];
+  bool row_nan[kMt][2];  // the row read a key whose V held a non-finite value (zeroed in smem)
 #pragma unroll
-  for (int mt = 0; mt < kMt; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
+  for (int mt = 0; mt < kMt; ++mt) {
+    m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
+    row_nan[mt][0] = row_nan[mt][1] = false;
+  }
   // This warp's query band: keys beyond warp_q_hi or at/below warp_q_lo - W are masked.
   const int warp_q_lo = pos0 + min(row0 + warp * 16, num_rows - 1) / G;
   const int warp_q_hi = pos0 + min(row0 + (kMt - 1) * 16 * kWarps + warp * 16 + 15, num_rows - 1) / G;
@@ -220,6 +236,9 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
     const int it = t - t_lo;
     CpAsyncWait<kStages - 2>();
     __syncthreads();
+    // Flags of tile parity it + 1 were last read in iteration it - 1 (before the barrier above).
+    if (threadIdx.x == 0)
+      for (int i = 0; i < (kKv + 31) / 32; ++i) bad_keys[(it + 1) & 1][i] = 0u;
     const M* ks;
     if constexpr (kFp8) {
       if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -243,6 +262,20 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
     CpAsyncCommit();
 
     const int key0 = t * kKv;
+    // Keys of this tile that some row of the CTA does not read (CTA-uniform).
+    const bool partial_tile =
+        key0 + kKv - 1 > q_first || (a.window > 0 && key0 <= q_last - a.window);
+    uint32_t flagged[(kKv + 31) / 32] = {};
+    bool any_flagged = false;
+    if (partial_tile) {
+      SanitizeTileRows<M, kKv, D>(const_cast<M*>(vs), bad_keys[it & 1], threadIdx.x, kWarps * 32);
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < (kKv + 31) / 32; ++i) {
+        flagged[i] = bad_keys[it & 1][i];
+        any_flagged |= flagged[i] != 0u;
+      }
+    }
     // Skip tiles entirely outside this warp's causal / window band.
     if (key0 > warp_q_hi || (a.window > 0 && key0 + kKv - 1 <= warp_q_lo - a.window)) continue;
     float sc[kMt][kNt][4];
@@ -279,11 +312,16 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           float x = logit(sc[mt][nt][j]);
+          const int kt = nt * 8 + c0 + (j & 1);  // key within the tile
+          bool masked = false;
           if (needs_mask) {
-            const int key = key0 + nt * 8 + c0 + (j & 1);
+            const int key = key0 + kt;
             const int qp = qpos[mt][j >> 1];
-            if (key > qp || (a.window > 0 && key <= qp - a.window)) x = -INFINITY;
+            masked = key > qp || (a.window > 0 && key <= qp - a.window);
+            if (masked) x = -INFINITY;
           }
+          if (any_flagged && !masked && ((flagged[kt / 32] >> (kt % 32)) & 1u))
+            row_nan[mt][j >> 1] = true;
           sc[mt][nt][j] = x;
         }
       OnlineSoftmax<kNt, D / 8>(sc[mt], o[mt], m[mt], l[mt]);
@@ -325,10 +363,13 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
       float lh = l[mt][h];
       lh += __shfl_xor_sync(0xffffffffu, lh, 1);
       lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+      int nan_row = row_nan[mt][h];
+      nan_row |= __shfl_xor_sync(0xffffffffu, nan_row, 1);
+      nan_row |= __shfl_xor_sync(0xffffffffu, nan_row, 2);
       const int row = row0 + mt * 16 * kWarps + warp * 16 + r0 + 8 * h;
       if (row >= num_rows) continue;
       // lh is 0 only with nothing attended; NaN (a NaN logit) stays NaN.
-      const float inv = bad ? NAN : (lh == 0.f ? 0.f : v_scale / lh);
+      const float inv = (bad || nan_row) ? NAN : (lh == 0.f ? 0.f : v_scale / lh);
       T* out = static_cast<T*>(a.out) +
                ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
 #pragma unroll
@@ -349,7 +390,14 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
       return LaunchError("ragged_paged_attention: cudaFuncSetAttribute");
     configured = true;
   }
-  void* offsets = Workspace(stream, size_t(s.batch + 1) * sizeof(int32_t));
+  // The decode kernel takes this call's single-query sequences (see the header comment); its
+  // split partials sit in the workspace after the tile offsets. It is launched first: growing the
+  // workspace may reallocate it.
+  const size_t offsets_bytes = (size_t(s.batch + 1) * sizeof(int32_t) + 255) / 256 * 256;
+  const bool decode_rows_elsewhere = PagedDecodeSupports(a);
+  if (decode_rows_elsewhere)
+    if (auto err = LaunchPagedDecode(stream, a, offsets_bytes); err.failure()) return err;
+  void* offsets = Workspace(stream, offsets_bytes);
   if (offsets == nullptr)
     return ffi::Error::Internal("ragged_paged_attention: workspace allocation failed");
   PrefillParams p;
@@ -360,7 +408,8 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
 
   FillPaddingKernel<T><<<unsigned(s.num_queries), 128, 0, stream>>>(a);
   constexpr int kRows = RowsPerCta<D>();
-  ScheduleKernel<<<1, kScheduleThreads, 0, stream>>>(a, static_cast<int32_t*>(offsets), kRows);
+  ScheduleKernel<<<1, kScheduleThreads, 0, stream>>>(a, static_cast<int32_t*>(offsets), kRows,
+                                                     decode_rows_elsewhere);
   if (auto err = LaunchError("ragged_paged_attention (schedule)"); err.failure()) return err;
   // Upper bound on the number of tiles: sum_b ceil(n_b G / kRows) <= T G / kRows + B.
   const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;

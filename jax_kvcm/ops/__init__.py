@@ -13,12 +13,11 @@ ops read ``float32(stored) * scale``. The scales are operands (they may be trace
 Non-finite values (one rule for the CPU handler, the CUDA kernels and the reference): a NaN or inf
 in a K or V row that a query attends to makes that query's output non-finite (NaN when a K is
 non-finite); values in slots that no query of the call reads (the null page, the tail of a
-sequence's last page, positions before a window, unreferenced pages) never reach any output. The
-CPU handler and the reference are exact per query: a position masked for one query (the causal
-future of a prefill chunk, positions before its window) never affects that query. The CUDA
-tensor-core prefill kernel shares K/V tiles between the queries of one sequence, so a non-finite
-V at a position that a *later* query of the same call reads may also turn earlier queries of that
-sequence non-finite (never a finite wrong value).
+sequence's last page, positions before a window, unreferenced pages) never reach any output. All
+three are exact per query: a position masked for one query (the causal future of a prefill chunk,
+positions before its window) never affects that query, even where a kernel shares K/V tiles
+between queries (the CUDA prefill kernel zeroes non-finite V rows of such tiles in shared memory
+and sets the rows that do read them to NaN).
 
 Index checking: ``check_indices=True`` (FFI attribute) makes the CUDA handlers synchronize after
 their kernels and raise an error naming the bad argument (the CPU handler always checks). Left

@@ -79,9 +79,21 @@ __device__ __forceinline__ void ConvertFp8Tiles(const char* src, __half* dst, in
 ffi::Error LaunchSimpleAttention(cudaStream_t stream, const AttentionArgs& a);
 
 // Tensor-core split-KV decode (bf16/f16 queries over caches of the same dtype or fp8, head_dim
-// 64/128/256, power-of-two page size, GQA group <= 16). Returns false from *Supports when the shape needs the simple kernel instead.
+// 64/128/256, power-of-two page size, GQA group <= 16). Returns false from *Supports when the
+// shape needs the simple kernel instead. With a.query_start set (a ragged call) it computes only
+// the single-query sequences (IsRaggedDecodeRow), at their query rows. Its split partials live in
+// Workspace(stream) at workspace_offset bytes and beyond.
 bool PagedDecodeSupports(const AttentionArgs& a);
-ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a);
+ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a,
+                             size_t workspace_offset = 0);
+
+// In a ragged call, whether sequence b is a valid decode row (one query, at position
+// seq_lens[b] - 1 >= 0) that the decode kernel computes instead of the prefill kernel. Invalid
+// sequences are neither's: the prefill kernel's schedule raises their error bits.
+__device__ __forceinline__ bool IsRaggedDecodeRow(const AttentionArgs& a, int64_t b) {
+  const int32_t q0 = a.query_start[b], q1 = a.query_start[b + 1];
+  return q1 - q0 == 1 && q0 >= 0 && q1 <= a.shape.num_queries && a.seq_lens[b] >= 1;
+}
 
 // Tensor-core ragged prefill (FlashAttention-2 style, GQA heads packed into rows).
 bool RaggedPrefillSupports(const AttentionArgs& a);

@@ -122,6 +122,29 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
   return (row * kChunks + (chunk ^ (row & 7))) * 8;
 }
 
+// The non-finite rule for tiles that some query rows read only in part (causal diagonal, window
+// edge): P = 0 for a masked key still gives 0 * NaN = NaN in P.V, so a NaN/inf in V at a position
+// a row does not read would poison that row. Each 16-byte chunk of a [kRows][D] tile of 16-bit M
+// holding a non-finite element is zeroed, and bit r of flags[r / 32] is set for its row r; rows
+// that do read a flagged key are set to NaN by the caller. Threads thread, thread + stride, ...
+template <typename M, int kRows, int D>
+__device__ __forceinline__ void SanitizeTileRows(M* tile, uint32_t* flags, int thread, int stride) {
+  constexpr uint32_t kExp = std::is_same_v<M, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+  constexpr int kChunksPerRow = D / 8;
+  for (int i = thread; i < kRows * kChunksPerRow; i += stride) {
+    uint4* chunk = reinterpret_cast<uint4*>(tile) + i;
+    const uint4 c = *chunk;
+    bool bad = false;
+    for (const uint32_t w : {c.x, c.y, c.z, c.w})
+      bad |= (w & kExp) == kExp || ((w >> 16) & kExp) == kExp;
+    if (bad) {
+      *chunk = make_uint4(0u, 0u, 0u, 0u);
+      const int row = i / kChunksPerRow;
+      atomicOr(&flags[row / 32], 1u << (row % 32));
+    }
+  }
+}
+
 // Logit transform shared by the tensor-core kernels: scale, optional soft cap, then log2(e) so
 // that softmax uses exp2. A non-finite q.k becomes NaN (the non-finite rule: a NaN/inf that a
 // query reads shows in its output, even under a soft cap, which would map inf to a finite cap).
