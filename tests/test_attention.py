@@ -305,6 +305,58 @@ def test_ragged_mixed_decode_rows_and_chunk(backend, decode_rows):
     assert_close(out, want, dtype, f"mixed {decode_rows} decode rows + chunk", seed)
 
 
+@pytest.mark.parametrize("head_dim,group,window,soft_cap",
+                         [(128, 4, None, None), (128, 1, 300, None), (64, 8, None, 8.0),
+                          (64, 2, 700, None), (128, 8, 64, 20.0)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_ragged_long_prefill_matches_reference(backend, head_dim, group, window, soft_cap,
+                                               dtype):
+    """Long chunks (many row tiles and K/V tiles per CTA, causal diagonals inside tiles, windows
+    crossing tiles) beside a whole prompt and a decode row: the shapes the CUDA prefill kernels
+    (wgmma on sm_90a) spend their time on, against the reference."""
+    if backend.name == "cpu" and (dtype == jnp.float16 or window is None and group != 4):
+        pytest.skip("CPU handler: two shapes suffice (the CUDA kernels are the subject)")
+    seed = 400 + head_dim + group + (window or 0)
+    rng = np.random.default_rng(seed)
+    page, hkv = 16, 2
+    seq_lens = np.array([1531, 700, 977, 0], np.int32)
+    num_new = np.array([1000, 700, 1, 0])
+    query_start = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+    num_rows = int(query_start[-1]) + 7
+    max_pages = cdiv(int(seq_lens.max()), page)
+    num_pages = 1 + sum(cdiv(int(n), page) for n in seq_lens) + 2
+    table = random_page_table(rng, seq_lens, page, max_pages, num_pages)
+    k, v = make_caches(rng, None, num_pages, page, hkv, head_dim, table, seq_lens)
+    q = rng.standard_normal((num_rows, hkv * group, head_dim)).astype(np.float32)
+    print(f"seed={seed} seq_lens={seq_lens.tolist()} query_start={query_start.tolist()}")
+    attrs = {"sliding_window": window, "soft_cap": soft_cap}
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    out = ops.ragged_paged_attention(*backend.put(q, k, v, table, seq_lens, query_start), **attrs)
+    # numpy oracle, one sequence at a time (the reference's per-query gather would need ~20 GB)
+    want = np.zeros((num_rows, hkv * group, head_dim), np.float32)
+    qf, kf, vf = (to_f32(x) for x in (q, k, v))
+    for b, (n, total) in enumerate(zip(num_new, seq_lens)):
+        if n == 0:
+            continue
+        pos = np.arange(total)
+        ks = np.repeat(kf[table[b, pos // page], pos % page], group, axis=1)  # [S, H, D]
+        vs = np.repeat(vf[table[b, pos // page], pos % page], group, axis=1)
+        qs = qf[query_start[b]:query_start[b + 1]]  # [n, H, D]
+        logits = np.einsum("nhd,shd->hns", qs, ks) / np.sqrt(head_dim)
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        qpos = np.arange(total - n, total)[:, None]
+        live = pos[None, :] <= qpos
+        if window is not None:
+            live &= pos[None, :] > qpos - window
+        logits = np.where(live[None], logits, -np.inf)
+        w = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        w /= w.sum(axis=-1, keepdims=True)
+        want[query_start[b]:query_start[b + 1]] = np.einsum("hns,shd->nhd", w, vs)
+    assert_zero_rows(out, np.arange(query_start[-1], num_rows), "padding rows", seed)
+    assert_close(out, want, dtype, f"long prefill d{head_dim} g{group} w{window}", seed)
+
+
 # ---------------------------------------------------------------------------------------------
 # lax.scan over layers: write_kv then attention in the body, traced layer index.
 

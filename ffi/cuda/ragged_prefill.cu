@@ -10,6 +10,8 @@
 // once); k_scale is folded into the logit scale, v_scale into the output normalization.
 // A schedule kernel turns query_start into per-sequence tile offsets first (one CTA per tile,
 // heaviest tiles of each sequence first), and a fill kernel zeroes the padding rows of q.
+// On sm_90a, bf16/f16 caches at head_dim 64 and 128 run the wgmma kernel of
+// ragged_prefill_sm90.cu instead, on the same schedule.
 // Single-query sequences (the decode rows of a mixed batch) go to the split-KV decode kernel in
 // the same call when it supports the shape: a 128-row tile for one token's G rows would do 128 /
 // G times the MMA work per K/V byte and run at a fraction of the memory rate (measured: 256
@@ -88,13 +90,6 @@ __global__ void FillPaddingKernel(AttentionArgs a) {
   for (int64_t i = threadIdx.x; i < s.num_heads * s.cache.head_dim; i += blockDim.x) out[i] = v;
 }
 
-struct PrefillParams {
-  AttentionArgs a;
-  LogitTransform logit;
-  int page_shift;
-  const int32_t* tile_offsets;  // [B + 1]
-};
-
 // T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T.
 template <typename T, int D, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const PrefillParams p) {
@@ -115,17 +110,8 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   const int G = int(s.group());
   const int P = int(s.cache.page_size);
 
-  // Find this CTA's sequence: largest b with tile_offsets[b] <= blockIdx.x.
-  const int32_t cta = blockIdx.x;
-  if (cta >= p.tile_offsets[s.batch]) return;
-  int lo_b = 0, hi_b = int(s.batch);
-  while (hi_b - lo_b > 1) {
-    const int mid = (lo_b + hi_b) / 2;
-    if (p.tile_offsets[mid] <= cta) lo_b = mid; else hi_b = mid;
-  }
-  const int b = lo_b;
-  const int num_tiles = p.tile_offsets[b + 1] - p.tile_offsets[b];
-  const int tile = num_tiles - 1 - (cta - p.tile_offsets[b]);  // heaviest (last) tiles first
+  int b, tile;
+  if (!FindPrefillTile(p, int(blockIdx.x), b, tile)) return;
   const int q_begin = a.query_start[b];
   const int nq = a.query_start[b + 1] - q_begin;
   const int len = a.seq_lens[b];
@@ -413,6 +399,10 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   if (auto err = LaunchError("ragged_paged_attention (schedule)"); err.failure()) return err;
   // Upper bound on the number of tiles: sum_b ceil(n_b G / kRows) <= T G / kRows + B.
   const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;
+  if constexpr (!kFp8 && (D == 64 || D == 128)) {
+    static_assert(RowsPerCta<D>() == kSm90RowsPerCta, "one schedule for both kernels");
+    if (RaggedPrefillSm90Supports(a)) return LaunchRaggedPrefillSm90(stream, p, max_tiles);
+  }
   dim3 grid(unsigned(max_tiles), unsigned(s.cache.num_kv_heads));
   RaggedPrefillKernel<T, D, kFp8><<<grid, kWarps * 32, smem, stream>>>(p);
   return LaunchError("ragged_paged_attention (prefill kernel)");

@@ -95,6 +95,39 @@ __device__ __forceinline__ bool IsRaggedDecodeRow(const AttentionArgs& a, int64_
   return q1 - q0 == 1 && q0 >= 0 && q1 <= a.shape.num_queries && a.seq_lens[b] >= 1;
 }
 
+// A ragged prefill launch: the call, its logit transform, log2(page_size), and the schedule
+// kernel's per-sequence tile offsets [B + 1] (a CTA per tile of rows of one sequence).
+struct PrefillParams {
+  AttentionArgs a;
+  LogitTransform logit;
+  int page_shift;
+  const int32_t* tile_offsets;
+};
+
+// CTA `cta`'s sequence b (the largest b with tile_offsets[b] <= cta) and its row tile, heaviest
+// (last) tiles of a sequence first; false for CTAs past the last tile.
+__device__ __forceinline__ bool FindPrefillTile(const PrefillParams& p, int cta, int& b,
+                                                int& tile) {
+  const int batch = int(p.a.shape.batch);
+  if (cta >= p.tile_offsets[batch]) return false;
+  int lo = 0, hi = batch;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (p.tile_offsets[mid] <= cta) lo = mid; else hi = mid;
+  }
+  b = lo;
+  const int num_tiles = p.tile_offsets[b + 1] - p.tile_offsets[b];
+  tile = num_tiles - 1 - (cta - p.tile_offsets[b]);
+  return true;
+}
+
+// The Hopper (sm_90a) wgmma prefill kernel: bf16/f16 caches of the query dtype at head_dim 64
+// or 128, on a device and build that have sm_90a. Rows per CTA: kSm90RowsPerCta, so it shares
+// the schedule of the kernel below.
+constexpr int kSm90RowsPerCta = 128;
+bool RaggedPrefillSm90Supports(const AttentionArgs& a);
+ffi::Error LaunchRaggedPrefillSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_tiles);
+
 // Tensor-core ragged prefill (FlashAttention-2 style, GQA heads packed into rows).
 bool RaggedPrefillSupports(const AttentionArgs& a);
 ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a);

@@ -1,0 +1,456 @@
+// Ragged (prefill / mixed) paged attention on Hopper's warpgroup MMA (wgmma), warp-specialized.
+//
+// Same contract, rows and schedule as the FlashAttention-2 style kernel in ragged_prefill.cu (a
+// CTA owns 128 rows = (token, head) pairs of one sequence and one kv head; the schedule kernel
+// there maps CTAs to sequences), for bf16/f16 queries over caches of the same dtype at head_dim 64
+// and 128 on sm_90a. A CTA has three warpgroups:
+// - the producer (warps 0-3) streams 64-key K/V tiles through a kStages-deep shared-memory ring
+//   with cp.async (rows are gathered one by one through the page table), in the 128-byte
+//   swizzled layout that wgmma reads; each thread's copies arrive on the stage's "full" mbarrier
+//   when they land (cp.async.mbarrier.arrive), so the producer never waits for data, only for
+//   the stage's "empty" mbarrier before refilling it;
+// - two consumers (64 rows each) compute S = Q K^T with wgmma from shared memory (Q stays in
+//   shared memory, K-major), mask and soft-max S in registers (the accumulator layout is the
+//   mma.sync one per 8 columns), and O += P V with P from registers and V read MN-major.
+// Non-finite rule: for tiles that some row of the CTA reads only in part, the consumers zero V
+// chunks holding NaN/inf and flag their keys; rows that do read a flagged key output NaN.
+#include "kvcm/cuda/attention.cuh"
+#include "kvcm/cuda/mma.cuh"
+#include "kvcm/cuda/wgmma_ops.cuh"
+
+namespace kvcm::cuda {
+namespace {
+
+constexpr int kConsumers = 2;                     // consumer warpgroups, 64 rows each
+constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer warpgroup
+constexpr int kRows = 64 * kConsumers;
+constexpr int kKeys = 64;                         // keys per K/V tile
+constexpr int kStages = 4;
+constexpr int kFlagWords = kKeys / 32;
+
+template <int D> constexpr int TileBytes() { return kKeys * D * 2; }
+// + 1 KiB to align the base to the 128-byte swizzle's 1 KiB period.
+template <int D> constexpr int Sm90SmemBytes() {
+  return 1024 + kRows * D * 2 + kStages * 2 * TileBytes<D>();
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows of D 16-bit values,
+// stored as D / 64 column blocks of [rows][128 bytes] with the 128-byte swizzle (chunk ^ row % 8).
+__device__ __forceinline__ int Swizzle128(int rows, int row, int chunk) {
+  return (chunk / 8) * rows * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle.
+__device__ __forceinline__ uint64_t SmemDesc(const void* p, uint32_t lead_bytes,
+                                             uint32_t stride_bytes) {
+  return uint64_t((SmemAddr(p) & 0x3FFFF) >> 4) | (uint64_t(lead_bytes >> 4) << 16) |
+         (uint64_t(stride_bytes >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count));
+}
+// Arrives on `bar` once every cp.async this thread issued so far has landed (counted in the
+// barrier's initial arrival count: .noinc).
+__device__ __forceinline__ void MbarArriveOnCopies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(bar))
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(bar)) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar, int parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void NamedBarrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to wgmma's async proxy.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaWaitAll() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Pins accumulator registers at this point of the program: the compiler sees them written here,
+// so no read or write of them moves across an asynchronous wgmma's issue or completion.
+template <int N>
+__device__ __forceinline__ void FenceRegisters(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const PrefillParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kChunks = D / 8;                // 16-byte chunks per row
+  constexpr int kRowsPerPass = 128 / kChunks;   // producer rows per pass over a tile
+  constexpr int kTileBytes = TileBytes<D>();
+  constexpr int kKvBlock = kKeys * 128;         // one 64-column block of a K/V tile
+  constexpr int kQBlock = kRows * 128;
+  const AttentionArgs& a = p.a;
+  const AttentionShape& s = a.shape;
+  const int kvh = blockIdx.y;
+  const int G = int(s.group());
+  const int P = int(s.cache.page_size);
+
+  int b, tile;
+  if (!FindPrefillTile(p, int(blockIdx.x), b, tile)) return;
+  const int q_begin = a.query_start[b];
+  const int nq = a.query_start[b + 1] - q_begin;
+  const int len = a.seq_lens[b];
+  const int num_rows = nq * G;
+  const int row0 = tile * kRows;
+  const int pos0 = len - nq;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~uintptr_t(1023));
+  uint8_t* qs = smem;                       // [D / 64][kRows][128 B]
+  uint8_t* ring = smem + kRows * D * 2;     // kStages x {K, V} [D / 64][kKeys][128 B]
+  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
+  __shared__ uint32_t bad_keys[kStages][4 * kConsumers][kFlagWords];  // per consumer warp
+  __shared__ int cta_bad;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(&full_bar[i], 128);                 // every producer thread
+      MbarInit(&empty_bar[i], 128 * kConsumers);   // every consumer thread
+    }
+    cta_bad = 0;
+  }
+  __syncthreads();
+
+  int li = *a.layer;
+  uint32_t bits = 0;
+  if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; }
+  const LogitTransform logit = p.logit;
+
+  const int last_row = min(row0 + kRows, num_rows) - 1;
+  const int q_first = pos0 + row0 / G, q_last = pos0 + last_row / G;
+  const int key_lo = a.window > 0 ? max(0, q_first - a.window + 1) : 0;
+  const int key_hi = q_last + 1;
+  const int t_lo = key_lo / kKeys, t_hi = (key_hi + kKeys - 1) / kKeys;
+  const int num_tiles = t_hi - t_lo;
+  auto partial_tile = [&](int key0) {  // some row of the CTA does not read every key of it
+    return key0 + kKeys - 1 > q_first || (a.window > 0 && key0 <= q_last - a.window);
+  };
+
+  const int wg = threadIdx.x / 128;
+  const int wt = threadIdx.x % 128;         // thread within its warpgroup
+  const int warp = wt / 32, lane = wt % 32;
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+  float o[D / 8][4];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  bool row_nan[2] = {false, false};
+  float absmax[2] = {0.f, 0.f};  // the largest |q.k| each row read (fast path)
+
+  if (wg == 0) {
+    // ---- producer ----
+    const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * 2;
+    const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
+    const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
+    const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
+    const int64_t token_bytes = s.cache.token_stride() * 2;
+    const int ch = wt % kChunks, row_base = wt / kChunks;
+    for (int it = 0; it < num_tiles; ++it) {
+      const int stage = it % kStages;
+      if (it >= kStages) MbarWait(&empty_bar[stage], ((it / kStages) - 1) & 1);
+      uint8_t* ks = ring + stage * 2 * kTileBytes;
+      const int key0 = (t_lo + it) * kKeys;
+#pragma unroll
+      for (int i = 0; i < kKeys / kRowsPerPass; ++i) {
+        const int row = row_base + i * kRowsPerPass;
+        const int pos = key0 + row;
+        bool valid = pos >= key_lo && pos < key_hi;
+        int64_t off = 0;
+        if (valid) {
+          const int page = pages[TableEntry(pos >> p.page_shift, int(s.max_pages), a.ring)];
+          if (page < 0 || page >= s.cache.num_pages) {
+            bits |= kBadPage;
+            valid = false;
+          } else {
+            off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
+          }
+        }
+        const int so = Swizzle128(kKeys, row, ch);
+        CpAsync16(SmemAddr(ks + so), kbase + off, valid);
+        CpAsync16(SmemAddr(ks + kTileBytes + so), vbase + off, valid);
+      }
+      MbarArriveOnCopies(&full_bar[stage]);
+    }
+    CpAsyncWait<0>();
+  } else {
+    // ---- consumers ----
+    const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the CTA
+    for (int i = wt; i < 64 * kChunks; i += 128) {
+      const int r = cw * 64 + i / kChunks, ch = i % kChunks;
+      const int row = row0 + r;
+      const bool valid = row < num_rows;
+      const T* src =
+          static_cast<const T*>(a.q) +
+          (valid ? ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D +
+                       ch * 8
+                 : 0);
+      CpAsync16(SmemAddr(qs + Swizzle128(kRows, r, ch)), src, valid);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<0>();
+    FenceProxyAsync();
+    NamedBarrier(1 + cw, 128);
+
+    int qpos[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      qpos[h] = pos0 + min(row0 + cw * 64 + warp * 16 + r0 + 8 * h, num_rows - 1) / G;
+    const int wg_q_lo = pos0 + min(row0 + cw * 64, num_rows - 1) / G;
+    const int wg_q_hi = pos0 + min(row0 + cw * 64 + 63, num_rows - 1) / G;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    const uint8_t* q_wg = qs + cw * 64 * 128;
+    // Without a soft cap (and with a positive scale) the row max commutes with the scale: S stays
+    // raw q.k, the scale folds into exp2's argument, and the non-finite rule needs only the
+    // largest |q.k| a row read (an inf there -> NaN; a NaN propagates through exp2 by itself).
+    const bool fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
+
+    for (int it = 0; it < num_tiles; ++it) {
+      const int stage = it % kStages;
+      const int key0 = (t_lo + it) * kKeys;
+      MbarWait(&full_bar[stage], (it / kStages) & 1);
+      uint32_t flagged[kFlagWords] = {};
+      bool any_flagged = false;
+      if (partial_tile(key0)) {  // both warpgroups, in step (named barrier 3 over 256 threads)
+        // The flags of this stage's previous tile have been read by every consumer thread.
+        NamedBarrier(3, 128 * kConsumers);
+        const int ct = threadIdx.x - 128;
+        uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+        static_assert(kKeys <= 64, "one 64-bit mask of bad keys per thread");
+        uint64_t mine = 0;
+#pragma unroll
+        for (int i = ct; i < kKeys * kChunks; i += 128 * kConsumers) {
+          const int row = i / kChunks;
+          uint4* chunk = reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, i % kChunks));
+          const uint4 c = *chunk;
+          constexpr uint32_t kExp = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+          bool bad = false;
+          for (const uint32_t w : {c.x, c.y, c.z, c.w})
+            bad |= (w & kExp) == kExp || ((w >> 16) & kExp) == kExp;
+          if (bad) {
+            *chunk = make_uint4(0u, 0u, 0u, 0u);
+            mine |= uint64_t(1) << row;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kFlagWords; ++i) {
+          const uint32_t f = __reduce_or_sync(0xffffffffu, uint32_t(mine >> (32 * i)));
+          if (lane == 0) bad_keys[stage][ct / 32][i] = f;
+        }
+        FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
+        NamedBarrier(3, 128 * kConsumers);
+#pragma unroll
+        for (int i = 0; i < kFlagWords; ++i) {
+          for (int w = 0; w < 4 * kConsumers; ++w) flagged[i] |= bad_keys[stage][w][i];
+          any_flagged |= flagged[i] != 0u;
+        }
+      }
+      // The whole warpgroup skips tiles outside its rows' causal / window band.
+      const bool skip =
+          key0 > wg_q_hi || (a.window > 0 && key0 + kKeys - 1 <= wg_q_lo - a.window);
+      if (!skip) {
+        const uint8_t* ks = ring + stage * 2 * kTileBytes;
+        const uint8_t* vs = ks + kTileBytes;
+        float sc[kKeys / 8][4];
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+        FenceRegisters(sc);
+        WgmmaFence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint64_t qd = SmemDesc(q_wg + (kk / 4) * kQBlock + (kk % 4) * 32, 16, 1024);
+          const uint64_t kd = SmemDesc(ks + (kk / 4) * kKvBlock + (kk % 4) * 32, 16, 1024);
+          WgmmaSS<T, kKeys>::template run<0>(sc, qd, kd, kk > 0);
+        }
+        WgmmaCommit();
+        WgmmaWaitAll();
+        FenceRegisters(sc);
+
+        const bool needs_mask =
+            key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
+        auto is_masked = [&](int kt, int h) {
+          const int key = key0 + kt;
+          return key > qpos[h] || (a.window > 0 && key <= qpos[h] - a.window);
+        };
+        if (fast && !needs_mask) {  // the hot path: one instruction per logit before softmax
+#pragma unroll
+          for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(sc[nt][j]));
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              float x = sc[nt][j];
+              if (needs_mask && is_masked(nt * 8 + c0 + (j & 1), j >> 1)) {
+                x = -INFINITY;
+              } else if (fast) {
+                absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(x));
+              } else {
+                x = logit(x);
+              }
+              sc[nt][j] = x;
+            }
+        }
+        if (any_flagged) {
+#pragma unroll
+          for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int kt = nt * 8 + c0 + (j & 1);
+              if (!(needs_mask && is_masked(kt, j >> 1)) && ((flagged[kt / 32] >> (kt % 32)) & 1u))
+                row_nan[j >> 1] = true;
+            }
+        }
+        if (fast) {
+          ScaledOnlineSoftmax<kKeys / 8, D / 8>(sc, o, m, l, logit.scale_log2);
+        } else {
+          OnlineSoftmax<kKeys / 8, D / 8>(sc, o, m, l);
+        }
+
+        // P as the A operand from registers (the m16n8k16 A fragment of each 16-key step).
+        uint32_t pa[kKeys / 16][4];
+#pragma unroll
+        for (int k16 = 0; k16 < kKeys / 16; ++k16) {
+          pa[k16][0] = Mma<T>::pack(sc[2 * k16][0], sc[2 * k16][1]);
+          pa[k16][1] = Mma<T>::pack(sc[2 * k16][2], sc[2 * k16][3]);
+          pa[k16][2] = Mma<T>::pack(sc[2 * k16 + 1][0], sc[2 * k16 + 1][1]);
+          pa[k16][3] = Mma<T>::pack(sc[2 * k16 + 1][2], sc[2 * k16 + 1][3]);
+        }
+        FenceRegisters(o);
+        WgmmaFence();
+#pragma unroll
+        for (int k16 = 0; k16 < kKeys / 16; ++k16) {
+          // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
+          const uint64_t vd = SmemDesc(vs + k16 * 16 * 128, kKvBlock, 1024);
+          WgmmaRS<T, D>::template run<1>(o, pa[k16], vd, 1);
+        }
+        WgmmaCommit();
+        WgmmaWaitAll();
+        FenceRegisters(o);
+      }
+      MbarArrive(&empty_bar[stage]);
+    }
+  }
+
+  if (bits) {
+    atomicOr(&cta_bad, 1);
+    RaiseError(a.error_word, bits);
+  }
+  __syncthreads();
+  if (wg == 0) return;
+  const bool bad = cta_bad != 0;
+  const int cw = wg - 1;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float lh = l[h];
+    lh += __shfl_xor_sync(0xffffffffu, lh, 1);
+    lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+    int nan_row = row_nan[h] || absmax[h] == INFINITY;
+    nan_row |= __shfl_xor_sync(0xffffffffu, nan_row, 1);
+    nan_row |= __shfl_xor_sync(0xffffffffu, nan_row, 2);
+    const int row = row0 + cw * 64 + warp * 16 + r0 + 8 * h;
+    if (row >= num_rows) continue;
+    const float inv = (bad || nan_row) ? NAN : (lh == 0.f ? 0.f : 1.f / lh);
+    T* out = static_cast<T*>(a.out) +
+             ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + n * 8 + c0) =
+          Mma<T>::pack(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// Whether this binary carries the sm_90a kernel and the current device runs it (probed once per
+// device: a build for other architectures compiles the kernel body away).
+__global__ void ProbeSm90aKernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+bool Sm90aAvailable() {
+  static int cached[64];  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    int major = 0, minor = 0, yes = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    if (major == 9 && minor == 0) {
+      int* flag = nullptr;
+      if (cudaMalloc(&flag, sizeof(int)) == cudaSuccess) {
+        ProbeSm90aKernel<<<1, 1>>>(flag);
+        if (cudaMemcpy(&yes, flag, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) yes = 0;
+        cudaFree(flag);
+      }
+      cudaGetLastError();
+    }
+    cached[dev] = yes == 1 ? 1 : 2;
+  }
+  return cached[dev] == 1;
+}
+
+template <typename T, int D>
+ffi::Error LaunchSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_tiles) {
+  constexpr int smem = Sm90SmemBytes<D>();
+  static bool configured = false;  // NOTE: per-template, set on the first launch
+  if (!configured) {
+    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+      return LaunchError("ragged_paged_attention: cudaFuncSetAttribute (sm90)");
+    configured = true;
+  }
+  dim3 grid(unsigned(max_tiles), unsigned(p.a.shape.cache.num_kv_heads));
+  RaggedPrefillSm90Kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
+  return LaunchError("ragged_paged_attention (sm90 prefill kernel)");
+}
+
+}  // namespace
+
+bool RaggedPrefillSm90Supports(const AttentionArgs& a) {
+  const AttentionShape& s = a.shape;
+  const int64_t D = s.cache.head_dim;
+  return !s.fp8() && s.cache.dtype == s.q_dtype && (D == 64 || D == 128) &&
+         s.cache.page_size >= 1 && Sm90aAvailable();
+}
+
+ffi::Error LaunchRaggedPrefillSm90(cudaStream_t stream, const PrefillParams& p,
+                                   int64_t max_tiles) {
+  const AttentionArgs& a = p.a;
+  if (a.shape.q_dtype == DType::kBF16) {
+    if (a.shape.cache.head_dim == 64) return LaunchSm90<__nv_bfloat16, 64>(stream, p, max_tiles);
+    return LaunchSm90<__nv_bfloat16, 128>(stream, p, max_tiles);
+  }
+  if (a.shape.cache.head_dim == 64) return LaunchSm90<__half, 64>(stream, p, max_tiles);
+  return LaunchSm90<__half, 128>(stream, p, max_tiles);
+}
+
+}  // namespace kvcm::cuda
