@@ -72,3 +72,23 @@ def test_tensor_parallel_two_gpus():
     if _visible_gpus() < 2:
         pytest.skip("needs 2 GPUs")
     print(run_worker("--devices", "2", "--platform", "gpu"))
+
+
+def test_serve_benchmark_tiny_on_two_devices(tmp_path):
+    """``benchmarks/serve.py --tiny --tensor-parallel 2``: the paged runs on a 2-device mesh
+    generate what the dense single-device runs do (the benchmark raises otherwise)."""
+    import json
+
+    root = os.path.dirname(HERE)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "serve.py"),
+                           "--tiny", "--tensor-parallel", "2", "--no-shared", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.join(root, "benchmarks"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    res = json.loads(out.read_text())
+    paged = [r for r in res["results"] if r["path"] == "paged"]
+    assert paged and all(r["tensor_parallel"] == 2 for r in paged), paged
+    assert res["agreement"] and all(a["identical"] == a["requests"] for a in res["agreement"])

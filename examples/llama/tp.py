@@ -139,12 +139,19 @@ def shard_params(params: dict[str, Any], config: llama.LlamaConfig, mesh: Mesh) 
     """The model's params (``model.py``'s pytree, one dict per layer) reordered for TP and
     placed on ``mesh`` (see the module doc): fused columns reordered per shard, KV heads
     replicated when ``Hkv < n``, ``lm_head`` present (``embed.T`` for tied embeddings).
-    Layer by layer, so at most one layer's reordered copy exists besides the input."""
+    Layer by layer, so at most one layer's reordered copy exists besides the input. Params
+    that already came from this function for ``mesh`` (their ``wqkv`` split by columns on it)
+    are returned as they are: reordering twice would scramble the heads."""
     n = int(mesh.shape[AXIS])
     check_config(config, n)
     if isinstance(params["layers"], dict):
         raise ValueError("params: stacked layers (stack_layers) are not supported with TP")
     specs = param_specs(params, config, n)
+    wqkv = params["layers"][0]["wqkv"]
+    if (isinstance(getattr(wqkv, "sharding", None), NamedSharding) and n > 1
+            and wqkv.sharding.mesh == mesh
+            and wqkv.sharding.is_equivalent_to(NamedSharding(mesh, P(None, AXIS)), 2)):
+        return params
 
     def put(x, spec):
         return jax.device_put(x, NamedSharding(mesh, spec))
