@@ -69,7 +69,6 @@ def user_error(r, *words):
     (["--prompt", "hello"], ["--prompt", "tokenizer"]),
     (["--cold-codec", "zip"], ["--cold-codec"]),
     (["--tensor-parallel", "0"], ["--tensor-parallel", ">= 1"]),
-    (["--tensor-parallel", "2", "--host-bytes", "1MiB"], ["--tensor-parallel", "cold tiers"]),
     (["--tensor-parallel", "64"], ["--tensor-parallel", "64 devices asked"]),
 ])
 def test_bad_arguments_fail_before_loading(args, words):

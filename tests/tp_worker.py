@@ -22,7 +22,9 @@ Per model (float32 HF checkpoints with random weights, saved and loaded back thr
 Cases: ``llama`` (GQA 4/2), ``tied`` (tied embeddings, one KV head: replicated for any N > 1;
 vocabulary 126, split over 2 devices, not over 4), ``qwen2_mixed`` (q/k/v biases, sliding and
 full layers: two KV groups with ring tables), ``qwen3`` (per-head q/k norms); ``llama`` also runs
-with FP8 K/V pools (TP-N tokens equal TP-1's).
+with FP8 K/V pools (TP-N tokens equal TP-1's) and under page pressure with a small host tier
+and a disk tier (suspends, offloads to host and disk, onboarding: every shard's piece of every
+page moves; the tokens still equal TP-1's).
 """
 
 from __future__ import annotations
@@ -90,10 +92,11 @@ def check_case(name: str, n: int) -> None:
              [system + rng.integers(3, vocab, 9).tolist(), [1] + rng.integers(3, vocab, 2).tolist(),
               [1] + rng.integers(3, vocab, 22).tolist(), system[:9]]]
 
-    def run(tp: int, kv_dtype: str = "auto"):
+    def run(tp: int, kv_dtype: str = "auto", **tiers):
         srv = serve.Server(params, config, serve.ServeConfig(
-            page_size=4, device_pages=96, max_batch=4, max_tokens_per_step=16, max_seq_len=64,
-            record_logits=True, tensor_parallel=tp, kv_dtype=kv_dtype))
+            page_size=4, max_batch=4, max_tokens_per_step=16, max_seq_len=64,
+            record_logits=True, tensor_parallel=tp, kv_dtype=kv_dtype,
+            **(tiers or dict(device_pages=96))))
         outs = []
         for wave in waves:
             outs += srv.generate([serve.Request(p, NEW_TOKENS, eos_token_ids=()) for p in wave])
@@ -121,6 +124,20 @@ def check_case(name: str, n: int) -> None:
     check_pools(srv, config, n, what)
     if n > 1:
         check_collectives(srv, config, n, what)
+    if name == "llama":   # under page pressure: suspends, offloads and onboarding per shard
+        with tempfile.TemporaryDirectory() as d:
+            tight, outs = run(n, device_pages=14, host_bytes=8 << 10, disk_dir=d,
+                              disk_bytes=1 << 20)
+            rep = tight.report()
+            tight.manager.shutdown()   # its disk file, before the directory goes
+            del tight
+        for i, (a, b) in enumerate(zip(outs, want)):
+            assert a.generated_ids == b.generated_ids, (f"{what} under pressure request {i}: "
+                                                        f"{a.generated_ids} != {b.generated_ids}")
+        assert rep["suspends"] and rep["pages_offloaded_to_disk"] and rep["pages_onboarded"], rep
+        print(f"{what} under pressure: suspends {rep['suspends']}, offloaded "
+              f"{rep['pages_offloaded']} ({rep['pages_offloaded_to_disk']} to disk), onboarded "
+              f"{rep['pages_onboarded']}", flush=True)
     if name == "llama":   # FP8 K/V pools: kv_scales split with the heads
         _, fp8_one = run(1, "fp8")
         _, fp8_n = run(n, "fp8")

@@ -173,7 +173,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
       help="prompt + new tokens per request (default: %(default)s)")
     a("--tensor-parallel", type=count(1), default=1, metavar="N",
       help="split the model (Megatron-style) and the K/V pools (over KV heads) over the first "
-           "N devices; no cold tiers with N > 1 (default: %(default)s)")
+           "N devices (default: %(default)s)")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -229,9 +229,6 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     else:
         args.disk_bytes = 0
     if args.tensor_parallel > 1:
-        if args.host_bytes or args.disk_dir:
-            p.error("argument --tensor-parallel: cold tiers (--host-bytes, --disk-dir) are not "
-                    "supported with N > 1 yet")
         import jax
         if args.tensor_parallel > jax.device_count():
             p.error(f"argument --tensor-parallel: {args.tensor_parallel} devices asked, "
@@ -333,7 +330,7 @@ def serve_config(p: argparse.ArgumentParser, args: argparse.Namespace,
     default_model = args.model is None
     device_pages = args.device_pages or (20 if default_model else 1024)
     host_bytes = args.host_bytes if args.host_bytes is not None else (
-        (4 << 20) if default_model and args.tensor_parallel == 1 else 0)
+        (4 << 20) if default_model else 0)
     try:
         return serve.ServeConfig(
             page_size=args.page_size, device_pages=device_pages, host_bytes=host_bytes,
