@@ -104,14 +104,21 @@ def bad_shard_pairs(storage, shard: int):
     """While open, the pairs of every sharded codec call of ``storage`` name, on ``shard``
     only, a cold piece far past the region (the other shards' pairs are untouched)."""
     import numpy as np
+
+    from jax_kvcm._codec import PageIndexLocation
     put = storage._put_pairs
 
     def bad(lg, chunk, cold=0):
         arr = put(lg, chunk, cold)
         host = np.asarray(arr).copy()
+        storage._unregister_pairs(arr)
         rows = slice(shard * len(chunk), (shard + 1) * len(chunk))
         host[rows, cold] = (1 << 30) + host[rows, cold]
-        return jax.device_put(host, arr.sharding)
+        out = jax.device_put(host, arr.sharding)
+        if storage.index_location[lg] == PageIndexLocation.HOST:   # each shard's host copy
+            for s in out.addressable_shards:
+                storage.codec.register_host_index_pairs(s.data, host[s.index[0]])
+        return out
 
     storage._put_pairs = bad
     try:

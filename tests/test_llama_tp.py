@@ -59,17 +59,10 @@ def test_config_checks_name_the_field():
         serve.ServeConfig(tensor_parallel=0)
 
 
-def _visible_gpus() -> int:
-    code = "import jax; print(len([d for d in jax.devices() if d.platform == 'gpu']))"
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=300)
-    return int(proc.stdout.strip() or 0) if proc.returncode == 0 else 0
-
-
 @pytest.mark.gpu
 def test_tensor_parallel_two_gpus():
-    if _visible_gpus() < 2:
+    from conftest import visible_gpus
+    if visible_gpus() < 2:
         pytest.skip("needs 2 GPUs")
     print(run_worker("--devices", "2", "--platform", "gpu"))
 

@@ -78,3 +78,16 @@ def test_sharded_ops_two_gpus():
     print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu"))
     print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu",
                      "--manager"))
+
+
+@pytest.mark.gpu
+def test_cold_tiers_per_shard_two_gpus(tmp_path):
+    """The tier checks on two GPUs: the pinned host tier, the concat codec's HOST-location pairs
+    registered per shard, the disk tier through the staging ring (skipped with < 2 GPUs)."""
+    from conftest import visible_gpus
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    seed = int.from_bytes(os.urandom(2), "little")
+    print(f"seed={seed}")
+    print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu",
+                     "--tiers", str(tmp_path)))
