@@ -10,6 +10,9 @@ with several devices).
   (after shard 0's), and a codec call that fails at run time on shard 1 only (its piece index out
   of range), each leave everything as before the call (slots, free counts, governor ledger,
   stats, the source bytes); the same migration then succeeds.
+- The int8 codec (per-head scales, DEVICE-location pairs): a sharded device -> host -> device
+  round trip decodes to the same bits as the same round trip on one device (its scales are per
+  KV head, so splitting heads must change nothing).
 - Through the manager: the sharded steps of ``sharded_manager_check`` with a host and a disk
   tier: a sequence suspended (its pages leave the device) and resumed, a prefix onboarded from
   the host tier, attention outputs against the closed-form oracle after each.
@@ -23,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_kvcm import CacheLevel
+from jax_kvcm import CacheLevel, Int8Codec
 from jax_kvcm._storage import LayerGroupSpec, StorageConfig, StorageManager
 
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
@@ -84,7 +87,29 @@ def check_tiers(mesh, seed: int, diskdir: str) -> int:
         checks += check_rollback(st, back, want_k, want_v, hot, seed)
     finally:
         st.close()
-    return checks
+    return checks + check_int8(mesh, k, v, seed)
+
+
+def check_int8(mesh, k: np.ndarray, v: np.ndarray, seed: int) -> int:
+    """Sharded int8 round trip == the one-device round trip, bit for bit."""
+    sharding = NamedSharding(mesh, P(None, None, None, "tp", None))
+    spec = LayerGroupSpec(LAYERS, PAGE, k.shape[3], HEAD_DIM, jnp.float32)
+    out = []
+    for device in (sharding, jax.devices()[0]):
+        st = StorageManager(StorageConfig((spec,), device_slots=(16,), host_bytes=1 << 20),
+                            Int8Codec(), device=device)
+        try:
+            st.pools[0] = (jax.device_put(k, device), jax.device_put(v, device))
+            src = st.allocate(D, 0, 6)
+            back = st.migrate(0, H, st.migrate(0, D, src, H), D)
+            out.append([np.asarray(a)[:, back] for a in st.pools[0]] + [src])
+        finally:
+            st.close()
+    (ks, vs, src), (k1, v1, _) = out
+    assert np.array_equal(ks, k1) and np.array_equal(vs, v1), f"int8 sharded != one device ({seed})"
+    err = float(np.abs(ks - k[:, src]).max())
+    assert 0 < err < 0.05, f"int8 round trip error {err}: not the int8 codec's (seed={seed})"
+    return 1
 
 
 def _snapshot(st):
