@@ -3,7 +3,9 @@ local coordinator with one CPU device, builds the example server with tensor par
 both processes' devices (TP = 2), and leads (process 0: schedules, prints the generated ids as
 JSON) or follows (process 1: runs the published steps).
 
-Usage: ``python multihost_worker.py --coordinator 127.0.0.1:PORT --process-id 0|1``.
+Usage: ``python multihost_worker.py --coordinator 127.0.0.1:PORT --process-id 0|1
+[--platform cpu|gpu]`` (gpu: the caller gives each process one GPU with
+``CUDA_VISIBLE_DEVICES``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ def main() -> None:
     ap.add_argument("--coordinator", required=True)
     ap.add_argument("--process-id", type=int, required=True)
     ap.add_argument("--num-processes", type=int, default=2)
+    ap.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
     args = ap.parse_args()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.pop("XLA_FLAGS", None)        # one CPU device per process
+    if args.platform == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ.pop("XLA_FLAGS", None)        # one CPU device per process
     import jax
     import jax_kvcm  # noqa: F401  (the installed package first; the repo root after)
     jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,

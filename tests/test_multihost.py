@@ -49,13 +49,30 @@ def _free_port() -> int:
 
 
 def test_two_processes_tp2_equal_tp1():
+    _check_two_processes("cpu")
+
+
+@pytest.mark.gpu
+def test_two_processes_on_two_gpus():
+    """The same with one GPU per process (``CUDA_VISIBLE_DEVICES``); the all-reduces go between
+    the processes' GPUs. Skipped with fewer than 2 GPUs."""
+    from conftest import visible_gpus
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_two_processes("gpu")
+
+
+def _check_two_processes(platform: str) -> None:
     worker = os.path.join(HERE, "multihost_worker.py")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, worker, "--coordinator", coordinator,
-                               "--process-id", str(i)], env=env, cwd=HERE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = []
+    for i in range(2):
+        penv = dict(env, CUDA_VISIBLE_DEVICES=str(i)) if platform == "gpu" else env
+        procs.append(subprocess.Popen(
+            [sys.executable, worker, "--coordinator", coordinator, "--process-id", str(i),
+             "--platform", platform], env=penv, cwd=HERE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
     outs = []
     try:
         for p in procs:
