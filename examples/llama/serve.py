@@ -36,6 +36,11 @@
   token (request ids count submissions from 0): a request's samples do not depend on what it was
   batched with or whether it was preempted, and two requests with one seed still draw
   independent noise.
+- **Tensor parallelism** (``ServeConfig.tensor_parallel = N``): the params are split over the
+  first N devices (``tp.shard_params``), the manager's pools over KV heads
+  (``KVCacheConfig(mesh=...)``), and the steps run ``tp.forward_step`` / ``tp.decode_step``; the
+  host side (scheduling, the manager, tiers) is the same. ``multihost.py`` runs it across
+  processes.
 - **Finish** on an EOS id or ``max_new_tokens``; the sequence is closed, its full pages stay in
   the prefix cache.
 - **Faults**: a step that raises (out of memory, a kernel error) is undone in the manager
