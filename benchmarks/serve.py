@@ -193,6 +193,7 @@ class Setup:
     run_shared: bool = True
     record_logits: bool = False          # float32 oracle: compare logits too (tiny)
     kv_dtype: str = "auto"               # the paged runs' K/V pools (ServeConfig.kv_dtype)
+    tensor_parallel: int = 1             # the paged runs' devices (ServeConfig.tensor_parallel)
     seed: int = 0
     # Hot backends run side by side on the random rows and the shared "on" run ("arena": the
     # contiguous arena, GPU only; its budget is the paged pool's bytes plus a chunk per range).
@@ -376,7 +377,8 @@ def _serve_config(setup: Setup, concurrency: int, prefix: bool,
         prefill_chunk_tokens=setup.prefill_chunk, host_bytes=setup.host_bytes,
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
         batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
-        record_logits=setup.record_logits, kv_dtype=setup.kv_dtype)
+        record_logits=setup.record_logits, kv_dtype=setup.kv_dtype,
+        tensor_parallel=setup.tensor_parallel)
 
 
 def _summary(label: str, path: str, workload: str, concurrency: int,
@@ -496,7 +498,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         pages_per_tier=rep["pages"], pages_offloaded=rep["pages_offloaded"],
         pages_onboarded=rep["pages_onboarded"], host_bytes=setup.host_bytes,
         prefill_chunk_tokens=setup.prefill_chunk, overlap=scfg.overlap,
-        kv_dtype=rep["kv_dtype"], **extra)
+        kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel, **extra)
     done = [outs[i] for i in sorted(outs)]
     if arena:
         mgr.shutdown()
@@ -933,6 +935,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int,
                    help="paged prompt tokens per step (ServeConfig.prefill_chunk_tokens)")
     p.add_argument("--host-gib", type=float, help="the paged runs' pinned host tier in GiB")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="the paged runs split over the first N devices (examples/llama/tp.py; "
+                        "dense stays on one device); default 1")
     p.add_argument("--json", metavar="PATH", help="write every result as JSON")
     p.add_argument("--concurrency", type=int, nargs="+", metavar="C",
                    help="concurrencies of the random workload (default 64 256)")
@@ -971,7 +976,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def setup_from_args(args: argparse.Namespace) -> Setup:
     full, quick, tiny = WORKLOADS[args.workload]
     s = tiny if args.tiny else quick if args.quick else full
-    over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype}
+    over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
+                            "tensor_parallel": args.tensor_parallel}
+    if not 1 <= args.tensor_parallel <= jax.device_count():
+        raise SystemExit(f"--tensor-parallel must be in [1, {jax.device_count()}] (the visible "
+                         f"devices), got {args.tensor_parallel}")
     if args.prefill_chunk is not None:
         over["prefill_chunk"] = args.prefill_chunk
     if args.host_gib is not None:

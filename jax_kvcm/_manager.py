@@ -308,8 +308,10 @@ class KVCacheConfig:
     divisible by that axis's size. The manager is unchanged (a page id is the same page on every
     device); the step calls :mod:`jax_kvcm.sharded`'s ops with the same mesh. Then
     ``device_bytes`` is the budget of *one* device (pages are sized by their per-device bytes,
-    :meth:`device_page_bytes`). Cold tiers (``host_bytes``, ``disk_bytes``) are not supported with
-    a mesh yet (refused).
+    :meth:`device_page_bytes`). Cold tiers (``host_bytes``, ``disk_bytes``) hold every shard's
+    piece of a page in one cold slot (piece ``s`` at ``1/n`` of the slot, see
+    :mod:`jax_kvcm._storage`); their budgets count all pieces (the host tier is one process's
+    memory).
     """
 
     tokens_per_page: int
@@ -409,9 +411,6 @@ class KVCacheConfig:
         check_count(self.disk_bytes, "disk_bytes", minimum=0)
         if self.disk_bytes and not self.disk_dir:
             raise ValueError("disk_dir is required when disk_bytes > 0")
-        if self.mesh is not None and (self.host_bytes or self.disk_bytes):
-            raise ValueError("host_bytes and disk_bytes must be 0 with a mesh: cold tiers per "
-                             "KV-head shard are not implemented yet")
         if not isinstance(self.enable_prefix_reuse, bool):
             raise TypeError("enable_prefix_reuse must be a bool")
         check_count(self.max_batch, "max_batch", minimum=1)

@@ -20,6 +20,20 @@ Allocation failure (budget or slots) is returned as ``None``; I/O failures and c
 :meth:`StorageManager.migrate_many` runs several moves (layer groups, chunks, paths) as one such
 transaction: all destinations first, all submissions, then all ownership transfers.
 
+**Tensor parallelism** (``device`` a ``NamedSharding`` splitting the pools over KV heads on mesh
+axis ``a`` of size ``n``): the codec is configured with one shard's layout (``Hkv / n`` heads), so
+a shard's *piece* of a page is the codec's page of that shard's heads, and a cold page is the
+``n`` pieces one after the other (``cold_page_bytes = n * piece``): shard ``s``'s piece of cold
+slot ``c`` sits at piece index ``c * n + s`` from the tier's base (its own ``1/n`` of every slot
+of the host pool, the disk file and the staging ring). Encode and decode run as one jitted
+``shard_map`` per call: each shard's codec call gets the pairs with its piece indices (a pairs
+array split over the axis, built on the host, so a HOST-location codec finds each shard's host
+copy by its buffer), the same base address and ``n x`` the slot bound; the call's token is split
+over the shards, so the one fence is ready when every shard is done. Everything else (slots,
+budgets, host <-> disk blob copies, checksums over the whole page) works on whole pages as
+before: one slot id names the page on every shard, and a migration is one transaction for all
+shards (a failure on any shard, before or at submission, rolls back all of them).
+
 NOTE: device work is ordered by XLA's stream (every encode/decode takes the pools as operands), so
 fences only guard host-side accesses: the staging ring, host slots read by disk writes, host slots
 written by disk reads.
@@ -243,6 +257,13 @@ class StorageManager:
         self._index_placement = (jax.sharding.NamedSharding(device.mesh,
                                                             jax.sharding.PartitionSpec())
                                  if isinstance(device, jax.sharding.NamedSharding) else self.device)
+        # NOTE: with a mesh, the codec sees one shard's heads; a cold page is num_shards pieces.
+        self._mesh, self._axis, self.num_shards = None, None, 1
+        if isinstance(device, jax.sharding.NamedSharding):
+            axis = tuple(device.spec) + (None,) * (5 - len(device.spec))
+            if axis[3] is not None:
+                self._mesh, self._axis = device.mesh, axis[3]
+                self.num_shards = int(device.mesh.shape[self._axis])
         self.device_allocators = []
         for n in device_slots:
             alloc = SlotAllocator(n + 1)
@@ -256,9 +277,13 @@ class StorageManager:
             self.pools.append((self._zeros(shape, s.dtype), self._zeros(shape, s.dtype)))
 
         # 3-5. Configure the codec, query and validate every batching class.
+        for g in self.hot_groups:
+            if specs[g[0]].num_kv_heads % self.num_shards:
+                raise ValueError(f"layer group {g[0]}: num_kv_heads {specs[g[0]].num_kv_heads} "
+                                 f"is not divisible by the {self.num_shards} shards")
         descs = [HotPoolGroupDesc(index=h, layer_groups=g, num_layers=specs[g[0]].num_layers,
                                   num_slots=device_slots[h] + 1, page_size=specs[g[0]].page_size,
-                                  num_kv_heads=specs[g[0]].num_kv_heads,
+                                  num_kv_heads=specs[g[0]].num_kv_heads // self.num_shards,
                                   head_dim=specs[g[0]].head_dim, dtype=jnp.dtype(specs[g[0]].dtype))
                  for h, g in enumerate(self.hot_groups)]
         if not self._codec.configure(descs):
@@ -273,7 +298,7 @@ class StorageManager:
             loc = self._codec.page_index_location(lg)
             if loc == PageIndexLocation.BAD:
                 raise ValueError(f"the codec reports a bad page-index location for layer group {lg}")
-            self.cold_page_bytes.append(int(nbytes))
+            self.cold_page_bytes.append(int(nbytes) * self.num_shards)
             self.index_location.append(PageIndexLocation(loc))
             self.batching_id.append(int(self._codec.batching_layer_group_id(lg)))
         self._validate_batching()
@@ -636,6 +661,9 @@ class StorageManager:
     def _jitted(self, kind: str, lg: int, address: int, num_cold_slots: int = 0) -> Callable:
         key = (kind, lg, address, num_cold_slots)
         fn = self._jit_cache.get(key)
+        if fn is None and self._mesh is not None and kind != "copy":
+            fn = self._jit_cache[key] = self._sharded_codec_call(kind, lg, address,
+                                                                 num_cold_slots)
         if fn is None:
             codec = self._codec
             if kind == "encode":
@@ -655,11 +683,72 @@ class StorageManager:
             self._jit_cache[key] = fn
         return fn
 
-    def _put_pairs(self, lg: int, chunk: np.ndarray) -> jax.Array:
-        arr = jax.device_put(chunk, self._index_placement)
-        if self.index_location[lg] == PageIndexLocation.HOST:
-            self._codec.register_host_index_pairs(arr, chunk)
+    def _sharded_codec_call(self, kind: str, lg: int, address: int,
+                            num_cold_slots: int) -> Callable:
+        """``kind`` ("encode" / "decode") of every shard's piece in one jitted ``shard_map``:
+        ``fn(k, v, pairs)`` with ``pairs`` from :meth:`_put_pairs` (split over the axis, piece
+        indices); returns the token ``[num_shards]`` (decode: ``(k, v, token)``, pools
+        donated)."""
+        from jax.sharding import PartitionSpec as P
+        codec, axis, n = self._codec, self._axis, self.num_shards
+        pool, split = P(None, None, None, axis, None), P(axis)
+        bound = num_cold_slots * n
+
+        if kind == "encode":
+            def body(k, v, pairs):  # noqa: ANN001, ANN202
+                return codec.encode(lg, k, v, pairs, address, num_cold_slots=bound)
+            out_specs: Any = split
+        else:
+            def body(k, v, pairs):  # noqa: ANN001, ANN202
+                k, v = codec.decode(lg, k, v, pairs, address, num_cold_slots=bound)
+                return k, v, _token(k, v).reshape(1)
+            out_specs = (pool, pool, split)
+        # NOTE: check_vma=False: the codec calls have no varying-manual-axes rule; the specs
+        # are exact (pools split over heads, one token per shard).
+        fn = jax.shard_map(body, mesh=self._mesh, in_specs=(pool, pool, P(axis, None)),
+                           out_specs=out_specs, check_vma=False)
+        return jax.jit(fn, donate_argnums=(0, 1) if kind == "decode" else ())
+
+    def _put_pairs(self, lg: int, chunk: np.ndarray, cold: int = 0) -> jax.Array:
+        """The pairs of one codec call on the device(s). With a mesh, ``cold`` is the column of
+        cold slots: shard ``s`` gets the chunk with cold slot ``c`` as piece ``c * n + s`` (see
+        the module doc), each block its own buffer (a HOST-location codec gets each shard's host
+        copy)."""
+        if self._mesh is None:
+            arr = jax.device_put(chunk, self._index_placement)
+            if self.index_location[lg] == PageIndexLocation.HOST:
+                self._codec.register_host_index_pairs(arr, chunk)
+            return arr
+        n = self.num_shards
+        blocks = []
+        for s in range(n):
+            b = chunk.copy()
+            b[:, cold] = chunk[:, cold] * n + s
+            blocks.append(b)
+        arr = jax.device_put(np.concatenate(blocks),
+                             jax.sharding.NamedSharding(self._mesh,
+                                                        jax.sharding.PartitionSpec(self._axis)))
+        host = self.index_location[lg] == PageIndexLocation.HOST
+        registered = []
+        try:
+            for shard in arr.addressable_shards:
+                s = shard.index[0].start // len(chunk)
+                self._hook(f"shard_pairs:{s}")
+                if host:
+                    self._codec.register_host_index_pairs(shard.data, blocks[s])
+                    registered.append(shard.data)
+        except BaseException:
+            for d in registered:
+                self._codec.unregister_host_index_pairs(d)
+            raise
         return arr
+
+    def _unregister_pairs(self, pairs: jax.Array) -> None:
+        if self._mesh is None:
+            self._codec.unregister_host_index_pairs(pairs)
+            return
+        for shard in pairs.addressable_shards:
+            self._codec.unregister_host_index_pairs(shard.data)
 
     def _encode(self, lg: int, src: np.ndarray, dst: np.ndarray, address: int,
                 num_cold_slots: int) -> ArrayFence:
@@ -669,7 +758,7 @@ class StorageManager:
         fn = self._jitted("encode", self.batching_id[lg], address, num_cold_slots)
         token = None
         for chunk in self._index_batches(dst, src):
-            pairs = self._put_pairs(lg, chunk)
+            pairs = self._put_pairs(lg, chunk, cold=0)
             k, v = self.pools[h]
             token = fn(k, v, pairs)
             self._track_host_indices(lg, pairs, token)
@@ -682,7 +771,7 @@ class StorageManager:
         fn = self._jitted("decode", self.batching_id[lg], address, num_cold_slots)
         token = None
         for chunk in self._index_batches(dst, src):
-            pairs = self._put_pairs(lg, chunk)
+            pairs = self._put_pairs(lg, chunk, cold=1)
             k, v = self.pools[h]
             k, v, token = fn(k, v, pairs)
             self.pools[h] = (k, v)
@@ -703,7 +792,7 @@ class StorageManager:
         still = []
         for p, d in self._pending_host_indices:
             if d.is_ready():
-                self._codec.unregister_host_index_pairs(p)
+                self._unregister_pairs(p)
             else:
                 still.append((p, d))
         self._pending_host_indices = still
@@ -806,7 +895,7 @@ class StorageManager:
                 d.block_until_ready()
             except Exception as e:  # noqa: BLE001 - a failed step's output: nothing to wait for
                 errors.append(e)
-            self._codec.unregister_host_index_pairs(p)
+            self._unregister_pairs(p)
         self._pending_host_indices = []
         if self._ring is not None:
             try:

@@ -358,3 +358,16 @@ def runtime_error_types() -> tuple[type[BaseException], ...]:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def visible_gpus() -> int:
+    """GPUs jax sees in a fresh process (JAX_PLATFORMS left out), without starting a backend in
+    this one; 0 when none or when jax fails there."""
+    import os
+    import subprocess
+    import sys
+    code = "import jax; print(len([d for d in jax.devices() if d.platform == 'gpu']))"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    return int(proc.stdout.strip() or 0) if proc.returncode == 0 else 0

@@ -6,10 +6,15 @@
   that is refused; else it delegates.
 - :func:`failing_step` is a user's step that donates the pools and fails inside XLA (an
   out-of-range ``write_kv`` slot refused by the CPU handler): the pools come back deleted.
+- :func:`fail_at` raises :class:`InjectedFault` at one of the storage manager's fault points
+  (e.g. ``"shard_pairs:1"``: while shard 1's part of a codec call is prepared, after shard 0's).
+- :func:`bad_shard_pairs` makes one shard's codec index pairs point past the cold region, so the
+  codec call fails at run time on that shard only (pools split over a mesh).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 
@@ -75,3 +80,48 @@ def _bad_write(pools, slots):
 def failing_step(pools):
     """Donates ``pools`` to a step that fails at run time; raises (the pools are deleted)."""
     return _bad_write(list(pools), jnp.array([1 << 30], jnp.int32))
+
+
+class InjectedFault(RuntimeError):
+    """Raised by :func:`fail_at`."""
+
+
+@contextlib.contextmanager
+def fail_at(storage, point: str):
+    """While open, ``storage`` raises :class:`InjectedFault` at fault point ``point``."""
+    def hook(p):
+        if p == point:
+            raise InjectedFault(point)
+    storage._fault_hook = hook
+    try:
+        yield
+    finally:
+        storage._fault_hook = None
+
+
+@contextlib.contextmanager
+def bad_shard_pairs(storage, shard: int):
+    """While open, the pairs of every sharded codec call of ``storage`` name, on ``shard``
+    only, a cold piece far past the region (the other shards' pairs are untouched)."""
+    import numpy as np
+
+    from jax_kvcm._codec import PageIndexLocation
+    put = storage._put_pairs
+
+    def bad(lg, chunk, cold=0):
+        arr = put(lg, chunk, cold)
+        host = np.asarray(arr).copy()
+        storage._unregister_pairs(arr)
+        rows = slice(shard * len(chunk), (shard + 1) * len(chunk))
+        host[rows, cold] = (1 << 30) + host[rows, cold]
+        out = jax.device_put(host, arr.sharding)
+        if storage.index_location[lg] == PageIndexLocation.HOST:   # each shard's host copy
+            for s in out.addressable_shards:
+                storage.codec.register_host_index_pairs(s.data, host[s.index[0]])
+        return out
+
+    storage._put_pairs = bad
+    try:
+        yield
+    finally:
+        del storage._put_pairs

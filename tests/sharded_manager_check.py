@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcm import KVCacheConfig, KVCacheManager, LayerGroupConfig, sharded
+from jax_kvcm import KVCacheConfig, KVCacheManager, LayerGroupConfig, SuspendResult, sharded
 
 NUM_LAYERS, PAGE, HEAD_DIM, GQA = 2, 4, 8, 2
 
@@ -57,7 +57,10 @@ def dense_attention(q: np.ndarray, kv: np.ndarray, pos: int) -> np.ndarray:
     return np.einsum("hn,nhd->hd", w, v)
 
 
-def check_manager(mesh, seed: int) -> int:
+def check_manager(mesh, seed: int, diskdir: str | None = None) -> int:
+    """With ``diskdir``, the pools also have a host and a disk tier, and at the end a sequence
+    is suspended (its own pages to the host tier), a new sequence onboards its prefix from
+    there, and it is resumed; every step's outputs are checked against the oracle."""
     tp = int(mesh.shape["tp"])
     hkv = 2 * tp
     heads = GQA * hkv
@@ -65,7 +68,8 @@ def check_manager(mesh, seed: int) -> int:
     cfg = KVCacheConfig(tokens_per_page=PAGE,
                         layer_groups=(LayerGroupConfig(NUM_LAYERS, hkv, HEAD_DIM, jnp.float32),),
                         device_pages=24, max_batch=4, max_tokens_per_step=32, max_seq_len=48,
-                        mesh=mesh)
+                        mesh=mesh, **({} if diskdir is None else dict(
+                            host_bytes=1 << 20, disk_dir=diskdir, disk_bytes=1 << 20)))
     try:
         KVCacheConfig(tokens_per_page=PAGE, layer_groups=(
             LayerGroupConfig(NUM_LAYERS, tp + 1, HEAD_DIM, jnp.float32),), device_pages=4,
@@ -154,4 +158,17 @@ def check_manager(mesh, seed: int) -> int:
                 assert np.array_equal(k_all[layer, page, off], want[0, i]), (seq.seq_id, i)
                 assert np.array_equal(v_all[layer, page, off], want[1, i]), (seq.seq_id, i)
     mgr.check_invariants()
+    if diskdir is not None:
+        moved = []
+        mgr.add_observer(lambda ev: moved.append(ev) if ev.kind == "migrated" else None)
+        assert mgr.suspend(a) is SuspendResult.SUSPENDED
+        assert any(ev.src_level == 0 for ev in moved), "suspend moved nothing off the device"
+        d = add(tokens[a.seq_id][:13])            # a's pages 0-1 (shared with c), 2 (host)
+        assert d.num_reused_tokens == 12, d.num_reused_tokens
+        assert any(ev.level == 0 for ev in moved), "nothing onboarded"
+        run([(d, 1), (c, 1)])
+        run([(d, 2)])
+        assert mgr.resume(a)
+        run([(a, 1), (d, 1), (c, 1)])
+        mgr.check_invariants()
     return num_steps

@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--manager", action="store_true",
                     help="check a KVCacheManager on the mesh instead of the bare ops")
+    ap.add_argument("--tiers", metavar="DISKDIR",
+                    help="check the cold tiers per shard (storage round trips, rollback, and "
+                         "the manager's suspend / resume / onboarding) with a disk tier there")
     args = ap.parse_args()
     if args.platform == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -34,6 +37,14 @@ def main() -> None:
     devices = jax.devices()
     assert len(devices) >= args.devices, (len(devices), args.devices)
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=devices[:args.tp])
+    if args.tiers:
+        from sharded_manager_check import check_manager
+        from sharded_tiers_check import check_tiers
+        num_checks = check_tiers(mesh, args.seed, args.tiers)
+        num_steps = check_manager(mesh, args.seed, diskdir=args.tiers)
+        print(f"OK tiers devices={args.devices} tp={args.tp} seed={args.seed} "
+              f"checks={num_checks} steps={num_steps}")
+        return
     if args.manager:
         from sharded_manager_check import check_manager
         num_cases = check_manager(mesh, args.seed)

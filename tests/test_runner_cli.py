@@ -68,6 +68,8 @@ def user_error(r, *words):
     (["--max-batch", "16", "--max-tokens-per-step", "8"], ["--max-tokens-per-step"]),
     (["--prompt", "hello"], ["--prompt", "tokenizer"]),
     (["--cold-codec", "zip"], ["--cold-codec"]),
+    (["--tensor-parallel", "0"], ["--tensor-parallel", ">= 1"]),
+    (["--tensor-parallel", "64"], ["--tensor-parallel", "64 devices asked"]),
 ])
 def test_bad_arguments_fail_before_loading(args, words):
     user_error(cli(*args), *words)
@@ -99,7 +101,7 @@ def test_help_lists_every_flag_with_its_default():
     flags = ["--model", "--prompt", "--prompt-ids", "--max-new-tokens", "--temperature",
              "--top-p", "--seed", "--json", "--dtype", "--page-size", "--device-pages",
              "--host-bytes", "--disk-dir", "--disk-bytes", "--cold-codec", "--max-batch",
-             "--max-tokens-per-step", "--max-seq-len"]
+             "--max-tokens-per-step", "--max-seq-len", "--tensor-parallel"]
     options = text.split("options:", 1)[1]
     for i, flag in enumerate(flags):
         start = options.index(f" {flag} ")

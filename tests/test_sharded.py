@@ -59,9 +59,16 @@ def test_config_mesh_errors_name_the_field():
                       mesh_axis="dp")
     with pytest.raises(TypeError, match="mesh must be"):
         KVCacheConfig(tokens_per_page=4, layer_groups=(group,), device_pages=8, mesh="tp")
-    with pytest.raises(ValueError, match="host_bytes and disk_bytes"):
-        KVCacheConfig(tokens_per_page=4, layer_groups=(group,), device_pages=8, mesh=mesh,
-                      host_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("devices,tp", [(2, 2), (4, 4)])
+def test_cold_tiers_per_shard(devices, tp, tmp_path):
+    """Storage round trips byte-exact per shard, a fault on one shard rolling back all, and the
+    manager's suspend / resume / prefix onboarding on a mesh (sharded_tiers_check.py)."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    print(f"seed={seed}")
+    print(run_worker("--devices", str(devices), "--tp", str(tp), "--seed", str(seed),
+                     "--tiers", str(tmp_path)))
 
 
 @pytest.mark.gpu
@@ -71,3 +78,16 @@ def test_sharded_ops_two_gpus():
     print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu"))
     print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu",
                      "--manager"))
+
+
+@pytest.mark.gpu
+def test_cold_tiers_per_shard_two_gpus(tmp_path):
+    """The tier checks on two GPUs: the pinned host tier, the concat codec's HOST-location pairs
+    registered per shard, the disk tier through the staging ring (skipped with < 2 GPUs)."""
+    from conftest import visible_gpus
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    seed = int.from_bytes(os.urandom(2), "little")
+    print(f"seed={seed}")
+    print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu",
+                     "--tiers", str(tmp_path)))

@@ -435,8 +435,13 @@ def _mm(x, w):
     return jnp.matmul(x, w, precision=precision)
 
 
-def _layer(lp, config: LlamaConfig, h, cos, sin, k_cache, v_cache, layer, kv_attend):
-    """One decoder layer on ``h [T, D]``; ``lp`` is the layer's weights (see the module doc)."""
+def _layer(lp, config: LlamaConfig, h, cos, sin, k_cache, v_cache, layer, kv_attend,
+           reduce=None):
+    """One decoder layer on ``h [T, D]``; ``lp`` is the layer's weights (see the module doc).
+    ``reduce`` (None: identity) is applied to the O and down projections' outputs before the
+    residual adds: under tensor parallelism (``tp.py``) each shard's product is a partial sum
+    and ``reduce`` is the block's all-reduce."""
+    reduce = reduce or (lambda x: x)
     c = config
     T = h.shape[0]
     H, Hkv, Dh, I = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
@@ -453,20 +458,22 @@ def _layer(lp, config: LlamaConfig, h, cos, sin, k_cache, v_cache, layer, kv_att
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     o, k_cache, v_cache = kv_attend(q, k, v, k_cache, v_cache, layer)
-    h = h + _mm(o.reshape(T, H * Dh), lp["wo"])
+    h = h + reduce(_mm(o.reshape(T, H * Dh), lp["wo"]))
     x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
     gate_up = _mm(x, lp["w_gate_up"])                         # [T, 2 I]
-    h = h + _mm(jax.nn.silu(gate_up[:, :I]) * gate_up[:, I:], lp["w_down"])
+    h = h + reduce(_mm(jax.nn.silu(gate_up[:, :I]) * gate_up[:, I:], lp["w_down"]))
     return h, k_cache, v_cache
 
 
-def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, kv_attend):
+def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, kv_attend,
+             reduce=None):
     """Embeds ``tokens``, runs every layer, returns ``(h, k_cache, v_cache)``.
 
     ``kv_attend(q, k, v, k_cache, v_cache, layer) -> (o, k_cache, v_cache)`` stores the layer's
     new K/V (``[T, Hkv, Dh]``, RoPE applied) and attends (:func:`_paged`: ``write_kv`` then a
     paged op; ``benchmarks/_dense_llama.py`` plugs a dense per-sequence cache in here). ``layer``
-    is a Python int (a traced one under :func:`stack_layers`' scan)."""
+    is a Python int (a traced one under :func:`stack_layers`' scan). ``reduce``: see
+    :func:`_layer`."""
     cos, sin = rope_tables(positions, rope_inv_freq(config))  # once per step, shared by layers
     h = params["embed"][tokens]  # [T, D]
     layers = params["layers"]
@@ -476,13 +483,14 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, k
         def body(carry, xs):
             h, kc, vc = carry
             lp, layer = xs
-            return _layer(lp, config, h, cos, sin, kc, vc, layer, kv_attend), None
+            return _layer(lp, config, h, cos, sin, kc, vc, layer, kv_attend, reduce), None
 
         ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
         (h, k_cache, v_cache), _ = jax.lax.scan(body, (h, k_cache, v_cache), (layers, ids))
         return h, k_cache, v_cache
     for layer, lp in enumerate(layers):  # NOTE: unrolled: each layer reads its own buffers
-        h, k_cache, v_cache = _layer(lp, config, h, cos, sin, k_cache, v_cache, layer, kv_attend)
+        h, k_cache, v_cache = _layer(lp, config, h, cos, sin, k_cache, v_cache, layer, kv_attend,
+                                     reduce)
     return h, k_cache, v_cache
 
 
@@ -521,6 +529,23 @@ def _paged(config: LlamaConfig, slot_mapping, page_table, rings, attend, scales)
     return kv_attend_grouped
 
 
+def ragged_attend(seq_lens, query_start):
+    """The ``attend`` of :func:`_paged` for ragged steps (``ragged_paged_attention``)."""
+    def attend(q, kc, vc, table, layer, window, ring, scales):
+        return jax_kvcm.ragged_paged_attention(q, kc, vc, table, seq_lens, query_start,
+                                               layer=layer, sliding_window=window,
+                                               ring_table=ring, **scales)
+    return attend
+
+
+def decode_attend(seq_lens):
+    """The ``attend`` of :func:`_paged` for one-token-per-row steps (``paged_attention``)."""
+    def attend(q, kc, vc, table, layer, window, ring, scales):
+        return jax_kvcm.paged_attention(q, kc, vc, table, seq_lens, layer=layer,
+                                        sliding_window=window, ring_table=ring, **scales)
+    return attend
+
+
 def _logits(params, config: LlamaConfig, h):
     x = rms_norm(h, params["norm"], config.rms_norm_eps)
     if config.tie_word_embeddings:
@@ -555,14 +580,10 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
       ``(logits [N, vocab] float32, k_cache, v_cache)``; the caches are donated (updated in
       place).
     """
-    def attend(q, kc, vc, table, layer, window, ring, scales):
-        return jax_kvcm.ragged_paged_attention(q, kc, vc, table, seq_lens, query_start,
-                                               layer=layer, sliding_window=window,
-                                               ring_table=ring, **scales)
-
     h, k_cache, v_cache = _decoder(
         params, config, k_cache, v_cache, tokens, positions,
-        _paged(config, slot_mapping, page_table, rings, attend, kv_scales(params, config, k_cache)))
+        _paged(config, slot_mapping, page_table, rings, ragged_attend(seq_lens, query_start),
+               kv_scales(params, config, k_cache)))
     if logits_index is None:
         logits_index = jnp.maximum(query_start[1:] - 1, 0)
     return _logits(params, config, h[logits_index]), k_cache, v_cache
@@ -578,13 +599,10 @@ def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_
 
     Returns ``(logits [B, vocab] float32, k_cache, v_cache)`` (caches donated).
     """
-    def attend(q, kc, vc, table, layer, window, ring, scales):
-        return jax_kvcm.paged_attention(q, kc, vc, table, seq_lens, layer=layer,
-                                        sliding_window=window, ring_table=ring, **scales)
-
     h, k_cache, v_cache = _decoder(
         params, config, k_cache, v_cache, tokens, positions,
-        _paged(config, slot_mapping, page_table, rings, attend, kv_scales(params, config, k_cache)))
+        _paged(config, slot_mapping, page_table, rings, decode_attend(seq_lens),
+               kv_scales(params, config, k_cache)))
     return _logits(params, config, h), k_cache, v_cache
 
 

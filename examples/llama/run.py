@@ -5,6 +5,7 @@ generation and the KV report.
     python examples/llama/run.py --model DIR --prompt "Hello" --max-new-tokens 64
     python examples/llama/run.py --prompt-ids 1,5,9 --prompt-ids 1,5,7 --json
     python examples/llama/run.py --kv-dtype fp8      # K/V pools in float8_e4m3fn
+    python examples/llama/run.py --tensor-parallel 2  # split over 2 devices (examples/llama/tp.py)
 
 With no ``--model``, a small Llama (2 layers, hidden 128, vocab 512) with deterministic random
 weights is written as a HF-format checkpoint into a temporary directory and loaded back through
@@ -170,6 +171,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
       help="token budget of one step, chunked prefill; >= --max-batch (default: %(default)s)")
     a("--max-seq-len", type=count(1), default=512, metavar="N",
       help="prompt + new tokens per request (default: %(default)s)")
+    a("--tensor-parallel", type=count(1), default=1, metavar="N",
+      help="split the model (Megatron-style) and the K/V pools (over KV heads) over the first "
+           "N devices (default: %(default)s)")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -224,6 +228,11 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
             p.error(f"argument --disk-dir: {d} is not writable")
     else:
         args.disk_bytes = 0
+    if args.tensor_parallel > 1:
+        import jax
+        if args.tensor_parallel > jax.device_count():
+            p.error(f"argument --tensor-parallel: {args.tensor_parallel} devices asked, "
+                    f"{jax.device_count()} visible")
     if args.model is not None:
         m = Path(args.model)
         if not m.is_dir():
@@ -327,7 +336,8 @@ def serve_config(p: argparse.ArgumentParser, args: argparse.Namespace,
             page_size=args.page_size, device_pages=device_pages, host_bytes=host_bytes,
             disk_dir=args.disk_dir, disk_bytes=args.disk_bytes, cold_codec=args.cold_codec,
             max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
-            max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype, **overrides)
+            max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype,
+            tensor_parallel=args.tensor_parallel, **overrides)
     except ValueError as e:
         p.error(str(e))
 

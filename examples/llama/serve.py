@@ -36,6 +36,11 @@
   token (request ids count submissions from 0): a request's samples do not depend on what it was
   batched with or whether it was preempted, and two requests with one seed still draw
   independent noise.
+- **Tensor parallelism** (``ServeConfig.tensor_parallel = N``): the params are split over the
+  first N devices (``tp.shard_params``), the manager's pools over KV heads
+  (``KVCacheConfig(mesh=...)``), and the steps run ``tp.forward_step`` / ``tp.decode_step``; the
+  host side (scheduling, the manager, tiers) is the same. ``multihost.py`` runs it across
+  processes.
 - **Finish** on an EOS id or ``max_new_tokens``; the sequence is closed, its full pages stay in
   the prefix cache.
 - **Faults**: a step that raises (out of memory, a kernel error) is undone in the manager
@@ -72,8 +77,10 @@ from jax_kvcm._storage import CorruptPageError  # NOTE: not exported by jax_kvcm
 
 try:
     from . import model as llama
+    from . import tp as tensor_parallel
 except ImportError:  # pragma: no cover  (run from examples/llama)
     import model as llama  # type: ignore[no-redef]
+    import tp as tensor_parallel  # type: ignore[no-redef]
 
 __all__ = ["Request", "RequestOutput", "ServeConfig", "Server", "sample_tokens", "greedy_tokens",
            "CODECS"]
@@ -153,6 +160,10 @@ class ServeConfig:
     # "kv_scales" (the checkpoint's, else 1.0; see model.kv_scales). Half the bytes of bf16 per
     # page: twice the pages in the same memory. The int8 cold codec refuses fp8 pools.
     kv_dtype: str = "auto"
+    # Devices the model and the K/V pools are split over (examples/llama/tp.py: Megatron-style
+    # weights, pools split over KV heads); 1: one device, no mesh. The first N of
+    # jax.devices() (every process's devices under jax.distributed).
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.cold_codec not in CODECS:
@@ -171,6 +182,12 @@ class ServeConfig:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.max_step_retries < 0:
             raise ValueError(f"max_step_retries must be >= 0, got {self.max_step_retries}")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be an integer >= 1, got "
+                             f"{self.tensor_parallel!r}")
+        if self.tensor_parallel > 1 and self.hot_backend != "paged":
+            raise ValueError("tensor_parallel > 1 needs hot_backend 'paged' (the arena is one "
+                             "device)")
 
 
 @dataclasses.dataclass
@@ -222,11 +239,11 @@ def _fit(x, n: int, fill: int):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "rings", "decode", "greedy",
-                                             "with_logits"),
+                                             "with_logits", "mesh"),
                    donate_argnames=("k_cache", "v_cache"))
 def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch, sampling, *,
                config: llama.LlamaConfig, rings: tuple[int, ...] | None = None, decode: bool,
-               greedy: bool, with_logits: bool):
+               greedy: bool, with_logits: bool, mesh: jax.sharding.Mesh | None = None):
     """One serving step on the device: input tokens, the model, sampling.
 
     Args:
@@ -241,6 +258,8 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
         (``paged_attention``); else ``forward_step`` (``ragged_paged_attention``).
       k_cache, v_cache, rings: the model's pools (tuples with several KV groups) and ring widths
         (see examples/llama/model.py).
+      mesh: None, or the tensor-parallel mesh (``tp.forward_step`` / ``tp.decode_step``; params
+        from ``tp.shard_params``, pools split over KV heads).
 
     Returns:
       ``(tokens [M] int32, logits [B, V] float32 or None, k_cache, v_cache)``: row ``b``'s next
@@ -249,17 +268,20 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
     """
     tokens = jnp.where(gather >= 0, prev_tokens[jnp.maximum(gather, 0)], host_tokens)
     B = batch.seq_lens.shape[0]
+    step_fns = llama if mesh is None else tensor_parallel
+    on_mesh = {} if mesh is None else {"mesh": mesh}
     if decode:
         slots = batch.slot_mapping  # [T], or [G, T] with several KV groups
         slots = (_fit(slots, B, -1) if slots.ndim == 1
                  else jax.vmap(lambda s: _fit(s, B, -1))(slots))
-        logits, k_cache, v_cache = llama.decode_step(
+        logits, k_cache, v_cache = step_fns.decode_step(
             params, k_cache, v_cache, _fit(tokens, B, 0), _fit(batch.positions, B, 0),
-            slots, batch.page_table, batch.seq_lens, config=config, rings=rings)
+            slots, batch.page_table, batch.seq_lens, config=config, rings=rings, **on_mesh)
     else:
-        logits, k_cache, v_cache = llama.forward_step(
+        logits, k_cache, v_cache = step_fns.forward_step(
             params, k_cache, v_cache, tokens, batch.positions, batch.slot_mapping,
-            batch.page_table, batch.seq_lens, batch.query_start, config=config, rings=rings)
+            batch.page_table, batch.seq_lens, batch.query_start, config=config, rings=rings,
+            **on_mesh)
     nxt = llama.greedy_tokens(logits) if greedy else llama.sample_tokens(logits, *sampling)
     out = jax.lax.dynamic_update_slice(jnp.zeros_like(prev_tokens), nxt, (0,))
     return out, (logits if with_logits else None), k_cache, v_cache
@@ -295,10 +317,18 @@ class Server:
         self.serve = serve = serve or ServeConfig()
         if serve.disk_dir:
             os.makedirs(serve.disk_dir, exist_ok=True)
+        # Tensor parallelism: weights split Megatron-style, pools split over KV heads (with
+        # Hkv < N each KV head replicated up to N); see examples/llama/tp.py.
+        self.mesh = None
+        num_kv_heads = config.num_key_value_heads
+        if serve.tensor_parallel > 1:
+            self.mesh = tensor_parallel.make_mesh(serve.tensor_parallel)
+            num_kv_heads = tensor_parallel.kv_heads(config, serve.tensor_parallel)
+            self.params = params = tensor_parallel.shard_params(params, config, self.mesh)
         # One layer group per attention kind (full layers; window layers), in the model's
         # kv_groups order; window groups get ring tables (width independent of max_seq_len).
         groups = tuple(LayerGroupConfig(num_layers=len(layers),
-                                        num_kv_heads=config.num_key_value_heads,
+                                        num_kv_heads=num_kv_heads,
                                         head_dim=config.head_dim, dtype=config.jnp_dtype,
                                         sliding_window=window,
                                         kv_dtype=KV_DTYPES[serve.kv_dtype])
@@ -311,13 +341,15 @@ class Server:
             hot_backend=serve.hot_backend, arena=serve.arena,
             enable_prefix_reuse=serve.enable_prefix_reuse, max_batch=serve.max_batch,
             max_tokens_per_step=serve.max_tokens_per_step, max_seq_len=serve.max_seq_len,
-            batch_buckets=serve.batch_buckets, token_buckets=serve.token_buckets)
+            batch_buckets=serve.batch_buckets, token_buckets=serve.token_buckets,
+            mesh=self.mesh)
         self.manager = KVCacheManager(self.kv_config, CODECS[serve.cold_codec]())
         self.manager.add_observer(self._on_event)
         rings = tuple(w if g.sliding_window else 0
                       for g, w in zip(groups, self.kv_config.table_widths))
         # NOTE: the device step; a test seam (a fault hook wraps it from outside the class).
-        self._model_step = functools.partial(model_step, config=config, rings=rings)
+        self._model_step = functools.partial(model_step, config=config, rings=rings,
+                                             mesh=self.mesh)
         self._waiting: collections.deque[_Req] = collections.deque()
         self._running: list[_Req] = []
         self._suspended: collections.deque[_Req] = collections.deque()
@@ -331,8 +363,10 @@ class Server:
         self._steady_s = 0.0               # time in steps that compiled nothing
         # NOTE: committed to the pools' device like every later step output (else the first
         # step compiles once more for an uncommitted argument).
-        self._prev_tokens = jax.device_put(np.zeros((serve.max_batch,), np.int32),
-                                           self.manager.caches[0][0].sharding)
+        self._prev_tokens = jax.device_put(
+            np.zeros((serve.max_batch,), np.int32),
+            self.manager.caches[0][0].sharding if self.mesh is None
+            else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         self._inflight: _Dispatched | None = None
         self._num_dispatched = 0
         self._token_cursor: dict[int, int] = {}   # new_tokens(): generated tokens handed out
