@@ -9,8 +9,8 @@ sampling (ops under ``jax.named_scope("sampling")``), norms/RoPE/other (everythi
 
 The trace: on a GPU the device's "XLA Ops" line (else its kernels, named by their ``hlo_op``
 argument when present) and its "XLA Modules" line (one span per program execution); on the CPU
-the thunks XLA runs on its client threads (named by their HLO instruction), one execution ending
-at each ``ThunkExecutor::Execute`` marker.
+the thunks XLA runs (named by their HLO instruction), one execution ending at each
+``ThunkExecutor::Execute (wait for completion)`` marker.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ _HEAD = re.compile(r"^\s*(?:ENTRY )?%?([\w.-]+) .*\{\s*$")
 _GEMM_TARGETS = ("cublas", "gemm", "matmul")
 _GEMM_KERNELS = _GEMM_TARGETS + ("cutlass", "nvjet", "xmma")
 _CONTAINERS = ("while", "conditional", "call")
+_CPU_THUNK = re.compile(r"[a-z0-9_.-]+")
 
 
 def weight_copy_ops(hlo_text: str, params) -> list[str]:
@@ -212,19 +213,18 @@ def load_trace(trace_dir: str) -> Trace:
                 x.ops.append(ops[i])
                 i += 1
         return Trace(True, ops, execs)
-    # CPU: thunks on XLA's client threads; an execution ends at each ThunkExecutor marker.
+    # CPU: thunks, named by their HLO instruction (lower case, no spaces: runtime events are
+    # not), on XLA's client threads or the caller's; each execution ends with a
+    # "ThunkExecutor::Execute (wait for completion)" marker.
     ops, execs, cur = [], [], []
     for e in xs:
-        thread = str(threads.get((e["pid"], e.get("tid")), ""))
         name = e["name"]
-        if thread == "python" or name.startswith(("$", "end: ", "ThreadpoolListener")):
-            continue
-        if name.startswith("ThunkExecutor::Execute"):
+        if name.startswith("ThunkExecutor::Execute (wait"):
             if cur:
                 execs.append(Execution("", cur[0].ts, float(e["ts"]), cur))
                 cur = []
             continue
-        if "::" in name:
+        if not _CPU_THUNK.fullmatch(name):
             continue
         op = Op(name, float(e["ts"]), float(e.get("dur", 0)))
         ops.append(op)

@@ -435,7 +435,8 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     if setup.profile_dir and hot_backend == "paged":
         capture = loop_profile.ProgramCapture(server)
         window = loop_profile.ProfileWindow(
-            loop_profile.profile_dir(setup.profile_dir, label), setup.profile_steps,
+            loop_profile.profile_dir(setup.profile_dir, f"{label} chunk {setup.prefill_chunk}"),
+            setup.profile_steps,
             min(concurrency, len(requests)))
     if warm_prompts:
         server.generate([serve.Request(prompt=list(p), max_new_tokens=1, eos_token_ids=[])
