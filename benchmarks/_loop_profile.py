@@ -243,10 +243,12 @@ def step_breakdown(window: ProfileWindow, records: Sequence[Any], capture: Progr
     cats = {key: _profile.hlo_categories(capture.hlo(key), params) for key in capture.args}
     known = set().union(*cats.values()) if cats else set()
 
+    named = any("model_step" in x.name for x in trace.executions)
+
     def is_step(x: _profile.Execution) -> bool:
-        if trace.on_device:
+        if named:                        # GPU: the "XLA Modules" line names the program
             return "model_step" in x.name
-        names = [o.name for o in x.ops]
+        names = [o.name for o in x.ops]  # CPU (or unnamed modules): the step's instructions
         return len(names) >= 8 and sum(n in known for n in names) >= 0.8 * len(names)
 
     steps = [x for x in trace.executions if is_step(x)]

@@ -32,6 +32,9 @@ _HEAD = re.compile(r"^\s*(?:ENTRY )?%?([\w.-]+) .*\{\s*$")
 _GEMM_TARGETS = ("cublas", "gemm", "matmul")
 _GEMM_KERNELS = _GEMM_TARGETS + ("cutlass", "nvjet", "xmma")
 _CONTAINERS = ("while", "conditional", "call")
+# ffi/cuda's kernels (names as CUDA reports them, lower-cased): ragged_prefill.cu, paged_decode.cu
+_RAGGED_KERNELS = ("raggedprefill", "schedulekernel", "fillpaddingkernel")
+_PAGED_KERNELS = ("pageddecode", "combinesplits")
 _CPU_THUNK = re.compile(r"[a-z0-9_.-]+")
 
 
@@ -135,9 +138,11 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
 def kernel_category(name: str) -> str:
     """The category of a GPU kernel (or op) name the HLO does not know."""
     n = name.lower()
-    if "attention" in n:
-        return "ragged attention" if "ragged" in n else "paged attention"
-    if "write_kv" in n:
+    if "ragged" in n or any(k in n for k in _RAGGED_KERNELS):
+        return "ragged attention"
+    if "attention" in n or any(k in n for k in _PAGED_KERNELS):
+        return "paged attention"
+    if "write_kv" in n or "writekv" in n:
         return "K/V writes"
     if any(t in n for t in _GEMM_KERNELS):
         return "weight GEMMs"

@@ -13,6 +13,8 @@ keeps the script's directory, not the repo root, first on ``sys.path``):
     python benchmarks/serve.py --workload trtllm          # 2,500 requests (estimate printed)
     JAX_PLATFORMS=cpu python benchmarks/serve.py --workload trtllm --tiny
     python benchmarks/serve.py --workload trtllm --kv-dtype fp8   # paged K/V in float8_e4m3fn
+    python benchmarks/serve.py --workload trtllm --quick --profile /tmp/prof   # where time goes
+    python benchmarks/serve.py --workload trtllm --quick --no-dense --prefill-chunk 512 2048 4096
 
 **Model.** Llama-3.1-8B's shape (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336,
 vocab 128256, RoPE theta 500000 with Llama-3 scaling, RMSNorm eps 1e-5), bfloat16 weights drawn
@@ -82,6 +84,17 @@ with a realistic ``max_len`` (4,096): how many sequences each holds (the manager
 planning, ``max_num_sequences``) and, unless ``--no-equal-memory``, the dense run at the batch
 it fits. Token agreement between runs of the same requests is reported (bfloat16: kernels round
 differently and greedy generations drift apart; a broken path shows as near-zero agreement).
+
+**Where the time goes** (``benchmarks/_loop_profile.py``): every paged run prints its loop
+timings from the loop's step records (``ServeConfig.record_steps``): per step kind (decode-only,
+mixed, prefill-only) the count, step time p50/p90, host time, time blocked on the device and
+share of the run, and per phase (ramp-up, steady state, tail). ``--profile DIR`` adds a
+``jax.profiler`` trace of ``--profile-steps`` steady-state steps per paged run and the device time
+per step kind by category (weight GEMMs, paged / ragged attention, K/V writes, sampling,
+norms/RoPE/other, idle inside a step, other programs, host gaps). ``--prefill-chunk`` with
+several values runs the paged rows once per value (the step budget = the largest concurrency +
+the chunk, unless ``--step-tokens``; dense and equal memory with the first value) and prints a
+table of them side by side.
 
 **Checks.** Before the 8B runs, the tiny float32 model runs paged, dense, and paged without prefix
 reuse on the same device: at least 3/4 of each pair's greedy generations must be identical, with
