@@ -213,7 +213,10 @@ class ProfileWindow:
         os.makedirs(self.out_dir, exist_ok=True)
         self._first = server.step_records[-1].index if server.step_records else 0
         self.reason = reason
-        jax.profiler.start_trace(self.out_dir, create_perfetto_trace=True)
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0      # no event per Python call: the host loop runs as usual
+        jax.profiler.start_trace(self.out_dir, create_perfetto_trace=True,
+                                 profiler_options=opts)
         self.state = "tracing"
 
     def stop(self, server: Any) -> None:
@@ -317,6 +320,9 @@ def format_breakdown(name: str, b: dict[str, Any]) -> str:
     if b["other_top"]:
         lines.append("largest ops in norms/RoPE/other (ms per step): "
                      + ", ".join(f"{n} {ms:.3f}" for n, ms in b["other_top"]))
+        if any("command" in n.lower() for n, _ in b["other_top"]):
+            lines.append("(XLA ran ops as CUDA graphs, whose kernels the trace does not name: "
+                         "XLA_FLAGS=--xla_gpu_enable_command_buffer= shows them op by op)")
     return "\n".join(lines)
 
 
