@@ -169,9 +169,20 @@ class ProgramCapture:
         return self.fn(*args, decode=decode, greedy=greedy, with_logits=with_logits)
 
     def hlo(self, key: tuple) -> str:
-        """The optimized HLO text of the program ``(program, batch bucket, token bucket)``."""
+        """The optimized HLO text of the program ``(program, batch bucket, token bucket)``
+        (compiled once more, outside the run: XLA does not hand out the text of what it ran;
+        the same program of a later run comes from a cache)."""
         args, static = self.args[key]
-        return self.fn.func.lower(*args, **self.fn.keywords, **static).compile().as_text()
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        sig = (tree, tuple((getattr(x, "shape", x), str(getattr(x, "dtype", ""))) for x in leaves),
+               tuple(sorted(self.fn.keywords.items())), tuple(sorted(static.items())))
+        if sig not in _HLO_CACHE:
+            _HLO_CACHE[sig] = self.fn.func.lower(*args, **self.fn.keywords,
+                                                 **static).compile().as_text()
+        return _HLO_CACHE[sig]
+
+
+_HLO_CACHE: dict[tuple, str] = {}
 
 
 class ProfileWindow:

@@ -1180,6 +1180,9 @@ def main(argv=None) -> dict[str, Any]:
         tol = ({} if setup.model.dtype != "float32" or setup.kv_dtype == "fp8" else
                _F32_CPU_CHECK if jax.default_backend() == "cpu" else _F32_GPU_CHECK)
         chunks = args.prefill_chunk or [setup.prefill_chunk]
+        if len(chunks) > 1:
+            _log(f"{len(chunks)} --prefill-chunk values {chunks}: the paged rows run once per "
+                 "value (about that many times the paged estimate above)")
         parts = []
         for i, chunk in enumerate(chunks):
             s = setup_from_args(args, chunk) if args.prefill_chunk else setup
