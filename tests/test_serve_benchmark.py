@@ -237,6 +237,38 @@ def test_phases_and_loop_stats_of_made_up_records():
     assert "| decode | 2 |" in loop_profile.format_loop("x", s)
 
 
+def _check_profiled_runs(out, prof, *, on_device: bool) -> None:
+    """Every paged run of ``out`` has loop timings and a profiled window whose steps all
+    matched a traced step program: decode steps spend time in the paged kernel, mixed and
+    prefill steps in the ragged one (the program each step matched must agree), every step
+    in GEMMs and K/V writes."""
+    seen = collections.Counter()
+    for r in out["results"]:
+        if r["path"] != "paged":
+            continue
+        chunk = r["prefill_chunk_tokens"]
+        assert r["step_tokens"] == 8 + chunk and r["compiled_programs"] == 2, r["name"]
+        loop = r["loop"]
+        mixed, decode = loop["kinds"]["mixed"], loop["kinds"]["decode"]
+        assert decode["tokens_mean"] == decode["rows_mean"] < mixed["tokens_mean"]
+        assert mixed["tokens_mean"] <= 8 + chunk and mixed["step_ms_p50"] > 0
+        p = r["profile"]
+        assert p["window_steps"] == p["matched"] == 8 and p["on_device"] == on_device, p
+        run = r["name"].split(" [chunk")[0]
+        assert p["dir"] == loop_profile.profile_dir(str(prof), f"{run} chunk {chunk}")
+        assert os.listdir(p["dir"])
+        for kind, k in p["kinds"].items():
+            ms = k["ms_per_step"]
+            seen[kind] += k["steps"] if kind != "all" else 0
+            assert ms["weight GEMMs"] > 0 and ms["K/V writes"] > 0, (kind, ms)
+            assert ms["total"] >= ms["weight GEMMs"] + ms["ragged attention"]
+            if kind == "decode":
+                assert ms["paged attention"] > 0 == ms["ragged attention"], ms
+            elif kind in ("mixed", "prefill"):
+                assert ms["ragged attention"] > 0 == ms["paged attention"], ms
+    assert seen["decode"] > 0 and seen["mixed"] > 0, seen
+
+
 def test_profile_window_and_chunk_sweep_tiny(tmp_path):
     """--profile traces a window of steps of every paged run and breaks its device time down
     per step kind (decode steps run the paged kernel, mixed ones the ragged one: the program
@@ -252,33 +284,26 @@ def test_profile_window_and_chunk_sweep_tiny(tmp_path):
     assert [s["prefill_chunk"] for s in out["sweep"]] == [16, 32]
     assert all(a["identical"] == a["requests"] > 0 for a in out["agreement"])
     assert sum(c["kind"] == "equal_memory" for c in out["comparisons"]) == 1
-    seen = collections.Counter()
-    for r in out["results"]:
-        if r["path"] != "paged":
-            continue
-        chunk = r["prefill_chunk_tokens"]
-        assert r["step_tokens"] == 8 + chunk and r["compiled_programs"] == 2, r["name"]
-        loop = r["loop"]
-        mixed, decode = loop["kinds"]["mixed"], loop["kinds"]["decode"]
-        assert decode["tokens_mean"] == decode["rows_mean"] < mixed["tokens_mean"]
-        assert mixed["tokens_mean"] <= 8 + chunk and mixed["step_ms_p50"] > 0
-        p = r["profile"]
-        assert p["window_steps"] == p["matched"] == 8, p
-        assert p["dir"] == loop_profile.profile_dir(str(prof), r["name"].replace("[", ""))
-        assert os.listdir(p["dir"])
-        for kind, k in p["kinds"].items():
-            ms = k["ms_per_step"]
-            seen[kind] += k["steps"] if kind != "all" else 0
-            assert ms["weight GEMMs"] > 0 and ms["K/V writes"] > 0, (kind, ms)
-            assert ms["total"] >= ms["weight GEMMs"] + ms["ragged attention"]
-            if kind == "decode":
-                assert ms["paged attention"] > 0 == ms["ragged attention"], ms
-            elif kind in ("mixed", "prefill"):
-                assert ms["ragged attention"] > 0 == ms["paged attention"], ms
-    assert seen["decode"] > 0 and seen["mixed"] > 0, seen
+    _check_profiled_runs(out, prof, on_device=False)
     table = loop_profile.format_sweep(out["results"])
     assert table.count("| paged random c8 |") == 2 and "| 32 | 40 |" in table
     with pytest.raises(SystemExit, match="distinct"):
         bench.setup_from_args(bench.parse_args(["--tiny", "--prefill-chunk", "16", "16"]))
     args = bench.parse_args(["--workload", "trtllm", "--quick", "--prefill-chunk", "512", "2048"])
     assert [bench.setup_from_args(args, c).step_tokens for c in (512, 2048)] == [768, 2304]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+def test_profile_window_gpu(backend, tmp_path):
+    """On a GPU: the trace's "XLA Modules" line names the step programs and its ops are the
+    programs' HLO instructions (or kernels named after them), so every traced step matches a
+    dispatched one and its device time lands in the right categories."""
+    backend.device                        # fails here when there is no GPU
+    prof = tmp_path / "prof"
+    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--profile", str(prof),
+                      "--profile-steps", "8", "--prefill-chunk", "16"])
+    _check_profiled_runs(out, prof, on_device=True)
+    for r in out["results"]:
+        host_gap = r["profile"]["kinds"]["all"]["ms_per_step"]["idle before the step (host gap)"]
+        print(r["name"], "host gap ms per step", host_gap, r["profile"]["other_top"])
