@@ -267,7 +267,8 @@ def step_breakdown(window: ProfileWindow, records: Sequence[Any], capture: Progr
 
     steps = [x for x in trace.executions if is_step(x)]
     # NOTE: the trace stops after the window's last step completed; a step dispatched before
-    # it started may show first (partly): align from the end.
+    # it started may show first (partly): align from the end. The first step's gap is not
+    # measured (the host started the tracer before dispatching it).
     n = min(len(steps), len(recs))
     pairs = list(zip(recs[len(recs) - n:], steps[len(steps) - n:]))
     first_start = pairs[0][1].start if pairs else 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gzip
 import importlib.util
 import json
 import os
@@ -307,3 +308,56 @@ def test_profile_window_gpu(backend, tmp_path):
     for r in out["results"]:
         host_gap = r["profile"]["kinds"]["all"]["ms_per_step"]["idle before the step (host gap)"]
         print(r["name"], "host gap ms per step", host_gap, r["profile"]["other_top"])
+
+
+def test_step_breakdown_of_a_made_up_gpu_trace(tmp_path):
+    """The GPU branch of the trace parser on a hand-made perfetto trace: a step program before
+    the window (dropped: the window is aligned from the end), a decode and a mixed step, and a
+    migration program between them; ops land in their step and category through that step's
+    program, the device idle before a step excludes the other program's time."""
+    pid, mods, ops = 7, 1, 2
+
+    def x(tid, name, ts, dur, hlo=None):
+        e = {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+        if hlo:
+            e["args"] = {"hlo_op": hlo}
+        return e
+
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": mods,
+               "args": {"name": "XLA Modules"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": ops,
+               "args": {"name": "XLA Ops"}},
+              x(mods, "jit_model_step(11)", 0, 50), x(ops, "k", 0, 50, "gemm_a"),
+              # decode step: 100..200, busy 10 + 30 + 20 = 60
+              x(mods, "jit_model_step(11)", 100, 100), x(ops, "k", 100, 10, "gemm_a"),
+              x(ops, "k", 120, 30, "attn_d"), x(ops, "k", 160, 20, "out"),
+              # a migration 210..230, then the mixed step 250..400
+              x(mods, "jit_encode(12)", 210, 20), x(ops, "k", 210, 20, "fusion.9"),
+              x(mods, "jit_model_step(13)", 250, 150), x(ops, "k", 250, 100, "attn_r"),
+              x(ops, "k", 360, 40, "nvjet_gemm"),
+              {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(model_step)", "ts": 90,
+               "dur": 5}]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = _profile.load_trace(str(tmp_path))
+    assert trace.on_device and [len(e.ops) for e in trace.executions] == [1, 3, 1, 2]
+    recs = [types.SimpleNamespace(index=i, kind=k, program=p, batch_bucket=4, token_bucket=8)
+            for i, k, p in ((5, "decode", "decode"), (6, "mixed", "forward"))]
+    capture = types.SimpleNamespace(args={("decode", 4, 8): None, ("forward", 4, 8): None},
+                                    hlo=lambda key: _HLO)
+    window = types.SimpleNamespace(out_dir=str(tmp_path), indices=[5, 6], reason="test")
+    b = loop_profile.step_breakdown(window, recs, capture, None)
+    assert b["matched"] == 2 and b["traced_step_programs"] == 3 and b["on_device"]
+    dec, mix = b["kinds"]["decode"]["ms_per_step"], b["kinds"]["mixed"]["ms_per_step"]
+    assert (dec["weight GEMMs"], dec["paged attention"], dec["sampling"]) == (0.01, 0.03, 0.02)
+    assert dec["idle inside the step"] == 0.04
+    # the window's first step: no gap (the host started the tracer before dispatching it)
+    assert dec["idle before the step (host gap)"] == 0.0
+    assert (mix["ragged attention"], mix["weight GEMMs"]) == (0.1, 0.04)
+    assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.03
+    assert mix["idle inside the step"] == 0.01
+    assert "| mixed | 1 |" in loop_profile.format_breakdown("x", b)
