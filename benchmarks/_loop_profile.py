@@ -25,6 +25,7 @@ is in between (a run whose batch never fills with decodes has no steady state).
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 import re
 from typing import Any, Sequence
@@ -357,9 +358,37 @@ def _tag(res: dict[str, Any], tag: str) -> dict[str, Any]:
             "agreement": [fix(a) for a in res["agreement"]]}
 
 
+def digests(outputs: Sequence[Any]) -> list[str]:
+    """A short digest of each request's generated ids (``RequestOutput`` list): runs of a
+    sweep compare their tokens through these."""
+    return [hashlib.sha1(np.asarray(o.generated_ids, np.int64).tobytes()).hexdigest()[:16]
+            for o in outputs]
+
+
+def sweep_agreement(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each run of a sweep, every later chunk value against the first: requests whose
+    generated tokens are identical (the chunk size must not change a float32 greedy run;
+    bfloat16 kernels may round a near-tie differently)."""
+    first: dict[str, dict] = {}
+    out = []
+    for r in results:
+        if "generated_digests" not in r:
+            continue
+        run = r["name"].split(" [chunk")[0]
+        if run not in first:
+            first[run] = r
+            continue
+        a, b = first[run]["generated_digests"], r["generated_digests"]
+        out.append({"a": first[run]["name"], "b": r["name"], "requests": len(a),
+                    "identical": sum(x == y for x, y in zip(a, b)),
+                    "identical_first_token": None, "max_logits_rel_l2": None})
+    return out
+
+
 def merge_sweep(parts: Sequence[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
     """One ``bench`` output per ``--prefill-chunk`` value -> one output, run names tagged with
-    their chunk; ``setup`` is the first value's, ``sweep`` lists each value's setup."""
+    their chunk (plus :func:`sweep_agreement` in ``agreement``); ``setup`` is the first
+    value's, ``sweep`` lists each value's setup."""
     out: dict[str, Any] = {"setup": parts[0][1]["setup"], "results": [], "errors": [],
                            "comparisons": [], "agreement": [],
                            "sweep": [{"prefill_chunk": c, "setup": r["setup"]}
@@ -371,6 +400,7 @@ def merge_sweep(parts: Sequence[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
                                      if c["kind"] != "equal_memory"]
         for key in ("results", "errors", "comparisons", "agreement"):
             out[key] += tagged[key]
+    out["agreement"] += sweep_agreement(out["results"])
     return out
 
 

@@ -547,6 +547,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
         warmup_compile_s=warm_compiles["s"], loop=loop, **extra_profile, **extra)
     done = [outs[i] for i in sorted(outs)]
+    res["generated_digests"] = loop_profile.digests(done)   # runs of a chunk sweep compare
     if arena:
         mgr.shutdown()
     del server, mgr
@@ -1204,6 +1205,9 @@ def main(argv=None) -> dict[str, Any]:
     if len(parts) > 1:
         _log("")
         _log(loop_profile.format_sweep(out["results"]))
+        for a in loop_profile.sweep_agreement(out["results"]):
+            _log(f"tokens {a['a']} vs {a['b']}: {a['identical']}/{a['requests']} requests "
+                 "identical")
     _log("")
     _log(anchor_line(setup))
     _log(f"total {out['meta']['total_s']:.0f} s")

@@ -284,6 +284,10 @@ def test_profile_window_and_chunk_sweep_tiny(tmp_path):
                      "paged random c8 [chunk 32]"]
     assert [s["prefill_chunk"] for s in out["sweep"]] == [16, 32]
     assert all(a["identical"] == a["requests"] > 0 for a in out["agreement"])
+    # the chunk size changes no token (float32, CPU): each run against its first value
+    assert {(a["a"], a["b"]) for a in out["agreement"]} >= {
+        (f"{run} [chunk 16]", f"{run} [chunk 32]")
+        for run in ("paged shared c8 prefix on", "paged random c8")}
     assert sum(c["kind"] == "equal_memory" for c in out["comparisons"]) == 1
     _check_profiled_runs(out, prof, on_device=False)
     table = loop_profile.format_sweep(out["results"])
