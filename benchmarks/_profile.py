@@ -237,11 +237,6 @@ def load_trace(trace_dir: str) -> Trace:
     return Trace(False, ops, execs)
 
 
-def trace_ops(trace_dir: str) -> list[tuple[str, float]]:
-    """``(op name, microseconds)`` of every device op of the trace under ``trace_dir``."""
-    return [(o.name, o.dur) for o in load_trace(trace_dir).ops]
-
-
 def attribute(ops, cats: dict[str, str], on_device: bool,
               unknown: collections.Counter | None = None) -> collections.Counter:
     """Microseconds per category of ``ops`` (:class:`Op` list) given one program's
