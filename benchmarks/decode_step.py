@@ -19,24 +19,18 @@ benchmark's "decode step ms" separates device time from the serving loop's host 
 **Breakdown** (unless ``--no-profile``): for each batch, the paged step before (the layers'
 weights stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight buffers,
 fused QKV and gate/up), each traced with ``jax.profiler`` (``--repeats`` steps) and its device
-ops attributed to categories through the compiled HLO: weight GEMMs (dots, GEMM custom calls
-and fusions containing a dot), weight copies (instructions that materialize a layer's weight
-matrix, see :func:`weight_copy_ops`), attention (the paged attention custom calls), K/V writes
-(``write_kv``), norms/RoPE/other (everything else), and host gaps (the step's wall time less the
-device ops' time). Printed as one table, before and after side by side; on a GPU the ops are
-the device's kernels (the trace's "XLA Ops" line, or its kernels by their ``hlo_op``), on the
-CPU the thunks XLA runs. ``weight_copy_ops`` (the HLO probe) is printed for both layouts.
+ops attributed to categories through the compiled HLO (``benchmarks/_profile.py``): weight GEMMs,
+weight copies (instructions that materialize a layer's weight matrix), paged attention, K/V
+writes, norms/RoPE/other, and host gaps (the step's wall time less the device ops' time).
+Printed as one table, before and after side by side; ``weight_copy_ops`` (the HLO probe) is
+printed for both layouts.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -53,118 +47,12 @@ import jax_kvcm  # noqa: E402,F401  (first: the repo root below must not shadow 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _dense_llama as dense  # noqa: E402
+from _profile import attribute, hlo_categories, load_trace, weight_copy_ops  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 from serve import LLAMA_31_8B, TINY  # noqa: E402
 
-
-def weight_copy_ops(hlo_text: str, params) -> list[str]:
-    """The instructions of an optimized HLO module (``jitted.lower(...).compile().as_text()``)
-    that produce a buffer shaped like one layer's weight matrix (``[in, out]``, or ``[1, in,
-    out]``): a slice, dynamic-slice, copy, transpose or fusion that materializes weights. A step
-    that feeds each GEMM its weight buffer as it is has none; the stacked-layer scan has one
-    dynamic-slice (or copy fusion) per weight per layer. ``params``: the per-layer params tree
-    (its 2-D layer weights give the shapes to look for)."""
-    shapes = {tuple(int(d) for d in w.shape) for lp in params["layers"] for w in lp.values()
-              if len(w.shape) == 2}
-    found = []
-    pattern = (r"^\s*(?:ROOT )?%?[\w.-]+ = \w+\[([\d,]*)\]\S* "
-               r"(copy|dynamic-slice|slice|transpose|fusion)\(")
-    for line in hlo_text.splitlines():
-        m = re.match(pattern, line)
-        if m is None:
-            continue
-        dims = tuple(int(d) for d in m.group(1).split(",") if d)
-        while len(dims) > 2 and dims[0] == 1:
-            dims = dims[1:]
-        if dims in shapes:
-            found.append(line.strip())
-    return found
-
-
-CATEGORIES = ("weight GEMMs", "weight copies", "attention", "K/V writes", "norms/RoPE/other")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = .*? ([\w-]+)\(")
-_GEMM_TARGETS = ("cublas", "gemm", "matmul")
-_CONTAINERS = ("while", "conditional", "call")
-_SKIP = "skip"
-
-
-def hlo_categories(hlo_text: str, params) -> dict[str, str]:
-    """Instruction name -> category (see the module doc) for every instruction of an optimized
-    HLO module's non-fused computations. ``params``: the per-layer params (for weight copies)."""
-    copies = {m.group(1) for line in weight_copy_ops(hlo_text, params)
-              if (m := _INSTR.match(line))}
-    # Fused computations holding a dot: a fusion calling one is a GEMM.
-    dot_comps, comp = set(), None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^\s*(?:ENTRY )?%?([\w.-]+) .*\{\s*$", line)
-        if head and "=" not in line.split("{")[0]:
-            comp = head.group(1)
-        elif comp and (" dot(" in line or " convolution(" in line):
-            dot_comps.add(comp)
-    cats = {}
-    for line in hlo_text.splitlines():
-        m = _INSTR.match(line)
-        if m is None:
-            continue
-        name, op = m.groups()
-        target = re.search(r'custom_call_target="([^"]+)"', line)
-        target = target.group(1).lower() if target else ""
-        calls = re.search(r"calls=%?([\w.-]+)", line)
-        if op in _CONTAINERS:
-            cat = _SKIP                 # its body's ops are counted themselves
-        elif name in copies:
-            cat = "weight copies"
-        elif "attention" in target:
-            cat = "attention"
-        elif "write_kv" in target:
-            cat = "K/V writes"
-        elif (op in ("dot", "convolution") or any(t in target for t in _GEMM_TARGETS)
-              or "__triton_gemm" in line
-              or (op == "fusion" and calls and calls.group(1) in dot_comps)):
-            cat = "weight GEMMs"
-        else:
-            cat = "norms/RoPE/other"
-        cats[name] = cat
-    return cats
-
-
-def _kernel_category(name: str) -> str:
-    n = name.lower()
-    if "attention" in n:
-        return "attention"
-    if "write_kv" in n:
-        return "K/V writes"
-    if any(t in n for t in ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul")):
-        return "weight GEMMs"
-    return "norms/RoPE/other"
-
-
-def trace_ops(trace_dir: str) -> list[tuple[str, float]]:
-    """``(op name, microseconds)`` of every device op in the perfetto trace ``jax.profiler``
-    wrote under ``trace_dir``: on a GPU the "XLA Ops" line of the device (else its kernels,
-    named by their ``hlo_op`` argument when present); on the CPU every complete event (thunks
-    carry their HLO instruction's name; the caller keeps the names it knows)."""
-    files = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
-    if not files:
-        raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}")
-    data = json.load(gzip.open(files[0]))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    procs, threads = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            procs[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
-    device = {pid for pid, n in procs.items() if "/device:" in n and "CPU" not in n}
-    ops = [e for e in events if e.get("ph") == "X"]
-    if device:
-        ops = [e for e in ops if e["pid"] in device]
-        xla_ops = [e for e in ops if threads.get((e["pid"], e.get("tid"))) == "XLA Ops"]
-        if xla_ops:
-            ops = xla_ops
-        return [((e.get("args") or {}).get("hlo_op") or e["name"], float(e.get("dur", 0)))
-                for e in ops]
-    return [(e["name"], float(e.get("dur", 0))) for e in ops]
+# The decode step's columns (its HLO has no ragged attention and no sampling).
+COLUMNS = ("weight GEMMs", "weight copies", "paged attention", "K/V writes", "norms/RoPE/other")
 
 
 def breakdown(step, hlo_text: str, params, repeats: int, wall_s: float) -> dict[str, float]:
@@ -175,18 +63,9 @@ def breakdown(step, hlo_text: str, params, repeats: int, wall_s: float) -> dict[
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(repeats):
                 step()
-        ops = trace_ops(d)
-    on_gpu = jax.default_backend() != "cpu"
-    out = collections.Counter()
-    for name, us in ops:
-        cat = cats.get(name) or cats.get(name.split(":")[0])
-        if cat is None:
-            if not on_gpu:
-                continue          # host events of the runtime, not an op
-            cat = _kernel_category(name)
-        if cat != _SKIP:
-            out[cat] += us / 1e3 / repeats
-    row = {c: out[c] for c in CATEGORIES}
+        trace = load_trace(d)
+    out = attribute(trace.ops, cats, trace.on_device)
+    row = {c: out[c] / 1e3 / repeats for c in COLUMNS}
     busy = sum(row.values())
     row["host gaps"] = max(0.0, wall_s * 1e3 - busy)
     row["wall"] = wall_s * 1e3
@@ -308,7 +187,7 @@ def main() -> int:
         print()
         print("Where the paged step's time goes (ms per step; jax.profiler trace, "
               f"{args.repeats} steps; host gaps = wall - device ops):")
-        cols = CATEGORIES + ("host gaps", "wall")
+        cols = COLUMNS + ("host gaps", "wall")
         print("| step | batch | " + " | ".join(cols) + " | weight-copy ops in HLO |")
         print("|---|---:|" + "---:|" * (len(cols) + 1))
         for b in breakdowns:

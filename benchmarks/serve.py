@@ -13,6 +13,8 @@ keeps the script's directory, not the repo root, first on ``sys.path``):
     python benchmarks/serve.py --workload trtllm          # 2,500 requests (estimate printed)
     JAX_PLATFORMS=cpu python benchmarks/serve.py --workload trtllm --tiny
     python benchmarks/serve.py --workload trtllm --kv-dtype fp8   # paged K/V in float8_e4m3fn
+    python benchmarks/serve.py --workload trtllm --quick --profile /tmp/prof   # where time goes
+    python benchmarks/serve.py --workload trtllm --quick --no-dense --prefill-chunk 512 2048 4096
 
 **Model.** Llama-3.1-8B's shape (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336,
 vocab 128256, RoPE theta 500000 with Llama-3 scaling, RMSNorm eps 1e-5), bfloat16 weights drawn
@@ -83,6 +85,17 @@ planning, ``max_num_sequences``) and, unless ``--no-equal-memory``, the dense ru
 it fits. Token agreement between runs of the same requests is reported (bfloat16: kernels round
 differently and greedy generations drift apart; a broken path shows as near-zero agreement).
 
+**Where the time goes** (``benchmarks/_loop_profile.py``): every paged run prints its loop
+timings from the loop's step records (``ServeConfig.record_steps``): per step kind (decode-only,
+mixed, prefill-only) the count, step time p50/p90, host time, time blocked on the device and
+share of the run, and per phase (ramp-up, steady state, tail). ``--profile DIR`` adds a
+``jax.profiler`` trace of ``--profile-steps`` steady-state steps per paged run and the device time
+per step kind by category (weight GEMMs, paged / ragged attention, K/V writes, sampling,
+norms/RoPE/other, idle inside a step, other programs, host gaps). ``--prefill-chunk`` with
+several values runs the paged rows once per value (the step budget = the largest concurrency +
+the chunk, unless ``--step-tokens``; dense and equal memory with the first value) and prints a
+table of them side by side.
+
 **Checks.** Before the 8B runs, the tiny float32 model runs paged, dense, and paged without prefix
 reuse on the same device: at least 3/4 of each pair's greedy generations must be identical, with
 logits within relative L2 1e-4 (else the script exits non-zero before the long part; a broken
@@ -133,6 +146,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # after jax_kvcm: its unbuilt source tree must not shadow it
 
 from benchmarks import _dense_llama as dense  # noqa: E402
+from benchmarks import _loop_profile as loop_profile  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 from examples.llama import serve  # noqa: E402
 
@@ -198,6 +212,10 @@ class Setup:
     # Hot backends run side by side on the random rows and the shared "on" run ("arena": the
     # contiguous arena, GPU only; its budget is the paged pool's bytes plus a chunk per range).
     hot_backends: tuple[str, ...] = ("paged",)
+    # --profile: a jax.profiler trace of profile_steps steady-state steps of every paged run
+    # under this directory (benchmarks/_loop_profile.py), and the device time per step kind.
+    profile_dir: str | None = None
+    profile_steps: int = 64
 
     @property
     def max_total_len(self) -> int:
@@ -378,7 +396,7 @@ def _serve_config(setup: Setup, concurrency: int, prefix: bool,
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
         batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
         record_logits=setup.record_logits, kv_dtype=setup.kv_dtype,
-        tensor_parallel=setup.tensor_parallel)
+        tensor_parallel=setup.tensor_parallel, record_steps=True)
 
 
 def _summary(label: str, path: str, workload: str, concurrency: int,
@@ -415,6 +433,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     scfg = _serve_config(setup, concurrency, prefix, hot_backend)
     arena = hot_backend == "arena"
     t = time.perf_counter()
+    warm_compiles = dict(_COMPILES)
     warm = serve.Server(params, setup.model, scfg)
     warm.generate([serve.Request(prompt=list(range(1, setup.page_size + 2)), max_new_tokens=2,
                                  eos_token_ids=[])])
@@ -423,12 +442,21 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     del warm
     gc.collect()   # its pool (a cycle through the manager's observer) before the next one
     warmup_s = time.perf_counter() - t
+    warm_compiles = {k: _COMPILES[k] - v for k, v in warm_compiles.items()}
 
     server = serve.Server(params, setup.model, scfg)
     mgr = server.manager
+    window = capture = None
+    if setup.profile_dir and hot_backend == "paged":
+        capture = loop_profile.ProgramCapture(server)
+        window = loop_profile.ProfileWindow(
+            loop_profile.profile_dir(setup.profile_dir, f"{label} chunk {setup.prefill_chunk}"),
+            setup.profile_steps,
+            min(concurrency, len(requests)))
     if warm_prompts:
         server.generate([serve.Request(prompt=list(p), max_new_tokens=1, eos_token_ids=[])
                          for p in warm_prompts])
+    server.step_records.clear()
     total = sum(r.max_new_tokens for r in requests)
     pool = mgr.device_capacity_pages
     progress = _Progress(label, total)
@@ -445,10 +473,18 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     t0 = time.perf_counter()
     while server.has_work():
         n_dec = server.counters["decode_steps"]
+        if window is not None:   # starting the trace is outside the clock
+            ts = time.perf_counter()
+            window.before(server)
+            paused += time.perf_counter() - ts
         ts = time.perf_counter()
         for o in server.step():
             outs[o.request_id] = o
         dt = time.perf_counter() - ts
+        if window is not None:   # stopping it (and writing the trace) too
+            te = time.perf_counter()
+            window.after(server)
+            paused += time.perf_counter() - te
         step_ms.append(dt * 1e3)
         if server.counters["decode_steps"] > n_dec:
             decode_ms.append(dt * 1e3)
@@ -466,7 +502,18 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
             paused += time.perf_counter() - ts
     seconds = time.perf_counter() - t0 - paused
     compiles = _COMPILES["n"] - n_compiles
+    if window is not None:
+        window.stop(server)
     rep = server.report()
+    records = server.step_records
+    traced = (set(range(window.indices[0] - 1, window.indices[-1] + 2))
+              if window is not None and window.indices else set())
+    loop = loop_profile.loop_stats(records, min(concurrency, len(requests)), seconds, traced)
+    extra_profile: dict[str, Any] = {}
+    if window is not None:
+        extra_profile["profile"] = (
+            loop_profile.step_breakdown(window, records, capture, params)
+            if window.state == "done" else {"error": "the run ended before the window began"})
     page_bytes = (2 * setup.model.num_hidden_layers * setup.page_size
                   * setup.model.num_key_value_heads * setup.model.head_dim
                   * setup.paged_kv_itemsize)
@@ -497,9 +544,12 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         recomputes=rep["recomputes"], step_ms_p50=_pct(step_ms, 50),
         pages_per_tier=rep["pages"], pages_offloaded=rep["pages_offloaded"],
         pages_onboarded=rep["pages_onboarded"], host_bytes=setup.host_bytes,
-        prefill_chunk_tokens=setup.prefill_chunk, overlap=scfg.overlap,
-        kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel, **extra)
+        prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
+        overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
+        compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
+        warmup_compile_s=warm_compiles["s"], loop=loop, **extra_profile, **extra)
     done = [outs[i] for i in sorted(outs)]
+    res["generated_digests"] = loop_profile.digests(done)   # runs of a chunk sweep compare
     if arena:
         mgr.shutdown()
     del server, mgr
@@ -649,6 +699,12 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         results.append(res)
         log(_fmt_result(res))
         log(_fmt_roofline(res["name"], res["roofline"]))
+        if "loop" in res:
+            log(loop_profile.format_loop(res["name"], res["loop"]))
+        if "error" in res.get("profile", {}):
+            log(f"  profile {res['name']}: {res['profile']['error']}")
+        elif "profile" in res:
+            log(loop_profile.format_breakdown(res["name"], res["profile"]))
         distinct = {t for o in outs for t in o.generated_ids}
         if len(distinct) < 2 and res["generated_tokens"] > 1:
             log(f"  WARNING: {res['name']} generated only token {sorted(distinct)} "
@@ -932,8 +988,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(float8_e4m3fn, scales 1.0: the random weights have none); dense "
                         "keeps the model dtype, so paged/dense agreement is reported, not "
                         "enforced, with fp8")
-    p.add_argument("--prefill-chunk", type=int,
-                   help="paged prompt tokens per step (ServeConfig.prefill_chunk_tokens)")
+    p.add_argument("--prefill-chunk", type=int, nargs="+", metavar="N",
+                   help="paged prompt tokens per step (ServeConfig.prefill_chunk_tokens); the "
+                        "step's token budget becomes the largest concurrency + N unless "
+                        "--step-tokens is given. Several values: the paged rows run once per "
+                        "value (dense and equal memory with the first only) and a table "
+                        "compares them (tok/s, TTFT, ITL, mixed-step ms, compiled programs)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="trace --profile-steps steady-state steps of every paged run with "
+                        "jax.profiler (under DIR, one folder per run) and print the device "
+                        "time per step kind (decode-only, mixed): weight GEMMs, paged / ragged "
+                        "attention, K/V writes, sampling, norms/RoPE/other, host gaps. The "
+                        "trace export pauses the loop (outside the clock; TTFT and ITL see it)")
+    p.add_argument("--profile-steps", type=int, default=64, metavar="N",
+                   help="steps in the --profile window (default 64)")
     p.add_argument("--host-gib", type=float, help="the paged runs' pinned host tier in GiB")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="the paged runs split over the first N devices (examples/llama/tp.py; "
@@ -973,7 +1041,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup_from_args(args: argparse.Namespace) -> Setup:
+def setup_from_args(args: argparse.Namespace, chunk: int | None = None) -> Setup:
+    """The run's Setup; ``chunk``: one of several ``--prefill-chunk`` values (default: the
+    first given)."""
     full, quick, tiny = WORKLOADS[args.workload]
     s = tiny if args.tiny else quick if args.quick else full
     over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
@@ -982,7 +1052,11 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         raise SystemExit(f"--tensor-parallel must be in [1, {jax.device_count()}] (the visible "
                          f"devices), got {args.tensor_parallel}")
     if args.prefill_chunk is not None:
-        over["prefill_chunk"] = args.prefill_chunk
+        over["prefill_chunk"] = args.prefill_chunk[0] if chunk is None else chunk
+    if args.profile is not None:
+        if args.profile_steps < 2:
+            raise SystemExit("--profile-steps must be >= 2")
+        over.update(profile_dir=args.profile, profile_steps=args.profile_steps)
     if args.host_gib is not None:
         over["host_bytes"] = int(args.host_gib * 2**30)
     for arg, field in (("concurrency", "concurrencies"), ("requests_factor", "requests_factor"),
@@ -1012,6 +1086,12 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
                     equal_memory_run=False, model=dataclasses.replace(
                         m, sliding_window=args.sliding_window, layer_types=types))
     s = dataclasses.replace(s, **over)
+    if args.prefill_chunk is not None and args.step_tokens is None:
+        # the budget follows the chunk: every running sequence decodes, plus one chunk
+        s = dataclasses.replace(s, step_tokens=max(s.concurrencies + (s.shared_concurrency,))
+                                + s.prefill_chunk)
+    if args.prefill_chunk is not None and len(set(args.prefill_chunk)) != len(args.prefill_chunk):
+        raise SystemExit("--prefill-chunk values must be distinct")
     if min(s.concurrencies) < 1 or s.input_len < 1 or s.output_len < 1:
         raise SystemExit("concurrency, --input-len and --output-len must be >= 1")
     if s.step_tokens < max(s.concurrencies + (s.shared_concurrency,)):
@@ -1019,7 +1099,7 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
                          "running sequence decodes in one step)")
     if s.input_len + s.output_len > s.equal_memory_max_len:
         raise SystemExit("--equal-memory-max-len must hold input + output")
-    if s.prefill_chunk < 1:
+    if s.prefill_chunk < 1 or min(args.prefill_chunk or [1]) < 1:
         raise SystemExit("--prefill-chunk must be >= 1")
     if "arena" in s.hot_backends and jax.default_backend() != "gpu":
         raise SystemExit("--hot-backend arena needs a GPU: a donated CPU step copies the whole "
@@ -1109,14 +1189,34 @@ def main(argv=None) -> dict[str, Any]:
         # reported, not enforced (tests/test_llama_fp8.py bounds the error).
         tol = ({} if setup.model.dtype != "float32" or setup.kv_dtype == "fp8" else
                _F32_CPU_CHECK if jax.default_backend() == "cpu" else _F32_GPU_CHECK)
-        res = bench(setup, params, **tol)
+        chunks = args.prefill_chunk or [setup.prefill_chunk]
+        if len(chunks) > 1:
+            _log(f"{len(chunks)} --prefill-chunk values {chunks}: the paged rows run once per "
+                 "value (about that many times the paged estimate above)")
+        parts = []
+        for i, chunk in enumerate(chunks):
+            s = setup_from_args(args, chunk) if args.prefill_chunk else setup
+            if i:     # the paged rows once per value; dense and equal memory with the first
+                s = dataclasses.replace(s, run_dense=False, equal_memory_run=False)
+            if len(chunks) > 1:
+                _log(f"--prefill-chunk {chunk} (step budget {s.step_tokens} tokens)")
+            parts.append((chunk, bench(s, params, **tol)))
     except RuntimeError as e:
         raise SystemExit(f"FAILED: {e}") from None
-    out.update(res)
+    if len(parts) == 1:
+        out.update(parts[0][1])
+    else:
+        out.update(loop_profile.merge_sweep(parts))
     out["meta"]["total_s"] = time.perf_counter() - t_start
     md = markdown(out)
     _log("")
     _log(md)
+    if len(parts) > 1:
+        _log("")
+        _log(loop_profile.format_sweep(out["results"]))
+        for a in loop_profile.sweep_agreement(out["results"]):
+            _log(f"tokens {a['a']} vs {a['b']}: {a['identical']}/{a['requests']} requests "
+                 "identical")
     _log("")
     _log(anchor_line(setup))
     _log(f"total {out['meta']['total_s']:.0f} s")

@@ -377,8 +377,8 @@ def test_decode_step_copies_no_weights():
 
 
 def test_decode_step_breakdown_categories():
-    """benchmarks/decode_step.py's attribution of a step's ops: the compiled HLO of the tiny
-    decode step has one attention and one write_kv custom call per layer and (at least) the
+    """benchmarks/decode_step.py's attribution of a step's ops (benchmarks/_profile.py): the
+    compiled HLO of the tiny decode step has one paged attention and one write_kv custom call per layer and (at least) the
     4 weight GEMMs per layer plus the lm_head; a profiled step puts time in each."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from decode_step import breakdown, hlo_categories
@@ -395,7 +395,8 @@ def test_decode_step_breakdown_categories():
                                   config=config).compile().as_text()
     counts = collections.Counter(hlo_categories(hlo, params).values())
     L = config.num_hidden_layers
-    assert counts["attention"] == L and counts["K/V writes"] == L, counts
+    assert counts["paged attention"] == L and counts["K/V writes"] == L, counts
+    assert counts["ragged attention"] == counts["sampling"] == 0, counts
     assert counts["weight GEMMs"] >= 4 * L + 1 and counts["weight copies"] == 0, counts
 
     def step():
@@ -405,7 +406,7 @@ def test_decode_step_breakdown_categories():
 
     step()
     row = breakdown(step, hlo, params, repeats=3, wall_s=1e-3)
-    assert row["weight GEMMs"] > 0 and row["attention"] > 0 and row["K/V writes"] > 0, row
+    assert row["weight GEMMs"] > 0 and row["paged attention"] > 0 and row["K/V writes"] > 0, row
 
 
 @pytest.mark.gpu

@@ -344,6 +344,43 @@ def test_overlapped_loop_matches_synchronous(case, pressure, tmp_path):
 
 @pytest.mark.parametrize("case", ["llama"], indirect=True)
 @pytest.mark.parametrize("overlap", [True, False])
+def test_step_records_observe_without_changing_tokens(case, overlap):
+    """ServeConfig.record_steps (the benchmarks' timing hook) changes no token; it records every
+    dispatched step once, in order: its kind from the rows' token counts, its program, and times
+    in order (with the overlapped loop a step's tokens are read by a later call, else by the
+    call that dispatched it). Page pressure (suspend/resume through a host tier) included."""
+    system, reqs = _workload(np.random.default_rng(21))
+    hot = 2 * 2 * 4 * 2 * 16 * 4
+    kw = dict(max_tokens_per_step=12, prefill_chunk_tokens=6, overlap=overlap, device_pages=14,
+              host_bytes=64 * hot)
+    want, rep_off = _run(case, system, reqs, **kw)
+    srv = _server(case, record_steps=True, **kw)
+    srv.generate([serve.Request(system, 3, eos_token_ids=())])
+    srv.step_records.clear()
+    steps0 = srv.report()["steps"]
+    got = [(o.generated_ids, o.finish_reason) for o in srv.generate(reqs)]
+    rep = srv.report()
+    assert got == want and _server(case).step_records is None
+    recs = srv.step_records
+    assert len(recs) == rep["steps"] - steps0 and rep["suspends"] > 0
+    assert [r.index for r in recs] == list(range(steps0 + 1, rep["steps"] + 1))
+    assert sum(r.program == "decode" for r in recs) > 0
+    for r in recs:
+        assert r.kind == ("decode" if r.decode_rows == r.rows else
+                          "mixed" if r.decode_rows else "prefill"), r
+        assert r.program == ("decode" if r.tokens == r.rows else "forward"), r
+        assert r.tokens >= r.rows >= 1 and r.batch_bucket >= r.rows
+        assert r.token_bucket >= r.tokens and r.running >= r.rows and r.min_tokens_left >= 0
+        assert r.t_start <= r.t_dispatched <= min(r.t_end, r.t_ready) and r.wait_s >= 0, r
+        if not overlap:
+            assert r.t_ready <= r.t_end   # read by the call that dispatched it
+    assert any(r.kind == "mixed" for r in recs)
+    if overlap:
+        assert sum(r.t_ready > r.t_end for r in recs) > len(recs) // 2   # read one step late
+
+
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+@pytest.mark.parametrize("overlap", [True, False])
 def test_stream_and_cancel_hooks(case, overlap):
     """The HTTP server's hooks: ``new_tokens`` streams every request's tokens in order (their
     concatenation is the request's output); ``cancel`` of a running request while a step that

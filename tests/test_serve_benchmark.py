@@ -9,10 +9,14 @@ broken dense decode must be caught.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import gzip
 import importlib.util
 import json
+import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -137,3 +141,227 @@ def test_tiny_mixed_layer_rows():
     assert out["agreement"] and all(a["identical"] == a["requests"] > 0
                                     for a in out["agreement"])
     assert not any("dense" in r["name"] for r in out["results"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the loop's time goes (--profile, several --prefill-chunk values).
+
+from benchmarks import _loop_profile as loop_profile  # noqa: E402  (bench put the root on sys.path)
+from benchmarks import _profile  # noqa: E402
+
+# A hand-written optimized module: a GEMM as a dot fusion, a cuBLAS call wrapped in a nested
+# fusion computation, both attention custom calls, write_kv, a sampling op, a norm, a loop.
+_HLO = """HloModule jit_model_step, is_scheduled=true
+
+%fused_dot (p0: bf16[8,64], p1: bf16[64,64]) -> bf16[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%inner (q0: bf16[8,64], q1: bf16[64,64]) -> bf16[8,64] {
+  %q0 = bf16[8,64]{1,0} parameter(0)
+  %q1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %cc = bf16[8,64]{1,0} custom-call(%q0, %q1), custom_call_target="__cublas$gemm"
+}
+
+%outer (r0: bf16[8,64], r1: bf16[64,64]) -> bf16[8,64] {
+  %r0 = bf16[8,64]{1,0} parameter(0)
+  %r1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %call.2 = bf16[8,64]{1,0} fusion(%r0, %r1), kind=kCustom, calls=%inner
+}
+
+ENTRY %main (x: bf16[8,64], w: bf16[64,64]) -> s32[8] {
+  %x = bf16[8,64]{1,0} parameter(0)
+  %w = bf16[64,64]{1,0} parameter(1)
+  %gemm_a = bf16[8,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %gemm_b = bf16[8,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%outer
+  %attn_d = bf16[8,64]{1,0} custom-call(%x), custom_call_target="kvcm_paged_attention"
+  %attn_r = bf16[8,64]{1,0} custom-call(%x), custom_call_target="kvcm_ragged_paged_attention"
+  %kv = bf16[8,64]{1,0} custom-call(%x), custom_call_target="kvcm_write_kv"
+  %norm = bf16[8,64]{1,0} multiply(%x, %x), metadata={op_name="jit(model_step)/rms_norm/mul"}
+  %amax = s32[8]{0} fusion(%x), kind=kLoop, calls=%fused_dot, metadata={op_name="jit(model_step)/sampling/jit(greedy_tokens)/reduce"}
+  %loop = bf16[8,64]{1,0} while(%x), condition=%c, body=%b
+  ROOT %out = s32[8]{0} copy(%amax), metadata={op_name="jit(model_step)/sampling/dynamic_update_slice"}
+}
+"""
+
+
+def test_hlo_categories_of_a_hand_written_module():
+    cats = _profile.hlo_categories(_HLO)
+    assert cats["gemm_a"] == cats["gemm_b"] == cats["cc"] == "weight GEMMs"
+    assert cats["attn_d"] == "paged attention" and cats["attn_r"] == "ragged attention"
+    assert cats["kv"] == "K/V writes" and cats["norm"] == "norms/RoPE/other"
+    assert cats["out"] == "sampling" and cats["loop"] == _profile.SKIP
+    # a fusion calling a dot computation is a GEMM even under the sampling scope
+    assert cats["amax"] == "weight GEMMs"
+    ops = [_profile.Op(n, 0.0, us) for n, us in (("gemm_a", 5.0), ("attn_r", 7.0),
+                                                  ("norm", 1.0), ("loop", 100.0),
+                                                  ("nvjet_gemm_kernel", 2.0), ("mystery", 3.0))]
+    unknown = collections.Counter()
+    gpu = _profile.attribute(ops, cats, True, unknown)
+    assert gpu == {"weight GEMMs": 7.0, "ragged attention": 7.0, "norms/RoPE/other": 4.0}
+    assert unknown == {"norm": 1.0, "mystery": 3.0}
+    cpu = _profile.attribute(ops, cats, False)      # runtime events the HLO lacks are skipped
+    assert cpu == {"weight GEMMs": 5.0, "ragged attention": 7.0, "norms/RoPE/other": 1.0}
+
+
+def _rec(index, kind, rows, decode_rows, waiting, running, t_start, t_end, t_ready, wait_s):
+    return types.SimpleNamespace(index=index, kind=kind, rows=rows, decode_rows=decode_rows,
+                                 tokens=rows, waiting=waiting, running=running, t_start=t_start,
+                                 t_end=t_end, t_ready=t_ready, wait_s=wait_s, new_program=False)
+
+
+def test_phases_and_loop_stats_of_made_up_records():
+    """Ramp-up until the first decode-only step at the full batch, the tail from the first
+    step with nothing waiting and the batch below full; step time = interval between tokens
+    reaching the host; host = the call less the reads it blocked on."""
+    recs = [_rec(1, "prefill", 1, 0, 3, 4, 0.0, 1.0, 2.5, 0.0),
+            _rec(2, "mixed", 4, 3, 3, 4, 1.0, 3.0, 4.0, 0.5),     # read of 1 blocked 1.0 in it
+            _rec(3, "decode", 4, 4, 3, 4, 3.0, 4.5, 6.0, 0.2),
+            _rec(4, "mixed", 4, 3, 0, 4, 4.5, 6.5, 7.0, 0.0),
+            _rec(5, "decode", 3, 3, 0, 3, 6.5, 7.5, 9.0, 0.0),
+            _rec(6, "decode", 2, 2, 0, 2, 7.5, 9.5, 10.0, 0.0)]
+    recs[0].wait_s = 1.0
+    assert loop_profile.phases(recs, 4) == ["ramp-up", "ramp-up", "steady", "steady", "tail",
+                                            "tail"]
+    times = {t["index"]: t for t in loop_profile.step_times(recs)}
+    assert times[1]["step"] == 2.5 and times[2]["step"] == 1.5 and times[6]["step"] == 1.0
+    assert times[2]["host"] == 2.0 - 1.0 and times[2]["wall"] == 2.0
+    s = loop_profile.loop_stats(recs, 4, 10.0)
+    assert s["kinds"]["decode"]["steps"] == 3 and s["kinds"]["mixed"]["steps"] == 2
+    assert abs(sum(k["share"] for k in s["kinds"].values()) - 1) < 1e-12
+    assert s["phases"]["tail"]["seconds"] == 3.0 and s["phases"]["steady"]["steps"] == 2
+    assert s["steps_seconds"] == 10.0
+    s = loop_profile.loop_stats(recs, 4, 10.0, exclude={3, 4})
+    assert s["kinds"]["mixed"]["steps"] == 1 and "steady" not in s["phases"]
+    assert "| decode | 2 |" in loop_profile.format_loop("x", s)
+
+
+def _check_profiled_runs(out, prof, *, on_device: bool) -> None:
+    """Every paged run of ``out`` has loop timings and a profiled window whose steps all
+    matched a traced step program: decode steps spend time in the paged kernel, mixed and
+    prefill steps in the ragged one (the program each step matched must agree), every step
+    in GEMMs and K/V writes."""
+    seen = collections.Counter()
+    for r in out["results"]:
+        if r["path"] != "paged":
+            continue
+        chunk = r["prefill_chunk_tokens"]
+        assert r["step_tokens"] == 8 + chunk and r["compiled_programs"] == 2, r["name"]
+        loop = r["loop"]
+        mixed, decode = loop["kinds"]["mixed"], loop["kinds"]["decode"]
+        assert decode["tokens_mean"] == decode["rows_mean"] < mixed["tokens_mean"]
+        assert mixed["tokens_mean"] <= 8 + chunk and mixed["step_ms_p50"] > 0
+        p = r["profile"]
+        assert p["window_steps"] == p["matched"] == 8 and p["on_device"] == on_device, p
+        run = r["name"].split(" [chunk")[0]
+        assert p["dir"] == loop_profile.profile_dir(str(prof), f"{run} chunk {chunk}")
+        assert os.listdir(p["dir"])
+        for kind, k in p["kinds"].items():
+            ms = k["ms_per_step"]
+            seen[kind] += k["steps"] if kind != "all" else 0
+            assert ms["weight GEMMs"] > 0 and ms["K/V writes"] > 0, (kind, ms)
+            assert ms["total"] >= ms["weight GEMMs"] + ms["ragged attention"]
+            if kind == "decode":
+                assert ms["paged attention"] > 0 == ms["ragged attention"], ms
+            elif kind in ("mixed", "prefill"):
+                assert ms["ragged attention"] > 0 == ms["paged attention"], ms
+    assert seen["decode"] > 0 and seen["mixed"] > 0, seen
+
+
+def test_profile_window_and_chunk_sweep_tiny(tmp_path):
+    """--profile traces a window of steps of every paged run and breaks its device time down
+    per step kind (decode steps run the paged kernel, mixed ones the ragged one: the program
+    each traced step matched must agree); --prefill-chunk with two values runs the paged rows
+    once per value, with the token budget concurrency + chunk, and compares them."""
+    prof = tmp_path / "prof"
+    out = bench.main(["--workload", "trtllm", "--tiny", "--profile", str(prof),
+                      "--profile-steps", "8", "--prefill-chunk", "16", "32"])
+    names = [r["name"] for r in out["results"]]
+    assert names == ["paged shared c8 prefix on [chunk 16]", "paged random c8 [chunk 16]",
+                     "dense random c8 [chunk 16]", "paged shared c8 prefix on [chunk 32]",
+                     "paged random c8 [chunk 32]"]
+    assert [s["prefill_chunk"] for s in out["sweep"]] == [16, 32]
+    assert all(a["identical"] == a["requests"] > 0 for a in out["agreement"])
+    # the chunk size changes no token (float32, CPU): each run against its first value
+    assert {(a["a"], a["b"]) for a in out["agreement"]} >= {
+        (f"{run} [chunk 16]", f"{run} [chunk 32]")
+        for run in ("paged shared c8 prefix on", "paged random c8")}
+    assert sum(c["kind"] == "equal_memory" for c in out["comparisons"]) == 1
+    _check_profiled_runs(out, prof, on_device=False)
+    table = loop_profile.format_sweep(out["results"])
+    assert table.count("| paged random c8 |") == 2 and "| 32 | 40 |" in table
+    with pytest.raises(SystemExit, match="distinct"):
+        bench.setup_from_args(bench.parse_args(["--tiny", "--prefill-chunk", "16", "16"]))
+    args = bench.parse_args(["--workload", "trtllm", "--quick", "--prefill-chunk", "512", "2048"])
+    assert [bench.setup_from_args(args, c).step_tokens for c in (512, 2048)] == [768, 2304]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+def test_profile_window_gpu(backend, tmp_path):
+    """On a GPU: the trace's "XLA Modules" line names the step programs and its ops are the
+    programs' HLO instructions (or kernels named after them), so every traced step matches a
+    dispatched one and its device time lands in the right categories."""
+    backend.device                        # fails here when there is no GPU
+    prof = tmp_path / "prof"
+    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--profile", str(prof),
+                      "--profile-steps", "8", "--prefill-chunk", "16"])
+    _check_profiled_runs(out, prof, on_device=True)
+    for r in out["results"]:
+        host_gap = r["profile"]["kinds"]["all"]["ms_per_step"]["idle before the step (host gap)"]
+        print(r["name"], "host gap ms per step", host_gap, r["profile"]["other_top"])
+
+
+def test_step_breakdown_of_a_made_up_gpu_trace(tmp_path):
+    """The GPU branch of the trace parser on a hand-made perfetto trace: a step program before
+    the window (dropped: the window is aligned from the end), a decode and a mixed step, and a
+    migration program between them; ops land in their step and category through that step's
+    program, the device idle before a step excludes the other program's time."""
+    pid, mods, ops = 7, 1, 2
+
+    def x(tid, name, ts, dur, hlo=None):
+        e = {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+        if hlo:
+            e["args"] = {"hlo_op": hlo}
+        return e
+
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": mods,
+               "args": {"name": "XLA Modules"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": ops,
+               "args": {"name": "XLA Ops"}},
+              x(mods, "jit_model_step(11)", 0, 50), x(ops, "k", 0, 50, "gemm_a"),
+              # decode step: 100..200, busy 10 + 30 + 20 = 60
+              x(mods, "jit_model_step(11)", 100, 100), x(ops, "k", 100, 10, "gemm_a"),
+              x(ops, "k", 120, 30, "attn_d"), x(ops, "k", 160, 20, "out"),
+              # a migration 210..230, then the mixed step 250..400
+              x(mods, "jit_encode(12)", 210, 20), x(ops, "k", 210, 20, "fusion.9"),
+              x(mods, "jit_model_step(13)", 250, 150), x(ops, "k", 250, 100, "attn_r"),
+              x(ops, "k", 360, 40, "nvjet_gemm"),
+              {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(model_step)", "ts": 90,
+               "dur": 5}]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = _profile.load_trace(str(tmp_path))
+    assert trace.on_device and [len(e.ops) for e in trace.executions] == [1, 3, 1, 2]
+    recs = [types.SimpleNamespace(index=i, kind=k, program=p, batch_bucket=4, token_bucket=8)
+            for i, k, p in ((5, "decode", "decode"), (6, "mixed", "forward"))]
+    capture = types.SimpleNamespace(args={("decode", 4, 8): None, ("forward", 4, 8): None},
+                                    hlo=lambda key: _HLO)
+    window = types.SimpleNamespace(out_dir=str(tmp_path), indices=[5, 6], reason="test")
+    b = loop_profile.step_breakdown(window, recs, capture, None)
+    assert b["matched"] == 2 and b["traced_step_programs"] == 3 and b["on_device"]
+    dec, mix = b["kinds"]["decode"]["ms_per_step"], b["kinds"]["mixed"]["ms_per_step"]
+    assert (dec["weight GEMMs"], dec["paged attention"], dec["sampling"]) == (0.01, 0.03, 0.02)
+    assert dec["idle inside the step"] == 0.04
+    # the window's first step: no gap (the host started the tracer before dispatching it)
+    assert dec["idle before the step (host gap)"] == 0.0
+    assert (mix["ragged attention"], mix["weight GEMMs"]) == (0.1, 0.04)
+    assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.03
+    assert mix["idle inside the step"] == 0.01
+    assert "| mixed | 1 |" in loop_profile.format_breakdown("x", b)

@@ -54,7 +54,10 @@
 :meth:`Server.report` is the KV report: pages per tier, prefix hit rate (reused prompt tokens /
 prompt tokens, first admissions only), pages offloaded (device -> host/disk) and onboarded
 (host/disk -> device), suspends/resumes/recomputes, tokens/s (all steps, and steady state: the
-steps that compiled nothing) and the compiled step shapes.
+steps that compiled nothing) and the compiled step shapes. With ``ServeConfig.record_steps``,
+:attr:`Server.step_records` keeps a :class:`StepRecord` per dispatched step (its kind, rows,
+buckets, queue lengths, when it was dispatched and when its tokens reached the host, and how long
+that read blocked): ``benchmarks/serve.py`` derives where the loop's time goes from them.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ except ImportError:  # pragma: no cover  (run from examples/llama)
     import model as llama  # type: ignore[no-redef]
     import tp as tensor_parallel  # type: ignore[no-redef]
 
-__all__ = ["Request", "RequestOutput", "ServeConfig", "Server", "sample_tokens", "greedy_tokens",
-           "CODECS"]
+__all__ = ["Request", "RequestOutput", "ServeConfig", "Server", "StepRecord", "sample_tokens",
+           "greedy_tokens", "CODECS"]
 
 CODECS = {"concat": ConcatCodec, "int8": Int8Codec}
 # ServeConfig.kv_dtype -> the pools' dtype (None: the model's compute dtype).
@@ -164,6 +167,9 @@ class ServeConfig:
     # weights, pools split over KV heads); 1: one device, no mesh. The first N of
     # jax.devices() (every process's devices under jax.distributed).
     tensor_parallel: int = 1
+    # Timing hook: keep a StepRecord per dispatched step in Server.step_records (benchmarks'
+    # loop profile). Off: nothing is recorded and the loop does no extra work.
+    record_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.cold_codec not in CODECS:
@@ -188,6 +194,39 @@ class ServeConfig:
         if self.tensor_parallel > 1 and self.hot_backend != "paged":
             raise ValueError("tensor_parallel > 1 needs hot_backend 'paged' (the arena is one "
                              "device)")
+
+
+@dataclasses.dataclass(slots=True)
+class StepRecord:
+    """One dispatched step (``ServeConfig.record_steps``); times are ``time.perf_counter()``
+    seconds.
+
+    ``kind``: "decode" (every row one new token), "mixed" (decode rows and prompt chunks) or
+    "prefill" (prompt chunks only); ``program``: "decode" (``decode_step``) or "forward"
+    (``forward_step``). ``waiting``/``running``: queued and admitted requests when the step was
+    planned; ``min_tokens_left``: the fewest tokens any running request still has to generate
+    (how close the next finish is). ``t_start``/``t_dispatched``/``t_end``: the :meth:`Server.step`
+    call that dispatched it (entry, the device step dispatched, return). ``t_ready``: when its
+    sampled tokens reached the host; ``wait_s``: how long that read blocked on the device (0.0
+    until read)."""
+
+    index: int
+    kind: str
+    program: str
+    rows: int
+    decode_rows: int
+    tokens: int
+    batch_bucket: int
+    token_bucket: int
+    waiting: int
+    running: int
+    min_tokens_left: int
+    new_program: bool                  # its (program, buckets) shape was not seen before
+    t_start: float
+    t_dispatched: float
+    t_end: float = 0.0
+    t_ready: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -282,8 +321,10 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
             params, k_cache, v_cache, tokens, batch.positions, batch.slot_mapping,
             batch.page_table, batch.seq_lens, batch.query_start, config=config, rings=rings,
             **on_mesh)
-    nxt = llama.greedy_tokens(logits) if greedy else llama.sample_tokens(logits, *sampling)
-    out = jax.lax.dynamic_update_slice(jnp.zeros_like(prev_tokens), nxt, (0,))
+    with jax.named_scope("sampling"):    # a name for profiles (benchmarks/_profile.py)
+        nxt = (llama.greedy_tokens(logits) if greedy
+               else llama.sample_tokens(logits, *sampling))
+        out = jax.lax.dynamic_update_slice(jnp.zeros_like(prev_tokens), nxt, (0,))
     return out, (logits if with_logits else None), k_cache, v_cache
 
 
@@ -304,6 +345,7 @@ class _Dispatched:
     tokens: jax.Array                  # [max_batch] on the device
     logits: jax.Array | None
     rows: list[tuple[_Req, int]]       # (request, row) of every token due
+    record: StepRecord | None = None   # ServeConfig.record_steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,6 +413,8 @@ class Server:
         self._num_dispatched = 0
         self._token_cursor: dict[int, int] = {}   # new_tokens(): generated tokens handed out
         self._cursor_next_id = 0                  # new_tokens(): ids below this are tracked
+        # ServeConfig.record_steps: one StepRecord per dispatched step (the caller may clear it).
+        self.step_records: list[StepRecord] | None = [] if serve.record_steps else None
 
     # -- events ------------------------------------------------------------------------------
 
@@ -570,7 +614,7 @@ class Server:
             return finished
         work, batch = prepared
         try:
-            new = self._dispatch(work, batch)
+            new = self._dispatch(work, batch, t0)
         except Exception as e:  # noqa: BLE001  (a failed step: its requests retry or fail)
             finished += self._step_failed(work, e)
             return finished
@@ -586,15 +630,17 @@ class Server:
                 self._running.remove(r)
                 self._closing.append(r)
         dt = time.perf_counter() - t0
+        if new.record is not None:
+            new.record.t_end = t0 + dt
         self._busy_s += dt
         if len(self._shapes) == n_shapes:   # compiled nothing
             self._steady_s += dt
             self.counters["steady_generated_tokens"] += self.counters["generated_tokens"] - n_gen
         return finished
 
-    def _dispatch(self, work, batch) -> _Dispatched:
+    def _dispatch(self, work, batch, t_start: float = 0.0) -> _Dispatched:
         """Builds the host inputs, dispatches the device step (nothing waits for it) and hands
-        the pools back to the manager."""
+        the pools back to the manager. ``t_start``: when the step began (StepRecord)."""
         counts = [n for _, n in work]
         B, T = len(work), sum(counts)
         Bb, Tb = batch.seq_lens.shape[0], batch.positions.shape[0]
@@ -628,7 +674,9 @@ class Server:
             counter[due] = [r.num_generated for r in rows]
             sampling = (temp, top_p, seed, stream, counter)
         with_logits = self.serve.record_logits
-        self._shapes.add(("decode" if decode else "forward", Bb, Tb, greedy))
+        shape = ("decode" if decode else "forward", Bb, Tb, greedy)
+        new_program = shape not in self._shapes
+        self._shapes.add(shape)
         k, v = _model_caches(self.manager.caches)
         tokens, logits, k, v = self._model_step(
             self.params, k, v, self._prev_tokens, gather, host_tokens, batch, sampling,
@@ -647,7 +695,22 @@ class Server:
         for b, r in zip(due, rows):
             r.unread += 1
             r.last_row, r.last_step = b, self._num_dispatched
-        return _Dispatched(self._num_dispatched, tokens, logits, list(zip(rows, due)))
+        record = None
+        if self.step_records is not None:
+            record = self._step_record(work, shape, new_program, t_start)
+        return _Dispatched(self._num_dispatched, tokens, logits, list(zip(rows, due)), record)
+
+    def _step_record(self, work, shape, new_program: bool, t_start: float) -> StepRecord:
+        """The StepRecord of the step just dispatched (``ServeConfig.record_steps``)."""
+        n_dec = sum(1 for _, n in work if n == 1)
+        kind = "decode" if n_dec == len(work) else "mixed" if n_dec else "prefill"
+        left = [r.req.max_new_tokens - r.num_generated for r in self._running]
+        rec = StepRecord(self._num_dispatched, kind, shape[0], len(work), n_dec,
+                         sum(n for _, n in work), shape[1], shape[2], len(self._waiting),
+                         len(self._running) + len(self._closing), min(left, default=0),
+                         new_program, t_start, time.perf_counter())
+        self.step_records.append(rec)
+        return rec
 
     def _record_ids(self, r: _Req) -> None:
         """Tells the manager the read ids it has not got yet (tokens fed to steps as counts),
@@ -666,9 +729,12 @@ class Server:
 
     def _read(self, d: _Dispatched) -> list[RequestOutput]:
         """The host side of a dispatched step's tokens: append, record, EOS/length checks."""
+        t_read = time.perf_counter()
         toks = np.asarray(d.tokens).tolist()
         host_logits = np.asarray(d.logits) if d.logits is not None else None
         now = time.perf_counter()
+        if d.record is not None:
+            d.record.t_ready, d.record.wait_s = now, now - t_read
         finished: list[RequestOutput] = []
         for r, b in d.rows:
             if r.finish_reason is not None:     # EOS came first: a token past the end

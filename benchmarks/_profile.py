@@ -1,0 +1,260 @@
+"""Where device time goes: a ``jax.profiler`` trace's device ops attributed to categories through
+the compiled HLO (shared by ``benchmarks/decode_step.py`` and ``benchmarks/serve.py --profile``).
+
+Categories (:data:`CATEGORIES`): weight GEMMs (dots, GEMM custom calls, fusions that contain
+one), weight copies (instructions that materialize a layer's weight matrix, see
+:func:`weight_copy_ops`), paged attention (the ``paged_attention`` custom call: decode), ragged
+attention (``ragged_paged_attention``: prefill and mixed steps), K/V writes (``write_kv``),
+sampling (ops under ``jax.named_scope("sampling")``), norms/RoPE/other (everything else).
+
+The trace: on a GPU the device's "XLA Ops" line (else its kernels, named by their ``hlo_op``
+argument when present) and its "XLA Modules" line (one span per program execution); on the CPU
+the thunks XLA runs (named by their HLO instruction), one execution ending at each
+``ThunkExecutor::Execute (wait for completion)`` marker.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import re
+
+CATEGORIES = ("weight GEMMs", "weight copies", "paged attention", "ragged attention",
+              "K/V writes", "sampling", "norms/RoPE/other")
+OTHER = "norms/RoPE/other"
+SKIP = "skip"          # container instructions (while, call): their bodies' ops count
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = .*? ([\w-]+)\(")
+_HEAD = re.compile(r"^\s*(?:ENTRY )?%?([\w.-]+) .*\{\s*$")
+_GEMM_TARGETS = ("cublas", "gemm", "matmul")
+_GEMM_KERNELS = _GEMM_TARGETS + ("cutlass", "nvjet", "xmma")
+_CONTAINERS = ("while", "conditional", "call")
+# ffi/cuda's kernels (names as CUDA reports them, lower-cased): ragged_prefill.cu, paged_decode.cu
+_RAGGED_KERNELS = ("raggedprefill", "schedulekernel", "fillpaddingkernel")
+_PAGED_KERNELS = ("pageddecode", "combinesplits")
+_CPU_THUNK = re.compile(r"[a-z0-9_.-]+")
+
+
+def weight_copy_ops(hlo_text: str, params) -> list[str]:
+    """The instructions of an optimized HLO module (``jitted.lower(...).compile().as_text()``)
+    that produce a buffer shaped like one layer's weight matrix (``[in, out]``, or ``[1, in,
+    out]``): a slice, dynamic-slice, copy, transpose or fusion that materializes weights. A step
+    that feeds each GEMM its weight buffer as it is has none; the stacked-layer scan has one
+    dynamic-slice (or copy fusion) per weight per layer. ``params``: the per-layer params tree
+    (its 2-D layer weights give the shapes to look for)."""
+    shapes = {tuple(int(d) for d in w.shape) for lp in params["layers"] for w in lp.values()
+              if len(w.shape) == 2}
+    found = []
+    pattern = (r"^\s*(?:ROOT )?%?[\w.-]+ = \w+\[([\d,]*)\]\S* "
+               r"(copy|dynamic-slice|slice|transpose|fusion)\(")
+    for line in hlo_text.splitlines():
+        m = re.match(pattern, line)
+        if m is None:
+            continue
+        dims = tuple(int(d) for d in m.group(1).split(",") if d)
+        while len(dims) > 2 and dims[0] == 1:
+            dims = dims[1:]
+        if dims in shapes:
+            found.append(line.strip())
+    return found
+
+
+def _is_gemm_line(line: str, op: str) -> bool:
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    target = target.group(1).lower() if target else ""
+    return (op in ("dot", "convolution") or any(t in target for t in _GEMM_TARGETS)
+            or "__triton_gemm" in line or '"kind":"__cublas' in line)
+
+
+def _gemm_computations(hlo_text: str) -> set[str]:
+    """Computations that hold a GEMM (a dot, a GEMM custom call), directly or through the
+    computations they call (a fusion may wrap a cuBLAS custom call in a nested computation)."""
+    direct, calls, comp = set(), collections.defaultdict(set), None
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head and "=" not in line.split("{")[0]:
+            comp = head.group(1)
+            continue
+        m = _INSTR.match(line)
+        if comp is None or m is None:
+            continue
+        if _is_gemm_line(line, m.group(2)):
+            direct.add(comp)
+        for callee in re.findall(r"(?:calls|to_apply|body)=%?([\w.-]+)", line):
+            calls[comp].add(callee)
+    found, changed = set(direct), True
+    while changed:
+        changed = False
+        for comp, callees in calls.items():
+            if comp not in found and callees & found:
+                found.add(comp)
+                changed = True
+    return found
+
+
+def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
+    """Instruction name -> category (:data:`CATEGORIES`, or :data:`SKIP` for containers) for
+    every instruction of an optimized HLO module. ``params``: the per-layer params (for weight
+    copies; None: no weight-copy category)."""
+    copies = set()
+    if params is not None:
+        copies = {m.group(1) for line in weight_copy_ops(hlo_text, params)
+                  if (m := _INSTR.match(line))}
+    gemm_comps = _gemm_computations(hlo_text)
+    cats = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        name, op = m.groups()
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        target = target.group(1).lower() if target else ""
+        calls = re.search(r"calls=%?([\w.-]+)", line)
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        if op in _CONTAINERS:
+            cat = SKIP
+        elif name in copies:
+            cat = "weight copies"
+        elif "ragged" in target and "attention" in target:
+            cat = "ragged attention"
+        elif "attention" in target:
+            cat = "paged attention"
+        elif "write_kv" in target:
+            cat = "K/V writes"
+        elif _is_gemm_line(line, op) or (op == "fusion" and calls
+                                         and calls.group(1) in gemm_comps):
+            cat = "weight GEMMs"
+        elif op_name and re.search(r"(^|/)sampling(/|$)", op_name.group(1)):
+            cat = "sampling"
+        else:
+            cat = OTHER
+        cats[name] = cat
+    return cats
+
+
+def kernel_category(name: str) -> str:
+    """The category of a GPU kernel (or op) name the HLO does not know."""
+    n = name.lower()
+    if "ragged" in n or any(k in n for k in _RAGGED_KERNELS):
+        return "ragged attention"
+    if "attention" in n or any(k in n for k in _PAGED_KERNELS):
+        return "paged attention"
+    if "write_kv" in n or "writekv" in n:
+        return "K/V writes"
+    if any(t in n for t in _GEMM_KERNELS):
+        return "weight GEMMs"
+    return OTHER
+
+
+@dataclasses.dataclass(slots=True)
+class Op:
+    name: str
+    ts: float     # microseconds
+    dur: float
+
+
+@dataclasses.dataclass(slots=True)
+class Execution:
+    """One program execution on the device: its span and its ops (time order)."""
+
+    name: str
+    start: float  # microseconds
+    end: float
+    ops: list[Op]
+
+
+@dataclasses.dataclass
+class Trace:
+    """The device side of a perfetto trace (see the module doc)."""
+
+    on_device: bool          # a GPU's device lines (else the CPU's thunks)
+    ops: list[Op]
+    executions: list[Execution]
+
+
+def _trace_file(trace_dir: str) -> str:
+    files = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}")
+    return max(files, key=os.path.getmtime)
+
+
+def load_trace(trace_dir: str) -> Trace:
+    """The device ops and program executions of the perfetto trace ``jax.profiler`` wrote under
+    ``trace_dir`` (``jax.profiler.trace(dir, create_perfetto_trace=True)``)."""
+    with gzip.open(_trace_file(trace_dir)) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    xs = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: float(e["ts"]))
+    device = {pid for pid, n in procs.items() if "/device:" in n and "CPU" not in n}
+    if device:
+        pid = min(device)           # the first device (one GPU, or shard 0)
+
+        def line(e):
+            return threads.get((e["pid"], e.get("tid")))
+
+        dev = [e for e in xs if e["pid"] == pid]
+        op_events = [e for e in dev if line(e) == "XLA Ops"] or [
+            e for e in dev if line(e) not in ("XLA Modules", "Steps", "Source code")
+            and not str(line(e)).startswith("XLA TraceMe")]
+        ops = [Op((e.get("args") or {}).get("hlo_op") or e["name"], float(e["ts"]),
+                  float(e.get("dur", 0))) for e in op_events]
+        execs = [Execution(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
+                           []) for e in dev if line(e) == "XLA Modules"]
+        i = 0
+        for x in execs:             # both lists in time order
+            while i < len(ops) and ops[i].ts < x.start:
+                i += 1
+            while i < len(ops) and ops[i].ts < x.end:
+                x.ops.append(ops[i])
+                i += 1
+        return Trace(True, ops, execs)
+    # CPU: thunks, named by their HLO instruction (lower case, no spaces: runtime events are
+    # not), on XLA's client threads or the caller's; each execution ends with a
+    # "ThunkExecutor::Execute (wait for completion)" marker.
+    ops, execs, cur = [], [], []
+    for e in xs:
+        name = e["name"]
+        if name.startswith("ThunkExecutor::Execute (wait"):
+            if cur:
+                execs.append(Execution("", cur[0].ts, float(e["ts"]), cur))
+                cur = []
+            continue
+        if not _CPU_THUNK.fullmatch(name):
+            continue
+        op = Op(name, float(e["ts"]), float(e.get("dur", 0)))
+        ops.append(op)
+        cur.append(op)
+    return Trace(False, ops, execs)
+
+
+def attribute(ops, cats: dict[str, str], on_device: bool,
+              unknown: collections.Counter | None = None) -> collections.Counter:
+    """Microseconds per category of ``ops`` (:class:`Op` list) given one program's
+    :func:`hlo_categories`. An op the HLO does not know is categorized by its name on a GPU
+    (kernels), skipped on the CPU (runtime events). ``unknown``: if given, gets microseconds
+    per op name of the ops put in "norms/RoPE/other" (to see what hides there)."""
+    out: collections.Counter = collections.Counter()
+    for o in ops:
+        cat = cats.get(o.name) or cats.get(o.name.split(":")[0])
+        if cat is None:
+            if not on_device:
+                continue
+            cat = kernel_category(o.name)
+        elif cat == OTHER and on_device and kernel_category(o.name) != OTHER:
+            cat = kernel_category(o.name)    # a GEMM kernel the HLO match missed
+        if cat == SKIP:
+            continue
+        out[cat] += o.dur
+        if cat == OTHER and unknown is not None:
+            unknown[o.name] += o.dur
+    return out
