@@ -73,6 +73,10 @@ def test_cold_tiers_per_shard(devices, tp, tmp_path):
 
 @pytest.mark.gpu
 def test_sharded_ops_two_gpus():
+    """The sharded ops and the manager on two GPUs (skipped with < 2 GPUs)."""
+    from conftest import visible_gpus
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
     seed = int.from_bytes(os.urandom(2), "little")
     print(f"seed={seed}")
     print(run_worker("--devices", "2", "--tp", "2", "--seed", str(seed), "--platform", "gpu"))
