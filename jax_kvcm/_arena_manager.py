@@ -11,12 +11,15 @@ a contiguous range of slots (page ``j`` at ``base_slot + j``, so every page-tabl
 Where it differs from the paged backend (the seam: the device tier of one full-attention layer
 group is the arena; the prefix tree, eviction and the cold tiers are not used):
 
-- **Prefix reuse** is the arena's span registry: a closing sequence's fully committed leading
-  chunks (``pages_per_chunk`` pages each) are registered under the chained hash of their token
-  ids (salted); ``add_sequence`` maps registered chunks matching the prompt into the new range
-  (same physical pages, zero copy, zero budget) and reports them in ``num_reused_tokens``. The
-  unit is a chunk, not a page: with 2 MiB super-pages and 8 KiB slots a prefix must cover 256
-  pages to be shared.
+- **Prefix reuse** is the arena's span registry: a closing sequence's private chunks holding
+  committed pages are registered under the chained hash of their token ids (salted), one key per
+  alias unit (``ArenaConfig.alias_unit_pages`` pages, default 1); ``add_sequence`` maps
+  registered chunks matching the prompt into the new range (same physical pages, zero copy, zero
+  budget) and reports the matching pages in ``num_reused_tokens``. Physical memory is shared per
+  chunk (2 MiB per pool-layer on the GPU: 64 pages of an 8B-shaped model), so a prefix shorter
+  than a chunk (a 512-token system prompt) aliases the first pages of the owner's chunk and the
+  sequence's own pages continue at its next chunk (a *partial alias*: two linear runs of slots,
+  see :class:`~jax_kvcm._arena.ArenaSequence`).
 - **Admission** takes a range: ``add_sequence`` raises :class:`OutOfPagesError` when all
   ``ArenaConfig.max_sequences`` ranges are held by ACTIVE sequences (a suspended one holds none).
 - **Suspend/resume** copy the sequence's pages to host memory under ``host_bytes`` (one
@@ -126,7 +129,7 @@ class ArenaKVCacheManager(KVCacheManager):
         self.arena = Arena(config.arena, self.layout, backend=backend,
                            device=-1 if device is None else int(device.id))
         self._host = ArenaHostStore(config.host_bytes)
-        self._chunk_tokens = self.arena.pages_per_chunk * self._tpp
+        self._unit_tokens = config.arena.alias_unit_pages * self._tpp
         self._hash = _hash_fn or (lambda b: hashlib.blake2b(b, digest_size=16).digest())
         self._stats = _Stats()
         self._kinds: list[Any] = []
@@ -151,14 +154,14 @@ class ArenaKVCacheManager(KVCacheManager):
 
     def _row_pages(self, row: int, first: int, last: int) -> np.ndarray:
         seq = self._aseq[int(self._seq_id[row])]
-        return np.arange(seq.base_slot + first, seq.base_slot + last, dtype=np.int32)[None]
+        return seq.slots(first, last).astype(np.int32)[None]
 
     def _chunk_keys(self, row: int, salt: bytes, num_tokens: int) -> list[bytes]:
-        """Chained keys of the whole chunks among the row's first ``num_tokens`` known tokens."""
-        n = min(num_tokens, int(self._known[row])) // self._chunk_tokens
-        n = min(n, self.arena.max_span_chunks)
+        """Chained keys of the whole alias units (``arena.alias_unit_pages`` pages) among the
+        row's first ``num_tokens`` known tokens."""
+        ct = self._unit_tokens
+        n = min(num_tokens, int(self._known[row])) // ct
         keys, h = [], self._hash(b"arena" + salt)
-        ct = self._chunk_tokens
         for i in range(n):
             h = self._hash(h + self._tokens[row, i * ct:(i + 1) * ct].astype("<i4").tobytes())
             keys.append(h)
@@ -189,7 +192,7 @@ class ArenaKVCacheManager(KVCacheManager):
 
     def record_token_ids(self, seq: Sequence, token_ids: Any) -> None:
         """As :meth:`KVCacheManager.record_token_ids`: ids of positions ``num_known_tokens``
-        onward; full chunks of them are registered as spans when the sequence closes."""
+        onward; full alias units of them are registered as spans when the sequence closes."""
         with self._lock:
             self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
             self._need_pools("record_token_ids")
@@ -198,8 +201,8 @@ class ArenaKVCacheManager(KVCacheManager):
     # -- sequences -------------------------------------------------------------------------
 
     def add_sequence(self, tokens: Any, *, salt: Any = None) -> Sequence:
-        """As :meth:`KVCacheManager.add_sequence`; reuse is whole registered chunks (see the
-        module docstring). Raises :class:`OutOfPagesError` when every arena range is held."""
+        """As :meth:`KVCacheManager.add_sequence`; reuse is registered chunks, whole or a
+        leading part of one (see the module docstring). Raises :class:`OutOfPagesError` when every arena range is held."""
         toks = _prompt_array(tokens, self.config.max_seq_len)
         salt_b = salt_bytes(salt)
         with self._lock:
@@ -233,7 +236,7 @@ class ArenaKVCacheManager(KVCacheManager):
             return seq
 
     def close(self, seq: Sequence) -> None:
-        """Ends the sequence. Its fully committed leading chunks enter the span registry
+        """Ends the sequence. Its chunks holding committed pages enter the span registry
         (``enable_prefix_reuse``); its range is parked still mapped for the next admission. A
         sequence closed while a step is prepared keeps its range until ``complete_step`` /
         ``abort_step`` (the step may still write it)."""
@@ -328,11 +331,17 @@ class ArenaKVCacheManager(KVCacheManager):
             self._npages[rows] = npages
             Bb, Tb, qs, pos, positions, seq_lens = _row_buffers(cfg, counts, cur, new_len)
             base = np.array([a.base_slot for a in aseqs], np.int64)
+            # NOTE: page j's slot is base + j, plus skip from skip_from on (a partial alias).
+            skip_from = np.array([a.skip_from for a in aseqs], np.int64)
+            skip = np.array([a.skip for a in aseqs], np.int64)
             pt = np.zeros((Bb, self._P), np.int32)
             ar = np.arange(self._P)
-            pt[:B] = np.where(ar[None] < npages[:, None], base[:, None] + ar[None], 0)
+            slot = base[:, None] + ar[None] + skip[:, None] * (ar[None] >= skip_from[:, None])
+            pt[:B] = np.where(ar[None] < npages[:, None], slot, 0)
             sm = np.full(Tb, -1, np.int32)
-            sm[:T] = (np.repeat(base, counts) + pos // tpp) * tpp + pos % tpp
+            page = pos // tpp
+            sm[:T] = (np.repeat(base, counts) + page + np.repeat(skip, counts) * (
+                page >= np.repeat(skip_from, counts))) * tpp + pos % tpp
             self._in_step = (seqs, rows, cur, ids[0], sm)
             return StepBatch(page_table=pt, seq_lens=seq_lens, query_start=qs, slot_mapping=sm,
                              positions=positions)
