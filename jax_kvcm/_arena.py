@@ -492,8 +492,13 @@ class Arena:
         already in place, then a parked range whose other chunks are private (nothing to unmap
         or unregister), then a fresh range, then a parked one whose other spans are all
         consumable, then the oldest parked one."""
-        best, best_score = None, (-1, -1)
+        best, best_score = None, (-1, -1, -1)
         if self.config.adoption:
+            parked: dict[_Chunk, int] = {}  # parked ranges mapping each registered chunk
+            for rng in self._parked.values():
+                for c in rng.chunks:
+                    if c is not None and c.keys:
+                        parked[c] = parked.get(c, 0) + 1
             for rng in self._parked.values():  # oldest first
                 match = 0
                 while (match < len(spans) and match < len(rng.chunks)
@@ -501,8 +506,11 @@ class Arena:
                     match += 1
                 rest = [c for c in rng.chunks[match:] if c is not None and c.keys]
                 keep = 2 if not rest else int(all(c.consumable() for c in rest))
-                if (match, keep) > best_score:
-                    best, best_score = rng, (match, keep)
+                # NOTE: then keep a parked copy of every span (a later admission with its
+                # prefix adopts a range where it is mapped: no map call).
+                spare = int(all(parked[c] > 1 or c.consumable() for c in rest))
+                if (match, keep, spare) > best_score:
+                    best, best_score = rng, (match, keep, spare)
         if best is not None and (best_score[0] > 0 or best_score[1] == 2 or not self._free):
             del self._parked[best.index]
             self._counts["adoptions"] += 1
