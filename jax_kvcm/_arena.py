@@ -729,15 +729,23 @@ class Arena:
         if not self.ensure(fresh, n):
             self.close(fresh)
             return False
-        rng = fresh._range
-        assert rng is not None
         self._copy_pages(fresh, n, seq.suspended, to_host=False)
         host.release(seq.suspended)
         seq.suspended = None
+        self.hand_over(fresh, seq)
+        return True
+
+    def hand_over(self, fresh: ArenaSequence, seq: ArenaSequence) -> None:
+        """Gives ``fresh``'s range (its pages already restored) to the suspended ``seq``, which
+        becomes active there (no alias, no skip); ``fresh`` is spent."""
+        rng = self._active_range(fresh, "fresh")
+        if seq.active:
+            raise ValueError("seq is active")
+        fresh._range = None
         seq.base_slot, seq.num_aliased_pages, seq._range = fresh.base_slot, 0, rng
         seq.skip_from = seq.skip = 0
+        seq.num_pages = max(seq.num_pages, fresh.num_pages)
         rng.seq = seq
-        return True
 
     # -- data access -----------------------------------------------------------------------
 

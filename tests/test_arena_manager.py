@@ -19,6 +19,7 @@ from jax_kvcm import _ffi
 from jax_kvcm._arena import ArenaConfig
 from jax_kvcm._arena_manager import ArenaKVCacheManager
 from jax_kvcm._manager import SequenceState
+from jax_kvcm._types import CacheLevel
 from jax_kvcm.ops import reference
 
 GRAN = _ffi._kvcm_cpu.arena_granularity()
@@ -26,14 +27,16 @@ L, H, D, TPP = 2, 2, 16, 4           # 512-byte slots
 PPC = GRAN // (TPP * H * D * 4)      # pages per chunk with one-granule super-pages
 CT = PPC * TPP                       # tokens per chunk
 CHUNK_BYTES = 2 * L * GRAN
+PAGE_BYTES = 2 * L * TPP * H * D * 4  # one page in every pool-layer (a cold page)
 MAX_LEN = 4 * CT
 
 
-def make(*, budget_chunks=12, max_sequences=4, host_bytes=1 << 20, reuse=True, **arena_kw):
+def make(*, budget_chunks=12, max_sequences=4, host_bytes=1 << 20, reuse=True, disk_dir=None,
+         disk_bytes=0, **arena_kw):
     cfg = jax_kvcm.KVCacheConfig(
         tokens_per_page=TPP,
         layer_groups=(jax_kvcm.LayerGroupConfig(L, H, D, dtype=jnp.float32),),
-        host_bytes=host_bytes, max_batch=4, max_tokens_per_step=4 * CT, max_seq_len=MAX_LEN,
+        host_bytes=host_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes, max_batch=4, max_tokens_per_step=4 * CT, max_seq_len=MAX_LEN,
         enable_prefix_reuse=reuse, hot_backend="arena",
         arena=ArenaConfig(max_sequences=max_sequences, max_pages_per_sequence=MAX_LEN // TPP,
                           budget_bytes=budget_chunks * CHUNK_BYTES, super_page_bytes=GRAN,
@@ -319,15 +322,99 @@ def test_suspend_resume_is_byte_identical_and_host_exhaustion_changes_nothing():
         mgr.shutdown()
     # The host cannot take it: MUST_RECOMPUTE, the sequence still active and intact.
     o = Oracle(6)
-    mgr = make(host_bytes=1024)
+    mgr = make(host_bytes=2 * PAGE_BYTES)
     try:
-        a = mgr.add_sequence(prompt(o.rng, 20))
+        a = mgr.add_sequence(prompt(o.rng, 20))  # 5 pages
         o.step(mgr, [(a, 20)])
         assert mgr.suspend(a) is jax_kvcm.SuspendResult.MUST_RECOMPUTE
         assert a.state is SequenceState.ACTIVE
         o.step(mgr, [(a, 1)])
         o.check_attention(mgr, [a])
         assert mgr.stats()["num_refused_suspends"] == 1
+    finally:
+        mgr.shutdown()
+
+
+def _ledger(mgr):
+    st = mgr.stats()
+    sm = mgr._cold.storage
+    return (st["storage"], st["arena"], st["host_used_bytes"],
+            [sm.num_free(lv, 0) for lv in (CacheLevel.DEVICE, CacheLevel.HOST)],
+            sm.governor.usage(CacheLevel.HOST))
+
+
+def test_bug_d_host_filled_by_suspended_sequences_refuses_atomically():
+    """The seed's fourth bug through the storage transaction: the host tier fills with
+    suspended sequences' pages (which nothing may evict); the next suspend reserves first and is
+    refused with every ledger, free count, peak and stat unchanged and the sequence intact; once
+    one resumes, the refused one suspends. Every resume reads back through the op."""
+    o = Oracle(25)
+    mgr = make(max_sequences=4, host_bytes=2 * PPC * PAGE_BYTES)  # two chunks of pages
+    try:
+        seqs = [mgr.add_sequence(prompt(o.rng, CT - 3)) for _ in range(3)]
+        o.step(mgr, [(s, CT - 3) for s in seqs])
+        assert mgr.suspend(seqs[0]) is jax_kvcm.SuspendResult.SUSPENDED
+        assert mgr.suspend(seqs[1]) is jax_kvcm.SuspendResult.SUSPENDED
+        before = _ledger(mgr)
+        k0 = mgr.arena.read_pages(mgr._aseq[seqs[2].seq_id], 0, PPC)
+        assert mgr.suspend(seqs[2]) is jax_kvcm.SuspendResult.MUST_RECOMPUTE
+        assert _ledger(mgr)[:4] == before[:4] and seqs[2].state is SequenceState.ACTIVE
+        assert mgr.stats()["num_refused_suspends"] == 1
+        k1 = mgr.arena.read_pages(mgr._aseq[seqs[2].seq_id], 0, PPC)
+        np.testing.assert_array_equal(k0[0], k1[0])
+        o.step(mgr, [(seqs[2], 1)])
+        o.check_attention(mgr, [seqs[2]])
+        assert mgr.resume(seqs[0])
+        o.check_attention(mgr, [seqs[0], seqs[2]])
+        assert mgr.suspend(seqs[2]) is jax_kvcm.SuspendResult.SUSPENDED
+        for s in (seqs[1], seqs[2]):
+            assert mgr.resume(s)
+        o.step(mgr, [(s, 1) for s in seqs])
+        o.check_attention(mgr, seqs)
+        assert mgr.stats()["host_used_bytes"] == 0
+    finally:
+        mgr.shutdown()
+
+
+def test_suspend_spills_to_disk_when_the_host_is_full(tmp_path):
+    """With a disk tier, a suspend the host cannot take goes to disk (one transaction); resume
+    from disk is byte-identical and reads back through the op; a corrupt disk page fails the
+    resume with nothing changed (the sequence stays suspended and can be closed)."""
+    o = Oracle(26)
+    mgr = make(max_sequences=4, host_bytes=PPC * PAGE_BYTES, disk_dir=str(tmp_path),
+               disk_bytes=4 * PPC * PAGE_BYTES)
+    try:
+        seqs = [mgr.add_sequence(prompt(o.rng, CT - 3)) for _ in range(3)]
+        o.step(mgr, [(s, CT - 3) for s in seqs])
+        levels = []
+        mgr.add_observer(lambda e: levels.append(e.level) if e.kind == "suspended" else None)
+        for s in seqs[:2]:
+            assert mgr.suspend(s) is jax_kvcm.SuspendResult.SUSPENDED
+        assert levels == [CacheLevel.HOST, CacheLevel.DISK]
+        assert mgr.resume(seqs[1])  # from disk
+        o.step(mgr, [(s, 1) for s in seqs[1:]])
+        o.check_attention(mgr, seqs[1:])
+        assert mgr.suspend(seqs[2]) is jax_kvcm.SuspendResult.SUSPENDED  # disk again
+        level, slots = mgr._aseq[seqs[2].seq_id].suspended
+        assert level is CacheLevel.DISK
+        pool = mgr._cold.storage.disk_pools[0]
+        with open(f"/proc/self/fd/{pool.fileno}", "r+b") as f:  # its name is unlinked
+            f.seek(int(slots[-1]) * pool.slot_bytes + 5)  # one byte of its last page
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
+        before = _ledger(mgr)
+        with pytest.raises(jax_kvcm.CorruptPageError):
+            mgr.resume(seqs[2])
+        # NOTE: the storage side is exactly as before; the arena keeps the range it mapped for
+        # the resume parked (adoptable), as the paged backend keeps what it evicted.
+        after = _ledger(mgr)
+        assert seqs[2].state is SequenceState.SUSPENDED
+        assert (after[0], after[2], after[3]) == (before[0], before[2], before[3])
+        mgr.close(seqs[2])  # drop and recompute
+        assert mgr.resume(seqs[0])  # from host
+        o.step(mgr, [(seqs[0], 1)])
+        o.check_attention(mgr, [seqs[0], seqs[1]])
     finally:
         mgr.shutdown()
 
@@ -391,11 +478,14 @@ def test_bad_config_and_misuse_name_the_field():
         (dict(hot_backend="arena", arena={"max_sequences": 2}), "arena"),
         (dict(hot_backend="arena", arena=arena, device_pages=8), "device_pages"),
         (dict(hot_backend="arena", arena=arena, max_seq_len=256), "max_pages_per_sequence"),
-        (dict(hot_backend="arena", arena=arena, disk_bytes=1 << 20, disk_dir="/tmp"), "disk"),
         (dict(device_pages=8, arena=arena), "arena"),
         (dict(hot_backend="arena", arena=arena,
               layer_groups=(jax_kvcm.LayerGroupConfig(L, H, D, sliding_window=8),)),
-         "layer_groups"),
+         r"layer_groups\[0\]\.sliding_window"),
+        (dict(hot_backend="arena", arena=arena,
+              layer_groups=(jax_kvcm.LayerGroupConfig(L, H, D, kv_dtype=jnp.float8_e4m3fn),)),
+         r"layer_groups\[0\]\.kv_dtype"),
+        (dict(hot_backend="arena", arena=arena, layer_groups=(lg, lg)), "layer_groups"),
     ]
     for kw, field in cases:
         with pytest.raises((ValueError, TypeError), match=field):
