@@ -369,7 +369,8 @@ class Arena:
         self._seq_ids = itertools.count()
         self._counts = dict.fromkeys(
             ("adoptions", "fresh", "alias_hits", "aliased_chunks", "aliased_pages",
-             "partial_aliases", "consumed_spans", "spilled_spans", "reclaimed_ranges", "blocking_drains"), 0)
+             "partial_aliases", "consumed_spans", "spilled_spans", "reclaimed_ranges",
+             "blocking_drains"), 0)
         self._closed = False
         self._null = self._new_chunk()
         self._map_chunk(self._null, 0)

@@ -244,7 +244,8 @@ class ArenaKVCacheManager(KVCacheManager):
 
     def add_sequence(self, tokens: Any, *, salt: Any = None) -> Sequence:
         """As :meth:`KVCacheManager.add_sequence`; reuse is registered chunks, whole or a
-        leading part of one (see the module docstring). Raises :class:`OutOfPagesError` when every arena range is held."""
+        leading part of one (see the module docstring). Raises :class:`OutOfPagesError` when
+        every arena range is held."""
         toks = _prompt_array(tokens, self.config.max_seq_len)
         salt_b = salt_bytes(salt)
         with self._lock:

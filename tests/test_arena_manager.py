@@ -36,7 +36,8 @@ def make(*, budget_chunks=12, max_sequences=4, host_bytes=1 << 20, reuse=True, d
     cfg = jax_kvcm.KVCacheConfig(
         tokens_per_page=TPP,
         layer_groups=(jax_kvcm.LayerGroupConfig(L, H, D, dtype=jnp.float32),),
-        host_bytes=host_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes, max_batch=4, max_tokens_per_step=4 * CT, max_seq_len=MAX_LEN,
+        host_bytes=host_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes, max_batch=4,
+        max_tokens_per_step=4 * CT, max_seq_len=MAX_LEN,
         enable_prefix_reuse=reuse, hot_backend="arena",
         arena=ArenaConfig(max_sequences=max_sequences, max_pages_per_sequence=MAX_LEN // TPP,
                           budget_bytes=budget_chunks * CHUNK_BYTES, super_page_bytes=GRAN,
