@@ -45,6 +45,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 
 def _median_us(fn, n: int, repeats: int) -> float:
@@ -215,23 +216,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spare-ranges", type=int, default=1,
                     help="ranges beyond --concurrency (parked ones keep spans mapped)")
     args = ap.parse_args(argv)
-    from jax_kvcm import _ffi
-
     if args.prefix_workload:
-        rows = prefix_workload_rows(args.cpu, args.requests, args.concurrency, 1024, 1024, 0,
-                                    spare=args.spare_ranges)
+        result: Any = prefix_workload_rows(args.cpu, args.requests, args.concurrency, 1024, 1024,
+                                           0, spare=args.spare_ranges)
         print("| alias unit | hits | partial | prompt tokens aliased | aliased GiB | steady "
               "map / unmap | peak active GiB | paged GiB |")
         print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
+        for r in result:
             print(f"| {r['alias_unit']} | {r['alias_hits']} | {r['partial_aliases']} | "
                   f"{r['aliased_prompt_tokens']} | {r['aliased_bytes'] / 2**30:.1f} | "
                   f"{r['steady_map_calls']} / {r['steady_unmap_calls']} | "
                   f"{r['peak_active_bytes'] / 2**30:.1f} | {r['paged_bytes'] / 2**30:.1f} |")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
-        return 0
+    else:
+        result = timing_result(args)
+        if result is None:
+            return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def timing_result(args: argparse.Namespace) -> dict | None:
+    """The native and arena-level timings (printed), or None without the CUDA extension."""
+    from jax_kvcm import _ffi
 
     if args.cpu:
         native = _ffi._kvcm_cpu
@@ -240,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         native = _ffi._kvcm_cuda
         if native is None:
             print(f"no CUDA extension: {_ffi.CUDA_IMPORT_ERROR} (use --cpu)", file=sys.stderr)
-            return 1
+            return None
         sizes = [2 << 20, 4 << 20, 8 << 20, 16 << 20]
     pages = args.pages or (16 if args.quick else 256)
     result = {"backend": "cpu" if args.cpu else "cuda",
@@ -258,10 +266,7 @@ def main(argv: list[str] | None = None) -> int:
               f"grow one chunk {r['grow_chunk_us']} us; adoption cycle {r['adopt_us']} us per "
               f"sequence with {r['adopt_map_calls']} map / {r['adopt_unmap_calls']} unmap calls; "
               f"reclaim + grow {r['reclaim_and_grow_us']} us")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -492,8 +492,9 @@ class Arena:
         """The range for an admission mapping ``spans``. NOTE: prefer the longest prefix
         already in place, then a parked range whose other chunks are private (nothing to unmap
         or unregister), then a fresh range, then a parked one whose other spans are all
-        consumable, then the oldest parked one."""
-        best, best_score = None, (-1, -1, -1)
+        consumable, then one whose spans other parked ranges also map, then one whose last
+        reader is done (no wait before its unmap), then the oldest."""
+        best, best_score = None, (-1, -1, -1, -1)
         if self.config.adoption:
             parked: dict[_Chunk, int] = {}  # parked ranges mapping each registered chunk
             for rng in self._parked.values():
@@ -510,8 +511,10 @@ class Arena:
                 # NOTE: then keep a parked copy of every span (a later admission with its
                 # prefix adopts a range where it is mapped: no map call).
                 spare = int(all(parked[c] > 1 or c.consumable() for c in rest))
-                if (match, keep, spare) > best_score:
-                    best, best_score = rng, (match, keep, spare)
+                # NOTE: and one whose readers are done, if a span must be unmapped from it.
+                ready = int(keep > 0 or _ready(rng.fence))
+                if (match, keep, spare, ready) > best_score:
+                    best, best_score = rng, (match, keep, spare, ready)
         if best is not None and (best_score[0] > 0 or best_score[1] == 2 or not self._free):
             del self._parked[best.index]
             self._counts["adoptions"] += 1
