@@ -542,15 +542,18 @@ def test_recorded_token_ids_make_generated_chunks_reusable():
         mgr.shutdown()
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
-def test_random_walk_through_the_manager_keeps_every_sequence_readable(seed):
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_random_walk_through_the_manager_keeps_every_sequence_readable(seed, tmp_path):
     """Random admissions (some sharing a system prompt), steps, closes (also inside a
-    step), suspends and resumes under a tight budget; every ACTIVE sequence's K/V are checked
-    through the op after every operation. Refusals (OutOfPagesError, MUST_RECOMPUTE, resume
-    False) must change nothing."""
+    step), suspends and resumes under a tight budget (seed 14: a small host tier and a disk
+    tier); every ACTIVE sequence's K/V are checked through the op after every operation.
+    Refusals (OutOfPagesError, MUST_RECOMPUTE, resume False) must change nothing."""
     o = Oracle(seed, det=True)
     rng = o.rng
-    mgr = make(budget_chunks=8, max_sequences=5, host_bytes=6 * 2 * L * PPC * TPP * H * D * 4)
+    disk = dict(host_bytes=PPC * PAGE_BYTES, disk_dir=str(tmp_path),
+                disk_bytes=6 * PPC * PAGE_BYTES) if seed == 14 else {}
+    mgr = make(budget_chunks=8, max_sequences=5,
+               **{"host_bytes": 6 * PPC * PAGE_BYTES, **disk})
     # NOTE: a system prompt of one chunk, of half a chunk plus a page, of one and a half.
     system = rng.integers(0, 1000, (CT, CT // 2 + TPP, 3 * CT // 2)[seed % 3]).astype(np.int32)
     live: list = []
@@ -600,6 +603,6 @@ def test_random_walk_through_the_manager_keeps_every_sequence_readable(seed):
             active = [s for s in live if s.state is SequenceState.ACTIVE and s.num_tokens]
             if active:
                 o.check_attention(mgr, active[:4])
-        print(mgr.stats()["arena"])
+        print(mgr.stats()["arena"], mgr.stats()["storage"])
     finally:
         mgr.shutdown()

@@ -33,14 +33,14 @@ MAX_LEN = 4 * CT
 K_POISON, V_POISON = 30.0, -30.0
 
 
-def make(*, budget_chunks=24, max_sequences=6):
+def make(*, budget_chunks=24, max_sequences=6, host_bytes=1 << 30, **disk):
     if jax.default_backend() != "gpu" or not _ffi.cuda_extension_available():
         pytest.fail(f"needs a GPU and the CUDA extension (backend {jax.default_backend()}, "
                     f"{_ffi.CUDA_IMPORT_ERROR})")
     cfg = jax_kvcm.KVCacheConfig(
         tokens_per_page=TPP,
         layer_groups=(jax_kvcm.LayerGroupConfig(L, H, D, dtype=jnp.float32),),
-        host_bytes=1 << 30, max_batch=8, max_tokens_per_step=2 * CT, max_seq_len=MAX_LEN,
+        host_bytes=host_bytes, **disk, max_batch=8, max_tokens_per_step=2 * CT, max_seq_len=MAX_LEN,
         hot_backend="arena",
         arena=ArenaConfig(max_sequences=max_sequences, max_pages_per_sequence=MAX_LEN // TPP,
                           budget_bytes=budget_chunks * 2 * L * SP, super_page_bytes=SP))
@@ -144,6 +144,36 @@ def test_donated_steps_through_the_manager_keep_the_arena_and_read_back():
         np.testing.assert_array_equal(v0, v1)
         o.step(mgr, [(s, 1) for s in seqs + [other]], run)
         check(o, mgr, seqs + [other])
+    finally:
+        mgr.shutdown()
+
+
+def test_suspend_to_host_then_disk_and_back_through_the_ops(tmp_path):
+    """The host holds one sequence: the second suspend goes to disk (the storage transaction,
+    through the pinned staging ring); both resume byte-identical into fresh ranges and read
+    back through the CUDA op after more donated steps."""
+    o = Oracle(27, tol=1e-4)
+    page = 2 * L * TPP * H * D * 4
+    mgr = make(host_bytes=PPC * page, disk_dir=str(tmp_path), disk_bytes=8 * PPC * page)
+    try:
+        run = _runner(mgr)
+        seqs = [mgr.add_sequence(prompt(o.rng, n)) for n in (CT - 5, CT - 9, 40)]
+        o.step(mgr, [(s, s.num_known_tokens) for s in seqs], run)
+        saved = [mgr.arena.read_pages(mgr._aseq[s.seq_id], 0, s.num_pages) for s in seqs[:2]]
+        levels = []
+        mgr.add_observer(lambda e: levels.append(e.level) if e.kind == "suspended" else None)
+        for s in seqs[:2]:
+            assert mgr.suspend(s) is jax_kvcm.SuspendResult.SUSPENDED
+        assert levels == [jax_kvcm.CacheLevel.HOST, jax_kvcm.CacheLevel.DISK]
+        o.step(mgr, [(seqs[2], 1)], run)
+        for s, (k0, v0) in zip(seqs[:2], saved):
+            assert mgr.resume(s)
+            k1, v1 = mgr.arena.read_pages(mgr._aseq[s.seq_id], 0, s.num_pages)
+            np.testing.assert_array_equal(k0, k1)
+            np.testing.assert_array_equal(v0, v1)
+        for _ in range(3):
+            o.step(mgr, [(s, 1) for s in seqs], run)
+        check(o, mgr, seqs)
     finally:
         mgr.shutdown()
 
