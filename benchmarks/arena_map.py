@@ -31,9 +31,11 @@ allocator alone (no model, nothing written: on CPU the memfd pages are never tou
 (64 pages = 1,024 tokens per chunk): requests of a system prompt drawn from 15 (lengths around 512
 tokens) plus a unique prompt part, to ISL + OSL tokens, ``--concurrency`` at a time (the oldest
 closes, the next is admitted), once per alias unit (whole chunks, as before page granularity,
-and one page). Reported: alias hits, partial aliases, prompt tokens aliased, steady-state map /
+and one page) and once more with pages but ``remap_spans=False``. Reported: alias hits, partial aliases, prompt tokens aliased, steady-state map /
 unmap calls (second half), and the peak physical bytes the active sequences map beside what the
 paged backend would hold for the same pages (shared prompt pages once, the rest per sequence).
+On CPU every mapped super-page is one kernel mapping: at concurrency 256 the 8B shape passes
+the default limit of 65,530 per process (``vm.max_map_count``); use ``--concurrency 128``.
 ``--spare-ranges``: ranges beyond the concurrency (parked ones keep their spans mapped, so more
 admissions find their prompt's span already in place).
 """
@@ -153,16 +155,18 @@ def prefix_workload_rows(cpu: bool, requests: int, concurrency: int, isl: int, o
     systems = rng.integers(384, 641, 15).tolist()  # system prompt lengths, mean ~512 tokens
     picks = rng.integers(0, 15, requests).tolist()
     rows = []
-    for unit_name in ("chunk", "page"):
+    for unit_name, remap in (("chunk", True), ("page", True), ("page, no remap", False)):
         probe = Arena(ArenaConfig(1, max_pages, 4 * 2 * 32 * sp, sp), lay,
                       backend="cpu" if cpu else "cuda")
         ppc = probe.pages_per_chunk
         per_range = probe.chunks_per_range + 1  # NOTE: room for the skip of a partial alias
         probe.close_arena()
         unit = ppc if unit_name == "chunk" else 1
+        per_range += int(not remap)
         budget = (1 + (concurrency + spare) * per_range + 64) * 2 * 32 * sp
         cfg = ArenaConfig(max_sequences=concurrency + spare, max_pages_per_sequence=max_pages,
-                          budget_bytes=budget, super_page_bytes=sp, alias_unit_pages=unit)
+                          budget_bytes=budget, super_page_bytes=sp, alias_unit_pages=unit,
+                          remap_spans=remap)
         with Arena(cfg, lay, backend="cpu" if cpu else "cuda") as a:
             live: list = []
             half = None

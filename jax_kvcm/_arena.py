@@ -94,6 +94,11 @@ class ArenaConfig:
       spills (in [0, 1)).
     - ``alias_unit_pages``: granularity of prefix keys and of aliasing, in pages (1: any page
       boundary); must divide the pages per chunk.
+    - ``remap_spans``: an admission adopting a parked range whose first chunk is another
+      prefix's span (one some admission aliased) unmaps it, after the range's readers, and maps
+      its own (True: every admission aliases what the registry has); or leaves it mapped and
+      places the sequence after it, aliasing nothing (False: steady state makes no map/unmap
+      call, the prompt is prefilled; a range has one more chunk of address space for it).
     """
 
     max_sequences: int
@@ -104,6 +109,7 @@ class ArenaConfig:
     prefix_aliasing: bool = True
     protected_span_fraction: float = 0.05
     alias_unit_pages: int = 1
+    remap_spans: bool = True
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_sequences", 1), ("max_pages_per_sequence", 1),
@@ -114,7 +120,7 @@ class ArenaConfig:
         sp = self.super_page_bytes
         if sp & (sp - 1):
             raise ValueError(f"ArenaConfig.super_page_bytes must be a power of two, got {sp}")
-        for name in ("adoption", "prefix_aliasing"):
+        for name in ("adoption", "prefix_aliasing", "remap_spans"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ArenaConfig.{name} must be a bool, got {getattr(self, name)!r}")
         f = self.protected_span_fraction
@@ -231,6 +237,7 @@ class ArenaStats:
     num_spans: int
     num_spilled_spans: int
     num_consumed_spans: int
+    num_front_skips: int
     num_reclaimed_ranges: int
     num_blocking_drains: int
 
@@ -333,6 +340,8 @@ class Arena:
         self.max_skip = self.pages_per_chunk - unit if config.prefix_aliasing else 0
         self.chunks_per_range = -(-(config.max_pages_per_sequence + self.max_skip)
                                   // self.pages_per_chunk)
+        if config.prefix_aliasing and not config.remap_spans:
+            self.chunks_per_range += 1  # NOTE: room to place a sequence after a foreign span
         self.num_chunks = 1 + config.max_sequences * self.chunks_per_range
         self.num_slots = self.num_chunks * self.pages_per_chunk
         self._pool_layer_bytes = self.num_slots * sb
@@ -369,8 +378,8 @@ class Arena:
         self._seq_ids = itertools.count()
         self._counts = dict.fromkeys(
             ("adoptions", "fresh", "alias_hits", "aliased_chunks", "aliased_pages",
-             "partial_aliases", "consumed_spans", "spilled_spans", "reclaimed_ranges",
-             "blocking_drains"), 0)
+             "partial_aliases", "consumed_spans", "front_skips", "spilled_spans",
+             "reclaimed_ranges", "blocking_drains"), 0)
         self._closed = False
         self._null = self._new_chunk()
         self._map_chunk(self._null, 0)
@@ -506,7 +515,8 @@ class Arena:
                 while (match < len(spans) and match < len(rng.chunks)
                        and rng.chunks[match] is spans[match]):
                     match += 1
-                rest = [c for c in rng.chunks[match:] if c is not None and c.keys]
+                rest = [c for c in rng.chunks[match + self._front_skip(rng, spans):]
+                        if c is not None and c.keys]
                 keep = 2 if not rest else int(all(c.consumable() for c in rest))
                 # NOTE: then keep a parked copy of every span (a later admission with its
                 # prefix adopts a range where it is mapped: no map call).
@@ -524,6 +534,17 @@ class Arena:
             return self._free.pop()
         return None
 
+    def _front_skip(self, rng: _Range, spans: list[_Chunk]) -> int:
+        """1 when an admission mapping ``spans`` leaves ``rng``'s first chunk (another prefix's
+        span) mapped and starts after it (``remap_spans`` off), else 0."""
+        c = rng.chunks[0]
+        return int(not self.config.remap_spans and c is not None and bool(c.keys)
+                   and not c.consumable() and not (spans and spans[0] is c))
+
+    def _first_chunk(self, seq: ArenaSequence, rng: _Range) -> int:
+        """Index in ``rng`` of the chunk holding ``seq``'s page 0 (1 after a front skip)."""
+        return seq.base_slot // self.pages_per_chunk - rng.first_chunk
+
     def admit(self, prefix_keys: Sequence[Hashable] = ()) -> ArenaSequence | None:
         """A new sequence with a contiguous range, or None when every range is in use.
 
@@ -539,11 +560,15 @@ class Arena:
         rng = self._pick_range(spans)
         if rng is None:
             return None
+        c0 = self._front_skip(rng, spans)
+        if c0:  # NOTE: its own prefix is not where the foreign span is: it aliases nothing
+            segs, spans = [], []
+            self._counts["front_skips"] += 1
         # NOTE: chunks the admission will write must be private to it: a registered span other
         # than the matched one leaves the range (unmapped after the range's last reader), unless
         # it is consumable (never aliased: typically a closed sequence's unique tail), when it
         # leaves the registry instead (steady state stays free of map/unmap calls).
-        for i, c in enumerate(rng.chunks):
+        for i, c in enumerate(rng.chunks[c0:], c0):
             if c is None:
                 continue
             if (i < len(spans) and c is spans[i]) or (i >= len(spans) and not c.keys):
@@ -571,7 +596,7 @@ class Arena:
             self._counts["aliased_pages"] += aliased
             self._counts["partial_aliases"] += skip > 0
         seq = ArenaSequence(seq_id=next(self._seq_ids),
-                            base_slot=rng.first_chunk * self.pages_per_chunk,
+                            base_slot=(rng.first_chunk + c0) * self.pages_per_chunk,
                             num_aliased_pages=aliased, num_pages=aliased,
                             num_tokens=aliased * self.layout.tokens_per_page,
                             skip_from=skip_from, skip=skip, _range=rng)
@@ -588,8 +613,9 @@ class Arena:
             raise ValueError(f"num_pages ({num_pages}) exceeds ArenaConfig.max_pages_per_sequence "
                              f"({self.config.max_pages_per_sequence})")
         end = num_pages + (seq.skip if num_pages > seq.skip_from else 0)  # slots
-        want = -(-end // self.pages_per_chunk)
-        missing = [i for i in range(want) if rng.chunks[i] is None]
+        c0 = self._first_chunk(seq, rng)
+        missing = [i for i in range(c0, c0 - (-end // self.pages_per_chunk))
+                   if rng.chunks[i] is None]
         if missing and not self._reclaim(len(missing)):
             return False
         for i in missing:
@@ -617,7 +643,8 @@ class Arena:
             keys = list(committed_keys)
             ppc = self.pages_per_chunk
             num = min(len(keys) * self.config.alias_unit_pages, seq.num_pages)
-            for i, c in enumerate(rng.chunks):
+            c0 = self._first_chunk(seq, rng)
+            for i, c in enumerate(rng.chunks[c0:]):
                 o = i * ppc  # the chunk's first slot offset -> its first logical page
                 first = o if not seq.skip or o < seq.skip_from else o - seq.skip
                 if c is None or first >= num:
@@ -982,7 +1009,7 @@ class Arena:
             num_aliased_pages=c["aliased_pages"], num_partial_aliases=c["partial_aliases"],
             aliased_bytes=c["aliased_pages"] * self.num_pool_layers * self.layout.slot_bytes,
             num_spans=len(self._registry), num_spilled_spans=c["spilled_spans"],
-            num_consumed_spans=c["consumed_spans"],
+            num_consumed_spans=c["consumed_spans"], num_front_skips=c["front_skips"],
             num_reclaimed_ranges=c["reclaimed_ranges"],
             num_blocking_drains=c["blocking_drains"])
 

@@ -457,6 +457,39 @@ def test_never_aliased_spans_are_taken_over_by_adoption():
         assert a.admit(("a",)).num_aliased_pages == 0
 
 
+def test_without_remap_an_adoption_starts_after_a_foreign_span():
+    rng = np.random.default_rng(22)
+    print("seed 22")
+    with make_arena(max_sequences=1, budget_chunks=8, remap_spans=False) as a:
+        assert a.chunks_per_range == 3  # one chunk more than the per-request maximum needs
+        s, k, v = _owner_with_prefix(a, rng)
+        a.close(s, ("a",))  # chunk 0 registered, chunk 1 private
+        _hit(a, ("a",))
+        before = a.stats()
+        t = a.admit(("z",))  # the only range maps span "a" at chunk 0: t starts after it
+        assert t.base_slot == s.base_slot + PPC and t.num_aliased_pages == 0
+        assert a.ensure(t, PPC)  # the range's chunk 1, still mapped
+        st = a.stats()
+        assert (st.num_map_calls, st.num_unmap_calls, st.num_front_skips) == (
+            before.num_map_calls, 0, 1)
+        assert a.ensure(t, 2 * PPC)  # its second chunk is the range's third
+        kt, vt = pages(rng, 2 * PPC)
+        a.write_pages(t, 0, kt, vt)
+        tok = np.zeros((LAYOUT.num_layers, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float32)
+        with pytest.raises(ValueError, match="not a private mapped chunk"):
+            a.write_tokens(np.array([s.base_slot * LAYOUT.tokens_per_page]), tok, tok)
+        a.close(t, ("z", "y"))
+        u = a.admit(("a", "q"))  # the span is still in place, untouched
+        assert u.base_slot == s.base_slot and u.num_aliased_pages == PPC
+        got = a.read_pages(u, 0, PPC)
+        np.testing.assert_array_equal(got[0], k[:, :PPC])
+        np.testing.assert_array_equal(got[1], v[:, :PPC])
+        a.close(u)
+        w = a.admit(("z", "y"))  # t's chunks, registered relative to its first page
+        assert w.base_slot == s.base_slot + PPC and w.num_aliased_pages == 0  # consumed by u
+        assert a.stats().num_unmap_calls == 0
+
+
 def test_span_spill_protection_keeps_a_bounded_fraction():
     rng = np.random.default_rng(5)
     # budget 9 chunks, 25% protected: the 2 newest span chunks survive any pressure.

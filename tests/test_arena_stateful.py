@@ -81,12 +81,13 @@ class ArenaMachine(RuleBasedStateMachine):
 
     @initialize(budget=st.integers(4, 12), adoption=st.booleans(), aliasing=st.booleans(),
                 protected=st.sampled_from([0.0, 0.3]), max_seqs=st.integers(2, 3),
-                unit=st.sampled_from([PPC, 1, PPC // 2]))
-    def setup(self, budget, adoption, aliasing, protected, max_seqs, unit):
+                unit=st.sampled_from([PPC, 1, PPC // 2]), remap=st.booleans())
+    def setup(self, budget, adoption, aliasing, protected, max_seqs, unit, remap):
         self.max_seqs, self.unit = max_seqs, unit
         self.a = make_arena(max_sequences=self.max_seqs, max_pages=MAX_PAGES, budget_chunks=budget,
                             adoption=adoption, prefix_aliasing=aliasing,
-                            protected_span_fraction=protected, alias_unit_pages=unit)
+                            protected_span_fraction=protected, alias_unit_pages=unit,
+                            remap_spans=remap)
 
     def teardown(self) -> None:
         if self.a is not None:
