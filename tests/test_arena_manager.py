@@ -542,17 +542,17 @@ def test_recorded_token_ids_make_generated_chunks_reusable():
         mgr.shutdown()
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+@pytest.mark.parametrize("seed", [11, 12, 13, 14, 16])
 def test_random_walk_through_the_manager_keeps_every_sequence_readable(seed, tmp_path):
     """Random admissions (some sharing a system prompt), steps, closes (also inside a
     step), suspends and resumes under a tight budget (seed 14: a small host tier and a disk
-    tier); every ACTIVE sequence's K/V are checked through the op after every operation.
+    tier; seed 16: ``remap_spans`` off); every ACTIVE sequence's K/V are checked through the op after every operation.
     Refusals (OutOfPagesError, MUST_RECOMPUTE, resume False) must change nothing."""
     o = Oracle(seed, det=True)
     rng = o.rng
     disk = dict(host_bytes=PPC * PAGE_BYTES, disk_dir=str(tmp_path),
                 disk_bytes=6 * PPC * PAGE_BYTES) if seed == 14 else {}
-    mgr = make(budget_chunks=8, max_sequences=5,
+    mgr = make(budget_chunks=8, max_sequences=5, remap_spans=seed != 16,
                **{"host_bytes": 6 * PPC * PAGE_BYTES, **disk})
     # NOTE: a system prompt of one chunk, of half a chunk plus a page, of one and a half.
     system = rng.integers(0, 1000, (CT, CT // 2 + TPP, 3 * CT // 2)[seed % 3]).astype(np.int32)
