@@ -546,8 +546,9 @@ def test_recorded_token_ids_make_generated_chunks_reusable():
 def test_random_walk_through_the_manager_keeps_every_sequence_readable(seed, tmp_path):
     """Random admissions (some sharing a system prompt), steps, closes (also inside a
     step), suspends and resumes under a tight budget (seed 14: a small host tier and a disk
-    tier; seed 16: ``remap_spans`` off); every ACTIVE sequence's K/V are checked through the op after every operation.
-    Refusals (OutOfPagesError, MUST_RECOMPUTE, resume False) must change nothing."""
+    tier; seed 16: ``remap_spans`` off); every ACTIVE sequence's K/V are checked through the
+    op after every operation. Refusals (OutOfPagesError, MUST_RECOMPUTE, resume False) must
+    change nothing."""
     o = Oracle(seed, det=True)
     rng = o.rng
     disk = dict(host_bytes=PPC * PAGE_BYTES, disk_dir=str(tmp_path),
