@@ -32,8 +32,9 @@ allocator alone (no model, nothing written: on CPU the memfd pages are never tou
 tokens) plus a unique prompt part, to ISL + OSL tokens, ``--concurrency`` at a time (the oldest
 closes, the next is admitted), once per alias unit (whole chunks, as before page granularity,
 and one page) and once more with pages but ``remap_spans=False``. Reported: alias hits,
-partial aliases, prompt tokens aliased, steady-state map / unmap calls (second half), and the peak physical bytes the active sequences map beside what the
-paged backend would hold for the same pages (shared prompt pages once, the rest per sequence).
+partial aliases, prompt tokens aliased, steady-state map / unmap calls (second half), and the
+peak physical bytes the active sequences map beside what the paged backend would hold for the
+same pages (shared prompt pages once, the rest per sequence).
 On CPU every mapped super-page is one kernel mapping: at concurrency 256 the 8B shape passes
 the default limit of 65,530 per process (``vm.max_map_count``); use ``--concurrency 128``.
 ``--spare-ranges``: ranges beyond the concurrency (parked ones keep their spans mapped, so more
