@@ -528,6 +528,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
             arena_steady_unmap_calls=a["num_unmap_calls"] - half["num_unmap_calls"],
             arena_map_calls=a["num_map_calls"], arena_unmap_calls=a["num_unmap_calls"],
             arena_alias_hits=a["num_alias_hits"], arena_adoptions=a["num_adoptions"],
+            arena_partial_aliases=a["num_partial_aliases"], arena_aliased_bytes=a["aliased_bytes"],
             arena_mapped_bytes_peak=max(arena_peak, a["mapped_bytes"]),
             arena_budget_bytes=scfg.arena.budget_bytes,
             kv_bytes_used_peak=max(arena_peak, a["mapped_bytes"]))

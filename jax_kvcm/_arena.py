@@ -10,20 +10,32 @@ num_kv_heads, head_dim]`` laid out back to back in one reservation, K first):
   ``lcm(slot_bytes, super_page_bytes)`` bytes, i.e. whole super-pages. Physical memory is mapped
   and charged per chunk (``2 * num_layers * super_pages_per_chunk`` super-pages).
 - chunk 0 holds the null page (mapped at construction); sequence range ``r`` owns chunks
-  ``[1 + r * C, 1 + (r + 1) * C)``, ``C = ceil(max_pages_per_sequence / pages_per_chunk)``, so a
-  sequence's page ``i`` lives at slot ``base_slot + i`` and its page table is ``base + arange``.
+  ``[1 + r * C, 1 + (r + 1) * C)``, so a sequence's page ``i`` lives at slot ``base_slot + i``
+  and its page table is ``base + arange`` -- except after a *partial alias* (below), where the
+  pages from ``skip_from`` on sit ``skip`` slots further (two linear runs).
+  ``C = ceil((max_pages_per_sequence + max_skip) / pages_per_chunk)``.
 
 Life of a range: FREE (nothing mapped) -> ACTIVE (a sequence grows it chunk by chunk, against the
 byte budget) -> PARKED on close, still mapped, adopted whole by a later admission (no map/unmap in
 steady state) -> reclaimed (unmapped) only under pressure or at teardown, and only after the
 fence of the last dispatched step that may read it is complete.
 
-Prefix aliasing: a closing sequence's fully committed chunks enter a refcounted span registry
-keyed by the caller's chunk keys (the chained block key at each chunk's end); a later admission
-with the same keys maps the *same* physical chunks into its own range (zero copy, zero budget).
+Prefix aliasing: a closing sequence's private chunks holding committed pages enter a refcounted
+span registry under the caller's prefix keys, one per *alias unit* (``alias_unit_pages`` pages;
+the key at a unit's end is the chained block key of the whole prefix through it). A later
+admission maps the *same* physical chunks into its own range (zero copy, zero budget): whole
+chunks, and then possibly one *partial* chunk whose first ``n`` pages (a multiple of the unit)
+match. Physical memory is shared per chunk (a super-page per pool-layer is the driver's unit:
+on the GPU 2 MiB, 64 pages of an 8B-shaped model), so the partial chunk's remaining slots are
+someone else's: the admission never touches them. Its own pages continue at the next chunk
+(``skip = pages_per_chunk - n`` slots later), which is why a range has up to ``max_skip =
+pages_per_chunk - alias_unit_pages`` spare slots of address space (free: address space costs no
+budget). Invariant: every chunk of a range holds logical pages ``[f, f + used)`` at its offsets
+``[0, used)``, so a registered chunk is usable exactly where an admission's next logical page is
+its ``f``.
 A parked range keeps the registered chunks it maps (its span signature) and is preferably handed
-to an admission with that prefix (prefix-affine adoption). Registered chunks up to ``protected_span_fraction`` of the
-budget are exempt from pressure spills.
+to an admission with that prefix (prefix-affine adoption). Registered chunks up to
+``protected_span_fraction`` of the budget are exempt from pressure spills.
 
 Fences: any object with ``is_ready() -> bool`` and ``block_until_ready()`` (a ``jax.Array`` output
 of the step is one). Capacity failure is returned as a value (``None`` / ``False``); misuse raises.
@@ -80,6 +92,13 @@ class ArenaConfig:
     - ``prefix_aliasing``: keep closing sequences' committed chunks in the span registry.
     - ``protected_span_fraction``: fraction of the budget whose registered spans pressure never
       spills (in [0, 1)).
+    - ``alias_unit_pages``: granularity of prefix keys and of aliasing, in pages (1: any page
+      boundary); must divide the pages per chunk.
+    - ``remap_spans``: an admission adopting a parked range whose first chunk is another
+      prefix's span (one some admission aliased) unmaps it, after the range's readers, and maps
+      its own (True: every admission aliases what the registry has); or leaves it mapped and
+      places the sequence after it, aliasing nothing (False: steady state makes no map/unmap
+      call, the prompt is prefilled; a range has one more chunk of address space for it).
     """
 
     max_sequences: int
@@ -89,16 +108,19 @@ class ArenaConfig:
     adoption: bool = True
     prefix_aliasing: bool = True
     protected_span_fraction: float = 0.05
+    alias_unit_pages: int = 1
+    remap_spans: bool = True
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_sequences", 1), ("max_pages_per_sequence", 1),
-                              ("budget_bytes", 1), ("super_page_bytes", 1)):
+                              ("budget_bytes", 1), ("super_page_bytes", 1),
+                              ("alias_unit_pages", 1)):
             object.__setattr__(self, name, check_count(getattr(self, name), f"ArenaConfig.{name}",
                                                        minimum=minimum))
         sp = self.super_page_bytes
         if sp & (sp - 1):
             raise ValueError(f"ArenaConfig.super_page_bytes must be a power of two, got {sp}")
-        for name in ("adoption", "prefix_aliasing"):
+        for name in ("adoption", "prefix_aliasing", "remap_spans"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ArenaConfig.{name} must be a bool, got {getattr(self, name)!r}")
         f = self.protected_span_fraction
@@ -144,29 +166,50 @@ class ArenaSuspend(enum.Enum):
 
 @dataclasses.dataclass(slots=True)
 class ArenaSequence:
-    """One admitted sequence: ``base_slot + i`` is the slot of its page ``i``.
+    """One admitted sequence: ``base_slot + i + (skip if i >= skip_from else 0)`` is the slot
+    of its page ``i`` (``skip`` is 0 unless a partial alias left the rest of a shared chunk).
 
     ``num_aliased_pages`` pages at the front were found in the span registry at admission (their
-    contents are already in place: skip their prefill; ``num_tokens`` starts after them). ``num_pages`` is how many pages are
-    mapped for it (``ensure``). ``suspended`` holds its saved bytes while suspended.
+    contents are already in place: skip their prefill; ``num_tokens`` starts after them).
+    ``num_pages`` is how many pages are mapped for it (``ensure``). ``suspended`` holds its saved
+    bytes while suspended.
     """
 
     seq_id: int
     base_slot: int
     num_aliased_pages: int
     num_pages: int = 0
-    suspended: np.ndarray | None = None
+    suspended: Any = None
     num_tokens: int = 0  # tokens written by the steps :meth:`Arena.prepare_step` built
+    skip_from: int = 0
+    skip: int = 0
     _range: _Range | None = dataclasses.field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
         return self._range is not None
 
+    def slots(self, first: int, last: int) -> np.ndarray:
+        """int64 ``[last - first]`` slots of pages ``[first, last)``."""
+        j = np.arange(first, last, dtype=np.int64)
+        return self.base_slot + j + self.skip * (j >= self.skip_from)
+
+    def runs(self, first: int, last: int) -> list[tuple[int, int, int]]:
+        """``(first slot, first page, num pages)`` of the (at most two) runs of consecutive
+        slots holding pages ``[first, last)``."""
+        out = []
+        cut = min(max(self.skip_from if self.skip else last, first), last)
+        if cut > first:
+            out.append((self.base_slot + first, first, cut - first))
+        if last > cut:
+            out.append((self.base_slot + cut + self.skip, cut, last - cut))
+        return out
+
     def page_table(self, num_pages: int | None = None) -> np.ndarray:
-        """int32 ``[num_pages]`` slots of its first pages: ``base_slot + arange``."""
+        """int32 ``[num_pages]`` slots of its first pages (``base_slot + arange`` when
+        ``skip`` is 0)."""
         n = self.num_pages if num_pages is None else num_pages
-        return np.arange(self.base_slot, self.base_slot + n, dtype=np.int32)
+        return self.slots(0, n).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,8 +231,13 @@ class ArenaStats:
     num_fresh_ranges: int
     num_alias_hits: int
     num_aliased_chunks: int
+    num_aliased_pages: int
+    num_partial_aliases: int
+    aliased_bytes: int
     num_spans: int
     num_spilled_spans: int
+    num_consumed_spans: int
+    num_front_skips: int
     num_reclaimed_ranges: int
     num_blocking_drains: int
 
@@ -200,12 +248,18 @@ class ArenaStats:
 class _Chunk:
     """Physical memory of one chunk: its super-page handles, and who maps or holds it."""
 
-    __slots__ = ("handles", "refs", "key")
+    __slots__ = ("handles", "refs", "keys", "hits")
 
     def __init__(self, handles: list[int]) -> None:
         self.handles = handles
         self.refs = 0  # ranges mapping it + 1 while registered
-        self.key: Hashable | None = None  # registry key while registered
+        self.keys: list[Hashable] = []  # its registry keys (non-empty while registered)
+        self.hits = 0  # admissions that aliased it while registered
+
+    def consumable(self) -> bool:
+        """A span no admission ever aliased that only the registry and one range hold: an
+        admission adopting that range takes it over as private memory (no unmap, no map)."""
+        return bool(self.keys) and self.refs == 2 and not self.hits
 
 
 class _Range:
@@ -279,9 +333,15 @@ class Arena:
         self.pages_per_chunk = chunk_pl // sb
         self.super_pages_per_chunk = chunk_pl // sp  # per pool-layer
         self.num_pool_layers = 2 * layout.num_layers
-        self.chunks_per_range = -(-config.max_pages_per_sequence // self.pages_per_chunk)
-        # NOTE: only chunks that can be full (all pages within the per-request maximum) alias.
-        self.max_span_chunks = config.max_pages_per_sequence // self.pages_per_chunk
+        unit = config.alias_unit_pages
+        if self.pages_per_chunk % unit:
+            raise ValueError(f"ArenaConfig.alias_unit_pages ({unit}) must divide the pages per "
+                             f"chunk ({self.pages_per_chunk})")
+        self.max_skip = self.pages_per_chunk - unit if config.prefix_aliasing else 0
+        self.chunks_per_range = -(-(config.max_pages_per_sequence + self.max_skip)
+                                  // self.pages_per_chunk)
+        if config.prefix_aliasing and not config.remap_spans:
+            self.chunks_per_range += 1  # NOTE: room to place a sequence after a foreign span
         self.num_chunks = 1 + config.max_sequences * self.chunks_per_range
         self.num_slots = self.num_chunks * self.pages_per_chunk
         self._pool_layer_bytes = self.num_slots * sb
@@ -311,11 +371,14 @@ class Arena:
                         for r in range(config.max_sequences)]
         self._free: list[_Range] = list(reversed(self._ranges))  # never mapped / reclaimed
         self._parked: OrderedDict[int, _Range] = OrderedDict()  # oldest first
-        self._registry: OrderedDict[Hashable, _Chunk] = OrderedDict()  # LRU first
+        self._registry: OrderedDict[_Chunk, None] = OrderedDict()  # registered chunks, LRU first
+        # key -> (chunk, its first logical page, pages of it through the key's unit)
+        self._spans: dict[Hashable, tuple[_Chunk, int, int]] = {}
         self._used_chunks = 0
         self._seq_ids = itertools.count()
         self._counts = dict.fromkeys(
-            ("adoptions", "fresh", "alias_hits", "aliased_chunks", "spilled_spans",
+            ("adoptions", "fresh", "alias_hits", "aliased_chunks", "aliased_pages",
+             "partial_aliases", "consumed_spans", "front_skips", "spilled_spans",
              "reclaimed_ranges", "blocking_drains"), 0)
         self._closed = False
         self._null = self._new_chunk()
@@ -387,63 +450,132 @@ class Arena:
 
     # -- admission -------------------------------------------------------------------------
 
-    def _registered_prefix(self, keys: Sequence[Hashable]) -> list[_Chunk]:
-        out = []
-        if self.config.prefix_aliasing:
-            for k in keys[:self.max_span_chunks]:
-                c = self._registry.get(k)
-                if c is None:
+    def _registered_prefix(self, keys: Sequence[Hashable]) -> list[tuple[_Chunk, int]]:
+        """The registered chunks an admission with ``keys`` maps, in range order, each with how
+        many of its pages match: whole chunks, at most one partial chunk (after it the pages
+        continue at the next chunk), whole chunks again; the longest match first."""
+        out: list[tuple[_Chunk, int]] = []
+        if not self.config.prefix_aliasing:
+            return out
+        u, ppc = self.config.alias_unit_pages, self.pages_per_chunk
+        limit = min(len(keys) * u, self.config.max_pages_per_sequence) // u * u
+        p, partial = 0, False
+        while p < limit:
+            hit = None
+            for e in range(min(p + ppc, limit), p, -u):
+                ent = self._spans.get(keys[e // u - 1])
+                if ent is not None and ent[1] == p:  # the chunk starts where we are
+                    hit = (ent[0], e - p)
                     break
-                out.append(c)
+            if hit is None or (hit[1] < ppc and partial):
+                break
+            partial = partial or hit[1] < ppc
+            out.append(hit)
+            p += hit[1]
         return out
 
+    def _register(self, chunk: _Chunk, first: int, keys: Sequence[Hashable],
+                  num_pages: int) -> None:
+        """Registers the unit keys of ``chunk``'s committed pages ``[first, num_pages)`` (the
+        chunk holds logical pages from ``first`` on) that no chunk holds yet."""
+        u = self.config.alias_unit_pages
+        last = min(first + self.pages_per_chunk, num_pages)
+        for e in range(first + u, last + 1, u):
+            key = keys[e // u - 1]
+            if key not in self._spans:
+                self._spans[key] = (chunk, first, e - first)
+                chunk.keys.append(key)
+        if chunk.keys:
+            chunk.refs += 1  # the registry's hold
+            self._registry[chunk] = None
+
+    def _unregister(self, chunk: _Chunk) -> None:
+        del self._registry[chunk]
+        for key in chunk.keys:
+            del self._spans[key]
+        chunk.keys = []
+        chunk.hits = 0
+        self._drop_ref(chunk)
+
     def _pick_range(self, spans: list[_Chunk]) -> _Range | None:
-        if self.config.adoption and self._parked:
-            best, best_match = None, -1
+        """The range for an admission mapping ``spans``. NOTE: prefer the longest prefix
+        already in place, then a parked range whose other chunks are private (nothing to unmap
+        or unregister), then a fresh range, then a parked one whose other spans are all
+        consumable, then one whose spans other parked ranges also map, then one whose last
+        reader is done (no wait before its unmap), then the oldest."""
+        best, best_score = None, (-1, -1, -1, -1)
+        if self.config.adoption:
+            parked: dict[_Chunk, int] = {}  # parked ranges mapping each registered chunk
+            for rng in self._parked.values():
+                for c in rng.chunks:
+                    if c is not None and c.keys:
+                        parked[c] = parked.get(c, 0) + 1
             for rng in self._parked.values():  # oldest first
                 match = 0
                 while (match < len(spans) and match < len(rng.chunks)
                        and rng.chunks[match] is spans[match]):
                     match += 1
-                shared = sum(c is not None and c.key is not None for c in rng.chunks[match:])
-                # NOTE: prefer the longest prefix already in place, then ranges whose other
-                # chunks are private (no unmap needed before writing them).
-                score = match * 2 + (shared == 0)
-                if match > 0 or shared == 0:
-                    if score > best_match:
-                        best, best_match = rng, score
-            if best is not None:
-                del self._parked[best.index]
-                self._counts["adoptions"] += 1
-                return best
+                rest = [c for c in rng.chunks[match + self._front_skip(rng, spans):]
+                        if c is not None and c.keys]
+                keep = 2 if not rest else int(all(c.consumable() for c in rest))
+                # NOTE: then keep a parked copy of every span (a later admission with its
+                # prefix adopts a range where it is mapped: no map call).
+                spare = int(all(parked[c] > 1 or c.consumable() for c in rest))
+                # NOTE: and one whose readers are done, if a span must be unmapped from it.
+                ready = int(keep > 0 or _ready(rng.fence))
+                if (match, keep, spare, ready) > best_score:
+                    best, best_score = rng, (match, keep, spare, ready)
+        if best is not None and (best_score[0] > 0 or best_score[1] == 2 or not self._free):
+            del self._parked[best.index]
+            self._counts["adoptions"] += 1
+            return best
         if self._free:
             self._counts["fresh"] += 1
             return self._free.pop()
-        if self._parked:  # only ranges mapping other spans are left: take the oldest
-            _, rng = self._parked.popitem(last=False)
-            self._counts["adoptions"] += 1
-            return rng
         return None
+
+    def _front_skip(self, rng: _Range, spans: list[_Chunk]) -> int:
+        """1 when an admission mapping ``spans`` leaves ``rng``'s first chunk (another prefix's
+        span) mapped and starts after it (``remap_spans`` off), else 0."""
+        c = rng.chunks[0]
+        return int(not self.config.remap_spans and c is not None and bool(c.keys)
+                   and not c.consumable() and not (spans and spans[0] is c))
+
+    def _first_chunk(self, seq: ArenaSequence, rng: _Range) -> int:
+        """Index in ``rng`` of the chunk holding ``seq``'s page 0 (1 after a front skip)."""
+        return seq.base_slot // self.pages_per_chunk - rng.first_chunk
 
     def admit(self, prefix_keys: Sequence[Hashable] = ()) -> ArenaSequence | None:
         """A new sequence with a contiguous range, or None when every range is in use.
 
-        ``prefix_keys[i]`` identifies the sequence's content through the end of chunk ``i``
-        (pages ``[0, (i + 1) * pages_per_chunk)``), e.g. the chained block key of that page.
-        Registered chunks matching a prefix of them are mapped into the new range (their pages
-        count in ``num_aliased_pages`` and ``num_pages``); nothing else is mapped yet.
+        ``prefix_keys[i]`` identifies the sequence's content through the end of alias unit ``i``
+        (pages ``[0, (i + 1) * alias_unit_pages)``), e.g. the chained block key of that page.
+        Registered chunks matching a prefix of them are mapped into the new range (their matching
+        pages count in ``num_aliased_pages`` and ``num_pages``; after a partial chunk the
+        sequence's ``skip`` is set); nothing else is mapped yet.
         """
         self._check_open()
-        spans = self._registered_prefix(list(prefix_keys))
+        segs = self._registered_prefix(list(prefix_keys))
+        spans = [c for c, _ in segs]
         rng = self._pick_range(spans)
         if rng is None:
             return None
-        # NOTE: chunks the admission will write must be private to it: unmap every chunk that
-        # maps a registered span other than the matched one (after the range's last reader).
-        for i, c in enumerate(rng.chunks):
+        c0 = self._front_skip(rng, spans)
+        if c0:  # NOTE: its own prefix is not where the foreign span is: it aliases nothing
+            segs, spans = [], []
+            self._counts["front_skips"] += 1
+        # NOTE: chunks the admission will write must be private to it: a registered span other
+        # than the matched one leaves the range (unmapped after the range's last reader), unless
+        # it is consumable (never aliased: typically a closed sequence's unique tail), when it
+        # leaves the registry instead (steady state stays free of map/unmap calls).
+        for i, c in enumerate(rng.chunks[c0:], c0):
             if c is None:
                 continue
-            if (i < len(spans) and c is spans[i]) or (i >= len(spans) and c.key is None):
+            if (i < len(spans) and c is spans[i]) or (i >= len(spans) and not c.keys):
+                continue
+            if i >= len(spans) and c.consumable():
+                self._unregister(c)
+                self._counts["consumed_spans"] += 1
                 continue
             _wait(rng.fence)
             self._unmap_chunk(rng, i)
@@ -451,15 +583,23 @@ class Arena:
             if rng.chunks[i] is None:
                 self._map_chunk(c, rng.first_chunk + i)
                 rng.chunks[i] = c
-            self._registry.move_to_end(c.key)
-        if spans:
+            self._registry.move_to_end(c)
+            c.hits += 1
+        aliased, skip_from, skip = 0, 0, 0
+        for _, n in segs:
+            aliased += n
+            if n < self.pages_per_chunk:
+                skip_from, skip = aliased, self.pages_per_chunk - n
+        if segs:
             self._counts["alias_hits"] += 1
-            self._counts["aliased_chunks"] += len(spans)
-        aliased = len(spans) * self.pages_per_chunk
+            self._counts["aliased_chunks"] += len(segs)
+            self._counts["aliased_pages"] += aliased
+            self._counts["partial_aliases"] += skip > 0
         seq = ArenaSequence(seq_id=next(self._seq_ids),
-                            base_slot=rng.first_chunk * self.pages_per_chunk,
+                            base_slot=(rng.first_chunk + c0) * self.pages_per_chunk,
                             num_aliased_pages=aliased, num_pages=aliased,
-                            num_tokens=aliased * self.layout.tokens_per_page, _range=rng)
+                            num_tokens=aliased * self.layout.tokens_per_page,
+                            skip_from=skip_from, skip=skip, _range=rng)
         rng.seq = seq
         return seq
 
@@ -472,8 +612,10 @@ class Arena:
         if num_pages > self.config.max_pages_per_sequence:
             raise ValueError(f"num_pages ({num_pages}) exceeds ArenaConfig.max_pages_per_sequence "
                              f"({self.config.max_pages_per_sequence})")
-        want = -(-num_pages // self.pages_per_chunk)
-        missing = [i for i in range(want) if rng.chunks[i] is None]
+        end = num_pages + (seq.skip if num_pages > seq.skip_from else 0)  # slots
+        c0 = self._first_chunk(seq, rng)
+        missing = [i for i in range(c0, c0 - (-end // self.pages_per_chunk))
+                   if rng.chunks[i] is None]
         if missing and not self._reclaim(len(missing)):
             return False
         for i in missing:
@@ -490,25 +632,25 @@ class Arena:
             self._active_range(s, "seqs").fence = fence
 
     def close(self, seq: ArenaSequence, committed_keys: Sequence[Hashable] = ()) -> None:
-        """Ends ``seq``. ``committed_keys[i]`` (as in :meth:`admit`) for each leading chunk whose
-        pages are all committed: those chunks enter the span registry (when aliasing is on). The
-        range is parked still mapped (adoption on) or reclaimed after its fence (off)."""
+        """Ends ``seq``. ``committed_keys[i]`` (as in :meth:`admit`) for each leading alias unit
+        whose pages are all committed: the private chunks holding them enter the span registry
+        under the keys no chunk holds yet (when aliasing is on). The range is parked still
+        mapped (adoption on) or reclaimed after its fence (off)."""
         rng = self._active_range(seq, "seq")
         seq._range = None
         rng.seq = None
         if self.config.prefix_aliasing:
-            for i, key in enumerate(list(committed_keys)[:self.max_span_chunks]):
-                c = rng.chunks[i]
-                if c is None:
+            keys = list(committed_keys)
+            ppc = self.pages_per_chunk
+            num = min(len(keys) * self.config.alias_unit_pages, seq.num_pages)
+            c0 = self._first_chunk(seq, rng)
+            for i, c in enumerate(rng.chunks[c0:]):
+                o = i * ppc  # the chunk's first slot offset -> its first logical page
+                first = o if not seq.skip or o < seq.skip_from else o - seq.skip
+                if c is None or first >= num:
                     break
-                reg = self._registry.get(key)
-                if reg is None and c.key is None:
-                    c.key = key
-                    c.refs += 1  # the registry's hold
-                    self._registry[key] = c
-                    reg = c
-                if reg is not c:  # NOTE: a duplicate of a registered span: keep ours private
-                    break
+                if not c.keys and c.refs == 1:  # NOTE: shared chunks are someone's span
+                    self._register(c, first, keys, num)
         if self.config.adoption:
             self._parked[rng.index] = rng
         else:
@@ -535,14 +677,11 @@ class Arena:
         """Drops registered chunks no range maps (LRU first) until ``need`` chunks are free,
         keeping the newest ``protect`` chunks of registry."""
         spillable = len(self._registry) - protect
-        for key in list(self._registry):
+        for c in list(self._registry):
             if self.num_free_chunks >= need or spillable <= 0:
                 return
-            c = self._registry[key]
             if c.refs == 1:  # only the registry holds it
-                del self._registry[key]
-                c.key = None
-                self._drop_ref(c)
+                self._unregister(c)
                 self._counts["spilled_spans"] += 1
                 spillable -= 1
 
@@ -576,17 +715,19 @@ class Arena:
 
     # -- suspend / resume ------------------------------------------------------------------
 
-    def _copy_pages(self, rng: _Range, num_pages: int, host: np.ndarray, to_host: bool) -> None:
+    def _copy_pages(self, seq: ArenaSequence, num_pages: int, host: np.ndarray,
+                    to_host: bool) -> None:
+        """Pages ``[0, num_pages)`` of ``seq`` <-> ``host`` (pool-layer major)."""
         sb = self.layout.slot_bytes
         n = num_pages * sb
-        base = rng.first_chunk * self.pages_per_chunk * sb
         addr = host.ctypes.data
         for pl in range(self.num_pool_layers):
-            off = pl * self._pool_layer_bytes + base
-            if to_host:
-                self._res.read(off, addr + pl * n, n)
-            else:
-                self._res.write(off, addr + pl * n, n)
+            for slot, page, count in seq.runs(0, num_pages):
+                off = pl * self._pool_layer_bytes + slot * sb
+                if to_host:
+                    self._res.read(off, addr + pl * n + page * sb, count * sb)
+                else:
+                    self._res.write(off, addr + pl * n + page * sb, count * sb)
 
     def suspend(self, seq: ArenaSequence, host: ArenaHostStore) -> ArenaSuspend:
         """Saves ``seq``'s pages to ``host`` and releases its range (parked, adoptable).
@@ -601,7 +742,7 @@ class Arena:
         if buf is None:
             return ArenaSuspend.MUST_RECOMPUTE
         _wait(rng.fence)  # the last step's writes are in the pages
-        self._copy_pages(rng, seq.num_pages, buf, to_host=True)
+        self._copy_pages(seq, seq.num_pages, buf, to_host=True)
         seq.suspended = buf
         self.close(seq)
         return ArenaSuspend.SUSPENDED
@@ -619,14 +760,23 @@ class Arena:
         if not self.ensure(fresh, n):
             self.close(fresh)
             return False
-        rng = fresh._range
-        assert rng is not None
-        self._copy_pages(rng, n, seq.suspended, to_host=False)
+        self._copy_pages(fresh, n, seq.suspended, to_host=False)
         host.release(seq.suspended)
         seq.suspended = None
-        seq.base_slot, seq.num_aliased_pages, seq._range = fresh.base_slot, 0, rng
-        rng.seq = seq
+        self.hand_over(fresh, seq)
         return True
+
+    def hand_over(self, fresh: ArenaSequence, seq: ArenaSequence) -> None:
+        """Gives ``fresh``'s range (its pages already restored) to the suspended ``seq``, which
+        becomes active there (no alias, no skip); ``fresh`` is spent."""
+        rng = self._active_range(fresh, "fresh")
+        if seq.active:
+            raise ValueError("seq is active")
+        fresh._range = None
+        seq.base_slot, seq.num_aliased_pages, seq._range = fresh.base_slot, 0, rng
+        seq.skip_from = seq.skip = 0
+        seq.num_pages = max(seq.num_pages, fresh.num_pages)
+        rng.seq = seq
 
     # -- data access -----------------------------------------------------------------------
 
@@ -634,8 +784,8 @@ class Arena:
                     v: np.ndarray) -> None:
         """Host write of whole pages ``[first_page, first_page + n)`` of ``seq``:
         ``k``/``v`` are ``[num_layers, n, tokens_per_page, num_kv_heads, head_dim]``."""
-        rng = self._active_range(seq, "seq")
-        self._page_io(rng, first_page, k, v, write=True)
+        self._active_range(seq, "seq")
+        self._page_io(seq, first_page, k, v, write=True)
 
     def read_pages(self, seq: ArenaSequence, first_page: int,
                    num_pages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -648,7 +798,7 @@ class Arena:
         k = np.empty(shape, np.dtype(lay.dtype) if lay.dtype != "bfloat16" else np.uint16)
         v = np.empty_like(k)
         _wait(rng.fence)
-        self._page_io(rng, first_page, k, v, write=False)
+        self._page_io(seq, first_page, k, v, write=False)
         return k, v
 
     def write_tokens(self, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
@@ -677,7 +827,7 @@ class Arena:
             r, i = divmod(c - 1, C)
             rng = self._ranges[r] if 0 <= r < len(self._ranges) else None
             ch = rng.chunks[i] if rng is not None and rng.seq is not None else None
-            if c < 1 or ch is None or ch.key is not None or ch.refs != 1:
+            if c < 1 or ch is None or ch.keys or ch.refs != 1:
                 raise ValueError(f"slot_mapping writes chunk {c}, which is not a private mapped "
                                  "chunk of an active sequence")
             ranges.add(r)
@@ -695,7 +845,7 @@ class Arena:
                 for a, b in zip(starts.tolist(), ends.tolist()):
                     self._res.write(base + int(sm[a]) * tok, addr + a * tok, (b - a) * tok)
 
-    def _page_io(self, rng: _Range, first: int, k: np.ndarray, v: np.ndarray, *,
+    def _page_io(self, seq: ArenaSequence, first: int, k: np.ndarray, v: np.ndarray, *,
                  write: bool) -> None:
         lay, sb = self.layout, self.layout.slot_bytes
         n = k.shape[1]
@@ -704,18 +854,18 @@ class Arena:
             raise ValueError(f"k and v must be [{lay.num_layers}, n, {lay.tokens_per_page}, "
                              f"{lay.num_kv_heads}, {lay.head_dim}] of {lay.dtype}, got "
                              f"{k.shape} and {v.shape}")
-        if first < 0 or first + n > self.chunks_per_range * self.pages_per_chunk:
+        if first < 0 or first + n > self.config.max_pages_per_sequence:
             raise ValueError(f"pages [{first}, {first + n}) are outside the sequence's range")
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-        slot = rng.first_chunk * self.pages_per_chunk + first
         for pool, arr in enumerate((k, v)):
             for layer in range(lay.num_layers):
-                off = (pool * lay.num_layers + layer) * self._pool_layer_bytes + slot * sb
-                addr = arr.ctypes.data + layer * n * sb
-                if write:
-                    self._res.write(off, addr, n * sb)
-                else:
-                    self._res.read(off, addr, n * sb)
+                for slot, page, count in seq.runs(first, first + n):
+                    off = (pool * lay.num_layers + layer) * self._pool_layer_bytes + slot * sb
+                    addr = arr.ctypes.data + (layer * n + page - first) * sb
+                    if write:
+                        self._res.write(off, addr, count * sb)
+                    else:
+                        self._res.read(off, addr, count * sb)
 
     def pool_arrays(self) -> tuple[Any, Any]:
         """(K, V) ``jax.Array``s over the reservation itself, no copy (DLPack).
@@ -767,12 +917,12 @@ class Arena:
         for b, (seq, n) in enumerate(work):
             end = seq.num_tokens + n
             npg = -(-end // tpp)
-            table[b, :npg] = np.arange(seq.base_slot, seq.base_slot + npg, dtype=np.int32)
+            table[b, :npg] = seq.page_table(npg)
             seq_lens[b] = end
             query_start[b] = t
             pos = np.arange(seq.num_tokens, end, dtype=np.int32)
             positions[t:t + n] = pos
-            slots[t:t + n] = (seq.base_slot + pos // tpp) * tpp + pos % tpp
+            slots[t:t + n] = seq.slots(0, npg)[pos // tpp] * tpp + pos % tpp
             t += n
             seq.num_tokens = end
         return StepBatch(page_table=table, seq_lens=seq_lens, query_start=query_start,
@@ -802,9 +952,13 @@ class Arena:
     def can_grow(self, num_chunks: int) -> bool:
         """True when ``num_chunks`` more chunks fit without spilling protected spans (free
         budget plus what parked ranges and unprotected unreferenced spans hold)."""
-        reclaimable = sum(r.num_mapped() for r in self._parked.values()
-                          if all(c is None or c.key is None for c in r.chunks))
-        spill = sum(c.refs == 1 for c in self._registry.values())
+        parked: dict[_Chunk, int] = {}  # NOTE: what reclaiming every parked range would unmap
+        for r in self._parked.values():
+            for c in r.chunks:
+                if c is not None:
+                    parked[c] = parked.get(c, 0) + 1
+        reclaimable = sum(not c.keys and c.refs == n for c, n in parked.items())
+        spill = sum(c.refs - parked.get(c, 0) == 1 for c in self._registry)
         spill = max(0, spill - self._protected_chunks)
         return self.num_free_chunks + reclaimable + spill >= num_chunks
 
@@ -824,10 +978,8 @@ class Arena:
             for i, c in enumerate(rng.chunks):
                 if c is not None:
                     self._unmap_chunk(rng, i)
-        for key in list(self._registry):
-            c = self._registry.pop(key)
-            c.key = None
-            self._drop_ref(c)
+        for c in list(self._registry):
+            self._unregister(c)
         for off in self._offsets(0):
             self._res.unmap(off)
         self._drop_ref(self._null)
@@ -854,7 +1006,10 @@ class Arena:
             num_parked=len(self._parked), num_free_ranges=len(self._free),
             num_adoptions=c["adoptions"], num_fresh_ranges=c["fresh"],
             num_alias_hits=c["alias_hits"], num_aliased_chunks=c["aliased_chunks"],
+            num_aliased_pages=c["aliased_pages"], num_partial_aliases=c["partial_aliases"],
+            aliased_bytes=c["aliased_pages"] * self.num_pool_layers * self.layout.slot_bytes,
             num_spans=len(self._registry), num_spilled_spans=c["spilled_spans"],
+            num_consumed_spans=c["consumed_spans"], num_front_skips=c["front_skips"],
             num_reclaimed_ranges=c["reclaimed_ranges"],
             num_blocking_drains=c["blocking_drains"])
 
@@ -953,5 +1108,5 @@ class ArenaIndexRing:
         for b, (s, n) in enumerate(zip(seqs, num_pages)):
             if n > width:
                 raise ValueError(f"num_pages[{b}] ({n}) exceeds the ring's width {width}")
-            buf[b, :n] = np.arange(s.base_slot, s.base_slot + n, dtype=np.int32)
+            buf[b, :n] = s.page_table(n)
         return buf

@@ -11,17 +11,23 @@ a contiguous range of slots (page ``j`` at ``base_slot + j``, so every page-tabl
 Where it differs from the paged backend (the seam: the device tier of one full-attention layer
 group is the arena; the prefix tree, eviction and the cold tiers are not used):
 
-- **Prefix reuse** is the arena's span registry: a closing sequence's fully committed leading
-  chunks (``pages_per_chunk`` pages each) are registered under the chained hash of their token
-  ids (salted); ``add_sequence`` maps registered chunks matching the prompt into the new range
-  (same physical pages, zero copy, zero budget) and reports them in ``num_reused_tokens``. The
-  unit is a chunk, not a page: with 2 MiB super-pages and 8 KiB slots a prefix must cover 256
-  pages to be shared.
+- **Prefix reuse** is the arena's span registry: a closing sequence's private chunks holding
+  committed pages are registered under the chained hash of their token ids (salted), one key per
+  alias unit (``ArenaConfig.alias_unit_pages`` pages, default 1); ``add_sequence`` maps
+  registered chunks matching the prompt into the new range (same physical pages, zero copy, zero
+  budget) and reports the matching pages in ``num_reused_tokens``. Physical memory is shared per
+  chunk (2 MiB per pool-layer on the GPU: 64 pages of an 8B-shaped model), so a prefix shorter
+  than a chunk (a 512-token system prompt) aliases the first pages of the owner's chunk and the
+  sequence's own pages continue at its next chunk (a *partial alias*: two linear runs of slots,
+  see :class:`~jax_kvcm._arena.ArenaSequence`).
 - **Admission** takes a range: ``add_sequence`` raises :class:`OutOfPagesError` when all
   ``ArenaConfig.max_sequences`` ranges are held by ACTIVE sequences (a suspended one holds none).
-- **Suspend/resume** copy the sequence's pages to host memory under ``host_bytes`` (one
-  pre-flight reservation: ``MUST_RECOMPUTE`` with nothing changed when the host cannot take
-  them) and back into a fresh range, byte-identical. No disk tier.
+- **Suspend/resume** go through the storage manager's migration transaction
+  (:class:`~jax_kvcm._arena_storage.ArenaColdStore`): the pages are staged on the device and
+  moved to host (``host_bytes``), else disk (``disk_bytes`` / ``disk_dir``), every cold slot
+  reserved before anything is submitted (``MUST_RECOMPUTE`` with nothing changed when no tier
+  can take them), and back into a fresh range, byte-identical. Cold pages use the manager's
+  codec (``cold_page_codec``, consumed as by the paged backend).
 - **Steps.** On the GPU the jitted step donates :attr:`caches` (the reservation imported with
   DLPack) and returns them; ``complete_step`` checks the returned K pool still starts at the
   reservation (a copy would silently detach the manager from its memory; checked on the first
@@ -31,8 +37,8 @@ group is the arena; the prefix tree, eviction and the cold tiers are not used):
   batch's slot mapping) and the ops read :attr:`caches` in place (no copy; the attention ops
   touch only the slots their tables name); ``complete_step(manager.caches)`` then takes the
   same arrays back.
-- Observers get :class:`~jax_kvcm.ManagerEvent` "suspended" / "resumed" only (no tiers, no
-  commits); a ``cold_page_codec`` is accepted and unused.
+- Observers get :class:`~jax_kvcm.ManagerEvent` "suspended" (with the cold level) / "resumed"
+  only (no commits).
 - Unsupported here (TypeError naming the call): ``compact``, ``recover_from_failed_step``,
   ``state`` / ``Sequence.phase``, ``private_pages_per_sequence``.
 """
@@ -50,14 +56,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcm._arena import Arena, ArenaConfig, ArenaHostStore, ArenaLayout, ArenaSequence, \
-    ArenaSuspend
+from jax_kvcm._arena import Arena, ArenaConfig, ArenaLayout, ArenaSequence
+from jax_kvcm._arena_storage import ArenaColdStore
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, ManagerEvent, OutOfPagesError,
                                Sequence,
                                SequenceState, StepInFlightError, SuspendResult, _prompt_array,
                                _row_buffers, _Stats)
 from jax_kvcm._prefix_tree import salt_bytes
 from jax_kvcm._step_batch import StepBatch
+from jax_kvcm._storage import LayerGroupSpec, _token
 from jax_kvcm._types import CacheLevel
 
 __all__ = ["ArenaKVCacheManager", "check_arena_config"]
@@ -73,24 +80,50 @@ def check_arena_config(cfg: KVCacheConfig, groups: tuple, page_bytes: list[int])
     if not isinstance(a, ArenaConfig):
         raise TypeError(f"arena must be an ArenaConfig when hot_backend='arena', got "
                         f"{type(a).__name__}")
-    if len(groups) != 1 or groups[0].sliding_window:
+    if len(groups) != 1:
         raise ValueError("layer_groups: hot_backend='arena' takes exactly one full-attention "
-                         "layer group")
+                         f"layer group, got {len(groups)}")
+    if groups[0].sliding_window:
+        # NOTE: a window group's ring tables reuse a fixed set of pages, the opposite of a
+        # sequence-long contiguous range; such models use the paged backend.
+        raise ValueError("layer_groups[0].sliding_window: hot_backend='arena' takes a "
+                         "full-attention group only (sliding-window groups: the paged backend)")
     name = jnp.dtype(groups[0].pool_dtype).name
     if name not in _ARENA_DTYPES:
-        raise ValueError(f"layer_groups[0]: the arena stores {', '.join(_ARENA_DTYPES)} pools, "
-                         f"got {name}")
+        field = "kv_dtype" if groups[0].kv_dtype is not None else "dtype"
+        raise ValueError(f"layer_groups[0].{field}: the arena stores {', '.join(_ARENA_DTYPES)} "
+                         f"pools, got {name} (FP8 K/V: the paged backend)")
     for field in ("device_pages", "device_bytes", "pool_ratio", "typical_batch"):
         if getattr(cfg, field) is not None:
             raise ValueError(f"{field}: with hot_backend='arena' the device budget is "
                              "arena.budget_bytes; leave it out")
-    if cfg.disk_bytes or cfg.disk_dir:
-        raise ValueError("disk_bytes / disk_dir: the arena backend suspends to host memory only")
     pages = -(-cfg.max_seq_len // cfg.tokens_per_page)
     if a.max_pages_per_sequence < pages:
         raise ValueError(f"arena.max_pages_per_sequence ({a.max_pages_per_sequence}) must cover "
                          f"max_seq_len ({cfg.max_seq_len} tokens = {pages} pages)")
     object.__setattr__(cfg, "device_pages", (max(1, a.budget_bytes // page_bytes[0]),))
+
+
+class _StepFence:
+    """A step's K pool output as the fence of the ranges it read. Once a later step consumed
+    that array (donation: it can no longer be waited on), the manager's newest pools stand for
+    it: they are the output of a later step on the same stream."""
+
+    __slots__ = ("array", "manager")
+
+    def __init__(self, array: jax.Array, manager: ArenaKVCacheManager) -> None:
+        self.array, self.manager = array, manager
+
+    def _live(self) -> jax.Array:
+        if not self.array.is_deleted():
+            return self.array
+        return self.manager._pools[0][0]
+
+    def is_ready(self) -> bool:
+        return self._live().is_ready()
+
+    def block_until_ready(self) -> Any:
+        return self._live().block_until_ready()
 
 
 def _unsupported(name: str) -> Any:
@@ -114,7 +147,6 @@ class ArenaKVCacheManager(KVCacheManager):
     def __init__(self, config: KVCacheConfig, cold_page_codec: Any = None, *,
                  device: jax.Device | None = None, _hash_fn: Any = None,
                  backend: str = "auto") -> None:
-        del cold_page_codec  # NOTE: accepted for the same call; the arena has no cold tiers
         self.config = config
         self._lock = threading.RLock()
         self._tpp = config.tokens_per_page
@@ -123,10 +155,23 @@ class ArenaKVCacheManager(KVCacheManager):
         g = config.layer_groups[0]
         self.layout = ArenaLayout(g.num_layers, self._tpp, g.num_kv_heads, g.head_dim,
                                   jnp.dtype(g.pool_dtype).name)
-        self.arena = Arena(config.arena, self.layout, backend=backend,
-                           device=-1 if device is None else int(device.id))
-        self._host = ArenaHostStore(config.host_bytes)
-        self._chunk_tokens = self.arena.pages_per_chunk * self._tpp
+        try:
+            self.arena = Arena(config.arena, self.layout, backend=backend,
+                               device=-1 if device is None else int(device.id))
+        except BaseException:
+            if cold_page_codec is not None and hasattr(cold_page_codec, "consume"):
+                cold_page_codec.consume()  # NOTE: consumed whether construction succeeds or not
+            raise
+        try:
+            self._cold = ArenaColdStore(
+                self.arena, LayerGroupSpec(g.num_layers, self._tpp, g.num_kv_heads, g.head_dim,
+                                           g.pool_dtype),
+                host_bytes=config.host_bytes, disk_dir=config.disk_dir,
+                disk_bytes=config.disk_bytes, codec=cold_page_codec, device=device)
+        except BaseException:
+            self.arena.close_arena()
+            raise
+        self._unit_tokens = config.arena.alias_unit_pages * self._tpp
         self._hash = _hash_fn or (lambda b: hashlib.blake2b(b, digest_size=16).digest())
         self._stats = _Stats()
         self._kinds: list[Any] = []
@@ -151,14 +196,14 @@ class ArenaKVCacheManager(KVCacheManager):
 
     def _row_pages(self, row: int, first: int, last: int) -> np.ndarray:
         seq = self._aseq[int(self._seq_id[row])]
-        return np.arange(seq.base_slot + first, seq.base_slot + last, dtype=np.int32)[None]
+        return seq.slots(first, last).astype(np.int32)[None]
 
     def _chunk_keys(self, row: int, salt: bytes, num_tokens: int) -> list[bytes]:
-        """Chained keys of the whole chunks among the row's first ``num_tokens`` known tokens."""
-        n = min(num_tokens, int(self._known[row])) // self._chunk_tokens
-        n = min(n, self.arena.max_span_chunks)
+        """Chained keys of the whole alias units (``arena.alias_unit_pages`` pages) among the
+        row's first ``num_tokens`` known tokens."""
+        ct = self._unit_tokens
+        n = min(num_tokens, int(self._known[row])) // ct
         keys, h = [], self._hash(b"arena" + salt)
-        ct = self._chunk_tokens
         for i in range(n):
             h = self._hash(h + self._tokens[row, i * ct:(i + 1) * ct].astype("<i4").tobytes())
             keys.append(h)
@@ -189,7 +234,7 @@ class ArenaKVCacheManager(KVCacheManager):
 
     def record_token_ids(self, seq: Sequence, token_ids: Any) -> None:
         """As :meth:`KVCacheManager.record_token_ids`: ids of positions ``num_known_tokens``
-        onward; full chunks of them are registered as spans when the sequence closes."""
+        onward; full alias units of them are registered as spans when the sequence closes."""
         with self._lock:
             self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
             self._need_pools("record_token_ids")
@@ -198,8 +243,9 @@ class ArenaKVCacheManager(KVCacheManager):
     # -- sequences -------------------------------------------------------------------------
 
     def add_sequence(self, tokens: Any, *, salt: Any = None) -> Sequence:
-        """As :meth:`KVCacheManager.add_sequence`; reuse is whole registered chunks (see the
-        module docstring). Raises :class:`OutOfPagesError` when every arena range is held."""
+        """As :meth:`KVCacheManager.add_sequence`; reuse is registered chunks, whole or a
+        leading part of one (see the module docstring). Raises :class:`OutOfPagesError` when
+        every arena range is held."""
         toks = _prompt_array(tokens, self.config.max_seq_len)
         salt_b = salt_bytes(salt)
         with self._lock:
@@ -233,7 +279,7 @@ class ArenaKVCacheManager(KVCacheManager):
             return seq
 
     def close(self, seq: Sequence) -> None:
-        """Ends the sequence. Its fully committed leading chunks enter the span registry
+        """Ends the sequence. Its chunks holding committed pages enter the span registry
         (``enable_prefix_reuse``); its range is parked still mapped for the next admission. A
         sequence closed while a step is prepared keeps its range until ``complete_step`` /
         ``abort_step`` (the step may still write it)."""
@@ -242,7 +288,7 @@ class ArenaKVCacheManager(KVCacheManager):
             aseq = self._aseq[seq.seq_id]
             if seq.state is SequenceState.SUSPENDED:
                 assert aseq.suspended is not None
-                self._host.release(aseq.suspended)
+                self._cold.release(*aseq.suspended)
                 aseq.suspended = None
             else:
                 done = int(self._len[seq._row])
@@ -259,18 +305,24 @@ class ArenaKVCacheManager(KVCacheManager):
             self._release_row(seq)
 
     def suspend(self, seq: Sequence) -> SuspendResult:
-        """Copies the sequence's pages to host memory (``host_bytes``) and parks its range;
-        ``MUST_RECOMPUTE`` (nothing changed) when the host cannot take them."""
+        """Moves the sequence's pages to host, else disk, as one storage transaction, then parks
+        its range; ``MUST_RECOMPUTE`` (nothing changed anywhere) when no tier can take them."""
         with self._lock:
             self._check_seq(seq, SequenceState.ACTIVE)
             self._need_pools("suspend")
-            if self.arena.suspend(self._aseq[seq.seq_id], self._host) is ArenaSuspend.SUSPENDED:
-                seq.state = SequenceState.SUSPENDED
-                self._stats.num_suspended += 1
-                self._notify(ManagerEvent("suspended", seq.num_pages, CacheLevel.HOST))
-                return SuspendResult.SUSPENDED
-            self._stats.num_refused_suspends += 1
-            return SuspendResult.MUST_RECOMPUTE
+            aseq = self._aseq[seq.seq_id]
+            got = self._cold.suspend(aseq, self._pools[0])
+            if got is None:
+                self._stats.num_refused_suspends += 1
+                return SuspendResult.MUST_RECOMPUTE
+            # NOTE: the staging gather reads the range: unmapping it waits for that read.
+            self.arena.record_step([aseq], _token(*self._cold.storage.pools[0]))
+            self.arena.close(aseq)
+            aseq.suspended = got
+            seq.state = SequenceState.SUSPENDED
+            self._stats.num_suspended += 1
+            self._notify(ManagerEvent("suspended", seq.num_pages, got[0]))
+            return SuspendResult.SUSPENDED
 
     def resume(self, seq: Sequence) -> bool:
         """Restores a suspended sequence into a fresh range, byte-identical; False (still
@@ -278,9 +330,28 @@ class ArenaKVCacheManager(KVCacheManager):
         with self._lock:
             self._check_seq(seq, SequenceState.SUSPENDED)
             self._need_pools("resume")
-            if not self.arena.resume(self._aseq[seq.seq_id], self._host):
+            aseq = self._aseq[seq.seq_id]
+            level, slots = aseq.suspended
+            fresh = self.arena.admit()
+            pools = None
+            try:
+                if fresh is not None and self.arena.ensure(fresh, aseq.num_pages):
+                    pools = self._cold.resume(fresh, level, slots, self._pools[0])
+            finally:
+                if pools is None and fresh is not None:
+                    self.arena.close(fresh)
+            if pools is None:
                 self._stats.num_refused_resumes += 1
                 return False
+            self.arena.hand_over(fresh, aseq)
+            aseq.suspended = None
+            if pools is not self._pools[0]:  # the GPU scatter's donated outputs
+                if pools[0].unsafe_buffer_pointer() != self.arena.base_address:
+                    raise RuntimeError("resume: XLA copied the arena pool instead of writing it "
+                                       "in place")
+                self._pools = [pools]
+                self._fence = self._step_fence(pools[0])
+                self.arena.record_step([aseq], self._fence)
             seq.state = SequenceState.ACTIVE
             self._stats.num_resumed += 1
             self._notify(ManagerEvent("resumed", seq.num_pages, CacheLevel.DEVICE))
@@ -295,6 +366,9 @@ class ArenaKVCacheManager(KVCacheManager):
         addressable, so nothing may copy or reduce the whole pool)."""
         self._check_open()
         return list(self._pools)
+
+    def _step_fence(self, array: jax.Array) -> _StepFence:
+        return _StepFence(array, self)
 
     def _need_pools(self, what: str) -> None:
         if self._in_step is not None:
@@ -328,11 +402,17 @@ class ArenaKVCacheManager(KVCacheManager):
             self._npages[rows] = npages
             Bb, Tb, qs, pos, positions, seq_lens = _row_buffers(cfg, counts, cur, new_len)
             base = np.array([a.base_slot for a in aseqs], np.int64)
+            # NOTE: page j's slot is base + j, plus skip from skip_from on (a partial alias).
+            skip_from = np.array([a.skip_from for a in aseqs], np.int64)
+            skip = np.array([a.skip for a in aseqs], np.int64)
             pt = np.zeros((Bb, self._P), np.int32)
             ar = np.arange(self._P)
-            pt[:B] = np.where(ar[None] < npages[:, None], base[:, None] + ar[None], 0)
+            slot = base[:, None] + ar[None] + skip[:, None] * (ar[None] >= skip_from[:, None])
+            pt[:B] = np.where(ar[None] < npages[:, None], slot, 0)
             sm = np.full(Tb, -1, np.int32)
-            sm[:T] = (np.repeat(base, counts) + pos // tpp) * tpp + pos % tpp
+            page = pos // tpp
+            sm[:T] = (np.repeat(base, counts) + page + np.repeat(skip, counts) * (
+                page >= np.repeat(skip_from, counts))) * tpp + pos % tpp
             self._in_step = (seqs, rows, cur, ids[0], sm)
             return StepBatch(page_table=pt, seq_lens=seq_lens, query_start=qs, slot_mapping=sm,
                              positions=positions)
@@ -388,7 +468,7 @@ class ArenaKVCacheManager(KVCacheManager):
             seqs = self._in_step[0]
             self._in_step = None
             self._pools = [(pair[0], pair[1])]
-            self._fence = pair[0]
+            self._fence = self._step_fence(pair[0])
             live = [self._aseq[s.seq_id] for s in seqs if s.state is SequenceState.ACTIVE]
             self.arena.record_step(live, self._fence)
             self._finish_closes(self._fence)
@@ -461,7 +541,8 @@ class ArenaKVCacheManager(KVCacheManager):
             out = dataclasses.asdict(self._stats)
             out["num_active"] = sum(s.state is SequenceState.ACTIVE for s in self._seqs.values())
             out["num_suspended_now"] = len(self._seqs) - out["num_active"]
-            out["host_used_bytes"] = self._host.used_bytes
+            out["host_used_bytes"] = self._cold.used_bytes()
+            out["storage"] = self._cold.storage.stats()
             a = self.arena.stats()
             out["arena"] = dataclasses.asdict(a)
             ppc = self.arena.pages_per_chunk
@@ -492,9 +573,12 @@ class ArenaKVCacheManager(KVCacheManager):
             if self._shut:
                 return
             self._need_pools("shutdown")
-            self._pools = []
-            self._fence = None
-            self.arena.close_arena()
+            try:
+                self.arena.close_arena()  # NOTE: waits for the fences (they may need _pools)
+            finally:
+                self._pools = []
+                self._fence = None
+                self._cold.close()
             self._shut = True
 
     compact = _unsupported("compact")

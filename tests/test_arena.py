@@ -43,6 +43,8 @@ class Fence:
 
 
 def make_arena(*, max_sequences=4, max_pages=2 * PPC, budget_chunks=8, **kw) -> Arena:
+    """Prefix keys are per chunk unless ``alias_unit_pages`` says otherwise."""
+    kw.setdefault("alias_unit_pages", PPC)
     chunk_bytes = 2 * LAYOUT.num_layers * GRAN
     cfg = ArenaConfig(max_sequences=max_sequences, max_pages_per_sequence=max_pages,
                       budget_bytes=budget_chunks * chunk_bytes, super_page_bytes=GRAN, **kw)
@@ -252,15 +254,15 @@ def test_alias_maps_the_same_physical_pages_with_zero_budget():
         s, k, v = _owner_with_prefix(a, rng)
         a.close(s, ("a", "b"))
         used = a.stats().used_chunks
-        t = a.admit(("a", "x"))  # only the first chunk matches
-        assert t.num_aliased_pages == PPC and t.base_slot != s.base_slot or True
-        assert a.stats().used_chunks == used  # zero budget for the alias
+        u = a.admit(("a", "b"))  # the owner's parked range, both spans in place
+        assert u.num_aliased_pages == 2 * PPC and u.base_slot == s.base_slot
+        # A second admission (while u lives) where only the first chunk matches: a fresh range.
+        t = a.admit(("a", "x"))
+        assert t.num_aliased_pages == PPC and t.base_slot != u.base_slot
+        assert a.stats().used_chunks == used  # zero budget for the aliases
         got_k, got_v = a.read_pages(t, 0, PPC)
         np.testing.assert_array_equal(got_k, k[:, :PPC])
         np.testing.assert_array_equal(got_v, v[:, :PPC])
-        # A second admission with the full prefix (while t lives): a different range, same pages.
-        u = a.admit(("a", "b"))
-        assert u.num_aliased_pages == 2 * PPC and u.base_slot != t.base_slot
         k2, _ = pages(rng, 1)
         a.write_pages(u, 0, k2, k2)  # NOTE: written through u: shared, so t sees it
         np.testing.assert_array_equal(a.read_pages(t, 0, 1)[0], k2)
@@ -313,6 +315,86 @@ def test_alias_refcount_matrix(order):
         assert n["physical_bytes"] == a.chunk_bytes and n["num_physical"] == 2 * LAYOUT.num_layers
 
 
+def _page_keys(shared: int, tag: str, n: int) -> list:
+    """Per-page prefix keys of a prompt whose first ``shared`` pages are the common "x"
+    prefix (the key through page ``e`` names pages ``[0, e)``)."""
+    return [("x", e) if e <= shared else (tag, e) for e in range(1, n + 1)]
+
+
+def test_partial_alias_shares_part_of_a_chunk_and_skips_the_rest():
+    rng = np.random.default_rng(19)
+    print("seed 19")
+    half = PPC // 2
+    with make_arena(max_sequences=3, budget_chunks=8, adoption=False, alias_unit_pages=1) as a:
+        assert a.max_skip == PPC - 1 and a.chunks_per_range == 3
+        s = a.admit()
+        assert a.ensure(s, PPC + 2)
+        k, v = pages(rng, PPC + 2)
+        a.write_pages(s, 0, k, v)
+        a.close(s, _page_keys(half, "own", PPC + 2))  # chunk 0 whole, 2 pages of chunk 1
+        st = a.stats()
+        assert st.num_spans == 2
+        t = a.admit(_page_keys(half, "t", 2 * PPC))  # shares the first half chunk only
+        assert (t.num_aliased_pages, t.skip_from, t.skip) == (half, half, PPC - half)
+        assert a.stats().used_chunks == st.used_chunks  # the alias costs no budget
+        assert a.ensure(t, half + 3) and a.stats().used_chunks == st.used_chunks + 1
+        np.testing.assert_array_equal(  # two runs: the shared chunk's rest is skipped
+            t.page_table(), np.r_[t.base_slot + np.arange(half), t.base_slot + PPC + np.arange(3)])
+        kt, vt = pages(rng, 3)
+        a.write_pages(t, half, kt, vt)
+        got = a.read_pages(t, 0, half + 3)
+        np.testing.assert_array_equal(got[0], np.concatenate([k[:, :half], kt], axis=1))
+        np.testing.assert_array_equal(got[1], np.concatenate([v[:, :half], vt], axis=1))
+        # Token writes never reach the skipped slots (someone else's pages in the shared chunk).
+        tok = np.zeros((LAYOUT.num_layers, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float32)
+        with pytest.raises(ValueError, match="not a private mapped chunk"):
+            a.write_tokens(np.array([(t.base_slot + half) * LAYOUT.tokens_per_page]), tok, tok)
+        # The owner's whole prompt: chunk 0 whole, then 2 pages of its chunk 1 (partial again).
+        u = a.admit(_page_keys(half, "own", PPC + 2))
+        assert (u.num_aliased_pages, u.skip_from, u.skip) == (PPC + 2, PPC + 2, PPC - 2)
+        got = a.read_pages(u, 0, PPC + 2)  # t's writes never touched the shared chunk
+        np.testing.assert_array_equal(got[0], k)
+        np.testing.assert_array_equal(got[1], v)
+        assert a.ensure(u, 2 * PPC)  # the skip fits the range at the per-request maximum
+        assert a.stats().used_chunks == st.used_chunks + 1 + 1  # t's chunk 1, u's chunk 2
+        st = a.stats()
+        assert (st.num_alias_hits, st.num_partial_aliases) == (2, 2)
+        assert st.num_aliased_pages == half + PPC + 2
+        assert st.aliased_bytes == st.num_aliased_pages * 2 * LAYOUT.num_layers * LAYOUT.slot_bytes
+        # Suspend / resume restore the pages byte-identical into a fresh range, without a skip.
+        host = ArenaHostStore(1 << 20)
+        assert a.suspend(t, host) is ArenaSuspend.SUSPENDED
+        assert a.resume(t, host) and t.skip == 0
+        got = a.read_pages(t, 0, half + 3)
+        np.testing.assert_array_equal(got[0], np.concatenate([k[:, :half], kt], axis=1))
+
+
+def test_a_chunk_registered_after_a_skip_aliases_at_its_first_page():
+    rng = np.random.default_rng(20)
+    print("seed 20")
+    half = PPC // 2
+    with make_arena(max_sequences=3, max_pages=3 * PPC, budget_chunks=10, adoption=False,
+                    alias_unit_pages=1) as a:
+        s = a.admit()
+        assert a.ensure(s, PPC)
+        a.write_pages(s, 0, *pages(rng, PPC))
+        a.close(s, _page_keys(half, "s", PPC))
+        t = a.admit(_page_keys(half, "t", 3 * PPC))
+        assert t.num_aliased_pages == half
+        assert a.ensure(t, half + PPC + 1)  # its own pages half.. from chunk 1 on
+        kt, vt = pages(rng, PPC + 1)
+        a.write_pages(t, half, kt, vt)
+        a.close(t, _page_keys(half, "t", half + PPC + 1))
+        # t's chunk 1 holds pages [half, half + PPC): it aliases right after the shared half;
+        # t's last page (a partial chunk again) does not: one skip per sequence.
+        u = a.admit(_page_keys(half, "t", 3 * PPC))
+        assert (u.num_aliased_pages, u.skip_from, u.skip) == (half + PPC, half, PPC - half)
+        got = a.read_pages(u, half, PPC)
+        np.testing.assert_array_equal(got[0], kt[:, :PPC])
+        np.testing.assert_array_equal(got[1], vt[:, :PPC])
+        assert a.stats().num_aliased_chunks == 1 + 2
+
+
 def test_prefix_affine_adoption_reuses_the_range_mapping_the_span():
     rng = np.random.default_rng(4)
     with make_arena(max_sequences=3) as a:
@@ -334,6 +416,7 @@ def test_adoption_by_another_prefix_never_writes_into_a_span():
     with make_arena(max_sequences=1, budget_chunks=6) as a:
         s, k, v = _owner_with_prefix(a, rng)
         a.close(s, ("a", "b"))
+        _hit(a, ("a", "b"))
         t = a.admit(("z",))  # the only range maps spans a and b: they leave it first
         assert t.base_slot == s.base_slot and t.num_aliased_pages == 0
         assert a.stats().num_unmap_calls == 2 * 2 * LAYOUT.num_layers
@@ -347,6 +430,66 @@ def test_adoption_by_another_prefix_never_writes_into_a_span():
         np.testing.assert_array_equal(got[1], v)
 
 
+def _hit(a: Arena, keys) -> None:
+    """Aliases ``keys`` once (a span ever aliased is kept when its range is adopted)."""
+    s = a.admit(keys)
+    assert s.num_aliased_pages == len(keys) * PPC
+    a.close(s)
+
+
+def test_never_aliased_spans_are_taken_over_by_adoption():
+    rng = np.random.default_rng(18)
+    with make_arena(max_sequences=2, budget_chunks=8) as a:
+        s, k, v = _owner_with_prefix(a, rng)
+        a.close(s, ("a", "b"))
+        other = a.admit()  # the fresh range, before any adoption of a range with spans
+        assert other.base_slot != s.base_slot
+        before = a.stats()
+        t = a.admit(("z",))  # the parked range: its spans were never aliased
+        st = a.stats()
+        assert t.base_slot == s.base_slot and t.num_aliased_pages == 0
+        assert st.num_consumed_spans == 2 and st.num_spans == 0
+        assert (st.num_map_calls, st.num_unmap_calls) == (before.num_map_calls, 0)
+        assert a.ensure(t, 2 * PPC) and a.stats().num_map_calls == before.num_map_calls
+        assert st.used_chunks == before.used_chunks
+        a.write_pages(t, 0, *pages(rng, 2 * PPC))  # private now: writable
+        a.close(t, ("y",))
+        assert a.admit(("a",)).num_aliased_pages == 0
+
+
+def test_without_remap_an_adoption_starts_after_a_foreign_span():
+    rng = np.random.default_rng(22)
+    print("seed 22")
+    with make_arena(max_sequences=1, budget_chunks=8, remap_spans=False) as a:
+        assert a.chunks_per_range == 3  # one chunk more than the per-request maximum needs
+        s, k, v = _owner_with_prefix(a, rng)
+        a.close(s, ("a",))  # chunk 0 registered, chunk 1 private
+        _hit(a, ("a",))
+        before = a.stats()
+        t = a.admit(("z",))  # the only range maps span "a" at chunk 0: t starts after it
+        assert t.base_slot == s.base_slot + PPC and t.num_aliased_pages == 0
+        assert a.ensure(t, PPC)  # the range's chunk 1, still mapped
+        st = a.stats()
+        assert (st.num_map_calls, st.num_unmap_calls, st.num_front_skips) == (
+            before.num_map_calls, 0, 1)
+        assert a.ensure(t, 2 * PPC)  # its second chunk is the range's third
+        kt, vt = pages(rng, 2 * PPC)
+        a.write_pages(t, 0, kt, vt)
+        tok = np.zeros((LAYOUT.num_layers, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float32)
+        with pytest.raises(ValueError, match="not a private mapped chunk"):
+            a.write_tokens(np.array([s.base_slot * LAYOUT.tokens_per_page]), tok, tok)
+        a.close(t, ("z", "y"))
+        u = a.admit(("a", "q"))  # the span is still in place, untouched
+        assert u.base_slot == s.base_slot and u.num_aliased_pages == PPC
+        got = a.read_pages(u, 0, PPC)
+        np.testing.assert_array_equal(got[0], k[:, :PPC])
+        np.testing.assert_array_equal(got[1], v[:, :PPC])
+        a.close(u)
+        w = a.admit(("z", "y"))  # t's chunks, registered relative to its first page
+        assert w.base_slot == s.base_slot + PPC and w.num_aliased_pages == 0  # consumed by u
+        assert a.stats().num_unmap_calls == 0
+
+
 def test_span_spill_protection_keeps_a_bounded_fraction():
     rng = np.random.default_rng(5)
     # budget 9 chunks, 25% protected: the 2 newest span chunks survive any pressure.
@@ -356,6 +499,7 @@ def test_span_spill_protection_keeps_a_bounded_fraction():
             a.ensure(s, PPC)
             a.write_pages(s, 0, *pages(rng, 1))
             a.close(s, (key,))
+            _hit(a, (key,))
         assert a.stats().num_spans == 3
         hogs = [a.admit() for _ in range(3)]
         got = [a.ensure(h, 2 * PPC) for h in hogs]
@@ -376,6 +520,7 @@ def test_span_spill_unprotected_spills_everything_under_pressure():
             s = a.admit()
             a.ensure(s, PPC)
             a.close(s, (key,))
+            _hit(a, (key,))
         h = a.admit()
         assert a.ensure(h, 2 * PPC)
         assert a.stats().num_spans == 1  # one spilled, one still free to keep

@@ -40,7 +40,9 @@ def require_gpu() -> None:
 
 
 def make(max_sequences=4, max_pages=2 * PPC, budget_chunks=8, **kw) -> Arena:
+    """Prefix keys are per chunk unless ``alias_unit_pages`` says otherwise."""
     require_gpu()
+    kw.setdefault("alias_unit_pages", PPC)
     chunk = 2 * LAYOUT.num_layers * SP
     return Arena(ArenaConfig(max_sequences=max_sequences, max_pages_per_sequence=max_pages,
                              budget_bytes=budget_chunks * chunk, super_page_bytes=SP, **kw),

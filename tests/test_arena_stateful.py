@@ -54,6 +54,11 @@ def content(key: tuple, page: int) -> tuple[np.ndarray, np.ndarray]:
             r.standard_normal(shape).astype(np.float32))
 
 
+def prompt_page(prefix: tuple, page: int) -> tuple[np.ndarray, np.ndarray]:
+    name, diverge = prefix
+    return content(name if page < diverge else (name, diverge), page)
+
+
 class Model:
     __slots__ = ("seq", "prefix", "pages", "suspended")
 
@@ -74,13 +79,15 @@ class ArenaMachine(RuleBasedStateMachine):
         self.host = ArenaHostStore(0)
         self.counter = 0
 
-    @initialize(budget=st.integers(4, 8), adoption=st.booleans(), aliasing=st.booleans(),
-                protected=st.sampled_from([0.0, 0.3]), max_seqs=st.integers(2, 3))
-    def setup(self, budget, adoption, aliasing, protected, max_seqs):
-        self.max_seqs = max_seqs
+    @initialize(budget=st.integers(4, 12), adoption=st.booleans(), aliasing=st.booleans(),
+                protected=st.sampled_from([0.0, 0.3]), max_seqs=st.integers(2, 3),
+                unit=st.sampled_from([PPC, 1, PPC // 2]), remap=st.booleans())
+    def setup(self, budget, adoption, aliasing, protected, max_seqs, unit, remap):
+        self.max_seqs, self.unit = max_seqs, unit
         self.a = make_arena(max_sequences=self.max_seqs, max_pages=MAX_PAGES, budget_chunks=budget,
                             adoption=adoption, prefix_aliasing=aliasing,
-                            protected_span_fraction=protected)
+                            protected_span_fraction=protected, alias_unit_pages=unit,
+                            remap_spans=remap)
 
     def teardown(self) -> None:
         if self.a is not None:
@@ -92,16 +99,20 @@ class ArenaMachine(RuleBasedStateMachine):
     # -- helpers ------------------------------------------------------------------------
 
     def keys(self, prefix) -> tuple:
+        """One key per alias unit of the prompt (its first ``2 * PPC`` pages): the key through
+        page ``e`` names the content of pages ``[0, e)``."""
         if prefix is None:
             return ()
-        return tuple((prefix, i) for i in range(MAX_PAGES // PPC))
+        name, diverge = prefix
+        return tuple((name, e) if e <= diverge else ((name, diverge), e)
+                     for e in range(self.unit, 2 * PPC + 1, self.unit))
 
     def write(self, m: Model, first: int, last: int) -> None:
-        """Writes pages [first, last) of ``m``: prefix content for its prompt chunks, unique
+        """Writes pages [first, last) of ``m``: prefix content for its prompt pages, unique
         values elsewhere."""
         for p in range(first, last):
             if m.prefix is not None and p < 2 * PPC:
-                k, v = content(m.prefix, p)
+                k, v = prompt_page(m.prefix, p)
             else:
                 self.counter += 1
                 k, v = content(("private", self.counter), p)
@@ -110,7 +121,9 @@ class ArenaMachine(RuleBasedStateMachine):
 
     # -- rules --------------------------------------------------------------------------
 
-    @rule(prefix=st.sampled_from([None, "x", "y"]))
+    # NOTE: prompts ("x", d) share x's pages before page d (partial chunks alias).
+    @rule(prefix=st.sampled_from([None, ("x", 2 * PPC), ("x", PPC // 2), ("x", PPC + 1),
+                                  ("y", 2 * PPC)]))
     def admit(self, prefix):
         before = self.a.stats()
         seq = self.a.admit(self.keys(prefix))
@@ -119,13 +132,22 @@ class ArenaMachine(RuleBasedStateMachine):
             return
         m = Model(seq, prefix)
         for p in range(seq.num_aliased_pages):
-            m.pages[p] = content(prefix, p)
+            m.pages[p] = prompt_page(prefix, p)
         self.live.append(m)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 10), n=st.integers(1, MAX_PAGES))
     def grow(self, i, n):
-        m = self.live[i % len(self.live)]
+        self._grow(self.live[i % len(self.live)], n)
+
+    @precondition(lambda self: any(m.prefix is not None for m in self.live))
+    @rule(i=st.integers(0, 10))
+    def prefill(self, i):
+        """Grows a prompted sequence over its whole prompt (what a later admission aliases)."""
+        ms = [m for m in self.live if m.prefix is not None]
+        self._grow(ms[i % len(ms)], 2 * PPC)
+
+    def _grow(self, m: Model, n: int) -> None:
         before, old = self.a.stats(), m.seq.num_pages
         if self.a.ensure(m.seq, n):
             start = max(old, m.seq.num_aliased_pages)
@@ -163,9 +185,8 @@ class ArenaMachine(RuleBasedStateMachine):
     def close(self, i):
         m = self.live.pop(i % len(self.live))
         committed = ()
-        if m.prefix is not None:
-            full = min(2, m.seq.num_pages // PPC)  # prompt chunks fully written
-            committed = self.keys(m.prefix)[:full]
+        if m.prefix is not None:  # the prompt's units fully written
+            committed = self.keys(m.prefix)[:min(2 * PPC, m.seq.num_pages) // self.unit]
         self.a.close(m.seq, committed)
 
     @precondition(lambda self: self.live)
@@ -232,7 +253,7 @@ class ArenaMachine(RuleBasedStateMachine):
                 # NOTE: read without waiting for the range's fence (read_pages would complete
                 # every pending step and hide unmaps under them); CPU memory is coherent.
                 got_k, got_v = np.empty_like(k), np.empty_like(v)
-                self.a._page_io(m.seq._range, p, got_k, got_v, write=False)
+                self.a._page_io(m.seq, p, got_k, got_v, write=False)
                 np.testing.assert_array_equal(got_k, k, err_msg=f"page {p} of {m.seq}")
                 np.testing.assert_array_equal(got_v, v)
 
