@@ -158,7 +158,8 @@ def test_suspend_to_host_then_disk_and_back_through_the_ops(tmp_path):
     try:
         run = _runner(mgr)
         seqs = [mgr.add_sequence(prompt(o.rng, n)) for n in (CT - 5, CT - 9, 40)]
-        o.step(mgr, [(s, s.num_known_tokens) for s in seqs], run)
+        for s in seqs:  # one prompt a step: together they exceed max_tokens_per_step (2 * CT)
+            o.step(mgr, [(s, s.num_known_tokens)], run)
         saved = [mgr.arena.read_pages(mgr._aseq[s.seq_id], 0, s.num_pages) for s in seqs[:2]]
         levels = []
         mgr.add_observer(lambda e: levels.append(e.level) if e.kind == "suspended" else None)
