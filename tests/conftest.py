@@ -301,6 +301,11 @@ def compile_counter():
             unregister(counter._listener)
 
 
+def random_prompt(rng: np.random.Generator, n: int, vocab: int = 128) -> list[int]:
+    """A prompt of n token ids: BOS (1), then ids drawn from [3, vocab)."""
+    return [1] + rng.integers(3, vocab, n - 1).tolist()
+
+
 def random_hf_llama(kind: str, config_kwargs: dict, seed: int, *, embed_std: float = 1.0,
                     weight_scale: float = 0.6):
     """A float32 HF ``LlamaForCausalLM`` (``kind="llama"``), ``MistralForCausalLM``,

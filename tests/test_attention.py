@@ -276,6 +276,22 @@ def test_ragged_decode_rows_equal_paged_attention(backend, seed):
     assert_zero_rows(decode, np.arange(n, len(q)), "decode padded rows", seed)
 
 
+def long_ragged_batch(rng, seq_lens, num_new, *, page, hkv, group, head_dim, padding,
+                      spare_pages, dtype):
+    """(q, k, v, table, query_start, num_rows) of a ragged call: sequence b owns num_new[b]
+    queries (its last tokens of seq_lens[b]), then `padding` rows; random pages, caches holding
+    every token, `spare_pages` unreferenced pages."""
+    query_start = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+    num_rows = int(query_start[-1]) + padding
+    max_pages = cdiv(int(seq_lens.max()), page)
+    num_pages = 1 + sum(cdiv(int(n), page) for n in seq_lens) + spare_pages
+    table = random_page_table(rng, seq_lens, page, max_pages, num_pages)
+    k, v = make_caches(rng, None, num_pages, page, hkv, head_dim, table, seq_lens)
+    q = rng.standard_normal((num_rows, hkv * group, head_dim)).astype(np.float32)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    return q, k, v, table, query_start, num_rows
+
+
 @pytest.mark.parametrize("decode_rows", [3, 40])
 def test_ragged_mixed_decode_rows_and_chunk(backend, decode_rows):
     """A mixed step in one ragged call: long single-query (decode) rows beside a prefill chunk,
@@ -290,15 +306,11 @@ def test_ragged_mixed_decode_rows_and_chunk(backend, decode_rows):
     seq_lens = np.concatenate([dec_lens[:decode_rows // 2], [chunk_ctx + chunk],
                                dec_lens[decode_rows // 2:]]).astype(np.int32)
     num_new = np.where(np.arange(len(seq_lens)) == decode_rows // 2, chunk, 1)
-    query_start = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
-    num_rows = int(query_start[-1]) + 5  # trailing padding rows must be zero
-    max_pages = cdiv(int(seq_lens.max()), page)
-    num_pages = 1 + sum(cdiv(int(n), page) for n in seq_lens) + 3
-    table = random_page_table(rng, seq_lens, page, max_pages, num_pages)
-    k, v = make_caches(rng, None, num_pages, page, hkv, head_dim, table, seq_lens)
-    q = rng.standard_normal((num_rows, hkv * group, head_dim)).astype(np.float32)
+    q, k, v, table, query_start, num_rows = long_ragged_batch(  # 5 padding rows must be zero
+        rng, seq_lens, num_new, page=page, hkv=hkv, group=group, head_dim=head_dim, padding=5,
+        spare_pages=3, dtype=dtype)
     print(f"seed={seed} seq_lens={seq_lens.tolist()} query_start={query_start.tolist()}")
-    args = tuple(x.astype(dtype) for x in (q, k, v)) + (table, seq_lens, query_start)
+    args = (q, k, v, table, seq_lens, query_start)
     out = ops.ragged_paged_attention(*backend.put(*args))
     want = reference("ragged_paged_attention", *args)
     assert_zero_rows(out, np.arange(query_start[-1], num_rows), "mixed padding rows", seed)
@@ -321,16 +333,11 @@ def test_ragged_long_prefill_matches_reference(backend, head_dim, group, window,
     page, hkv = 16, 2
     seq_lens = np.array([1531, 700, 977, 0], np.int32)
     num_new = np.array([1000, 700, 1, 0])
-    query_start = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
-    num_rows = int(query_start[-1]) + 7
-    max_pages = cdiv(int(seq_lens.max()), page)
-    num_pages = 1 + sum(cdiv(int(n), page) for n in seq_lens) + 2
-    table = random_page_table(rng, seq_lens, page, max_pages, num_pages)
-    k, v = make_caches(rng, None, num_pages, page, hkv, head_dim, table, seq_lens)
-    q = rng.standard_normal((num_rows, hkv * group, head_dim)).astype(np.float32)
+    q, k, v, table, query_start, num_rows = long_ragged_batch(
+        rng, seq_lens, num_new, page=page, hkv=hkv, group=group, head_dim=head_dim, padding=7,
+        spare_pages=2, dtype=dtype)
     print(f"seed={seed} seq_lens={seq_lens.tolist()} query_start={query_start.tolist()}")
     attrs = {"sliding_window": window, "soft_cap": soft_cap}
-    q, k, v = (x.astype(dtype) for x in (q, k, v))
     out = ops.ragged_paged_attention(*backend.put(q, k, v, table, seq_lens, query_start), **attrs)
     # numpy oracle, one sequence at a time (the reference's per-query gather would need ~20 GB)
     want = np.zeros((num_rows, hkv * group, head_dim), np.float32)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_hf_llama
+from conftest import random_hf_llama, random_prompt
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -124,10 +124,6 @@ def _hf_generate(hf, prompt, n) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _prompt(rng, n, vocab=128) -> list[int]:
-    return [1] + rng.integers(3, vocab, n - 1).tolist()
-
-
 def _prefill_logits(config, params, prompt, page_size=8, num_pages=32):
     """One ragged step over the whole prompt; logits at every position."""
     T = len(prompt)
@@ -148,7 +144,7 @@ def _prefill_logits(config, params, prompt, page_size=8, num_pages=32):
 
 
 def test_prefill_logits_every_position(case):
-    prompt = _prompt(np.random.default_rng(0), 29)
+    prompt = random_prompt(np.random.default_rng(0), 29)
     got = _prefill_logits(case["config"], case["params"], prompt)
     want = _hf_logits(case["hf"], prompt)
     errs = [_rel_l2(got[i], want[i]) for i in range(len(prompt))]
@@ -159,7 +155,7 @@ def test_prefill_logits_every_position(case):
 
 def test_single_request_tokens_and_decode_logits(case):
     hf, config = case["hf"], case["config"]
-    prompt = _prompt(np.random.default_rng(1), 13)
+    prompt = random_prompt(np.random.default_rng(1), 13)
     runner = PagedRunner(case["params"], config, num_pages=32, page_size=8, max_batch=4,
                          max_seq_len=128, chunk_size=8)   # two prefill chunks
     (got,), (logits,) = runner.generate([prompt], 24, record_logits=True)
@@ -181,7 +177,7 @@ def test_single_request_tokens_and_decode_logits(case):
 def test_batch_of_mixed_lengths(case, paged_decode):
     hf, config = case["hf"], case["config"]
     rng = np.random.default_rng(2)
-    prompts = [_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]
+    prompts = [random_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]
     # The ragged-decode variant also uses a token budget below the batch size (3 < 4): prompts
     # advance one token per step while three sequences decode.
     runner = PagedRunner(case["params"], config, num_pages=48, page_size=8, max_batch=4,
@@ -199,7 +195,7 @@ def test_batch_of_mixed_lengths(case, paged_decode):
 def test_shared_prefix(case):
     hf, config = case["hf"], case["config"]
     rng = np.random.default_rng(3)
-    system = _prompt(rng, 21)   # two full pages of 8 plus 5 tokens
+    system = random_prompt(rng, 21)   # two full pages of 8 plus 5 tokens
     prompts = [system + rng.integers(3, 128, n).tolist() for n in (4, 11, 1)]
     runner = PagedRunner(case["params"], config, num_pages=48, page_size=8, max_batch=4,
                          max_seq_len=128, chunk_size=16)
@@ -233,7 +229,7 @@ def test_sliding_window_matches_hf_and_is_exercised():
         hf.save_pretrained(d, safe_serialization=True)
         config, params, _ = llama_loader.load_checkpoint(d, progress=False)
     assert config.sliding_window == 8 and config.model_type == "mistral"
-    prompt = _prompt(np.random.default_rng(4), 40)
+    prompt = random_prompt(np.random.default_rng(4), 40)
     want = _hf_logits(hf, prompt)
     assert _rel_l2(_prefill_logits(config, params, prompt), want) <= REL_L2
     for w in (7, 9, None):
@@ -247,7 +243,7 @@ def test_bfloat16_close_to_transformers(case):
     config16, params16, _ = llama_loader.load_checkpoint(case["path"], dtype="bfloat16",
                                                          progress=False)
     assert params16["layers"][0]["wqkv"].dtype == jnp.bfloat16
-    prompt = _prompt(np.random.default_rng(5), 20)
+    prompt = random_prompt(np.random.default_rng(5), 20)
     got = _prefill_logits(config16, params16, prompt)
     want = _hf_logits(case["hf"], prompt)
     assert got.dtype == np.float32 and np.isfinite(got).all()
@@ -319,7 +315,7 @@ def test_random_checkpoint_roundtrip_sharded(tmp_path):
                    for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(pb)))
     # And HF reads our checkpoint identically.
     hf = transformers.AutoModelForCausalLM.from_pretrained(a, attn_implementation="eager")
-    prompt = _prompt(np.random.default_rng(6), 12, vocab=96)
+    prompt = random_prompt(np.random.default_rng(6), 12, vocab=96)
     assert _rel_l2(_prefill_logits(cfg_a, pa, prompt), _hf_logits(hf, prompt)) <= REL_L2
 
 

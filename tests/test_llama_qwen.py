@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import random_hf_llama
+from conftest import random_hf_llama, random_prompt
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,10 +98,6 @@ def _hf_generate(hf, prompt, n) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _prompt(rng, n) -> list[int]:
-    return [1] + rng.integers(3, 128, n - 1).tolist()
-
-
 def _server(case, **kw) -> serve.Server:
     cfg = dict(page_size=4, device_pages=96, max_batch=4, max_tokens_per_step=16,
                max_seq_len=160)
@@ -149,7 +145,7 @@ def test_older_qwen2_fields_and_bad_layer_types():
 
 def test_single_request_matches_hf_generate(case):
     hf = case["hf"]
-    prompt = _prompt(np.random.default_rng(1), 13)
+    prompt = random_prompt(np.random.default_rng(1), 13)
     srv = _server(case, max_tokens_per_step=8, record_logits=True)   # two prefill chunks
     (out,) = srv.generate([serve.Request(prompt, 24, eos_token_ids=())])
     want = _hf_generate(hf, prompt, 24)
@@ -165,7 +161,7 @@ def test_long_generation_past_the_window(case):
     hf.generate and the teacher-forced forward both agree with us."""
     hf = case["hf"]
     rng = np.random.default_rng(4)
-    prompts = [_prompt(rng, n) for n in (5, 23)]
+    prompts = [random_prompt(rng, n) for n in (5, 23)]
     srv = _server(case, record_logits=True)
     widths = srv.kv_config.table_widths
     assert widths[1] < widths[0] and widths[1] == srv.manager.config.table_widths[1]
@@ -184,7 +180,7 @@ def test_prefix_reuse_and_page_pressure(case, overlap):
     so few device pages that sequences are suspended to host and resumed: still HF's tokens."""
     hf = case["hf"]
     rng = np.random.default_rng(7)
-    shared = _prompt(rng, 24)
+    shared = random_prompt(rng, 24)
     prompts = [shared + rng.integers(3, 128, n).tolist() for n in (3, 9, 5, 12)]
     reqs = [serve.Request(p, 48, eos_token_ids=()) for p in prompts]
     srv = _server(case, device_pages=40, host_bytes=1 << 20, overlap=overlap)
@@ -203,7 +199,7 @@ def test_window_off_by_one_does_not_match(case):
     """The window bites: the same model with W - 1 or W + 1 on its sliding layers is far from
     HF's logits (ours are within 1e-4), so the tests above pin the convention."""
     hf = case["hf"]
-    prompt = _prompt(np.random.default_rng(9), 9)
+    prompt = random_prompt(np.random.default_rng(9), 9)
     req = serve.Request(prompt, 40, eos_token_ids=())
     (ref,) = _server(case, record_logits=True).generate([req])
     _check_greedy(hf, prompt, ref.generated_ids, logits=ref.logits)
@@ -225,7 +221,7 @@ def test_forward_step_grouped_absolute_tables(case):
     import jax.numpy as jnp
 
     config, params = case["config"], case["params"]
-    prompt = _prompt(np.random.default_rng(5), 45)
+    prompt = random_prompt(np.random.default_rng(5), 45)
     T, page, num_pages = len(prompt), 4, 16
     kc, vc = llama.make_caches(config, num_pages, page)
     assert [k.shape[0] for k in kc] == [1, 3]
@@ -260,7 +256,7 @@ def test_mixed_layers_long_generation_gpu(case, backend):
     hf = case["hf"]
     case = dict(case, params=jax.device_put(case["params"], backend.device))
     rng = np.random.default_rng(13)
-    prompts = [_prompt(rng, n) for n in (5, 23, 40)]
+    prompts = [random_prompt(rng, n) for n in (5, 23, 40)]
     srv = _server(case, device_pages=48, host_bytes=1 << 20, record_logits=True)
     outs = srv.generate([serve.Request(p, 120, eos_token_ids=()) for p in prompts])
     for p, o in zip(prompts, outs):

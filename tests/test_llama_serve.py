@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import random_hf_llama
+from conftest import random_hf_llama, random_prompt
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,10 +91,6 @@ def _check_greedy(hf, prompt, got, n, what="", logits=None) -> None:
         assert err <= REL_L2, f"{what}: logits rel L2 {err:.2e}"
 
 
-def _prompt(rng, n) -> list[int]:
-    return [1] + rng.integers(3, 128, n - 1).tolist()
-
-
 def _server(case, **kw) -> serve.Server:
     cfg = dict(page_size=4, device_pages=64, max_batch=4, max_tokens_per_step=16,
                max_seq_len=128)
@@ -107,7 +103,7 @@ def _server(case, **kw) -> serve.Server:
 
 def test_single_request_matches_hf_generate(case):
     hf = case["hf"]
-    prompt = _prompt(np.random.default_rng(1), 13)
+    prompt = random_prompt(np.random.default_rng(1), 13)
     srv = _server(case, max_tokens_per_step=8)           # two prefill chunks
     (out,) = srv.generate([serve.Request(prompt, 20)])
     with torch.no_grad():
@@ -124,7 +120,7 @@ def test_single_request_matches_hf_generate(case):
 
 @pytest.mark.parametrize("case", ["llama"], indirect=True)
 def test_finish_on_eos(case):
-    prompt = _prompt(np.random.default_rng(8), 7)
+    prompt = random_prompt(np.random.default_rng(8), 7)
     srv = _server(case)
     (ref,) = srv.generate([serve.Request(prompt, 6, eos_token_ids=())])
     assert ref.finish_reason == "length" and len(ref.generated_ids) == 6
@@ -137,7 +133,7 @@ def test_finish_on_eos(case):
 
 def test_batch_of_mixed_lengths(case):
     rng = np.random.default_rng(2)
-    prompts = [_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]
+    prompts = [random_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]
     srv = _server(case, max_tokens_per_step=8,   # budget 8 with 4 running: decodes ride along
                   record_logits=True)
     outs = srv.generate([serve.Request(p, 16) for p in prompts])
@@ -158,7 +154,7 @@ def test_batch_of_mixed_lengths(case):
 
 def test_shared_prefix_hits_and_matches(case):
     rng = np.random.default_rng(3)
-    system = _prompt(rng, 21)                     # five full pages of 4 plus one token
+    system = random_prompt(rng, 21)                     # five full pages of 4 plus one token
     prompts = [system + rng.integers(3, 128, n).tolist() for n in (4, 11, 1)]
     srv = _server(case)
     (first,) = srv.generate([serve.Request(system, 10)])
@@ -179,9 +175,9 @@ def test_pressure_offload_suspend_resume(case, tmp_path):
     disk tier: cached pages go to host and on to disk, running sequences are suspended and
     resumed, prefix pages come back from host/disk; the generations stay HF's."""
     rng = np.random.default_rng(4)
-    system = _prompt(rng, 12)
+    system = random_prompt(rng, 12)
     prompts = [system + rng.integers(3, 128, n).tolist() for n in (5, 14, 2, 9)]
-    prompts += [_prompt(rng, n) for n in (7, 20)]
+    prompts += [random_prompt(rng, n) for n in (7, 20)]
     hot = 2 * 2 * 4 * 2 * 16 * 4                       # bytes of one page (L=2, Hkv=2, Dh=16)
     srv = _server(case, device_pages=12, host_bytes=3 * hot + hot // 2,
                   disk_dir=str(tmp_path / "disk"), disk_bytes=256 * hot, record_logits=True)
@@ -205,7 +201,7 @@ def test_corrupt_disk_pages_are_recomputed(case, tmp_path):
     """Disk tier only; once a sequence is suspended to disk, every disk file is overwritten with
     garbage: its resume fails the checksum, it is recomputed, and the tokens stay HF's."""
     rng = np.random.default_rng(9)
-    prompts = [_prompt(rng, n) for n in (10, 6, 13, 3)]
+    prompts = [random_prompt(rng, n) for n in (10, 6, 13, 3)]
     hot = 2 * 2 * 4 * 2 * 16 * 4
     srv = _server(case, device_pages=14, disk_dir=str(tmp_path), disk_bytes=256 * hot)
     ids = [srv.submit(serve.Request(p, 24)) for p in prompts]
@@ -232,7 +228,7 @@ def test_pressure_without_cold_tier_recomputes(case):
     """No host or disk tier: a preempted sequence cannot be suspended, so it is dropped and
     recomputed from prompt + generated; still HF's tokens (Mistral: the window bites too)."""
     rng = np.random.default_rng(5)
-    prompts = [_prompt(rng, n) for n in (10, 6, 13, 3)]
+    prompts = [random_prompt(rng, n) for n in (10, 6, 13, 3)]
     # NOTE: the manager releases pages that left Mistral's window (a sequence holds a few pages
     # however long it gets): 8 device pages, not 14, to feel pressure.
     srv = _server(case, device_pages=8)
@@ -248,7 +244,7 @@ def test_pressure_without_cold_tier_recomputes(case):
 @pytest.mark.parametrize("case", ["llama"], indirect=True)
 def test_sampling_seeded_and_batch_independent(case):
     rng = np.random.default_rng(6)
-    prompts = [_prompt(rng, n) for n in (5, 12, 8)]
+    prompts = [random_prompt(rng, n) for n in (5, 12, 8)]
 
     def run(reqs, **kw):
         return [o.generated_ids for o in _server(case, **kw).generate(reqs)]
@@ -269,7 +265,7 @@ def test_steady_state_compiles_nothing_new(case):
     """A second run of the same workload (fresh server, same buckets) compiles no new step or
     sampling program: every shape comes from the manager's (batch, token) buckets."""
     rng = np.random.default_rng(7)
-    prompts = [_prompt(rng, n) for n in (9, 30, 4, 17, 11)]
+    prompts = [random_prompt(rng, n) for n in (9, 30, 4, 17, 11)]
     reqs = [serve.Request(p, 10, temperature=0.5 * (i % 2), seed=i) for i, p in enumerate(prompts)]
     fns = (serve.model_step,)
     first = _server(case, max_tokens_per_step=8).generate(reqs)
@@ -284,9 +280,9 @@ def test_steady_state_compiles_nothing_new(case):
 
 
 def _workload(rng, n_sampled=3):
-    system = _prompt(rng, 13)
+    system = random_prompt(rng, 13)
     prompts = [system + rng.integers(3, 128, n).tolist() for n in (6, 2, 11)]
-    prompts += [_prompt(rng, n) for n in (9, 17, 4)]
+    prompts += [random_prompt(rng, n) for n in (9, 17, 4)]
     reqs = [serve.Request(p, 14, eos_token_ids=()) for p in prompts]
     for i in range(n_sampled):       # sampled, fixed seeds
         reqs[2 * i] = serve.Request(prompts[2 * i], 14, temperature=0.9, top_p=0.9, seed=i,

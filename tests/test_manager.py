@@ -601,14 +601,22 @@ def test_resume_refusal_changes_nothing(diskdir):
     h.check()
 
 
-def test_corrupt_disk_hit_is_a_miss_and_is_dropped(diskdir):
-    h = make(tiny_config(device_pages=4, disk_dir=diskdir, disk_pages=10))
+def on_disk_prefix(diskdir, **kw):
+    """A manager whose prompt range(9) has its two committed pages on disk (no host tier)."""
+    h = make(tiny_config(device_pages=4, disk_dir=diskdir, disk_pages=10, **kw))
     a = h.add(list(range(9)))
     h.run([(a, 9)], as_ids=[True])
     h.mgr.close(a)
     b = h.add(list(range(50, 66)))  # pushes a's two cached pages to disk
     h.run([(b, 16)])
     h.mgr.close(b)
+    hit = h.mgr.tree.match(np.arange(9, dtype=np.int32), b"", TPP, 2)
+    assert [n.level for n in hit] == [K, K]
+    return h, hit
+
+
+def test_corrupt_disk_hit_is_a_miss_and_is_dropped(diskdir):
+    h, _ = on_disk_prefix(diskdir)
     nodes = [n for n in h.mgr.tree.nodes.values() if n.level is K]
     assert len(nodes) >= 2
     first = h.mgr.tree.match(np.arange(9, dtype=np.int32), b"", TPP, 2)[0]

@@ -17,7 +17,7 @@ from jax_kvcm._manager import SequenceState, SuspendResult
 from jax_kvcm._manager import ManagerEvent
 from jax_kvcm._storage import CorruptPageError, StorageEvent, UnreadablePageError
 from jax_kvcm._types import CacheLevel
-from test_manager import make, stepped, tiny_config
+from test_manager import make, on_disk_prefix, stepped, tiny_config
 
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
 
@@ -193,20 +193,6 @@ def test_observer_may_call_the_manager():
 
 
 # -- unreadable and full disks ----------------------------------------------------------------
-
-
-def on_disk_prefix(diskdir, **kw):
-    """A manager whose prompt range(9) has its two committed pages on disk (no host tier)."""
-    h = make(tiny_config(device_pages=4, disk_dir=diskdir, disk_pages=10, **kw))
-    a = h.add(list(range(9)))
-    h.run([(a, 9)], as_ids=[True])
-    h.mgr.close(a)
-    b = h.add(list(range(50, 66)))  # pushes a's two cached pages to disk
-    h.run([(b, 16)])
-    h.mgr.close(b)
-    hit = h.mgr.tree.match(np.arange(9, dtype=np.int32), b"", 4, 2)
-    assert [n.level for n in hit] == [K, K]
-    return h, hit
 
 
 @pytest.mark.parametrize("fault", ["eio_forever", "short_read_native"])
