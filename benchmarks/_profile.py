@@ -8,7 +8,9 @@ attention (``ragged_paged_attention``: prefill and mixed steps), K/V writes (``w
 sampling (ops under ``jax.named_scope("sampling")``), norms/RoPE/other (everything else).
 
 The trace: on a GPU the device's "XLA Ops" line (else its kernels, named by their ``hlo_op``
-argument when present) and its "XLA Modules" line (one span per program execution); on the CPU
+argument when present) and its "XLA Modules" line (one span per program execution; without one,
+as in jax 0.11's traces, the executions are read from the kernels' ``hlo_module`` arguments:
+:func:`_executions_from_kernels`); on the CPU
 the thunks XLA runs (named by their HLO instruction), one execution ending at each
 ``ThunkExecutor::Execute (wait for completion)`` marker.
 """
@@ -182,6 +184,39 @@ def _trace_file(trace_dir: str) -> str:
     return max(files, key=os.path.getmtime)
 
 
+def _op_name(e: dict) -> str:
+    """A device event's HLO instruction: its ``hlo_op`` argument, except for kernels XLA ran in a
+    CUDA graph, whose ``hlo_op`` is the graph's thunk (``command_buffer_N``): their kernel name
+    (an XLA fusion's kernel is named after the fusion; library kernels by their own names)."""
+    hlo = (e.get("args") or {}).get("hlo_op")
+    return hlo if hlo and not hlo.startswith("command_buffer") else e["name"]
+
+
+def _executions_from_kernels(events: list[dict]) -> list[Execution]:
+    """Program executions from the kernels' own arguments, for traces without an "XLA Modules"
+    line (jax 0.11 on the H200: kernels on "Stream #N(Compute...)" lines, each with its program
+    in ``hlo_module``). A new execution starts where the program changes or where a kernel of the
+    current execution recurs (the same CUDA graph node, else the same instruction and kernel):
+    a program runs each of its kernels once (the runner's layer loop is unrolled)."""
+    execs: list[Execution] = []
+    seen: set = set()
+    module = None
+    for e in events:
+        a = e.get("args") or {}
+        mod = a.get("hlo_module")
+        if mod is None:
+            continue
+        key = ((a["cuda_graph_id"], a.get("cuda_graph_node_id")) if "cuda_graph_id" in a
+               else (a.get("hlo_op"), e["name"]))
+        ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+        if mod != module or key in seen:
+            execs.append(Execution(mod, ts, end, []))
+            module, seen = mod, set()
+        seen.add(key)
+        execs[-1].end = max(execs[-1].end, end)
+    return execs
+
+
 def load_trace(trace_dir: str) -> Trace:
     """The device ops and program executions of the perfetto trace ``jax.profiler`` wrote under
     ``trace_dir`` (``jax.profiler.trace(dir, create_perfetto_trace=True)``)."""
@@ -205,11 +240,12 @@ def load_trace(trace_dir: str) -> Trace:
         dev = [e for e in xs if e["pid"] == pid]
         op_events = [e for e in dev if line(e) == "XLA Ops"] or [
             e for e in dev if line(e) not in ("XLA Modules", "Steps", "Source code")
-            and not str(line(e)).startswith("XLA TraceMe")]
-        ops = [Op((e.get("args") or {}).get("hlo_op") or e["name"], float(e["ts"]),
-                  float(e.get("dur", 0))) for e in op_events]
+            and not str(line(e)).startswith("XLA TraceMe") and "Memcpy" not in str(line(e))]
+        ops = [Op(_op_name(e), float(e["ts"]), float(e.get("dur", 0))) for e in op_events]
         execs = [Execution(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
                            []) for e in dev if line(e) == "XLA Modules"]
+        if not execs:
+            execs = _executions_from_kernels(op_events)
         i = 0
         for x in execs:             # both lists in time order
             while i < len(ops) and ops[i].ts < x.start:

@@ -343,6 +343,17 @@ def test_step_breakdown_of_a_made_up_gpu_trace(tmp_path):
               x(ops, "k", 360, 40, "nvjet_gemm"),
               {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(model_step)", "ts": 90,
                "dur": 5}]
+    b = _breakdown_of_made_up_trace(tmp_path, events)
+    dec, mix = b["kinds"]["decode"]["ms_per_step"], b["kinds"]["mixed"]["ms_per_step"]
+    assert dec["idle inside the step"] == 0.04
+    assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.03
+    assert mix["idle inside the step"] == 0.01
+
+
+def _breakdown_of_made_up_trace(tmp_path, events) -> dict:
+    """Writes ``events`` as a profile and checks what both made-up traces share: four program
+    executions (a step before the window, a decode step, a migration, a mixed step) with 1, 3, 1
+    and 2 ops, and the two steps' ops in their categories. Returns the breakdown."""
     d = tmp_path / "plugins" / "profile" / "run"
     d.mkdir(parents=True)
     with gzip.open(d / "host.perfetto_trace.json.gz", "wt") as f:
@@ -358,10 +369,47 @@ def test_step_breakdown_of_a_made_up_gpu_trace(tmp_path):
     assert b["matched"] == 2 and b["traced_step_programs"] == 3 and b["on_device"]
     dec, mix = b["kinds"]["decode"]["ms_per_step"], b["kinds"]["mixed"]["ms_per_step"]
     assert (dec["weight GEMMs"], dec["paged attention"], dec["sampling"]) == (0.01, 0.03, 0.02)
-    assert dec["idle inside the step"] == 0.04
     # the window's first step: no gap (the host started the tracer before dispatching it)
     assert dec["idle before the step (host gap)"] == 0.0
     assert (mix["ragged attention"], mix["weight GEMMs"]) == (0.1, 0.04)
-    assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.03
-    assert mix["idle inside the step"] == 0.01
     assert "| mixed | 1 |" in loop_profile.format_breakdown("x", b)
+    return b
+
+
+def test_step_breakdown_of_a_made_up_trace_without_module_line(tmp_path):
+    """jax 0.11's GPU traces (H200, 2026-12-01) have no "XLA Modules" line: kernels sit on
+    "Stream #N(Compute...)" lines with their program in ``hlo_module``, and kernels of a CUDA
+    graph carry the graph's thunk as ``hlo_op`` (``command_buffer_N``) and their own kernel name.
+    The same four executions as above are read from those arguments: a new one where the program
+    changes or a kernel (graph node, else instruction) recurs; copies on memcpy lines are no ops."""
+    pid, compute, copies = 7, 14, 15
+
+    def k(name, ts, dur, module="jit_model_step", hlo="command_buffer_0", graph=None):
+        args = {"hlo_module": module, "hlo_op": hlo, "correlation_id": str(ts)}
+        if graph is not None:
+            args.update(cuda_graph_id=str(graph[0]), cuda_graph_node_id=str(graph[1]))
+        return {"ph": "X", "pid": pid, "tid": compute, "name": name, "ts": ts, "dur": dur,
+                "args": args}
+
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": compute,
+               "args": {"name": "Stream #14(Compute,Memset)"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": copies,
+               "args": {"name": "Stream #15(MemcpyH2D)"}},
+              k("gemm_a", 0, 50, graph=(20, 0)),
+              # decode step 100..180: graph node (20, 0) recurs; a custom call's kernel outside
+              # the graph; busy 10 + 30 + 20 = 60 of 80
+              k("gemm_a", 100, 10, graph=(20, 0)),
+              k("PagedDecodeKernel<bf16>", 120, 30, hlo="attn_d"),
+              k("out", 160, 20, hlo="command_buffer_1", graph=(21, 0)),
+              {"ph": "X", "pid": pid, "tid": copies, "name": "MemcpyH2D", "ts": 165, "dur": 5,
+               "args": {"memcpy_details": "size:96"}},
+              k("fusion.9", 210, 20, module="jit_encode", hlo="fusion.9"),
+              # mixed step 250..400
+              k("RaggedPrefillSm90Kernel", 250, 100, hlo="attn_r"),
+              k("nvjet_gemm", 360, 40, graph=(22, 0))]
+    b = _breakdown_of_made_up_trace(tmp_path, events)
+    dec, mix = b["kinds"]["decode"]["ms_per_step"], b["kinds"]["mixed"]["ms_per_step"]
+    assert dec["idle inside the step"] == 0.02
+    assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.05
+    assert mix["idle inside the step"] == 0.01
