@@ -39,7 +39,7 @@ length); prompts are random token ids (fixed seed).
   ``i % 15`` + a unique suffix to 1,024 tokens; prefix reuse on and a pinned host tier
   (``--host-gib``, default 32) on; 2,500 requests (``--quick``: 512), no pre-warmed cache. It
   runs first; then the random 1,024/1,024 row at concurrency 256 (256 requests), paged and
-  dense. Token budget: 256 decodes + ``--prefill-chunk`` (512) prompt tokens per step. The run
+  dense. Token budget: 256 decodes + ``--prefill-chunk`` (2,048) prompt tokens per step. The run
   prints its output-token counts and a time estimate first, and progress lines with the pace
   and the time left.
 
@@ -250,12 +250,15 @@ TINY_SETUP = Setup(
 # The seed workload (TensorRT-LLM's trtllm-bench run of the anchor): input/output 1,024/1,024 at
 # concurrency 256, 15 system prompts of ~512 tokens plus a unique suffix to 1,024, prefix reuse
 # and a pinned host tier on, 2,500 requests (--quick: 512). Then the random 1,024/1,024 row at
-# concurrency 256 and its dense comparison.
+# concurrency 256 and its dense comparison. Prompt chunks of 2,048 tokens: on the H200 they gave
+# 9,258 / 8,938 output tok/s (seed / random, --quick) against 8,895 / 8,080 with 512-token chunks,
+# a mixed step taking ~62-64 ms instead of ~25-29 ms (RESULTS.md, 2026-12-01); the runner's own
+# default (ServeConfig.prefill_chunk_tokens = 512) keeps the latency-bounded choice.
 TRTLLM = dataclasses.replace(
     FULL, name="trtllm", input_len=1024, output_len=1024, concurrencies=(256,),
     shared_prompts=15, shared_prompt_len=512, shared_prompt_jitter=32, shared_total_len=1024,
     shared_output_len=1024, shared_concurrency=256, shared_requests=2500, shared_runs=("on",),
-    shared_first=True, step_tokens=256 + 512, prefill_chunk=512, host_bytes=32 << 30,
+    shared_first=True, step_tokens=256 + 2048, prefill_chunk=2048, host_bytes=32 << 30,
     equal_memory_run=False)
 TRTLLM_QUICK = dataclasses.replace(TRTLLM, shared_requests=512)
 TINY_TRTLLM = dataclasses.replace(
