@@ -1,9 +1,9 @@
 """KVCacheManager with ``hot_backend="arena"`` on CPU: the manager's calls over the arena.
 
-The CPU step path writes each step's new K/V with ``write_step_kv`` (host writes at the batch's
-slot mapping: a donated CPU step would copy the whole reservation, unmapped super-pages and all)
-and reads them back through the real attention op over ``manager.caches`` (the reservation,
-no copy) with the manager's own page tables. The oracle: the K/V the test wrote per position,
+These tests write each step's new K/V with ``write_step_kv`` (host writes at the batch's slot
+mapping; tests/test_arena_runner.py runs donated jitted steps instead) and read them back
+through the real attention op over ``manager.caches`` (on CPU the pools by address:
+:class:`~jax_kvcm._arena_ops.ArenaPool`, no copy) with the manager's own page tables. The oracle: the K/V the test wrote per position,
 gathered into a dense pool and fed to the pure-JAX reference.
 """
 
