@@ -115,7 +115,8 @@ def write_kv(k_cache: ArenaPool, v_cache: ArenaPool, operands: tuple[Any, ...],
     """``kvcm_arena_write_kv`` over the checked ``operands`` (k, v, slot_mapping, layer,
     k_scale, v_scale) of :func:`jax_kvcm.write_kv`; the pools with their tokens advanced."""
     tok = jax.ShapeDtypeStruct((), jnp.int32)
-    call = jax.ffi.ffi_call("kvcm_arena_write_kv", (tok, tok))
+    # NOTE: a side effect on memory XLA does not see: kept even when the tokens are dropped.
+    call = jax.ffi.ffi_call("kvcm_arena_write_kv", (tok, tok), has_side_effect=True)
     tk, tv = call(*operands, k_cache.token, v_cache.token, pool=pool)
     return k_cache.with_token(tk), v_cache.with_token(tv)
 

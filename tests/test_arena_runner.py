@@ -215,6 +215,11 @@ def test_arena_pool_misuse_is_an_error_not_a_fault():
     assert int(kp2.token) == 1
     got_k, got_v = arena.read_pages(seq, 0, 1)
     assert (got_k[1, 0, 0] == 1).all() and (got_v[1, 0, 0] == 2).all()
+    # A write is a side effect on the arena: kept even when a jitted caller drops the pools.
+    jax.jit(lambda kp, vp, sm: (jax_kvcm.write_kv(kp, vp, 3 * rows, 3 * rows, sm, layer=0),
+                                jnp.int32(0))[1])(kp2, vp2, jnp.array([mapped], jnp.int32))
+    got_k, _ = arena.read_pages(seq, 0, 1)
+    assert (got_k[0, 0, 0] == 3).all()
     arena.close_arena()
     with pytest.raises(Exception, match="not inside an open arena reservation"):
         jax_kvcm.paged_attention(rows, kp2, vp2, jnp.zeros((1, 8), jnp.int32),
