@@ -210,7 +210,8 @@ class Setup:
     tensor_parallel: int = 1             # the paged runs' devices (ServeConfig.tensor_parallel)
     seed: int = 0
     # Hot backends run side by side on the random rows and the shared "on" run ("arena": the
-    # contiguous arena, GPU only; its budget is the paged pool's bytes plus a chunk per range).
+    # contiguous arena, CUDA VMM on a GPU, memfd on CPU; its budget is the paged pool's bytes
+    # plus a chunk per range).
     hot_backends: tuple[str, ...] = ("paged",)
     # --profile: a jax.profiler trace of profile_steps steady-state steps of every paged run
     # under this directory (benchmarks/_loop_profile.py), and the device time per step kind.
@@ -372,7 +373,13 @@ def shared_requests(setup: Setup) -> list[serve.Request]:
 # The two paths.
 
 
-ARENA_SUPER_PAGE = 2 << 20
+ARENA_SUPER_PAGE = 2 << 20      # CUDA VMM's granularity on the H200
+ARENA_CPU_SUPER_PAGE = 4096     # memfd on CPU: the system page (a tiny model's chunk stays small)
+
+
+def arena_super_page() -> int:
+    """The arena's super-page on this backend."""
+    return ARENA_SUPER_PAGE if jax.default_backend() == "gpu" else ARENA_CPU_SUPER_PAGE
 
 
 def _arena_config(setup: Setup, concurrency: int) -> jax_kvcm.ArenaConfig:
@@ -380,12 +387,13 @@ def _arena_config(setup: Setup, concurrency: int) -> jax_kvcm.ArenaConfig:
     per range and the null chunk (each range rounds its last chunk up)."""
     m = setup.model
     slot = setup.page_size * m.num_key_value_heads * m.head_dim * jnp.dtype(m.jnp_dtype).itemsize
-    chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, ARENA_SUPER_PAGE))
+    sp = arena_super_page()
+    chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, sp))
     pool = setup.pool_pages(concurrency) * 2 * m.num_hidden_layers * slot
     return jax_kvcm.ArenaConfig(max_sequences=concurrency,
                                 max_pages_per_sequence=setup.pages_per_seq,
                                 budget_bytes=pool + (concurrency + 1) * chunk,
-                                super_page_bytes=ARENA_SUPER_PAGE)
+                                super_page_bytes=sp)
 
 
 def _serve_config(setup: Setup, concurrency: int, prefix: bool,
@@ -1028,7 +1036,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-dense", action="store_true", help="paged runs only")
     p.add_argument("--hot-backend", nargs="+", choices=("paged", "arena"), default=None,
                    help="hot backends side by side (paged always runs as the reference; "
-                        "arena needs a GPU)")
+                        "arena: CUDA VMM on a GPU, memfd on CPU)")
     p.add_argument("--no-shared", action="store_true", help="skip the shared-prefix workload")
     p.add_argument("--no-check", action="store_true",
                    help="skip the tiny float32 paged-vs-dense check before an 8B run")
@@ -1105,9 +1113,6 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None) -> Setup
         raise SystemExit("--equal-memory-max-len must hold input + output")
     if s.prefill_chunk < 1 or min(args.prefill_chunk or [1]) < 1:
         raise SystemExit("--prefill-chunk must be >= 1")
-    if "arena" in s.hot_backends and jax.default_backend() != "gpu":
-        raise SystemExit("--hot-backend arena needs a GPU: a donated CPU step copies the whole "
-                         "reservation (unmapped super-pages and all)")
     return s
 
 

@@ -871,9 +871,10 @@ class Arena:
         """(K, V) ``jax.Array``s over the reservation itself, no copy (DLPack).
 
         On GPU these are the pools a jitted step donates (XLA keeps their pointer). On CPU they
-        are for reading ops only: a donated step copies the whole input, touching unmapped
-        super-pages (DESIGN.md §5). Nothing may run a whole-pool op (copy, print, reduction) on
-        them: only slots of mapped chunks are addressable.
+        are not: XLA's CPU client copies a donated buffer it did not allocate, touching unmapped
+        super-pages; CPU steps take the pools by address instead (``jax_kvcm/_arena_ops.py``).
+        Nothing may run a whole-pool op (copy, print, reduction) on them: only slots of mapped
+        chunks are addressable.
         """
         import jax
 

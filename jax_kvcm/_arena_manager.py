@@ -28,15 +28,17 @@ group is the arena; the prefix tree, eviction and the cold tiers are not used):
   reserved before anything is submitted (``MUST_RECOMPUTE`` with nothing changed when no tier
   can take them), and back into a fresh range, byte-identical. Cold pages use the manager's
   codec (``cold_page_codec``, consumed as by the paged backend).
-- **Steps.** On the GPU the jitted step donates :attr:`caches` (the reservation imported with
-  DLPack) and returns them; ``complete_step`` checks the returned K pool still starts at the
-  reservation (a copy would silently detach the manager from its memory; checked on the first
-  16 steps and every 256th, as reading the pointer may wait for the step). On CPU a donated step
-  copies its whole input, which faults on unmapped super-pages, so the CPU step path writes the
-  step's new K/V with :meth:`ArenaKVCacheManager.write_step_kv` (host writes into the arena at the
-  batch's slot mapping) and the ops read :attr:`caches` in place (no copy; the attention ops
-  touch only the slots their tables name); ``complete_step(manager.caches)`` then takes the
-  same arrays back.
+- **Steps.** The jitted step donates :attr:`caches` and returns them, on both backends. On the
+  GPU they are the reservation imported with DLPack (XLA aliases the donated buffer);
+  ``complete_step`` checks the returned K pool still starts at the reservation (a copy would
+  silently detach the manager from its memory; checked on the first 16 steps and every 256th,
+  as reading the pointer may wait for the step). XLA's CPU client never aliases a donated
+  buffer it did not allocate (it copies the whole input, which faults on unmapped super-pages),
+  so on CPU :attr:`caches` are two :class:`~jax_kvcm._arena_ops.ArenaPool`s: the pools by
+  address plus an ordering token, which the ops take in place of arrays and run on the
+  reservation itself (``complete_step`` checks their addresses on every step). A step may also
+  write its K/V from the host instead (:meth:`ArenaKVCacheManager.write_step_kv`, at the
+  batch's slot mapping) and hand :attr:`caches` back unchanged.
 - Observers get :class:`~jax_kvcm.ManagerEvent` "suspended" (with the cold level) / "resumed"
   only (no commits).
 - Unsupported here (TypeError naming the call): ``compact``, ``recover_from_failed_step``,
@@ -57,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvcm._arena import Arena, ArenaConfig, ArenaLayout, ArenaSequence
+from jax_kvcm._arena_ops import ArenaPool
 from jax_kvcm._arena_storage import ArenaColdStore
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, ManagerEvent, OutOfPagesError,
                                Sequence,
@@ -105,9 +108,10 @@ def check_arena_config(cfg: KVCacheConfig, groups: tuple, page_bytes: list[int])
 
 
 class _StepFence:
-    """A step's K pool output as the fence of the ranges it read. Once a later step consumed
-    that array (donation: it can no longer be waited on), the manager's newest pools stand for
-    it: they are the output of a later step on the same stream."""
+    """A step's K pool output (on CPU: its K pool's token) as the fence of the ranges it read.
+    Once a later step consumed that array (donation: it can no longer be waited on), the
+    manager's newest pools stand for it: they are the output of a later step on the same
+    stream."""
 
     __slots__ = ("array", "manager")
 
@@ -117,7 +121,8 @@ class _StepFence:
     def _live(self) -> jax.Array:
         if not self.array.is_deleted():
             return self.array
-        return self.manager._pools[0][0]
+        m = self.manager
+        return m._pools[0][0] if m._step_pools is None else m._step_pools[0][0].token
 
     def is_ready(self) -> bool:
         return self._live().is_ready()
@@ -184,6 +189,8 @@ class ArenaKVCacheManager(KVCacheManager):
         self._aseq: dict[int, ArenaSequence] = {}
         self._next_id = 0
         self._pools = [self.arena.pool_arrays()]
+        # CPU: what steps take and return (jax_kvcm/_arena_ops.py); GPU: None (the _pools).
+        self._step_pools = self._fresh_step_pools()
         # (seqs, rows, len before, known before, token slots) of the prepared step.
         self._in_step: tuple[list[Sequence], np.ndarray, np.ndarray, np.ndarray,
                              np.ndarray] | None = None
@@ -193,6 +200,14 @@ class ArenaKVCacheManager(KVCacheManager):
         self._observers: list[Any] = []
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _fresh_step_pools(self) -> list[tuple[ArenaPool, ArenaPool]] | None:
+        if self.arena.backend != "cpu":
+            return None
+        k, v = self._pools[0]
+        # NOTE: two tokens (a step donates both pools; one array donated twice is an error).
+        return [tuple(ArenaPool(jax.device_put(np.int32(0), a.sharding), a.unsafe_buffer_pointer(),
+                                a.shape, a.dtype) for a in (k, v))]
 
     def _row_pages(self, row: int, first: int, last: int) -> np.ndarray:
         seq = self._aseq[int(self._seq_id[row])]
@@ -360,12 +375,14 @@ class ArenaKVCacheManager(KVCacheManager):
     # -- steps -----------------------------------------------------------------------------
 
     @property
-    def caches(self) -> list[tuple[jax.Array, jax.Array]]:
+    def caches(self) -> list[tuple[Any, Any]]:
         """``[(k, v)]``: the arena's reservation as ``[num_layers, num_slots, tokens_per_page,
-        num_kv_heads, head_dim]`` pools (no copy; only slots of mapped chunks are
-        addressable, so nothing may copy or reduce the whole pool)."""
+        num_kv_heads, head_dim]`` pools, what a step takes and returns: on the GPU
+        ``jax.Array``s (DLPack, no copy; only slots of mapped chunks are addressable, so
+        nothing may copy or reduce the whole pool), on CPU
+        :class:`~jax_kvcm._arena_ops.ArenaPool`s (the pools by address, for the ops)."""
         self._check_open()
-        return list(self._pools)
+        return list(self._pools if self._step_pools is None else self._step_pools)
 
     def _step_fence(self, array: jax.Array) -> _StepFence:
         return _StepFence(array, self)
@@ -449,10 +466,13 @@ class ArenaKVCacheManager(KVCacheManager):
                     caches) != 1:
                 raise TypeError("caches must be a list of one (k, v) pair")
             pair = tuple(caches[0])
-            want = self._pools[0]
+            cpu = self._step_pools is not None
+            want = self._step_pools[0] if cpu else self._pools[0]
+            kind, what = (ArenaPool, "an ArenaPool") if cpu else (jax.Array, "a jax.Array")
             for name, a, b in zip(("caches[0][0]", "caches[0][1]"), pair, want):
-                if not isinstance(a, jax.Array):
-                    raise TypeError(f"{name} must be a jax.Array, got {type(a).__name__}")
+                if not isinstance(a, kind):
+                    raise TypeError(f"{name} must be {what} (as manager.caches), got "
+                                    f"{type(a).__name__}")
                 if a.shape != b.shape or a.dtype != b.dtype:
                     raise ValueError(f"{name} has shape {a.shape} {a.dtype}, expected "
                                      f"{b.shape} {b.dtype}")
@@ -461,14 +481,22 @@ class ArenaKVCacheManager(KVCacheManager):
             # NOTE: the pointer is read on the first steps and every 256th only: reading it may
             # wait for the step, which would serialize an overlapped loop.
             n = self._stats.num_steps
-            if (n < 16 or n % 256 == 0) and (
+            if cpu:  # NOTE: static addresses: checked on every step, at no cost
+                for name, a, b in zip(("caches[0][0]", "caches[0][1]"), pair, want):
+                    if a.address != b.address:
+                        raise ValueError(f"{name} is not this arena's pool")
+            elif (n < 16 or n % 256 == 0) and (
                     pair[0].unsafe_buffer_pointer() != self.arena.base_address):
                 raise ValueError("caches[0][0] is not the arena's memory (the step copied the "
                                  "pool: donate the caches)")
             seqs = self._in_step[0]
             self._in_step = None
-            self._pools = [(pair[0], pair[1])]
-            self._fence = self._step_fence(pair[0])
+            if cpu:
+                self._step_pools = [(pair[0], pair[1])]
+                self._fence = self._step_fence(pair[0].token)
+            else:
+                self._pools = [(pair[0], pair[1])]
+                self._fence = self._step_fence(pair[0])
             live = [self._aseq[s.seq_id] for s in seqs if s.state is SequenceState.ACTIVE]
             self.arena.record_step(live, self._fence)
             self._finish_closes(self._fence)
@@ -499,6 +527,8 @@ class ArenaKVCacheManager(KVCacheManager):
                     self._npages[r] = -(-n // self._tpp)
             if any(a.is_deleted() for a in self._pools[0]):
                 self._pools = [self.arena.pool_arrays()]
+            if self._step_pools is not None and any(a.is_deleted() for a in self._step_pools[0]):
+                self._step_pools = self._fresh_step_pools()
             self._finish_closes(None)
             self._stats.num_aborted_steps += 1
             return []
@@ -577,6 +607,7 @@ class ArenaKVCacheManager(KVCacheManager):
                 self.arena.close_arena()  # NOTE: waits for the fences (they may need _pools)
             finally:
                 self._pools = []
+                self._step_pools = None if self._step_pools is None else []
                 self._fence = None
                 self._cold.close()
             self._shut = True

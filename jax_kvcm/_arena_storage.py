@@ -11,7 +11,7 @@ exhaustion, the seed's fourth bug) refuses with nothing changed; the sequence is
 either way until the transaction succeeded. A resume moves the cold slots back into staging
 slots (one transaction; a corrupt disk page raises with nothing changed) and copies them into
 the sequence's fresh range (GPU: a scatter that donates the arena pools, in place; CPU: host
-writes, a donated CPU step would copy the whole reservation).
+writes, since XLA's CPU client would copy a donated imported pool, see ``_arena_ops.py``).
 
 Cold pages use the storage manager's codec (the default lossless concatenating codec, or the one
 given to the manager), its governor, host pool and disk pool, exactly as the paged backend's.

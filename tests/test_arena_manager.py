@@ -1,9 +1,9 @@
 """KVCacheManager with ``hot_backend="arena"`` on CPU: the manager's calls over the arena.
 
-The CPU step path writes each step's new K/V with ``write_step_kv`` (host writes at the batch's
-slot mapping: a donated CPU step would copy the whole reservation, unmapped super-pages and all)
-and reads them back through the real attention op over ``manager.caches`` (the reservation,
-no copy) with the manager's own page tables. The oracle: the K/V the test wrote per position,
+These tests write each step's new K/V with ``write_step_kv`` (host writes at the batch's slot
+mapping; tests/test_arena_runner.py runs donated jitted steps instead) and read them back
+through the real attention op over ``manager.caches`` (on CPU the pools by address:
+:class:`~jax_kvcm._arena_ops.ArenaPool`, no copy) with the manager's own page tables. The oracle: the K/V the test wrote per position,
 gathered into a dense pool and fed to the pure-JAX reference.
 """
 
@@ -17,6 +17,7 @@ import pytest
 import jax_kvcm
 from jax_kvcm import _ffi
 from jax_kvcm._arena import ArenaConfig
+from jax_kvcm._arena_ops import ArenaPool
 from jax_kvcm._arena_manager import ArenaKVCacheManager
 from jax_kvcm._manager import SequenceState
 from jax_kvcm._types import CacheLevel
@@ -502,8 +503,11 @@ def test_bad_config_and_misuse_name_the_field():
             mgr.write_step_kv(np.zeros((L, 2, H, D), np.float32), np.zeros((L, 2, H, D),
                                                                             np.float32))
         kc, vc = mgr.caches[0]
-        with pytest.raises(ValueError, match="not the arena's memory"):
+        # NOTE: on CPU a step returns ArenaPools (arrays would be XLA's copies of the arena).
+        with pytest.raises(TypeError, match="must be an ArenaPool"):
             mgr.complete_step([(jnp.zeros(kc.shape, kc.dtype), jnp.zeros(vc.shape, vc.dtype))])
+        with pytest.raises(ValueError, match="not this arena's pool"):
+            mgr.complete_step([(kc, ArenaPool(vc.token, vc.address + 4096, vc.shape, vc.dtype))])
         mgr.abort_step()
         with pytest.raises(TypeError, match="compact"):
             mgr.compact([0])

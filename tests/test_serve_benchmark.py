@@ -115,22 +115,39 @@ def test_trtllm_preset_tiny():
         == 2500
 
 
-def test_arena_rows_need_a_gpu_and_cover_the_paged_pool():
-    """--hot-backend arena is refused on the CPU (a donated CPU step copies the reservation);
-    the arena's budget holds the paged pool's bytes plus a chunk per range and the null one."""
-    import jax
-
+def test_arena_budget_covers_the_paged_pool():
+    """The arena's budget holds the paged pool's bytes plus a chunk per range and the null one
+    (chunks of this backend's super-page: 2 MiB VMM on a GPU, 4 KiB memfd pages on CPU)."""
     setup = bench.TINY_SETUP
-    if jax.default_backend() != "gpu":
-        with pytest.raises(SystemExit, match="needs a GPU"):
-            bench.setup_from_args(bench.parse_args(["--tiny", "--hot-backend", "arena"]))
     a = bench._arena_config(setup, 4)
     m = setup.model
     slot = setup.page_size * m.num_key_value_heads * m.head_dim * np.dtype(m.jnp_dtype).itemsize
     pool = setup.pool_pages(4) * 2 * m.num_hidden_layers * slot
-    chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, bench.ARENA_SUPER_PAGE))
+    chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, bench.arena_super_page()))
     assert a.budget_bytes == pool + 5 * chunk and a.max_sequences == 4
+    assert a.super_page_bytes == bench.arena_super_page()
     assert a.max_pages_per_sequence == setup.pages_per_seq
+
+
+def test_tiny_arena_rows_beside_paged():
+    """--hot-backend paged arena on the tiny model (on CPU: the arena's donated steps over
+    ArenaPools): an arena row beside each paged row, the same tokens, no map/unmap in the
+    second half, and the arena-vs-paged comparisons."""
+    out = bench.main(["--tiny", "--hot-backend", "paged", "arena", "--no-dense"])
+    runs = {r["name"]: r for r in out["results"]}
+    names = [n for n in runs if n.startswith("arena ")]
+    assert sorted(names) == sorted(["arena random c4", "arena random c8",
+                                    "arena shared c4 prefix on"]), list(runs)
+    for name in names:
+        arena, paged = runs[name], runs["paged" + name[len("arena"):]]
+        assert arena["generated_digests"] == paged["generated_digests"], name
+        assert arena["generated_tokens"] == paged["generated_tokens"] > 0
+        assert arena["arena_steady_map_calls"] == arena["arena_steady_unmap_calls"] == 0, name
+        assert 0 < arena["arena_mapped_bytes_peak"] <= arena["arena_budget_bytes"]
+    kinds = [c for c in out["comparisons"] if c["kind"] == "arena_vs_paged"]
+    assert len(kinds) == 3 and all(c["tokens_per_s_over_paged"] > 0 for c in kinds)
+
+
 def test_tiny_mixed_layer_rows():
     """--sliding-window: the paged rows on a model with full and window layers (two KV groups,
     ring tables); the runs over the same requests (prefix reuse on, warm, off) still agree."""

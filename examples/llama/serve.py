@@ -156,7 +156,8 @@ class ServeConfig:
     batch_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
     # The manager's hot backend: "paged", or "arena" with ``arena`` an ArenaConfig (then
-    # device_pages is unused: the budget is arena.budget_bytes; GPU only, the steps donate).
+    # device_pages is unused: the budget is arena.budget_bytes; CUDA VMM on a GPU, memfd on CPU,
+    # where the steps take the pools by address: jax_kvcm/_arena_ops.py).
     hot_backend: str = "paged"
     arena: Any = None
     # K/V pools: "auto" in the model's dtype; "fp8" in float8_e4m3fn with the params'

@@ -25,10 +25,13 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "kvcm/arena_dtype.h"
+#include "kvcm/arena_registry.h"
 
 namespace nb = nanobind;
 
@@ -45,6 +48,17 @@ size_t SystemPageSize() {
 }
 
 std::string Errno(const char* call) { return std::string(call) + ": " + std::strerror(errno); }
+
+class ArenaReservation;
+
+// The open reservations by base address (kvcm/arena_registry.h). The mutex also guards every
+// reservation's super-page table against a concurrent lookup from an op running on an XLA
+// thread while the Python thread maps or unmaps.
+std::mutex registry_mu;
+std::map<uintptr_t, ArenaReservation*>& Registry() {
+  static std::map<uintptr_t, ArenaReservation*> registry;
+  return registry;
+}
 
 class ArenaReservation {
  public:
@@ -76,6 +90,8 @@ class ArenaReservation {
       RaiseMemory("cannot create the arena's physical memory: " + e);
     }
     mapping_.assign(nbytes_ / sp_, -1);
+    std::lock_guard<std::mutex> lock(registry_mu);
+    Registry()[reinterpret_cast<uintptr_t>(base_)] = this;
   }
 
   ~ArenaReservation() { Close(); }
@@ -130,6 +146,7 @@ class ArenaReservation {
     void* p = mmap(want, sp_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_,
                    static_cast<off_t>(h * sp_));
     if (p == MAP_FAILED) RaiseMemory("cannot map an arena super-page: " + Errno("mmap"));
+    std::lock_guard<std::mutex> lock(registry_mu);
     mapping_[i] = h;
     ++handle_refs_[h];
     ++num_map_;
@@ -167,6 +184,10 @@ class ArenaReservation {
 
   void Close() noexcept {
     if (!base_) return;
+    {
+      std::lock_guard<std::mutex> lock(registry_mu);
+      Registry().erase(reinterpret_cast<uintptr_t>(base_));
+    }
     for (size_t i = 0; i < mapping_.size(); ++i) {
       if (mapping_[i] >= 0) UnmapIndex(i);
     }
@@ -181,6 +202,13 @@ class ArenaReservation {
     close(fd_);
     base_ = nullptr;
     fd_ = -1;
+  }
+
+  // Under registry_mu: true when every super-page of [offset, offset + nbytes) is mapped.
+  bool MappedLocked(size_t offset, size_t nbytes) const {
+    for (size_t i = offset / sp_; i <= (offset + nbytes - 1) / sp_; ++i)
+      if (mapping_[i] < 0) return false;
+    return true;
   }
 
   uintptr_t base() const { return reinterpret_cast<uintptr_t>(base_); }
@@ -235,10 +263,14 @@ class ArenaReservation {
   void UnmapIndex(size_t i) noexcept {
     // NOTE: replacing the mapping (MAP_FIXED) keeps the address range reserved: nothing else can
     // be mapped there between our calls.
+    const int64_t h = mapping_[i];
+    {
+      std::lock_guard<std::mutex> lock(registry_mu);  // unmapped for lookups before the pages go
+      mapping_[i] = -1;
+    }
     mmap(base_ + i * sp_, sp_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
          -1, 0);
-    --handle_refs_[mapping_[i]];
-    mapping_[i] = -1;
+    --handle_refs_[h];
     ++num_unmap_;
     --num_mapped_;
   }
@@ -253,9 +285,35 @@ class ArenaReservation {
   int64_t num_mapped_ = 0, num_physical_ = 0;
 };
 
+// Under registry_mu: the open reservation holding [address, address + nbytes), or null.
+const ArenaReservation* FindLocked(uintptr_t address, size_t nbytes) {
+  auto& reg = Registry();
+  auto it = reg.upper_bound(address);
+  if (it == reg.begin()) return nullptr;
+  --it;
+  const ArenaReservation* r = it->second;
+  if (nbytes > r->nbytes() || address - it->first > r->nbytes() - nbytes) return nullptr;
+  return r;
+}
+
 using ByteView = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 }  // namespace
+
+namespace kvcm {
+
+bool ArenaHolds(uintptr_t address, size_t nbytes) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  return FindLocked(address, nbytes) != nullptr;
+}
+
+bool ArenaMapped(uintptr_t address, size_t nbytes) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  const ArenaReservation* r = nbytes ? FindLocked(address, nbytes) : nullptr;
+  return r != nullptr && r->MappedLocked(address - r->base(), nbytes);
+}
+
+}  // namespace kvcm
 
 void BindArena(nb::module_& m) {
   m.def("arena_granularity", []() { return static_cast<int64_t>(SystemPageSize()); },

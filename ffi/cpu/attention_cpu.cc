@@ -174,6 +174,9 @@ void RunAttention(const AttentionShape& s, const ffi::AnyBuffer& q, const ffi::A
   for (int64_t t = query_start[s.batch]; t < s.num_queries; ++t) attender.Zero(od + t * row);
 }
 
+}  // namespace
+
+// Shared with the by-address arena handlers (arena_ops_cpu.cc).
 ffi::Error AttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                         ffi::AnyBuffer page_table, ffi::AnyBuffer seq_lens,
                         const ffi::AnyBuffer* query_start, ffi::AnyBuffer layer,
@@ -205,6 +208,8 @@ ffi::Error AttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
   }
   return ffi::Error::Success();
 }
+
+namespace {
 
 ffi::Error PagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                                  ffi::AnyBuffer page_table, ffi::AnyBuffer seq_lens,

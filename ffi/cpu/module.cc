@@ -9,6 +9,10 @@ extern "C" {
 XLA_FFI_Error* KvcmWriteKvCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmRaggedPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
+// The same ops over the CPU arena's pools given by address (arena_ops_cpu.cc).
+XLA_FFI_Error* KvcmArenaWriteKvCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KvcmArenaPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KvcmArenaRaggedPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
 }
 
 // Cold-tier pieces, each in its own file.
@@ -29,6 +33,9 @@ NB_MODULE(_kvcm_cpu, m) {
     d["kvcm_write_kv"] = Capsule(KvcmWriteKvCpu);
     d["kvcm_paged_attention"] = Capsule(KvcmPagedAttentionCpu);
     d["kvcm_ragged_paged_attention"] = Capsule(KvcmRaggedPagedAttentionCpu);
+    d["kvcm_arena_write_kv"] = Capsule(KvcmArenaWriteKvCpu);
+    d["kvcm_arena_paged_attention"] = Capsule(KvcmArenaPagedAttentionCpu);
+    d["kvcm_arena_ragged_paged_attention"] = Capsule(KvcmArenaRaggedPagedAttentionCpu);
     AddCodecRegistrations(d);
     return d;
   }, "Handler capsules by FFI target name.");

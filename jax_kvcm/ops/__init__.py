@@ -19,6 +19,11 @@ positions before its window) never affects that query, even where a kernel share
 between queries (the CUDA prefill kernel zeroes non-finite V rows of such tiles in shared memory
 and sets the rows that do read them to NaN).
 
+CPU arena pools: every op also takes the two :class:`~jax_kvcm._arena_ops.ArenaPool`s of a CPU
+arena in place of the cache arrays (the pools by address: same checks, same CPU code, on the
+arena's memory; ``write_kv`` returns them with their ordering tokens advanced). See
+``jax_kvcm/_arena_ops.py`` for why the CPU arena cannot be a donated array.
+
 Index checking: ``check_indices=True`` (FFI attribute) makes the CUDA handlers synchronize after
 their kernels and raise an error naming the bad argument (the CPU handler always checks). Left
 None, it follows ``JAX_KVCM_CHECK_INDICES=1`` in the environment when the op is traced (the
@@ -32,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_kvcm import _arena_ops
 from jax_kvcm import _ffi  # noqa: F401  (registers the handlers)
 from jax_kvcm.ops import _checks
 
@@ -57,11 +63,15 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 
     Returns:
       ``(k_cache, v_cache)``, aliased to the inputs: under ``jax.jit(..., donate_argnums=...)``
-      the write happens in place and nothing is copied.
+      the write happens in place and nothing is copied (for ArenaPools: the same pools, tokens
+      advanced; the write is always in place).
     """
     cache_shape = _checks.check_write(k_cache, v_cache, k, v, slot_mapping)
     layer_arr = _checks.layer_operand(layer, cache_shape)
     ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
+    pool = _arena_ops.pool_attr(k_cache, v_cache)
+    if pool is not None:
+        return _arena_ops.write_kv(k_cache, v_cache, (k, v, slot_mapping, layer_arr, ks, vs), pool)
     out_types = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     call = jax.ffi.ffi_call("kvcm_write_kv", out_types, input_output_aliases={0: 0, 1: 1})
@@ -104,6 +114,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_t
     ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
     attrs = _attention_attrs(scale, sliding_window, soft_cap, cache_shape, ring_table,
                              check_indices)
+    pool = _arena_ops.pool_attr(k_cache, v_cache)
+    if pool is not None:
+        return _arena_ops.attention("paged_attention", q, k_cache, v_cache,
+                                    (page_table, seq_lens, layer_arr, ks, vs), pool, attrs)
     call = jax.ffi.ffi_call("kvcm_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_cache, v_cache, page_table, seq_lens, layer_arr, ks, vs, **attrs)
 
@@ -134,6 +148,11 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
     attrs = _attention_attrs(scale, sliding_window, soft_cap, cache_shape, ring_table,
                              check_indices)
+    pool = _arena_ops.pool_attr(k_cache, v_cache)
+    if pool is not None:
+        return _arena_ops.attention("ragged_paged_attention", q, k_cache, v_cache,
+                                    (page_table, seq_lens, query_start, layer_arr, ks, vs), pool,
+                                    attrs)
     call = jax.ffi.ffi_call("kvcm_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_cache, v_cache, page_table, seq_lens, query_start, layer_arr, ks, vs,
                 **attrs)
