@@ -468,6 +468,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         server.generate([serve.Request(prompt=list(p), max_new_tokens=1, eos_token_ids=[])
                          for p in warm_prompts])
     server.step_records.clear()
+    waits0 = _fence_waits(mgr)
     total = sum(r.max_new_tokens for r in requests)
     pool = mgr.device_capacity_pages
     progress = _Progress(label, total)
@@ -516,6 +517,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     if window is not None:
         window.stop(server)
     rep = server.report()
+    waits = {k: v - waits0[k] for k, v in _fence_waits(mgr).items()}
     records = server.step_records
     traced = (set(range(window.indices[0] - 1, window.indices[-1] + 2))
               if window is not None and window.indices else set())
@@ -559,7 +561,8 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
-        warmup_compile_s=warm_compiles["s"], loop=loop, **extra_profile, **extra)
+        warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits, **extra_profile,
+        **extra)
     done = [outs[i] for i in sorted(outs)]
     res["generated_digests"] = loop_profile.digests(done)   # runs of a chunk sweep compare
     if arena:
@@ -567,6 +570,18 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     del server, mgr
     gc.collect()
     return res, done
+
+
+def _fence_waits(mgr: Any) -> dict[str, float]:
+    """How often, and how long, the host waited for dispatched device work: allocations waiting
+    for the step that last read freed pages, and host-tier slots waiting for a migration. In the
+    overlapped loop each such wait is a bubble (the host prepares the next step late)."""
+    st = mgr.stats()
+    sto = st.get("storage", {})
+    return dict(allocation_waits=st.get("num_fence_waits", 0),
+                allocation_wait_s=st.get("fence_wait_seconds", 0.0),
+                host_slot_waits=sto.get("num_host_fence_waits", 0),
+                host_slot_wait_s=sto.get("host_fence_wait_seconds", 0.0))
 
 
 def run_dense(params: Any, setup: Setup, requests: Sequence[serve.Request], *, batch: int,
@@ -713,6 +728,11 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         log(_fmt_roofline(res["name"], res["roofline"]))
         if "loop" in res:
             log(loop_profile.format_loop(res["name"], res["loop"]))
+        if "fence_waits" in res:
+            w = res["fence_waits"]
+            log(f"  host waits for the device inside step(): {w['allocation_waits']} allocations "
+                f"({w['allocation_wait_s']:.2f} s), {w['host_slot_waits']} host-tier slots "
+                f"({w['host_slot_wait_s']:.2f} s)")
         if "error" in res.get("profile", {}):
             log(f"  profile {res['name']}: {res['profile']['error']}")
         elif "profile" in res:

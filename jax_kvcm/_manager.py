@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence as _Seq
@@ -611,7 +612,8 @@ class _Stats:
     num_resumed: int = 0
     num_refused_suspends: int = 0
     num_refused_resumes: int = 0
-    num_fence_waits: int = 0
+    num_fence_waits: int = 0        # allocations that waited for a dispatched step
+    fence_wait_seconds: float = 0.0  # host time spent in those waits
     num_aborted_steps: int = 0
     num_failed_steps: int = 0       # steps whose pools were lost (abort/recover_from_failed_step)
     num_lost_sequences: int = 0     # sequences closed by such a loss (to recompute)
@@ -847,7 +849,9 @@ class KVCacheManager:
             f = self.storage.pools[0][0]
         if block:
             self._stats.num_fence_waits += 1
+            t = time.perf_counter()
             f.block_until_ready()
+            self._stats.fence_wait_seconds += time.perf_counter() - t
         if block or f.is_ready():
             self._ready_upto = self._step_index
 
@@ -925,12 +929,14 @@ class KVCacheManager:
         return (self.storage.governor.available(level) + int(extra @ self._page_bytes[level])
                 >= int(need @ self._page_bytes[level]))
 
-    def _evict_some(self, level: CacheLevel, need: np.ndarray) -> bool:
+    def _evict_some(self, level: CacheLevel, need: np.ndarray, *,
+                    count_pending: bool = True) -> bool:
         """Evicts cached pages at ``level`` toward ``need`` (those of layer groups whose pools
-        lack pages that pending frees will not bring back, least recently used first; window
-        pages of referenced nodes before whole nodes); False when there is nothing to evict."""
+        lack pages that pending frees will not bring back, or with ``count_pending=False`` lack
+        them now; least recently used first; window pages of referenced nodes before whole
+        nodes); False when there is nothing to evict."""
         lack = self._per_pool(level, need) - self._pool_free(level)
-        if level is D:
+        if level is D and count_pending:
             lack -= self._per_pool(D, self._num_pending)
         pools = self._pool_of[level]
         short = lack[pools] > 0
@@ -1106,13 +1112,20 @@ class KVCacheManager:
             return False
         self._reclaim()
         while not self._fits(D, need):
-            # NOTE: evict only what pending frees will not bring back, else wait for them.
+            # NOTE: pending frees that would cover ``need`` but wait for a step still running
+            # (an overlapped loop prepares the next step while the device runs this one): waiting
+            # would idle the device for the rest of the host's preparation, so cached pages are
+            # evicted instead (to a cold tier when there is one); only with nothing cached does
+            # the allocation wait. (Suspected on the H200: the full seed run's mixed steps took
+            # 68 ms of host time in step() and 0.04 ms blocked on tokens, i.e. step() waited for
+            # the device; benchmarks/RESULTS.md, session 5.)
             if self._num_pending.any():
                 if self._reclaim() > 0:
                     continue
                 if (self._pool_free(D) + self._per_pool(D, self._num_pending)
                         >= self._per_pool(D, need)).all():
-                    self._reclaim(block=True)
+                    if not self._evict_some(D, need, count_pending=False):
+                        self._reclaim(block=True)
                     continue
             if self._evict_some(D, need):
                 self._reclaim()

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -172,6 +173,8 @@ class _Stats:
     num_migrations: int = 0
     num_pages_migrated: int = 0
     bytes_migrated: int = 0
+    num_host_fence_waits: int = 0       # host-slot accesses that waited for device work
+    host_fence_wait_seconds: float = 0.0
 
 
 class StorageManager:
@@ -867,7 +870,11 @@ class StorageManager:
         for f in fences[slots]:  # NOTE: one migration's pages share one fence object
             if f is not None and id(f) not in seen:
                 seen.add(id(f))
-                f.wait()
+                if not f.is_ready():
+                    self._stats.num_host_fence_waits += 1
+                    t = time.perf_counter()
+                    f.wait()
+                    self._stats.host_fence_wait_seconds += time.perf_counter() - t
         fences[slots] = None
 
     def _hook(self, point: str) -> None:

@@ -442,6 +442,43 @@ def test_freed_pages_wait_for_the_last_step_fence():
     h.check()
 
 
+def test_allocation_evicts_cached_pages_rather_than_wait_for_a_running_step():
+    """Pending frees that would cover an allocation but wait for a step still running (an
+    overlapped loop prepares step n+1 while step n runs): cached pages are evicted (here to the
+    host tier) instead, so prepare_step does not wait for the device; the pending pages come
+    back once the step is known complete, and the evicted prefix still hits (onboarded)."""
+    h = make(tiny_config(device_pages=8, host_pages=8))
+    mgr = h.mgr
+    c = h.add(list(range(100, 116)))
+    h.run([(c, 16)], as_ids=[True])
+    mgr.close(c)                                   # 4 committed pages: cached
+    a = h.add([1, 2])
+    h.run([(a, 2)], as_ids=[True])
+    h.run([(a, 14)], as_ids=[False])               # ids unknown: a's 4 pages stay private
+    dev = mgr.stats()["pages"]["device"]
+    assert (dev["cached"], dev["referenced"], dev["free"]) == (4, 4, dev["capacity"] - 8)
+    fence = mgr._fence = NotReadyFence()           # the step that read a's pages still runs
+    mgr._ready_upto = 0
+    mgr.close(a)
+    assert mgr.stats()["pages"]["device"]["pending"] == 4
+    b = h.add(list(range(200, 216 + 4 * (dev["capacity"] - 8))))
+    batch, spans = h.prepare([(b, len(h.tokens[b.seq_id]))], as_ids=[True])
+    assert not fence.ready and mgr._stats.num_fence_waits == 0
+    st = mgr.stats()
+    assert st["num_evicted_pages"][int(H)] == 4
+    assert st["pages"]["device"]["pending"] == 4 and st["pages"]["host"]["cached"] == 4
+    mgr.complete_step(h.write(batch, spans))
+    h.check()
+    mgr.close(b)
+    mgr._reclaim(block=True)                       # the old step completes: pages come back
+    assert mgr.stats()["pages"]["device"]["pending"] == 0
+    d = h.add(list(range(100, 116)) + [0])
+    assert d.num_reused_tokens == 16
+    h.run([(d, 1)])
+    assert mgr.stats()["num_onboarded_pages"] == 4
+    h.check()
+
+
 def test_fence_donated_into_a_migration_still_tells():
     """The latest step's fence array was donated into a later migration (a decode donates the
     pools): the pending frees must still come back, through the pools that migration made."""
