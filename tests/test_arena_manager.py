@@ -103,23 +103,14 @@ class Oracle:
     def adopt_prefix(self, seq, owner_id: int) -> None:
         self.kv[seq.seq_id] = list(self.kv[owner_id][:seq.num_reused_tokens])
 
-    def check_attention(self, mgr, seqs) -> None:
-        """Decode attention over the manager's caches and tables == the reference over a dense
-        pool of the oracle's K/V, for every layer."""
-        kc, vc = mgr.caches[0]
-        lay = mgr.layout
+    def dense_pool(self, seqs, P: int, lay) -> tuple[np.ndarray, np.ndarray]:
+        """The oracle's K/V of ``seqs`` as a paged pool ``[2, L, 1 + B * P, TPP, H, D]`` (row
+        ``b``'s pages at ``1 + b * P``, page 0 null) and its ``[B, P]`` table."""
         L, TPP, H, D = lay.num_layers, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim
         B = len(seqs)
-        lens = np.array([s.num_tokens for s in seqs], np.int32)
-        P = mgr.config.pages_per_seq
-        table = np.zeros((B, P), np.int32)
         dense = np.zeros((2, L, 1 + B * P, TPP, H, D), np.float32)
         dtable = np.zeros((B, P), np.int32)
         for b, s in enumerate(seqs):
-            pages = s.page_ids()
-            # NOTE: consecutive, or two runs after a partial alias (the shared chunk's rest skipped)
-            assert (np.diff(pages) != 1).sum() <= int(mgr._aseq[s.seq_id].skip > 0), pages
-            table[b, :pages.size] = pages
             kv = np.stack(self.kv[s.seq_id][:s.num_tokens], axis=2)  # [2, L, n, H, D]
             n = kv.shape[2]
             np_ = -(-n // TPP)
@@ -127,6 +118,40 @@ class Oracle:
             pad[:, :, :n] = kv
             dense[:, :, 1 + b * P:1 + b * P + np_] = pad.reshape(2, L, np_, TPP, H, D)
             dtable[b, :np_] = np.arange(1 + b * P, 1 + b * P + np_)
+        return dense, dtable
+
+    def suspend_resume_round_trip(self, mgr, seqs, run, new_len: int):
+        """Suspends ``seqs[1]``, runs a new sequence's ``new_len``-token prompt in its place,
+        resumes it and checks its pages byte-identical, then one step of all of them; returns the
+        new sequence."""
+        a = seqs[1]
+        k0, v0 = mgr.arena.read_pages(mgr._aseq[a.seq_id], 0, a.num_pages)
+        assert mgr.suspend(a) is jax_kvcm.SuspendResult.SUSPENDED
+        other = mgr.add_sequence(prompt(self.rng, new_len))
+        self.step(mgr, [(other, new_len)], run)
+        assert mgr.resume(a)
+        k1, v1 = mgr.arena.read_pages(mgr._aseq[a.seq_id], 0, a.num_pages)
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+        self.step(mgr, [(s, 1) for s in seqs + [other]], run)
+        return other
+
+    def check_attention(self, mgr, seqs) -> None:
+        """Decode attention over the manager's caches and tables == the reference over a dense
+        pool of the oracle's K/V, for every layer."""
+        kc, vc = mgr.caches[0]
+        lay = mgr.layout
+        L, H, D = lay.num_layers, lay.num_kv_heads, lay.head_dim
+        B = len(seqs)
+        lens = np.array([s.num_tokens for s in seqs], np.int32)
+        P = mgr.config.pages_per_seq
+        table = np.zeros((B, P), np.int32)
+        for b, s in enumerate(seqs):
+            pages = s.page_ids()
+            # NOTE: consecutive, or two runs after a partial alias (the shared chunk's rest skipped)
+            assert (np.diff(pages) != 1).sum() <= int(mgr._aseq[s.seq_id].skip > 0), pages
+            table[b, :pages.size] = pages
+        dense, dtable = self.dense_pool(seqs, P, lay)
         q = self.rng.standard_normal((B, 2 * H, D)).astype(np.float32)
         for layer in range(L):
             got = jax_kvcm.paged_attention(jax.device_put(q, kc.device), kc, vc,

@@ -133,16 +133,7 @@ def test_donated_steps_through_the_manager_keep_the_arena_and_read_back():
         after = mgr.stats()["arena"]
         assert after["num_unmap_calls"] == before["num_unmap_calls"] == 0
         # Suspend / resume byte-identical on the device.
-        a = seqs[1]
-        k0, v0 = mgr.arena.read_pages(mgr._aseq[a.seq_id], 0, a.num_pages)
-        assert mgr.suspend(a) is jax_kvcm.SuspendResult.SUSPENDED
-        other = mgr.add_sequence(prompt(o.rng, CT))
-        o.step(mgr, [(other, CT)], run)
-        assert mgr.resume(a)
-        k1, v1 = mgr.arena.read_pages(mgr._aseq[a.seq_id], 0, a.num_pages)
-        np.testing.assert_array_equal(k0, k1)
-        np.testing.assert_array_equal(v0, v1)
-        o.step(mgr, [(s, 1) for s in seqs + [other]], run)
+        other = o.suspend_resume_round_trip(mgr, seqs, run, CT)
         check(o, mgr, seqs + [other])
     finally:
         mgr.shutdown()

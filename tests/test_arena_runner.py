@@ -140,16 +140,7 @@ def test_donated_steps_on_arena_pools_write_the_reservation():
         assert int(mgr.caches[0][0].token) == L * 1003
         assert mgr.stats()["arena"]["num_adoptions"] > 10
         # Suspend / resume byte-identical, then more donated steps on the resumed range.
-        a = seqs[1]
-        k0, v0 = mgr.arena.read_pages(mgr._aseq[a.seq_id], 0, a.num_pages)
-        assert mgr.suspend(a) is jax_kvcm.SuspendResult.SUSPENDED
-        other = mgr.add_sequence(prompt(o.rng, CT))
-        o.step(mgr, [(other, CT)], run)
-        assert mgr.resume(a)
-        k1, v1 = mgr.arena.read_pages(mgr._aseq[a.seq_id], 0, a.num_pages)
-        np.testing.assert_array_equal(k0, k1)
-        np.testing.assert_array_equal(v0, v1)
-        o.step(mgr, [(s, 1) for s in seqs + [other]], run)
+        other = o.suspend_resume_round_trip(mgr, seqs, run, CT)
         _check_bytes(o, mgr, seqs + [other])
         o.check_attention(mgr, seqs + [other])
     finally:
@@ -169,16 +160,9 @@ def test_attention_inside_the_step_reads_what_the_step_wrote():
         for _ in range(3):
             batch = o.step(mgr, [(s, 1) for s in seqs], run)
             B, P = len(seqs), batch.page_table.shape[1]
-            dense = np.zeros((2, L, 1 + B * P, TPP, H, D), np.float32)
+            dense, rows = o.dense_pool(seqs, P, mgr.layout)
             table = np.zeros((batch.seq_lens.shape[0], P), np.int32)
-            for b, s in enumerate(seqs):
-                kv = np.stack(o.kv[s.seq_id], axis=2)
-                n = kv.shape[2]
-                npg = -(-n // TPP)
-                pad = np.zeros((2, L, npg * TPP, H, D), np.float32)
-                pad[:, :, :n] = kv
-                dense[:, :, 1 + b * P:1 + b * P + npg] = pad.reshape(2, L, npg, TPP, H, D)
-                table[b, :npg] = np.arange(1 + b * P, 1 + b * P + npg)
+            table[:B] = rows
             for layer in range(L):
                 want = reference.paged_attention(
                     jnp.asarray(run.q), jnp.asarray(dense[0]), jnp.asarray(dense[1]),
