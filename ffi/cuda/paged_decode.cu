@@ -18,7 +18,7 @@
 // run in f16 (bf16 queries are converted to f16 once: exact for |q| in f16's normal range). Two
 // free index permutations make each lane's bytes contiguous (see the kernel): the head-dim order
 // of the S = Q K^T k steps (Q uses the same), and the head-dim order of the O = P V columns (undone
-// when O is written out). scripts/fp8_decode_fragments.py emulates these layouts on the host.
+// when O is written out). tests/test_fp8_decode_fragments.py emulates these layouts on the host.
 // The per-(layer, kv head) scales are constant within a CTA: k_scale is folded into the logit
 // scale and v_scale multiplies the merged output, so no per-element scaling happens.
 #include <algorithm>
@@ -60,7 +60,7 @@ constexpr int DecodeSmemBytes() {
 
 // fp8 tiles ([16 tokens][D bytes] in shared memory): 16-byte chunk c of row r lives at chunk
 // position c ^ Fp8ChunkSwizzle<D>(r). Chosen so that the fragment reads of the kernel hit 32
-// distinct banks per shared-memory wavefront (checked by scripts/fp8_decode_fragments.py):
+// distinct banks per shared-memory wavefront (checked by tests/test_fp8_decode_fragments.py):
 // - K reads 4 bytes of chunk kk of rows g = 0..7 (lane = 4g + q): the swizzle must differ on
 //   the rows sharing banks: r & 7 at D = 128 (row stride 128 bytes), (r >> 1) & 3 at D = 64
 //   (two rows per 128 bytes);
@@ -82,11 +82,22 @@ __device__ __forceinline__ int Fp8TileOffset(int row, int chunk) {
   return row * D + ((chunk ^ Fp8ChunkSwizzle<D>(row)) << 4);
 }
 
-// Two e4m3 values (the low byte is element 0) -> an f16x2 word (element 0 in the low half), exact;
-// e4m3fn NaN (0x7f / 0xff) -> f16 NaN, as in Fp8ChunkToHalf.
-__device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t pair16) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair16 & 0xffffu), __NV_E4M3);
-  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+// Four e4m3 values (bytes 0..3 of w) -> two f16x2 words: lo = {byte 0, byte 1}, hi = {byte 2,
+// byte 3}, the lower-addressed byte in the low half; exact, and e4m3fn NaN (0x7f / 0xff) -> f16
+// NaN, as in Fp8ChunkToHalf (the same cvt.rn.f16x2.e4m3x2). The inline form lets ptxas read the
+// high half in place (no shift).
+__device__ __forceinline__ void Fp8QuadToHalf2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+#else
+  const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xffffu), __NV_E4M3);
+  const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w >> 16), __NV_E4M3);
+  lo = uint32_t(a.x) | (uint32_t(a.y) << 16);
+  hi = uint32_t(b.x) | (uint32_t(b.y) << 16);
+#endif
 }
 
 // Two query elements (one 32-bit word of T) as the MMA operand type M.
@@ -282,8 +293,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
         for (int nt = 0; nt < 2; ++nt) {
           const uint32_t w = *reinterpret_cast<const uint32_t*>(
               ktile + Fp8TileOffset<D>(nt * 8 + r0, kk) + 2 * c0);
-          r[2 * nt] = Fp8PairToHalf2(w);
-          r[2 * nt + 1] = Fp8PairToHalf2(w >> 16);
+          Fp8QuadToHalf2x2(w, r[2 * nt], r[2 * nt + 1]);
         }
       } else {
         const M* ks = reinterpret_cast<const M*>(ktile);
@@ -346,11 +356,13 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
           const uint32_t hi0 = __byte_perm(w[0][j], w[1][j], 0x7362);
           const uint32_t lo1 = __byte_perm(w[2][j], w[3][j], 0x5140);
           const uint32_t hi1 = __byte_perm(w[2][j], w[3][j], 0x7362);
-          const int n = pc * kPiece + 4 * j;
-          Mma<M>::mma(o[n], pa, Fp8PairToHalf2(lo0), Fp8PairToHalf2(lo1));
-          Mma<M>::mma(o[n + 1], pa, Fp8PairToHalf2(lo0 >> 16), Fp8PairToHalf2(lo1 >> 16));
-          Mma<M>::mma(o[n + 2], pa, Fp8PairToHalf2(hi0), Fp8PairToHalf2(hi1));
-          Mma<M>::mma(o[n + 3], pa, Fp8PairToHalf2(hi0 >> 16), Fp8PairToHalf2(hi1 >> 16));
+          uint32_t b0[4], b1[4];  // n-tile pc * kPiece + 4j + i: {b0[i], b1[i]}
+          Fp8QuadToHalf2x2(lo0, b0[0], b0[1]);
+          Fp8QuadToHalf2x2(hi0, b0[2], b0[3]);
+          Fp8QuadToHalf2x2(lo1, b1[0], b1[1]);
+          Fp8QuadToHalf2x2(hi1, b1[2], b1[3]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) Mma<M>::mma(o[pc * kPiece + 4 * j + i], pa, b0[i], b1[i]);
         }
       }
     } else {
