@@ -40,7 +40,7 @@ constexpr int kWarps = 4;
 // grid is 1.3 waves and loses, 2.85 vs 3.51). head_dim 256 always uses 2 (smem).
 // fp8 caches: a stage is half the bytes, so 4 stages at head_dim <= 128 (64 KB per CTA at 128)
 // keep as many bytes in flight per SM as the 16-bit deep ring (12 warps x 3 tiles x 4 KB vs 8 x 2
-// x 8 KB) while running 3 CTAs/SM, the occupancy the registers allow (~166 per thread): the
+// x 8 KB) while running 3 CTAs/SM, the occupancy the registers allow (~164 per thread): the
 // shallow ring's occupancy gain already holds, so fp8 has one depth (see LaunchPagedDecode).
 // head_dim 256: 3 stages (96 KB, 2 CTAs/SM, the register limit at ~255 per thread).
 template <int D, bool kFp8>
