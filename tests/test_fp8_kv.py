@@ -14,11 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import (DTYPES, assert_bits_equal, assert_close, assert_zero_rows, reference,
+from conftest import (DTYPES, assert_bits_equal, assert_close, assert_zero_rows, cdiv, reference,
                       to_f32)
 from jax_kvcm import ops
 from jax_kvcm.ops import reference as ref
-from test_attention import DECODE_CASES, RAGGED_CASES, make_batch
+from test_attention import DECODE_CASES, RAGGED_CASES, Case, make_batch
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -176,6 +176,120 @@ def test_ragged_paged_attention_fp8(backend, case, dtype):
     want = reference("ragged_paged_attention", q, kdq, vdq, *args, layer=b.layer, **case.attrs())
     assert_zero_rows(out, b.zero_rows, "fp8 ragged padding rows", seed)
     assert_close(out, want, dtype, f"ragged fp8[{case.id}]", seed)
+
+
+# Shapes the decode kernel's fp8 fragment layouts depend on (head dims 64 / 128 / 256, GQA groups
+# up to 16 so that rows 8..15 of the MMA tile carry queries, pages of 8 (tiles over two pages),
+# split and unsplit grids, windows, a soft cap). Ragged calls run the same kernel for their decode
+# rows.
+FP8_DECODE_SHAPE_CASES = [
+    Case("p16-d64-gqa16-split", 16, 64, 2, 16, batch=5, max_pages=24, num_tokens=64),
+    Case("p8-d256-gqa1-split", 8, 256, 2, 1, batch=5, max_pages=40, num_tokens=64),
+    Case("p16-d256-gqa16", 16, 256, 1, 16, batch=5, max_pages=5, num_tokens=64),
+    Case("p8-d128-gqa16-window37", 8, 128, 1, 16, batch=6, max_pages=12, num_tokens=64,
+         sliding_window=37),
+    Case("p32-d128-gqa8-split", 32, 128, 2, 8, batch=5, max_pages=12, num_tokens=64),
+    Case("p64-d128-gqa16-softcap-split", 64, 128, 1, 16, batch=5, max_pages=8, num_tokens=64,
+         soft_cap=20.0),
+    Case("p8-d64-gqa4-window300-split", 8, 64, 2, 4, batch=5, max_pages=60, num_tokens=64,
+         sliding_window=300),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+@pytest.mark.parametrize("case", FP8_DECODE_SHAPE_CASES, ids=[c.id for c in FP8_DECODE_SHAPE_CASES])
+def test_fp8_decode_kernel_shapes(backend, case, op, dtype):
+    seed = 12
+    ragged = op == "ragged"
+    b, q, k8, v8, kdq, vdq, ks, vs = fp8_batch(seed, case, dtype, ragged=ragged)
+    idx = (b.page_table, b.seq_lens) + ((b.query_start,) if ragged else ())
+    fn = ops.ragged_paged_attention if ragged else ops.paged_attention
+    out = fn(*backend.put(q, k8, v8, *idx), layer=b.layer, k_scale=backend.put(ks),
+             v_scale=backend.put(vs), **case.attrs())
+    want = reference("ragged_paged_attention" if ragged else "paged_attention", q, kdq, vdq, *idx,
+                     layer=b.layer, **case.attrs())
+    assert_zero_rows(out, b.zero_rows, f"fp8 {op} padded rows", seed)
+    assert_close(out, want, dtype, f"{op} fp8[{case.id}]", seed)
+
+
+def fp8_poisoned_batch(seed, D, page, lens, window, num_kv_heads, group):
+    """fp8 caches whose every slot that is not a token of some sequence is NaN (0x7f: the null
+    page, tails, pages before a window, whose table entries point at the null page)."""
+    rng = np.random.default_rng(seed)
+    width = max(cdiv(n, page) for n in lens)
+    num_pages = 1 + len(lens) * width + 1
+    shape = (num_pages, page, num_kv_heads, D)
+    k, v = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    table = np.zeros((len(lens), width), np.int32)
+    nxt = 1
+    for b, n in enumerate(lens):
+        for i in range(cdiv(n, page)):
+            table[b, i] = nxt
+            rows = min(page, n - i * page)
+            k[nxt, :rows] = rng.standard_normal((rows, num_kv_heads, D))
+            v[nxt, :rows] = rng.standard_normal((rows, num_kv_heads, D))
+            nxt += 1
+        if window is not None:
+            table[b, :max(0, n - window) // page] = 0
+    ks, vs = random_scales(rng, (num_kv_heads,)), random_scales(rng, (num_kv_heads,))
+    q = rng.standard_normal((len(lens), num_kv_heads * group, D)).astype(np.float32)
+    return q, k, v, table, np.asarray(lens, np.int32), ks, vs
+
+
+def fp8_quantize_cache(x, scale):
+    """[N, P, Hkv, D] float32 -> float8_e4m3fn with per-kv-head scales (NaN stays NaN)."""
+    N, P, H, D = x.shape
+    flat = x.transpose(2, 0, 1, 3).reshape(H, -1)
+    return np_quantize(flat, scale).reshape(H, N, P, D).transpose(1, 2, 0, 3)
+
+
+def fp8_dequantize_cache(x8, scale):
+    N, P, H, D = x8.shape
+    flat = x8.transpose(2, 0, 1, 3).reshape(H, -1)
+    return np_dequantize(flat, scale).reshape(H, N, P, D).transpose(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("grid", ["window", "split"])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_fp8_decode_attended_nan_shows_and_nothing_else_leaks(backend, D, where, grid):
+    """The non-finite rule on fp8 caches: a NaN byte in an attended K row makes the reading heads'
+    rows NaN; one in V makes exactly that head-dim element of them NaN (the decode kernel's
+    permuted output columns must put it back at its d); NaN bytes nobody reads never leak."""
+    seed = 13
+    G, hkv, page = 4, 2, 16
+    if grid == "window":
+        lens, window = [37, 50, 16, 0, 70], 40
+    else:  # long rows, no window: a split grid on the GPU
+        lens, window = [300, 517, 16, 0, 700], None
+    q, k, v, table, lens, ks, vs = fp8_poisoned_batch(seed, D, page, lens, window, hkv, G)
+    d_bad = D // 2 + 5
+    page_bad, off_bad = int(table[1, 30 // page]), 30 % page  # row 1 attends to position 30
+    (k if where == "k" else v)[page_bad, off_bad, 0, d_bad] = np.nan
+    k8, v8 = fp8_quantize_cache(k, ks), fp8_quantize_cache(v, vs)
+    qb = q.astype(jnp.bfloat16)
+    out = to_f32(ops.paged_attention(*backend.put(qb, k8, v8, table, lens),
+                                     k_scale=backend.put(ks), v_scale=backend.put(vs),
+                                     sliding_window=window))
+    bad_heads = out[1, :G]  # the query heads reading kv head 0
+    if where == "k":
+        assert np.isnan(bad_heads).all(), f"row 1 must be NaN (D={D}, seed={seed})"
+    else:
+        assert np.isnan(bad_heads[:, d_bad]).all(), f"row 1 dim {d_bad} must be NaN (seed={seed})"
+        others = np.delete(bad_heads, d_bad, axis=1)
+        assert np.isfinite(others).all(), (
+            f"row 1: NaN outside dim {d_bad} at "
+            f"{np.argwhere(~np.isfinite(others)).tolist()[:4]} (D={D}, seed={seed})")
+    clean = (k8 if where == "k" else v8).copy()
+    clean[page_bad, off_bad, 0, d_bad] = 0
+    k_clean, v_clean = (clean, v8) if where == "k" else (k8, clean)
+    want = reference("paged_attention", qb, fp8_dequantize_cache(k_clean, ks),
+                     fp8_dequantize_cache(v_clean, vs), table, lens, sliding_window=window)
+    keep = np.ones(out.shape[:2], bool)
+    keep[1, :G] = False
+    assert_close(out[keep], want[keep], jnp.bfloat16, "rows that do not read the poison", seed)
+    assert (out[3] == 0).all()
 
 
 @pytest.mark.parametrize("op", ["paged", "ragged"])

@@ -12,9 +12,13 @@
 // a mixed batch): sequence b's query row is query_start[b], and CTAs of other sequences exit at
 // once (the ragged prefill kernel owns those; see ragged_prefill.cu).
 //
-// fp8 caches: tiles arrive as raw bytes (a 16-byte cp.async moves 16 elements), and each warp
-// converts its tile to f16 in shared memory (e4m3 -> f16 is exact) before the same ldmatrix/mma
-// path runs in f16 (bf16 queries are converted to f16 once: exact for |q| in f16's normal range).
+// fp8 caches: tiles arrive as raw bytes (a 16-byte cp.async moves 16 elements, stored with the
+// swizzle of Fp8ChunkSwizzle) and each lane converts the bytes it needs straight into its MMA
+// fragments (cvt.rn.f16x2.e4m3x2, exact): no converted copy of the tile in shared memory. The MMAs
+// run in f16 (bf16 queries are converted to f16 once: exact for |q| in f16's normal range). Two
+// free index permutations make each lane's bytes contiguous (see the kernel): the head-dim order
+// of the S = Q K^T k steps (Q uses the same), and the head-dim order of the O = P V columns (undone
+// when O is written out). tests/test_fp8_decode_fragments.py emulates these layouts on the host.
 // The per-(layer, kv head) scales are constant within a CTA: k_scale is folded into the logit
 // scale and v_scale multiplies the merged output, so no per-element scaling happens.
 #include <algorithm>
@@ -30,18 +34,70 @@ namespace {
 constexpr int kTile = 16;  // tokens per tile
 constexpr int kWarps = 4;
 
-// Ring depth: 3 stages (2 CTAs/SM at head_dim 128) keeps the most bytes in flight per warp; 2
-// stages (3 CTAs/SM) has more warps to hide each warp's compute, which wins when the grid is
-// many waves deep (measured on the H200: 256x1024 3.58 vs 3.34 TB/s; at 64x4096 the 3-CTA grid is
-// 1.3 waves and loses, 2.85 vs 3.51). head_dim 256 always uses 2 (smem).
-template <int D>
-constexpr int MaxStages() { return D <= 128 ? 3 : 2; }
+// Ring depth. 16-bit caches: 3 stages (2 CTAs/SM at head_dim 128) keeps the most bytes in flight
+// per warp; 2 stages (3 CTAs/SM) has more warps to hide each warp's compute, which wins when the
+// grid is many waves deep (measured on the H200: 256x1024 3.58 vs 3.34 TB/s; at 64x4096 the 3-CTA
+// grid is 1.3 waves and loses, 2.85 vs 3.51). head_dim 256 always uses 2 (smem).
+// fp8 caches: a stage is half the bytes, so 4 stages at head_dim <= 128 (64 KB per CTA at 128)
+// keep as many bytes in flight per SM as the 16-bit deep ring (12 warps x 3 tiles x 4 KB vs 8 x 2
+// x 8 KB) while running 3 CTAs/SM, the occupancy the registers allow (~164 per thread): the
+// shallow ring's occupancy gain already holds, so fp8 has one depth (see LaunchPagedDecode).
+// head_dim 256: 3 stages (96 KB, 2 CTAs/SM, the register limit at ~255 per thread).
+template <int D, bool kFp8>
+constexpr int MaxStages() {
+  if constexpr (kFp8) return D <= 128 ? 4 : 3;
+  return D <= 128 ? 3 : 2;
+}
 
-// Per warp: kStages {K, V} tiles as they arrive (2 bytes or 1 byte per element) and, for fp8, one
-// converted f16 {K, V} tile.
+// Per warp: kStages {K, V} tiles as they arrive (2 bytes or 1 byte per element); at least the
+// end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G] maxima and sums, which reuse it.
 template <int D, bool kFp8, int kStages>
 constexpr int DecodeSmemBytes() {
-  return kWarps * (kStages * 2 * kTile * D * (kFp8 ? 1 : 2) + (kFp8 ? 2 * kTile * D * 2 : 0));
+  constexpr int ring = kWarps * kStages * 2 * kTile * D * (kFp8 ? 1 : 2);
+  constexpr int merge = kWarps * 16 * (D + 2) * 4;
+  return ring > merge ? ring : merge;
+}
+
+// fp8 tiles ([16 tokens][D bytes] in shared memory): 16-byte chunk c of row r lives at chunk
+// position c ^ Fp8ChunkSwizzle<D>(r). Chosen so that the fragment reads of the kernel hit 32
+// distinct banks per shared-memory wavefront (checked by tests/test_fp8_decode_fragments.py):
+// - K reads 4 bytes of chunk kk of rows g = 0..7 (lane = 4g + q): the swizzle must differ on
+//   the rows sharing banks: r & 7 at D = 128 (row stride 128 bytes), (r >> 1) & 3 at D = 64
+//   (two rows per 128 bytes);
+// - V reads 16 bytes of chunks 2g and 2g + 1 of rows 2q (+1, +8, +9) at D = 256 (8 lanes per
+//   wavefront: g in {2p, 2p + 1}, q = 0..3): r & 7 with bits 0 and 1 swapped, so the four rows
+//   2q (or 2q + 1) of a wavefront differ from each other by more than the xor 2 between chunks
+//   2g of g = 2p and 2p + 1. D = 128 reads chunk g of the same rows (conflict-free with r & 7);
+//   D = 64 reads 8 bytes per row and its four rows 2q share 64 bytes of banks: 2-way, unavoidable
+//   with a per-row swizzle.
+template <int D>
+__device__ __forceinline__ int Fp8ChunkSwizzle(int row) {
+  if constexpr (D == 64) return (row >> 1) & 3;
+  else if constexpr (D == 128) return row & 7;
+  else return ((row & 1) << 1) | ((row >> 1) & 1) | (row & 4);
+}
+// Byte offset of chunk `chunk` of row `row` in an fp8 [16][D] tile.
+template <int D>
+__device__ __forceinline__ int Fp8TileOffset(int row, int chunk) {
+  return row * D + ((chunk ^ Fp8ChunkSwizzle<D>(row)) << 4);
+}
+
+// Four e4m3 values (bytes 0..3 of w) -> two f16x2 words: lo = {byte 0, byte 1}, hi = {byte 2,
+// byte 3}, the lower-addressed byte in the low half; exact, and e4m3fn NaN (0x7f / 0xff) -> f16
+// NaN, as in Fp8ChunkToHalf (the same cvt.rn.f16x2.e4m3x2). The inline form lets ptxas read the
+// high half in place (no shift).
+__device__ __forceinline__ void Fp8QuadToHalf2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+#else
+  const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xffffu), __NV_E4M3);
+  const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w >> 16), __NV_E4M3);
+  lo = uint32_t(a.x) | (uint32_t(a.y) << 16);
+  hi = uint32_t(b.x) | (uint32_t(b.y) << 16);
+#endif
 }
 
 // Two query elements (one 32-bit word of T) as the MMA operand type M.
@@ -73,7 +129,6 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
   constexpr int kChunks = D / 8;            // 16-byte chunks of M per row
   constexpr int kLoadChunks = kFp8 ? D / 16 : D / 8;  // 16-byte chunks per cached row
-  constexpr int kTileElems = kTile * D;     // elements of M per converted tile
   constexpr int kTileBytes = kTile * D * (kFp8 ? 1 : 2);  // bytes of one arriving tile
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
@@ -112,17 +167,23 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   const int my_hi = min(tile_hi, my_lo + per_split);
   const int my_count = my_hi - my_lo > warp ? (my_hi - my_lo - warp + kWarps - 1) / kWarps : 0;
 
-  // Q rows kvh*G + r for r < G as A fragments, one per 16-wide k step.
+  // Q rows kvh*G + r for r < G as A fragments, one per 16-wide k step. The A layout gives lane
+  // (g = lane / 4, q = lane % 4) the k indices {2q, 2q + 1} (words 0, 1) and {2q + 8, 2q + 9}
+  // (words 2, 3) of rows g and g + 8. 16-bit caches: k = head-dim index d - 16 kk. fp8 caches
+  // permute the d's of a k step so that a lane's four K bytes are one word: k index {2q, 2q + 1,
+  // 2q + 8, 2q + 9} holds d = 16 kk + 4q + {0, 1, 2, 3} (the dot product is a sum over d, so any
+  // permutation shared by Q and K gives the same S).
   const int r0 = lane / 4, c0 = (lane % 4) * 2;
   const T* qb = static_cast<const T*>(a.q) + (qrow * s.num_heads + int64_t(kvh) * G) * D;
   uint32_t qf[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const int col = kk * 16 + c0;
+    const int col = kFp8 ? kk * 16 + 2 * c0 : kk * 16 + c0;  // fp8: 4q
+    constexpr int kHi = kFp8 ? 2 : 8;  // offset of words 2 and 3's d from words 0 and 1's
     qf[kk][0] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col) : 0u;
     qf[kk][1] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col) : 0u;
-    qf[kk][2] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col + 8) : 0u;
-    qf[kk][3] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col + 8) : 0u;
+    qf[kk][2] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col + kHi) : 0u;
+    qf[kk][3] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col + kHi) : 0u;
   }
 
   constexpr int kElemBytes = kFp8 ? 1 : 2;
@@ -131,9 +192,8 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
   const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
   const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
-  constexpr int kWarpBytes = kStages * 2 * kTileBytes + (kFp8 ? 2 * kTileElems * 2 : 0);
+  constexpr int kWarpBytes = kStages * 2 * kTileBytes;
   char* wsmem = smem + warp * kWarpBytes;
-  M* conv = reinterpret_cast<M*>(wsmem + kStages * 2 * kTileBytes);  // fp8: converted {K, V}
   const int max_pages = int(s.max_pages);
 
   // Page indices of a tile, lane-uniform: a 16-token tile spans one page (P >= 16) or two
@@ -165,8 +225,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
 #pragma unroll
       for (int k = 0; k < kTile / kRowStep; ++k) {
         const int row = row0 + k * kRowStep;
-        const int i = row * kLoadChunks + ch;
-        const int so = kFp8 ? i * 16 : SwizzledOffset<kChunks>(row, ch) * 2;
+        const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
         const int64_t off = off0 + int64_t(k * kRowStep) * token_bytes;
         CpAsync16(SmemAddr(ks + so), kbase + off, true);
         CpAsync16(SmemAddr(vs + so), vbase + off, true);
@@ -188,8 +247,8 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
           off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
         }
       }
-      // fp8 tiles arrive unswizzled (converted below); 16-bit tiles swizzled for ldmatrix.
-      const int so = kFp8 ? i * 16 : SwizzledOffset<kChunks>(row, ch) * 2;
+      // Both swizzled: 16-bit tiles for ldmatrix, fp8 tiles for the fragment reads.
+      const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
       CpAsync16(SmemAddr(ks + so), kbase + off, valid);
       CpAsync16(SmemAddr(vs + so), vbase + off, valid);
     }
@@ -210,16 +269,10 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   for (int it = 0; it < my_count; ++it) {
     CpAsyncWait<kStages - 2>();
     __syncwarp();
-    const M* ks;
-    if constexpr (kFp8) {
-      if constexpr (kFp8)  // this warp's arrived tile -> f16 in conv
-        ConvertFp8Tiles<kTile, D>(wsmem + (it % kStages) * 2 * kTileBytes, conv, lane, 32);
-      __syncwarp();
-      ks = conv;
-    } else {
-      ks = reinterpret_cast<const M*>(wsmem + (it % kStages) * 2 * kTileBytes);
-    }
-    const M* vs = ks + kTileElems;
+    // This warp's arrived {K, V} tile (read below, before the next iteration's __syncwarp lets
+    // any lane refill its stage).
+    const char* ktile = wsmem + (it % kStages) * 2 * kTileBytes;
+    const char* vtile = ktile + kTileBytes;
     if (it + kStages - 1 < my_count) {
       load_tile(it + kStages - 1, (it + kStages - 1) % kStages, page_lo, page_hi);
       fetch_pages(it + kStages, page_lo, page_hi);
@@ -232,8 +285,21 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t r[4];
-      const int row = (lane & 7) + ((lane >> 4) << 3);
-      LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
+      if constexpr (kFp8) {
+        // B fragments of n-tiles 0 and 1 (tokens nt * 8 + g): words 0, 1 hold k {2q, 2q + 1}
+        // and {2q + 8, 2q + 9}, i.e. d = 16 kk + 4q + {0, 1} and {2, 3} (the permutation of qf):
+        // the low and high halves of the 32-bit word at byte 4q of chunk kk of the token's row.
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(
+              ktile + Fp8TileOffset<D>(nt * 8 + r0, kk) + 2 * c0);
+          Fp8QuadToHalf2x2(w, r[2 * nt], r[2 * nt + 1]);
+        }
+      } else {
+        const M* ks = reinterpret_cast<const M*>(ktile);
+        const int row = (lane & 7) + ((lane >> 4) << 3);
+        LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
+      }
       if (kk % 2 == 0) {
         Mma<M>::mma(sc[0], qf[kk], r[0], r[1]);
         Mma<M>::mma(sc[1], qf[kk], r[2], r[3]);
@@ -257,13 +323,58 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     OnlineSoftmax<2, D / 8>(sc, o, m, l);
     const uint32_t pa[4] = {Mma<M>::pack(sc[0][0], sc[0][1]), Mma<M>::pack(sc[0][2], sc[0][3]),
                             Mma<M>::pack(sc[1][0], sc[1][1]), Mma<M>::pack(sc[1][2], sc[1][3])};
+    if constexpr (kFp8) {
+      // O = P V with the output columns permuted: column c of n-tile n holds d = c * (D / 8) + n
+      // (undone at the write-out). Lane (g, q)'s B fragments, for every n-tile, are then
+      // {V[t][d], V[t + 1][d]} for t = 2q (word 0) and t = 2q + 8 (word 1), d = g * (D / 8) + n:
+      // the D / 8 contiguous bytes at g * (D / 8) of rows 2q, 2q + 1, 2q + 8, 2q + 9, read in
+      // pieces of up to 16 bytes. Bytes of rows t and t + 1 are interleaved into e4m3 pairs
+      // (row t's byte low: the smaller k index), each pair converted to one f16x2 word.
+      constexpr int kRowBytes = D / 8;  // per lane and row
+      constexpr int kPiece = kRowBytes < 16 ? kRowBytes : 16;
 #pragma unroll
-    for (int n = 0; n < D / 8; n += 2) {
-      uint32_t r[4];
-      const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
-      LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
-      Mma<M>::mma(o[n], pa, r[0], r[1]);
-      Mma<M>::mma(o[n + 1], pa, r[2], r[3]);
+      for (int pc = 0; pc < kRowBytes / kPiece; ++pc) {
+        const int byte = r0 * kRowBytes + pc * kPiece;  // in the unswizzled row
+        uint32_t w[4][kPiece / 4];  // rows 2q, 2q + 1, 2q + 8, 2q + 9
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const int row = c0 + (rr & 1) + (rr >> 1) * 8;
+          const char* src = vtile + Fp8TileOffset<D>(row, byte >> 4) + (byte & 15);
+          if constexpr (kPiece == 16) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src);
+            w[rr][0] = v.x; w[rr][1] = v.y; w[rr][2] = v.z; w[rr][3] = v.w;
+          } else {
+            const uint2 v = *reinterpret_cast<const uint2*>(src);
+            w[rr][0] = v.x; w[rr][1] = v.y;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kPiece / 4; ++j) {
+          // Bytes 0, 1 (2, 3) of word j of rows t and t + 1 as {t, t + 1} pairs of n-tiles
+          // pc * kPiece + 4j + 0, 1 (2, 3), in the low and high halves.
+          const uint32_t lo0 = __byte_perm(w[0][j], w[1][j], 0x5140);
+          const uint32_t hi0 = __byte_perm(w[0][j], w[1][j], 0x7362);
+          const uint32_t lo1 = __byte_perm(w[2][j], w[3][j], 0x5140);
+          const uint32_t hi1 = __byte_perm(w[2][j], w[3][j], 0x7362);
+          uint32_t b0[4], b1[4];  // n-tile pc * kPiece + 4j + i: {b0[i], b1[i]}
+          Fp8QuadToHalf2x2(lo0, b0[0], b0[1]);
+          Fp8QuadToHalf2x2(hi0, b0[2], b0[3]);
+          Fp8QuadToHalf2x2(lo1, b1[0], b1[1]);
+          Fp8QuadToHalf2x2(hi1, b1[2], b1[3]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) Mma<M>::mma(o[pc * kPiece + 4 * j + i], pa, b0[i], b1[i]);
+        }
+      }
+    } else {
+      const M* vs = reinterpret_cast<const M*>(vtile);
+#pragma unroll
+      for (int n = 0; n < D / 8; n += 2) {
+        uint32_t r[4];
+        const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
+        LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
+        Mma<M>::mma(o[n], pa, r[0], r[1]);
+        Mma<M>::mma(o[n + 1], pa, r[2], r[3]);
+      }
     }
   }
   CpAsyncWait<0>();
@@ -287,8 +398,11 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     if (row < G) {
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        mo[(warp * G + row) * D + n * 8 + c0] = o[n][2 * h];
-        mo[(warp * G + row) * D + n * 8 + c0 + 1] = o[n][2 * h + 1];
+        // Column c of n-tile n: d = n * 8 + c, or c * (D / 8) + n for fp8 (see the P V step).
+        const int d0 = kFp8 ? c0 * (D / 8) + n : n * 8 + c0;
+        const int d1 = kFp8 ? (c0 + 1) * (D / 8) + n : n * 8 + c0 + 1;
+        mo[(warp * G + row) * D + d0] = o[n][2 * h];
+        mo[(warp * G + row) * D + d1] = o[n][2 * h + 1];
       }
       if (lane % 4 == 0) {
         mm[warp * G + row] = m[h];
@@ -451,12 +565,14 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a, size_t
   return DispatchHalfDtypeAndHeadDim(a, "paged_attention", [&](auto t, auto d) -> ffi::Error {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    // The ring depth (see MaxStages): the shallower ring when the grid, unsplit, is at least
-    // 4 waves deep at its occupancy (many short rows: B256 S256, B256 S1024); else the deeper.
+    // The ring depth (see MaxStages): 16-bit caches take the shallower ring when the grid,
+    // unsplit, is at least 4 waves deep at its occupancy (many short rows: B256 S256, B256
+    // S1024); else the deeper. fp8 caches have one depth (its occupancy is already the
+    // registers' limit, so a shallower ring would only hold fewer bytes in flight).
     auto run = [&](auto fp8) -> ffi::Error {
       constexpr bool kFp8 = decltype(fp8)::value;
-      constexpr int kDeep = MaxStages<D>();
-      if constexpr (kDeep > 2) {
+      constexpr int kDeep = MaxStages<D, kFp8>();
+      if constexpr (!kFp8 && kDeep > 2) {
         const int64_t rows = a.shape.batch * a.shape.cache.num_kv_heads;
         const int per_sm = CtasPerSm<T, D, kFp8, 2>();
         if (per_sm > 0 && rows >= 4 * int64_t(NumSMs()) * per_sm)
