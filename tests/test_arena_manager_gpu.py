@@ -12,6 +12,9 @@ page of the null chunk and of the sequences' private chunks (the conftest conven
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,6 +257,7 @@ def test_llama_server_on_the_arena_generates_what_the_paged_server_does(tmp_path
     """examples/llama/serve.Server end to end on the arena (donated jitted steps, CUDA
     kernels): greedy tokens of a float32 model equal the paged server's, prompts sharing a
     whole chunk alias it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: examples/
     from conftest import random_hf_llama
     from examples.llama import loader as llama_loader
     from examples.llama import serve

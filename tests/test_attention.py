@@ -66,8 +66,9 @@ DECODE_CASES = [
     Case("p32-d128-gqa4-window40-nulled", 32, 128, 2, 2, batch=6, max_pages=5, sliding_window=40,
          null_out_of_window=True),
     Case("layers3-p16-d64-gqa4", 16, 64, 2, 4, batch=6, max_pages=4, num_layers=3),
-    # batch * Hkv >= 4 waves of CTAs on an H200: the decode kernel's shallower ring (see
-    # MaxStages in ffi/cuda/paged_decode.cu); every other case takes the deeper one.
+    # batch * Hkv >= 4 waves of CTAs on an H200: a 16-bit cache takes the decode kernel's
+    # shallower ring (see MaxStages in ffi/cuda/paged_decode.cu), every other case the deeper
+    # one; fp8 caches have one depth.
     Case("many-rows-p16-d128-gqa4", 16, 128, 2, 4, batch=1000, max_pages=3),
 ]
 
