@@ -200,7 +200,26 @@ FP8_DECODE_SHAPE_CASES = [
 @pytest.mark.parametrize("op", ["paged", "ragged"])
 @pytest.mark.parametrize("case", FP8_DECODE_SHAPE_CASES, ids=[c.id for c in FP8_DECODE_SHAPE_CASES])
 def test_fp8_decode_kernel_shapes(backend, case, op, dtype):
-    seed = 12
+    _check_fp8_decode(backend, case, op, dtype, seed=12)
+
+
+# 512 rows of 2,048 tokens, just over one wave of the fp8 kernel's CTAs on an H200 (132 SMs x 3):
+# the split heuristic (NumSplits in ffi/cuda/paged_decode.cu) splits them 3 ways. GPU only: the
+# CPU handler takes ~80 s for it.
+MANY_ROWS_SPLIT = Case("many-rows-p16-d128-gqa4-split", 16, 128, 8, 4, batch=64, max_pages=128,
+                       num_tokens=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+def test_fp8_decode_many_rows_split(backend, op):
+    _check_fp8_decode(backend, MANY_ROWS_SPLIT, op, jnp.bfloat16, seed=13)
+
+
+def _check_fp8_decode(backend, case, op, dtype, *, seed):
+    """The fp8 decode kernel (paged, or ragged decode rows) against the reference on the
+    dequantized cache; padded rows stay zero."""
     ragged = op == "ragged"
     b, q, k8, v8, kdq, vdq, ks, vs = fp8_batch(seed, case, dtype, ragged=ragged)
     idx = (b.page_table, b.seq_lens) + ((b.query_start,) if ragged else ())

@@ -476,18 +476,35 @@ __global__ void CombineSplitsKernel(const AttentionArgs a, const float* __restri
 }
 
 // The split count (the one heuristic; measured rows in benchmarks/RESULTS.md). Every CTA of a
-// decode grid streams about the same number of tiles, so:
-// - many rows (batch * num_kv_heads >= one wave of CTAs, e.g. B256 S256, B64 S4096): no split;
-//   the grid already fills the GPU and a combine pass would only add traffic and a launch;
-// - few rows (e.g. B8 S32768, B1 S131072): split each row's tiles so that the grid is one full
-//   wave (slots / rows splits), but never below 2 tiles per warp of a split (shorter splits are
-//   all prologue), and never above 64 (the combine kernel's reads grow with it).
+// decode grid streams about the same number of tiles, so the grid runs in waves of `slots` CTAs
+// (SMs x CTAs per SM) and a partly filled last wave costs as much as a full one. The split count
+// minimizes a model of that: waves x (16-token tiles per warp of a CTA + kCtaOverhead), plus
+// kCombineCost when split (the combine kernel). kCtaOverhead (the ring's fill and the warps'
+// merge, in tile iterations) makes an extra wave of short CTAs cost more than one of long ones,
+// so a split must save a wave. Bounds: at least 2 tiles per warp of a split (shorter splits are
+// all prologue), at most 64 (the combine kernel's reads grow with it). A split is kept only when
+// the model says it saves >= 3%. What it picks (H200, 132 SMs):
+// - few rows (B8 S32768, B1 S131072): one full wave, slots / rows splits;
+// - rows just over one wave (B64 S4096 with the fp8 ring's 3 CTAs/SM: 512 rows on 396 slots,
+//   1.29 waves): 3 splits, 3.9 waves of a third of the work (time 98 vs 134 in the model's units);
+// - many rows (B256 S1024, B256 S256: 5.2 waves): no split (a split's extra waves of short CTAs
+//   cost what the last wave's idle slots do).
 // max_tiles bounds the tiles of the longest row (the table width, or the window).
 int64_t NumSplits(int64_t rows, int64_t slots, int64_t max_tiles) {
-  if (rows >= slots) return 1;
-  const int64_t by_wave = slots / rows;
-  const int64_t by_length = max_tiles / (2 * kWarps);
-  return std::max<int64_t>(1, std::min<int64_t>({by_wave, by_length, 64}));
+  constexpr int64_t kCtaOverhead = 2, kCombineCost = 2;
+  const int64_t most = std::clamp<int64_t>(max_tiles / (2 * kWarps), 1, 64);
+  auto cost = [&](int64_t splits) {
+    const int64_t waves = (rows * splits + slots - 1) / slots;
+    const int64_t tiles = (max_tiles + splits - 1) / splits;
+    return waves * ((tiles + kWarps - 1) / kWarps + kCtaOverhead) +
+           (splits > 1 ? kCombineCost : 0);
+  };
+  int64_t best = 1, best_cost = cost(1);
+  for (int64_t splits = 2; splits <= most; ++splits) {
+    const int64_t c = cost(splits);
+    if (100 * c <= 97 * best_cost) best = splits, best_cost = c;
+  }
+  return best;
 }
 
 // CTAs per SM of one kernel instance (configures its shared memory on the first call); 0 when
