@@ -14,11 +14,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import (DTYPES, assert_bits_equal, assert_close, assert_zero_rows, cdiv, reference,
+from conftest import (DTYPES, assert_bits_equal, assert_close, assert_zero_rows, reference,
                       to_f32)
 from jax_kvcm import ops
 from jax_kvcm.ops import reference as ref
 from test_attention import DECODE_CASES, RAGGED_CASES, Case, make_batch
+from test_nonfinite import base_batch
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -235,25 +236,11 @@ def _check_fp8_decode(backend, case, op, dtype, *, seed):
 def fp8_poisoned_batch(seed, D, page, lens, window, num_kv_heads, group):
     """fp8 caches whose every slot that is not a token of some sequence is NaN (0x7f: the null
     page, tails, pages before a window, whose table entries point at the null page)."""
-    rng = np.random.default_rng(seed)
-    width = max(cdiv(n, page) for n in lens)
-    num_pages = 1 + len(lens) * width + 1
-    shape = (num_pages, page, num_kv_heads, D)
-    k, v = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
-    table = np.zeros((len(lens), width), np.int32)
-    nxt = 1
-    for b, n in enumerate(lens):
-        for i in range(cdiv(n, page)):
-            table[b, i] = nxt
-            rows = min(page, n - i * page)
-            k[nxt, :rows] = rng.standard_normal((rows, num_kv_heads, D))
-            v[nxt, :rows] = rng.standard_normal((rows, num_kv_heads, D))
-            nxt += 1
-        if window is not None:
-            table[b, :max(0, n - window) // page] = 0
+    rng, k, v, table, lens = base_batch(seed, lens, window, page=page, head_dim=D,
+                                        num_kv_heads=num_kv_heads)
     ks, vs = random_scales(rng, (num_kv_heads,)), random_scales(rng, (num_kv_heads,))
     q = rng.standard_normal((len(lens), num_kv_heads * group, D)).astype(np.float32)
-    return q, k, v, table, np.asarray(lens, np.int32), ks, vs
+    return q, k, v, table, lens, ks, vs
 
 
 def fp8_quantize_cache(x, scale):

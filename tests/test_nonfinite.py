@@ -22,11 +22,13 @@ P, D, HKV, G = 16, 64, 2, 4
 BAD = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
 
 
-def base_batch(seed, seq_lens, window=None):
+def base_batch(seed, seq_lens, window=None, *, page=P, head_dim=D, num_kv_heads=HKV):
     """float32 caches: every slot that is not a token of some sequence holds NaN (null page,
     tails, unreferenced pages); pages wholly before each row's window are NaN too and their
-    table entries point at the null page (as a window manager releases them)."""
+    table entries point at the null page (as a window manager releases them). Returns the
+    generator (for further draws), k, v, the page table and the lengths."""
     rng = np.random.default_rng(seed)
+    P, D, HKV = page, head_dim, num_kv_heads
     B = len(seq_lens)
     width = max(cdiv(n, P) for n in seq_lens)
     num_pages = 1 + B * width + 1
