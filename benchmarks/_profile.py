@@ -5,14 +5,23 @@ Categories (:data:`CATEGORIES`): weight GEMMs (dots, GEMM custom calls, fusions 
 one), weight copies (instructions that materialize a layer's weight matrix, see
 :func:`weight_copy_ops`), paged attention (the ``paged_attention`` custom call: decode), ragged
 attention (``ragged_paged_attention``: prefill and mixed steps), K/V writes (``write_kv``),
-sampling (ops under ``jax.named_scope("sampling")``), norms/RoPE/other (everything else).
+sampling (ops under ``jax.named_scope("sampling")``), collectives (tensor parallelism's
+all-reduce / all-gather / reduce-scatter / collective-permute / all-to-all, their async
+``*-start`` / ``*-done`` halves and fusions or async wrappers around them; on a GPU also NCCL's
+kernels, ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``, ``ncclKernel_...``), norms/RoPE/other
+(everything else).
 
 The trace: on a GPU the device's "XLA Ops" line (else its kernels, named by their ``hlo_op``
 argument when present) and its "XLA Modules" line (one span per program execution; without one,
 as in jax 0.11's traces, the executions are read from the kernels' ``hlo_module`` arguments:
 :func:`_executions_from_kernels`); on the CPU
-the thunks XLA runs (named by their HLO instruction), one execution ending at each
-``ThunkExecutor::Execute (wait for completion)`` marker.
+the thunks XLA runs (named by their HLO instruction), one execution per ``ThunkExecutor::Execute``
+span (the thunks on its thread inside it). With several CPU devices (``--xla_force_host_platform_
+device_count``, a tensor-parallel step) each device runs its part of an SPMD program on its own
+thread, the span preceded there by ``[k] CommonPjRtLoadedExecutable::Execute``: only device 0's
+executions are kept (as on a GPU, shard 0), so each step is counted once. Traces without such
+spans fall back to one execution ending at each ``ThunkExecutor::Execute (wait for completion)``
+marker.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import os
 import re
 
 CATEGORIES = ("weight GEMMs", "weight copies", "paged attention", "ragged attention",
-              "K/V writes", "sampling", "norms/RoPE/other")
+              "K/V writes", "sampling", "collectives", "norms/RoPE/other")
+COLLECTIVES = "collectives"
 OTHER = "norms/RoPE/other"
 SKIP = "skip"          # container instructions (while, call): their bodies' ops count
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = .*? ([\w-]+)\(")
@@ -38,6 +48,17 @@ _CONTAINERS = ("while", "conditional", "call")
 _RAGGED_KERNELS = ("raggedprefill", "schedulekernel", "fillpaddingkernel")
 _PAGED_KERNELS = ("pageddecode", "combinesplits")
 _CPU_THUNK = re.compile(r"[a-z0-9_.-]+")
+# XLA's collective HLO ops (an async one as "<op>-start" / "<op>-done")
+_COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                   "all-to-all", "ragged-all-to-all", "collective-broadcast")
+# GPU kernels of collectives (lower-cased): NCCL's (ncclDevKernel_AllReduce_..., ncclKernel_...)
+# and XLA's own one-shot all-reduce kernels
+_COLLECTIVE_KERNELS = ("nccl", "allreduce", "all_reduce", "all-reduce", "allgather", "all_gather",
+                       "all-gather", "reducescatter", "reduce_scatter", "reduce-scatter",
+                       "collectivepermute", "collective_permute", "alltoall", "all_to_all")
+_ASYNC_WRAPPERS = ("fusion", "async-start", "async-update", "async-done")
+_CPU_EXECUTE = "ThunkExecutor::Execute"
+_CPU_DEVICE = re.compile(r"^\[(\d+)\] CommonPjRtLoadedExecutable::Execute\b")
 
 
 def weight_copy_ops(hlo_text: str, params) -> list[str]:
@@ -71,9 +92,18 @@ def _is_gemm_line(line: str, op: str) -> bool:
             or "__triton_gemm" in line or '"kind":"__cublas' in line)
 
 
-def _gemm_computations(hlo_text: str) -> set[str]:
-    """Computations that hold a GEMM (a dot, a GEMM custom call), directly or through the
-    computations they call (a fusion may wrap a cuBLAS custom call in a nested computation)."""
+def is_collective_op(op: str) -> bool:
+    """Whether an HLO opcode is a collective (:data:`_COLLECTIVE_OPS`, or its async half)."""
+    for suffix in ("-start", "-done"):
+        if op.endswith(suffix):
+            op = op[:-len(suffix)]
+    return op in _COLLECTIVE_OPS
+
+
+def _computations_with(hlo_text: str, pred) -> set[str]:
+    """Computations holding an instruction for which ``pred(line, opcode)`` holds, directly or
+    through the computations they call (a fusion may wrap a cuBLAS custom call in a nested
+    computation; an async wrapper a collective)."""
     direct, calls, comp = set(), collections.defaultdict(set), None
     for line in hlo_text.splitlines():
         head = _HEAD.match(line)
@@ -83,7 +113,7 @@ def _gemm_computations(hlo_text: str) -> set[str]:
         m = _INSTR.match(line)
         if comp is None or m is None:
             continue
-        if _is_gemm_line(line, m.group(2)):
+        if pred(line, m.group(2)):
             direct.add(comp)
         for callee in re.findall(r"(?:calls|to_apply|body)=%?([\w.-]+)", line):
             calls[comp].add(callee)
@@ -97,6 +127,11 @@ def _gemm_computations(hlo_text: str) -> set[str]:
     return found
 
 
+def _gemm_computations(hlo_text: str) -> set[str]:
+    """Computations that hold a GEMM (a dot, a GEMM custom call), directly or nested."""
+    return _computations_with(hlo_text, _is_gemm_line)
+
+
 def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
     """Instruction name -> category (:data:`CATEGORIES`, or :data:`SKIP` for containers) for
     every instruction of an optimized HLO module. ``params``: the per-layer params (for weight
@@ -106,6 +141,7 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
         copies = {m.group(1) for line in weight_copy_ops(hlo_text, params)
                   if (m := _INSTR.match(line))}
     gemm_comps = _gemm_computations(hlo_text)
+    coll_comps = _computations_with(hlo_text, lambda line, op: is_collective_op(op))
     cats = {}
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
@@ -118,6 +154,9 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
         op_name = re.search(r'op_name="([^"]*)"', line)
         if op in _CONTAINERS:
             cat = SKIP
+        elif is_collective_op(op) or (op in _ASYNC_WRAPPERS and calls
+                                      and calls.group(1) in coll_comps):
+            cat = COLLECTIVES
         elif name in copies:
             cat = "weight copies"
         elif "ragged" in target and "attention" in target:
@@ -140,6 +179,8 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
 def kernel_category(name: str) -> str:
     """The category of a GPU kernel (or op) name the HLO does not know."""
     n = name.lower()
+    if any(k in n for k in _COLLECTIVE_KERNELS):
+        return COLLECTIVES
     if "ragged" in n or any(k in n for k in _RAGGED_KERNELS):
         return "ragged attention"
     if "attention" in n or any(k in n for k in _PAGED_KERNELS):
@@ -255,8 +296,12 @@ def load_trace(trace_dir: str) -> Trace:
                 i += 1
         return Trace(True, ops, execs)
     # CPU: thunks, named by their HLO instruction (lower case, no spaces: runtime events are
-    # not), on XLA's client threads or the caller's; each execution ends with a
-    # "ThunkExecutor::Execute (wait for completion)" marker.
+    # not), on XLA's client threads or the caller's.
+    spans = _cpu_spans(xs)
+    if spans:
+        return _cpu_trace(xs, spans)
+    # No execution spans: one execution ends with each "ThunkExecutor::Execute (wait for
+    # completion)" marker.
     ops, execs, cur = [], [], []
     for e in xs:
         name = e["name"]
@@ -271,6 +316,53 @@ def load_trace(trace_dir: str) -> Trace:
         ops.append(op)
         cur.append(op)
     return Trace(False, ops, execs)
+
+
+def _cpu_spans(xs: list[dict]) -> list[tuple[dict, int | None]]:
+    """The outermost ``ThunkExecutor::Execute`` spans of a CPU trace (time order), each with its
+    device: the ``k`` of the last ``[k] CommonPjRtLoadedExecutable::Execute`` event before it on
+    its thread (None where there is none: a single-device program)."""
+    last_device: dict = {}
+    spans: list[tuple[dict, int | None]] = []
+    open_end: dict = {}
+    for e in xs:
+        tid = (e["pid"], e.get("tid"))
+        m = _CPU_DEVICE.match(e["name"])
+        if m:
+            last_device[tid] = int(m.group(1))
+        elif e["name"] == _CPU_EXECUTE:
+            ts = float(e["ts"])
+            if ts < open_end.get(tid, -1.0):
+                continue                    # nested in an execution on this thread
+            open_end[tid] = ts + float(e.get("dur", 0))
+            spans.append((e, last_device.pop(tid, None)))
+    return spans
+
+
+def _cpu_trace(xs: list[dict], spans: list[tuple[dict, int | None]]) -> Trace:
+    """Executions from ``ThunkExecutor::Execute`` spans (see the module doc): device 0's (and
+    single-device programs'), each with the thunks on its thread inside it."""
+    devices = [d for _, d in spans if d is not None]
+    first = min(devices) if devices else None
+    by_thread: dict = collections.defaultdict(list)
+    for e, d in spans:
+        if d is None or d == first:
+            ts = float(e["ts"])
+            x = Execution("", ts, ts + float(e.get("dur", 0)), [])
+            by_thread[(e["pid"], e.get("tid"))].append(x)
+    ops = []
+    for e in xs:
+        if not _CPU_THUNK.fullmatch(e["name"]):
+            continue
+        ts = float(e["ts"])
+        for x in by_thread.get((e["pid"], e.get("tid")), ()):
+            if x.start <= ts < x.end:
+                op = Op(e["name"], ts, float(e.get("dur", 0)))
+                x.ops.append(op)
+                ops.append(op)
+                break
+    execs = sorted((x for xs_ in by_thread.values() for x in xs_), key=lambda x: x.start)
+    return Trace(False, ops, [x for x in execs if x.ops])
 
 
 def attribute(ops, cats: dict[str, str], on_device: bool,
