@@ -365,16 +365,28 @@ def digests(outputs: Sequence[Any]) -> list[str]:
             for o in outputs]
 
 
+_SWEEP_TAG = re.compile(r" \[(?:chunk|tp) \d+\]$")
+# The sweeps: --prefill-chunk values ("chunk") and --tensor-parallel values ("tp"), and the key of
+# each value in merge_sweep's "sweep" list.
+SWEEP_KEYS = {"chunk": "prefill_chunk", "tp": "tensor_parallel"}
+
+
+def sweep_base(name: str) -> str:
+    """A sweep run's name without its `` [chunk N]`` / `` [tp N]`` tag."""
+    return _SWEEP_TAG.sub("", name)
+
+
 def sweep_agreement(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each run of a sweep, every later chunk value against the first: requests whose
-    generated tokens are identical (the chunk size must not change a float32 greedy run;
-    bfloat16 kernels may round a near-tie differently)."""
+    """For each run of a sweep, every later value (prefill chunk, tensor parallelism) against
+    the first: requests whose generated tokens are identical (neither the chunk size nor the
+    device split may change a float32 greedy run; bfloat16 kernels may round a near-tie
+    differently)."""
     first: dict[str, dict] = {}
     out = []
     for r in results:
         if "generated_digests" not in r:
             continue
-        run = r["name"].split(" [chunk")[0]
+        run = sweep_base(r["name"])
         if run not in first:
             first[run] = r
             continue
@@ -385,17 +397,18 @@ def sweep_agreement(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def merge_sweep(parts: Sequence[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """One ``bench`` output per ``--prefill-chunk`` value -> one output, run names tagged with
-    their chunk (plus :func:`sweep_agreement` in ``agreement``); ``setup`` is the first
+def merge_sweep(parts: Sequence[tuple[int, dict[str, Any]]], tag: str = "chunk") -> dict[str, Any]:
+    """One ``bench`` output per value of a sweep (``tag``: "chunk", ``--prefill-chunk``
+    values; "tp", ``--tensor-parallel`` values) -> one output, run names tagged `` [chunk N]``
+    / `` [tp N]`` (plus :func:`sweep_agreement` in ``agreement``); ``setup`` is the first
     value's, ``sweep`` lists each value's setup."""
+    key = SWEEP_KEYS[tag]
     out: dict[str, Any] = {"setup": parts[0][1]["setup"], "results": [], "errors": [],
                            "comparisons": [], "agreement": [],
-                           "sweep": [{"prefill_chunk": c, "setup": r["setup"]}
-                                     for c, r in parts]}
-    for i, (chunk, res) in enumerate(parts):
-        tagged = _tag(res, f"chunk {chunk}")
-        if i:     # capacity planning does not depend on the chunk: once
+                           "sweep": [{key: c, "setup": r["setup"]} for c, r in parts]}
+    for i, (value, res) in enumerate(parts):
+        tagged = _tag(res, f"{tag} {value}")
+        if i:     # the equal-memory comparison runs with the first value only: once
             tagged["comparisons"] = [c for c in tagged["comparisons"]
                                      if c["kind"] != "equal_memory"]
         for key in ("results", "errors", "comparisons", "agreement"):
@@ -410,7 +423,7 @@ def format_sweep(results: Sequence[dict[str, Any]]) -> str:
     compiles a decode and a forward program; ``warm-up compiles``: XLA compiles before the
     clock, and their seconds)."""
     rows = [r for r in results if r["path"] in ("paged", "arena") and "loop" in r]
-    base = lambda r: re.sub(r" \[chunk \d+\]$", "", r["name"])  # noqa: E731
+    base = lambda r: sweep_base(r["name"])  # noqa: E731
     order = {n: i for i, n in enumerate(dict.fromkeys(base(r) for r in rows))}
     rows.sort(key=lambda r: (order[base(r)], r["prefill_chunk_tokens"]))
     lines = ["Prefill chunk sweep (ServeConfig.prefill_chunk_tokens; step budget = concurrency "

@@ -147,8 +147,10 @@ sys.path.insert(0, str(ROOT))  # after jax_kvcm: its unbuilt source tree must no
 
 from benchmarks import _dense_llama as dense  # noqa: E402
 from benchmarks import _loop_profile as loop_profile  # noqa: E402
+from benchmarks import _profile  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 from examples.llama import serve  # noqa: E402
+from examples.llama import tp  # noqa: E402
 
 ANCHOR = {"system": "TensorRT-LLM paged KV", "model": "Llama-3.1-8B", "gpu": "one H100",
           "input_len": 1024, "output_len": 1024, "concurrency": 256,
@@ -156,6 +158,10 @@ ANCHOR = {"system": "TensorRT-LLM paged KV", "model": "Llama-3.1-8B", "gpu": "on
           "h200_over_h100_bandwidth": 1.4}
 TARGET_PAGED_OVER_DENSE = 0.95
 TARGET_ARENA_OVER_PAGED = 0.98  # issue 13: the arena within 2% of paged tokens/s
+TARGET_TP2_OVER_TP1 = 1.6       # issue 15: output tokens/s at --tensor-parallel 2 over 1
+# The share of the device memory XLA leaves after the weights that the largest-concurrency
+# arithmetic gives the K/V pool (the rest: the step's temporaries, XLA's workspace).
+KV_MEMORY_FRACTION = 0.9
 
 LLAMA_31_8B = llama.LlamaConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -461,7 +467,9 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     if setup.profile_dir and hot_backend == "paged":
         capture = loop_profile.ProgramCapture(server)
         window = loop_profile.ProfileWindow(
-            loop_profile.profile_dir(setup.profile_dir, f"{label} chunk {setup.prefill_chunk}"),
+            loop_profile.profile_dir(setup.profile_dir, f"{label} chunk {setup.prefill_chunk}"
+                                     + (f" tp {setup.tensor_parallel}"
+                                        if setup.tensor_parallel > 1 else "")),
             setup.profile_steps,
             min(concurrency, len(requests)))
     if warm_prompts:
@@ -533,6 +541,9 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     extra: dict[str, Any] = {"hot_backend": hot_backend,
                              "kv_bytes_used_peak": peak_pages * page_bytes}
+    if not arena:   # what one device holds (KVCacheConfig: per device under a mesh)
+        extra.update(device_page_bytes=list(mgr.config.device_page_bytes()),
+                     device_pool_bytes=mgr.config.device_pool_bytes())
     if arena:
         a = dataclasses.asdict(mgr.arena.stats())
         half = arena_half or a
@@ -674,11 +685,16 @@ def roofline(setup: Setup, weight_bytes: int, res: dict, requests: Sequence[serv
              copy_bytes_per_s: float) -> dict[str, float]:
     """What one decode step of ``res`` must move at least: every weight once, plus the K/V of
     the batch (``min(concurrency, requests)`` sequences at the workload's mean context during
-    decode, prompt + half the output), against the measured copy bandwidth."""
+    decode, prompt + half the output), against the measured copy bandwidth. With tensor
+    parallelism (``res["tensor_parallel"]`` = n), one device's share against one device's
+    bandwidth: ``weight_bytes`` is then the weights on one device, the K/V its KV heads
+    (``tp.kv_heads / n``)."""
     c = setup.model
     itemsize = (setup.paged_kv_itemsize if res["path"] == "paged"
                 else jnp.dtype(c.jnp_dtype).itemsize)
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
+    n = res.get("tensor_parallel") or 1
+    heads = tp.kv_heads(c, n) // n if n > 1 else c.num_key_value_heads
+    per_token = 2 * c.num_hidden_layers * heads * c.head_dim * itemsize
     batch = min(res["concurrency"], len(requests))
     context = float(np.mean([len(r.prompt) + r.max_new_tokens / 2 for r in requests]))
     kv = batch * context * per_token
@@ -701,13 +717,181 @@ def _fmt_roofline(name: str, r: dict) -> str:
             "the roofline")
 
 
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: one sweep value's params, the largest concurrency each fits, the scaling.
+
+
+def tp_params(params: Any, model: llama.LlamaConfig, n: int) -> Any:
+    """The paged runs' params at ``--tensor-parallel n``: ``params`` (n = 1), or their shards on
+    the first ``n`` devices (``tp.shard_params``, done once per value: the servers of the runs
+    get them as they are)."""
+    return params if n == 1 else tp.shard_params(params, model, tp.make_mesh(n))
+
+
+def device_weight_bytes(params: Any, device: Any = None) -> int:
+    """Bytes of ``params`` held on ``device`` (default the first device): each leaf's shard
+    there (the whole leaf when it lives on that device alone; 0 for a leaf elsewhere)."""
+    device = jax.devices()[0] if device is None else device
+    total = 0
+    for x in jax.tree_util.tree_leaves(params):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or device not in sharding.device_set:
+            continue
+        total += int(np.prod(sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize
+    return total
+
+
+def device_memory_limit(n: int) -> int | None:
+    """The smallest allocator limit (``memory_stats()["bytes_limit"]``: the memory XLA may use,
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device's) over the first ``n`` devices; None where
+    a device reports none (the CPU)."""
+    limits = []
+    for d in jax.devices()[:n]:
+        try:
+            st = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001
+            st = {}
+        if "bytes_limit" not in st:
+            return None
+        limits.append(int(st["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def max_concurrency(memory_bytes: int, weight_bytes: int, page_bytes: int, pages_per_seq: int,
+                    kv_fraction: float = KV_MEMORY_FRACTION) -> dict[str, Any]:
+    """The largest concurrency ``c`` whose pool fits one device (see the module doc): the K/V
+    budget is ``kv_fraction x (memory_bytes - weight_bytes)``; the pool of ``c`` sequences is
+    sized as the run sizes it, ``c x (pages_per_seq + 1)`` pages (every sequence at its longest,
+    plus a page of slack) plus the null page, each of ``page_bytes`` (one device's bytes of a
+    page, K and V of every layer, summed over layer groups). All arguments per device, bytes."""
+    budget = int(kv_fraction * (memory_bytes - weight_bytes))
+    pages = max(0, budget // page_bytes - 1)
+    return {"memory_bytes": memory_bytes, "weight_bytes_per_device": weight_bytes,
+            "page_bytes_per_device": page_bytes, "kv_fraction": kv_fraction,
+            "kv_budget_bytes": budget, "pool_pages_fit": pages,
+            "pages_per_seq": pages_per_seq,
+            "max_concurrency": pages // (pages_per_seq + 1)}
+
+
+def tp_capacity(setup: Setup, n: int, weight_bytes: int, res: dict[str, Any],
+                memory_bytes: int | None, kv_fraction: float) -> dict[str, Any]:
+    """:func:`max_concurrency` at ``--tensor-parallel n`` from the numbers of that value's part
+    (``res``: its ``bench`` output; the page bytes its paged runs' ``KVCacheConfig`` reported per
+    device) and ``weight_bytes`` (its params on one device)."""
+    row: dict[str, Any] = {"tensor_parallel": n, "max_len": setup.max_total_len,
+                           "page_size": setup.page_size}
+    pages = [r["device_page_bytes"] for r in res["results"] if r.get("device_page_bytes")]
+    if memory_bytes is None:
+        row["error"] = ("the device reports no allocator limit (the CPU): --device-memory-gib "
+                        "gives one")
+    elif not pages:
+        row["error"] = "no paged run completed at this value"
+    else:
+        row.update(max_concurrency(memory_bytes, weight_bytes, int(sum(pages[0])),
+                                   setup.pages_per_seq, kv_fraction))
+    return row
+
+
+def format_capacity(rows: Sequence[dict[str, Any]], source: str) -> str:
+    """A markdown table of :func:`tp_capacity` rows."""
+    ok = [r for r in rows if "error" not in r]
+    head = ("Largest concurrency per --tensor-parallel value (per device: K/V budget = "
+            f"{ok[0]['kv_fraction']:g} x (memory - weights); pool = concurrency x (pages per "
+            "sequence + 1) + the null page; a sequence at its longest, input + output = "
+            f"{ok[0]['max_len']} tokens = {ok[0]['pages_per_seq']} pages of "
+            f"{ok[0]['page_size']}; memory: {source}):" if ok else
+            "Largest concurrency per --tensor-parallel value:")
+    lines = [head, "| TP | memory GiB | weights GiB / device | K/V bytes / page / device | "
+             "K/V budget GiB | pages | largest concurrency |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['tensor_parallel']} | | | | | | n/a: {r['error']} |")
+            continue
+        lines.append(f"| {r['tensor_parallel']} | {r['memory_bytes'] / 2**30:.2f} | "
+                     f"{r['weight_bytes_per_device'] / 2**30:.2f} | "
+                     f"{r['page_bytes_per_device']:,} | {r['kv_budget_bytes'] / 2**30:.2f} | "
+                     f"{r['pool_pages_fit']:,} | {r['max_concurrency']:,} |")
+    return "\n".join(lines)
+
+
+def collectives_share(res: dict[str, Any], kind: str = "decode") -> dict[str, float] | None:
+    """From a profiled run (``--profile``): the collectives' device ms per ``kind`` step, their
+    share of the step (device ops, idle and host gap: the breakdown's total) and of the device's
+    busy time (its ops); None without a profile of such steps."""
+    k = res.get("profile", {}).get("kinds", {}).get(kind)
+    if k is None:
+        return None
+    ms = k["ms_per_step"]
+    busy = sum(ms[c] for c in _profile.CATEGORIES)
+    coll = ms[_profile.COLLECTIVES]
+    return {"ms_per_step": coll, "steps": k["steps"], "share_of_step": coll / ms["total"]
+            if ms["total"] else 0.0, "share_of_busy": coll / busy if busy else 0.0}
+
+
+def tp_scaling(results: Sequence[dict[str, Any]],
+               agreement: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per paged run of a ``--tensor-parallel`` sweep and value: output tok/s and its ratio to
+    the first value's (TP 1 when given first), decode step ms, TTFT/ITL p50, the collectives'
+    share of the decode step (with ``--profile``) and the requests whose tokens equal the first
+    value's."""
+    same = {a["b"]: a for a in agreement}
+    first: dict[str, dict] = {}
+    rows = []
+    for r in results:
+        if r["path"] != "paged":
+            continue
+        run = loop_profile.sweep_base(r["name"])
+        ref = first.setdefault(run, r)
+        a = same.get(r["name"])
+        rows.append({"run": run, "name": r["name"], "tensor_parallel": r["tensor_parallel"],
+                     "reference": ref["name"], "output_tokens_per_s": r["output_tokens_per_s"],
+                     "over_reference": (r["output_tokens_per_s"]
+                                        / max(ref["output_tokens_per_s"], 1e-9)),
+                     "decode_step_ms_p50": r["decode_step_ms_p50"],
+                     "ttft_p50_s": r["ttft_p50_s"], "itl_p50_ms": r["itl_p50_ms"],
+                     "collectives": collectives_share(r),
+                     "identical": None if a is None else a["identical"],
+                     "requests": r["requests"]})
+    return rows
+
+
+def format_tp_scaling(rows: Sequence[dict[str, Any]]) -> str:
+    """A markdown table of :func:`tp_scaling` (the target: ``TARGET_TP2_OVER_TP1`` at TP 2
+    against TP 1)."""
+    lines = [f"Tensor parallelism (output tok/s against the first --tensor-parallel value on the "
+             f"same requests; target >= {TARGET_TP2_OVER_TP1}x at TP 2 over TP 1; collectives: "
+             "all-reduce / all-gather device ms per decode step from --profile, shard 0, and "
+             "their share of the step / of the device's busy time):",
+             "| run | TP | output tok/s | / first | target | decode step ms | TTFT p50 s | "
+             "ITL p50 ms | collectives ms / decode step | share of step / busy | tokens = first |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        c = r["collectives"]
+        ref_tp = next((x["tensor_parallel"] for x in rows if x["name"] == r["reference"]), 0)
+        target = ""
+        if r["tensor_parallel"] == 2 and ref_tp == 1:
+            target = ("met" if r["over_reference"] >= TARGET_TP2_OVER_TP1 else "NOT met")
+        same = "" if r["identical"] is None else f"{r['identical']}/{r['requests']}"
+        lines.append(
+            f"| {r['run']} | {r['tensor_parallel']} | {r['output_tokens_per_s']:,.0f} | "
+            f"{r['over_reference']:.2f}x | {target} | {r['decode_step_ms_p50']:.2f} | "
+            f"{r['ttft_p50_s']:.3f} | {r['itl_p50_ms']:.1f} | "
+            + (f"{c['ms_per_step']:.3f} | {c['share_of_step']:.1%} / {c['share_of_busy']:.1%}"
+               if c else "- | -") + f" | {same} |")
+    return "\n".join(lines)
+
+
 def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
-          max_logits_rel_l2: float | None = None, log=_log) -> dict[str, Any]:
+          max_logits_rel_l2: float | None = None, log=_log,
+          paged_params: Any = None) -> dict[str, Any]:
     """Runs every configuration of ``setup``; returns results, comparisons and agreement. With
     ``min_identical``, every pair of runs over the same requests must generate identical tokens
     for at least that fraction of the requests, and with ``max_logits_rel_l2`` (and
     ``setup.record_logits``) the logits of identical generations must be that close; else
-    RuntimeError."""
+    RuntimeError. ``paged_params``: the paged runs' params when they differ from the dense
+    runs' (``tp.shard_params``' output for ``setup.tensor_parallel`` devices, sharded once for
+    every server of the run); default ``params``."""
     results: list[dict] = []
     comparisons: list[dict] = []
     agreements: list[dict] = []
@@ -716,13 +900,16 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
     n_random = max(int(round(c * setup.requests_factor)) for c in setup.concurrencies)
     rand = random_requests(setup, n_random)
     first_seen: dict[int, tuple[str, Any]] = {}   # random request -> (run, its output)
+    paged_params = params if paged_params is None else paged_params
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    paged_weight_bytes = device_weight_bytes(paged_params)   # one device's (all without TP)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s (read + write, "
         f"{bw['bytes'] / 2**30:.2f} GiB copied in {bw['seconds'] * 1e3:.2f} ms)")
 
     def record(res: dict, outs: list, requests: Sequence[serve.Request]) -> None:
-        res["roofline"] = roofline(setup, weight_bytes, res, requests, bw["bytes_per_s"])
+        res["roofline"] = roofline(setup, weight_bytes if res["path"] == "dense"
+                                   else paged_weight_bytes, res, requests, bw["bytes_per_s"])
         results.append(res)
         log(_fmt_result(res))
         log(_fmt_roofline(res["name"], res["roofline"]))
@@ -779,7 +966,8 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         """Runs one configuration; a failure (out of memory, a kernel error) is logged and
         recorded, and the other configurations still run."""
         try:
-            res, outs = fn(params, setup, reqs, label=label, **kwargs)
+            res, outs = fn(paged_params if fn is run_paged else params, setup, reqs,
+                           label=label, **kwargs)
         except Exception as e:  # noqa: BLE001 - reported in the output, exit status 1 at the end
             tb = traceback.format_exc().strip().splitlines()
             msg = f"{type(e).__name__}: {e}".replace("\n", " ")[:600]
@@ -1035,9 +1223,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=64, metavar="N",
                    help="steps in the --profile window (default 64)")
     p.add_argument("--host-gib", type=float, help="the paged runs' pinned host tier in GiB")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], metavar="N",
                    help="the paged runs split over the first N devices (examples/llama/tp.py; "
-                        "dense stays on one device); default 1")
+                        "dense stays on one device); default 1. Several values (e.g. 1 2): the "
+                        "paged rows run once per value on fresh servers, the weights sharded "
+                        "once per value (dense and equal memory with the first value), and "
+                        "tables compare them (tok/s against the first value, decode step, "
+                        "TTFT/ITL, the collectives' share of a decode step with --profile) and "
+                        "give the largest concurrency each value fits")
+    p.add_argument("--device-memory-gib", type=float, metavar="G",
+                   help="the per-device memory the largest-concurrency table assumes (default: "
+                        "the allocator limit each device reports; the CPU reports none)")
+    p.add_argument("--kv-memory-fraction", type=float, default=KV_MEMORY_FRACTION, metavar="F",
+                   help="the share of the memory left after the weights that the largest-"
+                        f"concurrency table gives the K/V pool (default {KV_MEMORY_FRACTION})")
     p.add_argument("--json", metavar="PATH", help="write every result as JSON")
     p.add_argument("--concurrency", type=int, nargs="+", metavar="C",
                    help="concurrencies of the random workload (default 64 256)")
@@ -1073,16 +1272,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup_from_args(args: argparse.Namespace, chunk: int | None = None) -> Setup:
+def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
+                    tensor_parallel: int | None = None) -> Setup:
     """The run's Setup; ``chunk``: one of several ``--prefill-chunk`` values (default: the
-    first given)."""
+    first given); ``tensor_parallel``: one of several ``--tensor-parallel`` values (default:
+    the first)."""
     full, quick, tiny = WORKLOADS[args.workload]
     s = tiny if args.tiny else quick if args.quick else full
+    tps = args.tensor_parallel
+    for n in tps:
+        if not 1 <= n <= jax.device_count():
+            raise SystemExit(f"--tensor-parallel must be in [1, {jax.device_count()}] (the "
+                             f"visible devices), got {n}")
+        try:
+            tp.check_config(s.model, n)
+        except ValueError as e:
+            raise SystemExit(f"--tensor-parallel {n}: {e}") from None
+    if len(set(tps)) != len(tps):
+        raise SystemExit("--tensor-parallel values must be distinct")
+    if len(tps) > 1 and args.prefill_chunk is not None and len(args.prefill_chunk) > 1:
+        raise SystemExit("several --tensor-parallel values and several --prefill-chunk values: "
+                         "sweep one of them at a time")
+    if not 0 < args.kv_memory_fraction <= 1:
+        raise SystemExit(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")
+    if args.device_memory_gib is not None and args.device_memory_gib <= 0:
+        raise SystemExit(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
     over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
-                            "tensor_parallel": args.tensor_parallel}
-    if not 1 <= args.tensor_parallel <= jax.device_count():
-        raise SystemExit(f"--tensor-parallel must be in [1, {jax.device_count()}] (the visible "
-                         f"devices), got {args.tensor_parallel}")
+                            "tensor_parallel": tps[0] if tensor_parallel is None
+                            else tensor_parallel}
     if args.prefill_chunk is not None:
         over["prefill_chunk"] = args.prefill_chunk[0] if chunk is None else chunk
     if args.profile is not None:
@@ -1198,54 +1415,66 @@ def main(argv=None) -> dict[str, Any]:
                                     "time": time.strftime("%Y-%m-%d %H:%M:%S")},
                            "anchor": ANCHOR}
     if not args.tiny and not args.no_check:
-        _log("check: tiny float32 model, paged vs dense vs no prefix reuse on this device")
-        t = time.perf_counter()
-        try:
-            chk = bench(CHECK_SETUP, _params(CHECK_SETUP), **_F32_GPU_CHECK,
-                        log=lambda *a: None)
-            if chk["errors"]:
-                raise RuntimeError("; ".join(f"{e['name']}: {e['error']}" for e in chk["errors"]))
-        except RuntimeError as e:
-            raise SystemExit(f"CHECK FAILED: {e}\n(--no-check skips this check)") from None
-        out["check"] = {"agreement": chk["agreement"]}
-        same = sum(a["identical"] for a in chk["agreement"])
-        total = sum(a["requests"] for a in chk["agreement"])
-        _log(f"check passed: {same}/{total} request pairs over {len(chk['agreement'])} pairs of "
-             f"runs generated identical tokens ({time.perf_counter() - t:.1f} s)")
-    params = _params(setup)
+        out["check"] = _check(args.tensor_parallel)
+    tps = args.tensor_parallel
+    capacity: list[dict[str, Any]] = []
     try:
         # FP8 K/V changes the paged logits against dense (bf16/f32 caches): agreement is
         # reported, not enforced (tests/test_llama_fp8.py bounds the error).
         tol = ({} if setup.model.dtype != "float32" or setup.kv_dtype == "fp8" else
                _F32_CPU_CHECK if jax.default_backend() == "cpu" else _F32_GPU_CHECK)
         chunks = args.prefill_chunk or [setup.prefill_chunk]
-        if len(chunks) > 1:
-            _log(f"{len(chunks)} --prefill-chunk values {chunks}: the paged rows run once per "
-                 "value (about that many times the paged estimate above)")
-        parts = []
-        for i, chunk in enumerate(chunks):
-            s = setup_from_args(args, chunk) if args.prefill_chunk else setup
-            if i:     # the paged rows once per value; dense and equal memory with the first
-                s = dataclasses.replace(s, run_dense=False, equal_memory_run=False)
+        if len(tps) > 1:
+            parts, capacity = tp_sweep(args, setup, tol)
+        else:
+            params = _params(setup)
+            paged = tp_params(params, setup.model, tps[0])
             if len(chunks) > 1:
-                _log(f"--prefill-chunk {chunk} (step budget {s.step_tokens} tokens)")
-            parts.append((chunk, bench(s, params, **tol)))
+                _log(f"{len(chunks)} --prefill-chunk values {chunks}: the paged rows run once "
+                     "per value (about that many times the paged estimate above)")
+            parts = []
+            for i, chunk in enumerate(chunks):
+                s = setup_from_args(args, chunk) if args.prefill_chunk else setup
+                if i:     # the paged rows once per value; dense and equal memory with the first
+                    s = dataclasses.replace(s, run_dense=False, equal_memory_run=False)
+                if len(chunks) > 1:
+                    _log(f"--prefill-chunk {chunk} (step budget {s.step_tokens} tokens)")
+                parts.append((chunk, bench(s, params, paged_params=paged, **tol)))
     except RuntimeError as e:
         raise SystemExit(f"FAILED: {e}") from None
     if len(parts) == 1:
         out.update(parts[0][1])
     else:
-        out.update(loop_profile.merge_sweep(parts))
+        out.update(loop_profile.merge_sweep(parts, "tp" if len(tps) > 1 else "chunk"))
+    if len(tps) > 1:
+        scaling = tp_scaling(out["results"], out["agreement"])
+        memory = ("--device-memory-gib" if args.device_memory_gib is not None else
+                  "the allocator limit the devices report (bytes_limit)")
+        out["tensor_parallel"] = {"values": list(tps), "target_tp2_over_tp1": TARGET_TP2_OVER_TP1,
+                                  "scaling": scaling, "capacity": capacity,
+                                  "memory_source": memory}
+        # float32: the device split must not change a greedy generation (as the chunk size)
+        for a in out["agreement"]:
+            if tol and " [tp " in a["b"] and a["identical"] < tol["min_identical"] * a["requests"]:
+                out["errors"].append({"name": a["b"], "error": (
+                    f"generated other tokens than {a['a']} for "
+                    f"{a['requests'] - a['identical']} of {a['requests']} requests")})
     out["meta"]["total_s"] = time.perf_counter() - t_start
     md = markdown(out)
     _log("")
     _log(md)
-    if len(parts) > 1:
+    if len(chunks) > 1:
         _log("")
         _log(loop_profile.format_sweep(out["results"]))
+    if len(parts) > 1:
         for a in loop_profile.sweep_agreement(out["results"]):
             _log(f"tokens {a['a']} vs {a['b']}: {a['identical']}/{a['requests']} requests "
                  "identical")
+    if len(tps) > 1:
+        _log("")
+        _log(format_tp_scaling(out["tensor_parallel"]["scaling"]))
+        _log("")
+        _log(format_capacity(capacity, out["tensor_parallel"]["memory_source"]))
     _log("")
     _log(anchor_line(setup))
     _log(f"total {out['meta']['total_s']:.0f} s")
@@ -1256,6 +1485,84 @@ def main(argv=None) -> dict[str, Any]:
         raise SystemExit(f"FAILED: {len(out['errors'])} configuration(s) raised: "
                          + "; ".join(e["name"] for e in out["errors"]))
     return out
+
+
+def _check(tps: Sequence[int]) -> dict[str, Any]:
+    """The tiny float32 model on this device before an 8B run: paged vs dense vs no prefix
+    reuse, and the paged random row at every ``--tensor-parallel`` value > 1 against one
+    device's (the tiny model splits over 2 and 4 devices); SystemExit when a pair disagrees."""
+    _log("check: tiny float32 model, paged vs dense vs no prefix reuse on this device"
+         + "".join(f", tensor parallel {n} vs 1" for n in tps if n > 1))
+    t = time.perf_counter()
+    params = _params(CHECK_SETUP)
+    try:
+        chk = bench(CHECK_SETUP, params, **_F32_GPU_CHECK, log=lambda *a: None)
+        errors = chk["errors"]
+        ref = next((r for r in chk["results"] if r["name"] == "paged random c8"), None)
+        for n in tps:
+            if n == 1 or ref is None:
+                continue
+            try:
+                tp.check_config(CHECK_SETUP.model, n)
+            except ValueError as e:
+                _log(f"check: tensor parallel {n} skipped (the tiny model: {e})")
+                continue
+            s = dataclasses.replace(CHECK_SETUP, tensor_parallel=n, run_dense=False,
+                                    run_shared=False, equal_memory_run=False)
+            res = bench(s, params, paged_params=tp_params(params, s.model, n),
+                        log=lambda *a: None)
+            errors = errors + res["errors"]
+            got = next((r for r in res["results"] if r["name"] == "paged random c8"), None)
+            if got is None:
+                continue
+            same = sum(a == b for a, b in zip(ref["generated_digests"], got["generated_digests"]))
+            chk["agreement"].append({"a": ref["name"], "b": f"{got['name']} [tp {n}]",
+                                     "requests": got["requests"], "identical": same})
+            if same < _F32_GPU_CHECK["min_identical"] * got["requests"]:
+                raise RuntimeError(f"tensor parallel {n} generated other tokens than one device "
+                                   f"for {got['requests'] - same} of {got['requests']} requests")
+        if errors:
+            raise RuntimeError("; ".join(f"{e['name']}: {e['error']}" for e in errors))
+    except RuntimeError as e:
+        raise SystemExit(f"CHECK FAILED: {e}\n(--no-check skips this check)") from None
+    same = sum(a["identical"] for a in chk["agreement"])
+    total = sum(a["requests"] for a in chk["agreement"])
+    _log(f"check passed: {same}/{total} request pairs over {len(chk['agreement'])} pairs of "
+         f"runs generated identical tokens ({time.perf_counter() - t:.1f} s)")
+    return {"agreement": chk["agreement"]}
+
+
+def tp_sweep(args: argparse.Namespace, setup: Setup,
+             tol: dict[str, float]) -> tuple[list[tuple[int, dict]], list[dict]]:
+    """The paged rows once per ``--tensor-parallel`` value (fresh servers; the weights sharded
+    once per value, the previous value's shards and pools freed first; dense and equal memory
+    with the first value only), and each value's largest concurrency (:func:`tp_capacity`).
+    Returns ``[(value, bench output)]`` and the capacity rows."""
+    tps = args.tensor_parallel
+    _log(f"{len(tps)} --tensor-parallel values {tps}: the paged rows run once per value (about "
+         "that many times the paged estimate above)")
+    base = _params(setup)
+    parts, capacity = [], []
+    for i, n in enumerate(tps):
+        s = setup_from_args(args, tensor_parallel=n)
+        if i:     # dense (one device) and equal memory with the first value
+            s = dataclasses.replace(s, run_dense=False, equal_memory_run=False)
+        t = time.perf_counter()
+        paged = tp_params(base, s.model, n)
+        weights = device_weight_bytes(paged)
+        if i == len(tps) - 1 and n > 1 and not s.run_dense:
+            base = None      # the last value: the unsharded weights leave device 0 first
+            gc.collect()
+        _log(f"--tensor-parallel {n}: weights {weights / 2**30:.2f} GiB per device (sharded in "
+             f"{time.perf_counter() - t:.1f} s){_mem_gib()}")
+        res = bench(s, paged if base is None else base, paged_params=paged, **tol)
+        memory = (int(args.device_memory_gib * 2**30) if args.device_memory_gib is not None
+                  else device_memory_limit(n))
+        capacity.append(tp_capacity(s, n, weights, res, memory, args.kv_memory_fraction))
+        parts.append((n, res))
+        del paged, res
+        gc.collect()   # this value's shards before the next value's
+    return parts, capacity
 
 
 if __name__ == "__main__":
