@@ -16,12 +16,11 @@ argument when present) and its "XLA Modules" line (one span per program executio
 as in jax 0.11's traces, the executions are read from the kernels' ``hlo_module`` arguments:
 :func:`_executions_from_kernels`); on the CPU
 the thunks XLA runs (named by their HLO instruction), one execution per ``ThunkExecutor::Execute``
-span (the thunks on its thread inside it). With several CPU devices (``--xla_force_host_platform_
-device_count``, a tensor-parallel step) each device runs its part of an SPMD program on its own
-thread, the span preceded there by ``[k] CommonPjRtLoadedExecutable::Execute``: only device 0's
-executions are kept (as on a GPU, shard 0), so each step is counted once. Traces without such
-spans fall back to one execution ending at each ``ThunkExecutor::Execute (wait for completion)``
-marker.
+span (the thunks on its thread inside it). With several CPU devices
+(``--xla_force_host_platform_device_count``, a tensor-parallel step) each device runs its part of
+an SPMD program on a thread of XLA's pool, the span ended there by a ``ThunkExecutor::Execute
+(wait for completion)`` marker naming its ``device_ordinal``: only device 0's executions are kept
+(as on a GPU, shard 0), so each step is counted once.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ _COLLECTIVE_KERNELS = ("nccl", "allreduce", "all_reduce", "all-reduce", "allgath
                        "collectivepermute", "collective_permute", "alltoall", "all_to_all")
 _ASYNC_WRAPPERS = ("fusion", "async-start", "async-update", "async-done")
 _CPU_EXECUTE = "ThunkExecutor::Execute"
-_CPU_DEVICE = re.compile(r"^\[(\d+)\] CommonPjRtLoadedExecutable::Execute\b")
 
 
 def weight_copy_ops(hlo_text: str, params) -> list[str]:
@@ -132,6 +130,11 @@ def _gemm_computations(hlo_text: str) -> set[str]:
     return _computations_with(hlo_text, _is_gemm_line)
 
 
+def _first_operand(line: str) -> str | None:
+    m = re.search(r" [\w-]+\(%?([\w.-]+)", line.split(" = ", 1)[-1])
+    return m.group(1) if m else None
+
+
 def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
     """Instruction name -> category (:data:`CATEGORIES`, or :data:`SKIP` for containers) for
     every instruction of an optimized HLO module. ``params``: the per-layer params (for weight
@@ -157,6 +160,9 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
         elif is_collective_op(op) or (op in _ASYNC_WRAPPERS and calls
                                       and calls.group(1) in coll_comps):
             cat = COLLECTIVES
+        elif op in ("async-update", "async-done") and cats.get(_first_operand(line)) \
+                == COLLECTIVES:
+            cat = COLLECTIVES     # the other half of a collective's async-start
         elif name in copies:
             cat = "weight copies"
         elif "ragged" in target and "attention" in target:
@@ -297,46 +303,30 @@ def load_trace(trace_dir: str) -> Trace:
         return Trace(True, ops, execs)
     # CPU: thunks, named by their HLO instruction (lower case, no spaces: runtime events are
     # not), on XLA's client threads or the caller's.
-    spans = _cpu_spans(xs)
-    if spans:
-        return _cpu_trace(xs, spans)
-    # No execution spans: one execution ends with each "ThunkExecutor::Execute (wait for
-    # completion)" marker.
-    ops, execs, cur = [], [], []
-    for e in xs:
-        name = e["name"]
-        if name.startswith("ThunkExecutor::Execute (wait"):
-            if cur:
-                execs.append(Execution("", cur[0].ts, float(e["ts"]), cur))
-                cur = []
-            continue
-        if not _CPU_THUNK.fullmatch(name):
-            continue
-        op = Op(name, float(e["ts"]), float(e.get("dur", 0)))
-        ops.append(op)
-        cur.append(op)
-    return Trace(False, ops, execs)
+    return _cpu_trace(xs, _cpu_spans(xs))
 
 
 def _cpu_spans(xs: list[dict]) -> list[tuple[dict, int | None]]:
     """The outermost ``ThunkExecutor::Execute`` spans of a CPU trace (time order), each with its
-    device: the ``k`` of the last ``[k] CommonPjRtLoadedExecutable::Execute`` event before it on
-    its thread (None where there is none: a single-device program)."""
-    last_device: dict = {}
-    spans: list[tuple[dict, int | None]] = []
+    device: the ``device_ordinal`` of the ``ThunkExecutor::Execute (wait for completion)`` marker
+    that ends it on its thread (None where the marker has none)."""
+    spans: list[list] = []
+    pending: dict = collections.defaultdict(list)    # thread -> its spans awaiting their marker
     open_end: dict = {}
     for e in xs:
         tid = (e["pid"], e.get("tid"))
-        m = _CPU_DEVICE.match(e["name"])
-        if m:
-            last_device[tid] = int(m.group(1))
-        elif e["name"] == _CPU_EXECUTE:
+        if e["name"] == _CPU_EXECUTE:
             ts = float(e["ts"])
             if ts < open_end.get(tid, -1.0):
                 continue                    # nested in an execution on this thread
             open_end[tid] = ts + float(e.get("dur", 0))
-            spans.append((e, last_device.pop(tid, None)))
-    return spans
+            spans.append([e, None])
+            pending[tid].append(spans[-1])
+        elif e["name"].startswith(_CPU_EXECUTE + " (wait"):
+            device = (e.get("args") or {}).get("device_ordinal")
+            for span in pending.pop(tid, ()):
+                span[1] = None if device is None else int(device)
+    return [(e, d) for e, d in spans]
 
 
 def _cpu_trace(xs: list[dict], spans: list[tuple[dict, int | None]]) -> Trace:

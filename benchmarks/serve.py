@@ -1280,6 +1280,11 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
     full, quick, tiny = WORKLOADS[args.workload]
     s = tiny if args.tiny else quick if args.quick else full
     tps = args.tensor_parallel
+    if len(set(tps)) != len(tps):
+        raise SystemExit("--tensor-parallel values must be distinct")
+    if len(tps) > 1 and args.prefill_chunk is not None and len(args.prefill_chunk) > 1:
+        raise SystemExit("several --tensor-parallel values and several --prefill-chunk values: "
+                         "sweep one of them at a time")
     for n in tps:
         if not 1 <= n <= jax.device_count():
             raise SystemExit(f"--tensor-parallel must be in [1, {jax.device_count()}] (the "
@@ -1288,11 +1293,6 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
             tp.check_config(s.model, n)
         except ValueError as e:
             raise SystemExit(f"--tensor-parallel {n}: {e}") from None
-    if len(set(tps)) != len(tps):
-        raise SystemExit("--tensor-parallel values must be distinct")
-    if len(tps) > 1 and args.prefill_chunk is not None and len(args.prefill_chunk) > 1:
-        raise SystemExit("several --tensor-parallel values and several --prefill-chunk values: "
-                         "sweep one of them at a time")
     if not 0 < args.kv_memory_fraction <= 1:
         raise SystemExit(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")
     if args.device_memory_gib is not None and args.device_memory_gib <= 0:

@@ -85,3 +85,96 @@ def test_serve_benchmark_tiny_on_two_devices(tmp_path):
     paged = [r for r in res["results"] if r["path"] == "paged"]
     assert paged and all(r["tensor_parallel"] == 2 for r in paged), paged
     assert res["agreement"] and all(a["identical"] == a["requests"] for a in res["agreement"])
+
+
+def _serve_tp_sweep(tmp_path, tps: str, env: dict) -> dict:
+    """``benchmarks/serve.py --tiny --workload trtllm --no-shared --tensor-parallel <tps>
+    --profile`` in a fresh process (``env``: its platform and devices); its JSON."""
+    import json
+
+    root = os.path.dirname(HERE)
+    out, prof = tmp_path / "serve.json", tmp_path / "prof"
+    argv = [sys.executable, os.path.join(root, "benchmarks", "serve.py"), "--tiny", "--workload",
+            "trtllm", "--no-shared", "--tensor-parallel", *tps.split(), "--profile", str(prof),
+            "--profile-steps", "8", "--json", str(out)]
+    if env.get("JAX_PLATFORMS") == "cpu":
+        argv += ["--device-memory-gib", "0.01"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.join(root, "benchmarks"))
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return json.loads(out.read_text())
+
+
+def _check_tp_sweep(res: dict, tps: list[int]) -> None:
+    """What a ``--tensor-parallel`` sweep of the tiny float32 model must show (see the
+    callers): the paged row once per value, tokens equal to the first value's, the collectives
+    of every step at TP > 1 in their category (none at TP 1), and the capacity rows."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from benchmarks import _profile
+
+    names = [r["name"] for r in res["results"]]
+    assert names == (["paged random c8 [tp 1]", "dense random c8 [tp 1]"]
+                     + [f"paged random c8 [tp {n}]" for n in tps[1:]]), names
+    assert res["agreement"] and all(a["identical"] == a["requests"] > 0
+                                    for a in res["agreement"]), res["agreement"]
+    scaling = res["tensor_parallel"]["scaling"]
+    assert [r["tensor_parallel"] for r in scaling] == tps
+    assert all(r["identical"] == r["requests"] for r in scaling[1:]), scaling
+    runs = {r["tensor_parallel"]: r for r in res["results"] if r["path"] == "paged"}
+    for n, r in runs.items():
+        p = r["profile"]
+        assert p["window_steps"] == p["matched"] == 8, (n, p)
+        # each traced step once (shard 0's), at most one more dispatched before the trace began
+        assert 8 <= p["traced_step_programs"] <= 9, (n, p)
+        for kind in ("decode", "mixed"):
+            coll = p["kinds"][kind]["ms_per_step"]["collectives"]
+            assert (coll > 0) == (n > 1), (n, kind, p["kinds"][kind])
+        left = " ".join(name for name, _ in p["other_top"]).lower()
+        assert not any(k in left for k in ("psum", "all_gather", "all-reduce", "nccl")), left
+        if n > 1 and not p["on_device"]:
+            # CPU: shard 0's steps alone, each with the step's 2 L psums and one all-gather
+            trace = _profile.load_trace(p["dir"])
+            per_step = [sum(o.name.startswith(("psum", "all_gather")) for o in x.ops)
+                        for x in trace.executions if len(x.ops) >= 8]
+            assert per_step and set(per_step) == {2 * 2 + 1}, per_step
+    cap = {c["tensor_parallel"]: c for c in res["tensor_parallel"]["capacity"]}
+    assert sorted(cap) == tps and not any("error" in c for c in cap.values()), cap
+    page1 = 2 * 2 * 8 * 2 * 16 * 4          # K and V, 2 layers, page 8, 2 KV heads of 16, f32
+    for n, c in cap.items():
+        heads = 2 // n if n <= 2 else 1     # TP 4: each KV head replicated, one per device
+        assert c["page_bytes_per_device"] == page1 // 2 * heads == sum(
+            runs[n]["device_page_bytes"]), (n, c)
+        assert c["weight_bytes_per_device"] == runs[n]["roofline"]["weight_bytes"]
+        pages = int(c["kv_fraction"] * (c["memory_bytes"] - c["weight_bytes_per_device"])) \
+            // c["page_bytes_per_device"] - 1
+        assert c["max_concurrency"] == pages // (c["pages_per_seq"] + 1) > 0, c
+        assert (runs[n]["device_pool_bytes"]
+                == (runs[n]["pool_pages"] + 1) * c["page_bytes_per_device"])
+    assert cap[2]["weight_bytes_per_device"] < cap[1]["weight_bytes_per_device"]
+    assert cap[2]["max_concurrency"] > cap[1]["max_concurrency"]
+
+
+def test_serve_benchmark_tp_sweep_on_four_devices(tmp_path):
+    """``serve.py --tensor-parallel 1 2 4 --profile`` on 4 CPU devices: one run, the paged row
+    per value on fresh servers (TP 4 replicates the tiny model's 2 KV heads), every value's
+    tokens equal to TP 1's, the psum / all-gather thunks of a real TP step in "collectives"
+    (shard 0's alone), and the largest concurrency per value from the per-device bytes."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    _check_tp_sweep(_serve_tp_sweep(tmp_path, "1 2 4", env), [1, 2, 4])
+
+
+@pytest.mark.gpu
+def test_serve_benchmark_tp_sweep_two_gpus(tmp_path):
+    """``serve.py --tiny --tensor-parallel 1 2 --profile`` on two GPUs: the float32 TP 2 tokens
+    equal TP 1's for every request, the NCCL kernels of the TP 2 steps land in "collectives",
+    and the capacity rows use the devices' allocator limit."""
+    from conftest import visible_gpus
+    n = visible_gpus()
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, {n} visible")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    res = _serve_tp_sweep(tmp_path, "1 2", env)
+    _check_tp_sweep(res, [1, 2])
+    assert res["meta"]["backend"] == "gpu"

@@ -430,3 +430,176 @@ def test_step_breakdown_of_a_made_up_trace_without_module_line(tmp_path):
     assert dec["idle inside the step"] == 0.02
     assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.05
     assert mix["idle inside the step"] == 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: collectives in the profile, the largest concurrency per TP value.
+
+# A hand-written tensor-parallel module: a plain all-reduce (a psum: CPU thunks are named after
+# the instruction), an async all-reduce pair, an all-gather, a reduce-scatter inside an async
+# wrapper, a collective-permute, next to a GEMM fusion and a norm.
+_HLO_TP = """HloModule jit_model_step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%fused_dot (p0: bf16[8,64], p1: bf16[64,64]) -> bf16[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%wrapped_rs (p: bf16[8,64]) -> bf16[4,64] {
+  %p = bf16[8,64]{1,0} parameter(0)
+  ROOT %rs = bf16[4,64]{1,0} reduce-scatter(%p), channel_id=5, replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (x: bf16[8,64], w: bf16[64,64]) -> f32[8,128] {
+  %x = bf16[8,64]{1,0} parameter(0)
+  %w = bf16[64,64]{1,0} parameter(1)
+  %gemm = bf16[8,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %psum.28 = bf16[8,64]{1,0} all-reduce(%gemm), channel_id=1, replica_groups=[1,2]<=[2], use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(model_step)/shard_map/psum"}
+  %all-reduce-start.1 = bf16[8,64]{1,0} all-reduce-start(%gemm), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  %all-reduce-done.1 = bf16[8,64]{1,0} all-reduce-done(%all-reduce-start.1)
+  %rs-start = ((bf16[8,64]{1,0}), bf16[4,64]{1,0}) async-start(%x), calls=%wrapped_rs
+  %rs-done = bf16[4,64]{1,0} async-done(%rs-start)
+  %cp = bf16[8,64]{1,0} collective-permute(%x), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %norm = bf16[8,64]{1,0} multiply(%psum.28, %psum.28), metadata={op_name="jit(model_step)/shard_map/rms_norm/mul"}
+  ROOT %all_gather.3 = f32[8,128]{1,0} all-gather(%norm), channel_id=3, replica_groups={{0,1}}, dimensions={1}, use_global_device_ids=true
+}
+"""
+
+
+def test_collectives_of_a_hand_written_tp_module():
+    """Every collective form (plain, async pair, async wrapper) lands in "collectives", a GEMM
+    fusion and a norm where they were; on a GPU, NCCL's kernels (named by the kernel when XLA
+    ran them in a CUDA graph, or absent from the HLO) too."""
+    cats = _profile.hlo_categories(_HLO_TP)
+    coll = {"psum.28", "all-reduce-start.1", "all-reduce-done.1", "rs-start", "rs-done", "cp",
+            "all_gather.3"}
+    assert {n for n, c in cats.items() if c == _profile.COLLECTIVES} == coll | {"rs"}, cats
+    assert cats["gemm"] == "weight GEMMs" and cats["norm"] == _profile.OTHER
+    assert _profile.COLLECTIVES in _profile.CATEGORIES
+    ops = [_profile.Op(n, 0.0, us) for n, us in (
+        ("gemm", 5.0), ("psum.28", 7.0), ("all_gather.3", 2.0), ("norm", 1.0),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 11.0),
+        ("ncclKernel_AllGather_RING_LL_Sum_int8", 3.0), ("mystery", 4.0))]
+    gpu = _profile.attribute(ops, cats, True)
+    assert gpu == {"weight GEMMs": 5.0, "collectives": 23.0, "norms/RoPE/other": 5.0}
+    cpu = _profile.attribute(ops, cats, False)   # the NCCL names are no CPU thunks
+    assert cpu == {"weight GEMMs": 5.0, "collectives": 9.0, "norms/RoPE/other": 1.0}
+    for kernel in ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "ncclDevKernel_SendRecv",
+                   "cross_device_all_reduce_k"):
+        assert _profile.kernel_category(kernel) == _profile.COLLECTIVES, kernel
+    assert _profile.kernel_category("nvjet_tst_gemm") == "weight GEMMs"
+
+
+def test_cpu_trace_of_two_devices_keeps_device_0(tmp_path):
+    """A CPU trace of a tensor-parallel step: each device runs its part on a thread of XLA's
+    pool (any thread, whichever device), the threads' thunks interleaved in time, each span ended
+    on its thread by a "wait for completion" marker naming its device. Only device 0's
+    executions and single-device programs (a marker without a device) are kept, each with the
+    thunks inside its span on its thread."""
+    pid = 5
+
+    def x(tid, name, ts, dur, **args):
+        e = {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+        if args:
+            e["args"] = args
+        return e
+
+    def step(t0, dev_a, dev_b, psum_a, psum_b):
+        a, b = 11, 12
+        wait = "ThunkExecutor::Execute (wait for completion)"
+        return [x(a, f"[{dev_a}] CommonPjRtLoadedExecutable::Execute (jit_model_step)", t0, 3),
+                x(a, "ThunkExecutor::Execute", t0 + 5, 100),
+                x(b, "ThunkExecutor::Execute", t0 + 6, 100),
+                x(a, "gemm", t0 + 6, 10), x(b, "gemm", t0 + 7, 12),
+                x(a, "psum.28", t0 + 20, psum_a), x(b, "psum.28", t0 + 21, psum_b),
+                x(a, "Rendezvous", t0 + 21, 5), x(a, "end: psum.28", t0 + 20 + psum_a, 0.1),
+                x(a, "norm", t0 + 90, 4), x(b, "norm", t0 + 91, 6),
+                x(a, wait, t0 + 105.5, 0, device_ordinal=str(dev_a), run_id="7"),
+                x(b, wait, t0 + 106.5, 0, device_ordinal=str(dev_b), run_id="7")]
+
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/host:CPU"}}]
+    events += step(0, 0, 1, 50, 9) + step(200, 1, 0, 8, 60)    # the threads swap devices
+    # a single-device program on the caller's thread
+    events += [x(13, "ThunkExecutor::Execute", 150, 20), x(13, "fusion.9", 152, 7),
+               x(13, "ThunkExecutor::Execute (wait for completion)", 170.5, 0)]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = _profile.load_trace(str(tmp_path))
+    assert not trace.on_device
+    assert [(x.start, x.end, [o.name for o in x.ops]) for x in trace.executions] == [
+        (5, 105, ["gemm", "psum.28", "norm"]), (150, 170, ["fusion.9"]),
+        (206, 306, ["gemm", "psum.28", "norm"])]
+    cats = _profile.hlo_categories(_HLO_TP)
+    c = _profile.attribute(trace.executions[0].ops + trace.executions[2].ops, cats, False)
+    # device 0's thunks: thread a's in the first step, thread b's in the second
+    assert c == {"weight GEMMs": 10 + 12, "collectives": 50 + 60, "norms/RoPE/other": 4 + 6}
+
+
+def test_max_concurrency_against_the_managers_pool_bytes():
+    """The largest concurrency arithmetic against KVCacheConfig's own per-device pool bytes: the
+    pool of c_max sequences (sized as the run sizes it) fits the K/V budget, c_max + 1 does not;
+    for the 8B shape on an H200-sized budget at TP 1 and (page bytes halved, weights per device
+    as tp.param_specs splits them) TP 2."""
+    import jax_kvcm
+    from examples.llama import tp
+
+    setup = dataclasses.replace(bench.TRTLLM, run_shared=False)
+    m = setup.model
+    assert setup.max_total_len == 2048 and setup.pages_per_seq == 128
+
+    def pool_bytes(c: int, n: int) -> int:
+        group = jax_kvcm.LayerGroupConfig(num_layers=m.num_hidden_layers,
+                                          num_kv_heads=tp.kv_heads(m, n) // n,
+                                          head_dim=m.head_dim, dtype=m.jnp_dtype)
+        cfg = jax_kvcm.KVCacheConfig(tokens_per_page=setup.page_size, layer_groups=(group,),
+                                     device_pages=setup.pool_pages(c), max_batch=max(c, 1),
+                                     max_seq_len=setup.max_total_len)
+        return cfg.device_pool_bytes()
+
+    shapes = {"embed": (m.vocab_size, m.hidden_size), "lm_head": (m.hidden_size, m.vocab_size)}
+    layer = {"wqkv": (m.hidden_size, (m.num_attention_heads + 2 * m.num_key_value_heads)
+                      * m.head_dim),
+             "wo": (m.num_attention_heads * m.head_dim, m.hidden_size),
+             "w_gate_up": (m.hidden_size, 2 * m.intermediate_size),
+             "w_down": (m.intermediate_size, m.hidden_size)}
+    full = 2 * (sum(a * b for a, b in shapes.values())
+                + m.num_hidden_layers * sum(a * b for a, b in layer.values()))
+    # TP 2: embed replicated, lm_head and every layer matrix split in two (norms left out)
+    half = 2 * (m.vocab_size * m.hidden_size) + (full - 2 * m.vocab_size * m.hidden_size) // 2
+    memory = int(0.9 * 141e9)
+    for n, weights in ((1, full), (2, half)):
+        page = 2 * m.num_hidden_layers * setup.page_size * (m.num_key_value_heads // n) \
+            * m.head_dim * 2
+        row = bench.max_concurrency(memory, weights, page, setup.pages_per_seq)
+        c = row["max_concurrency"]
+        budget = int(bench.KV_MEMORY_FRACTION * (memory - weights))
+        assert row["kv_budget_bytes"] == budget and row["page_bytes_per_device"] == page
+        assert pool_bytes(c, n) <= budget < pool_bytes(c + 1, n), (n, c)
+        print(f"TP {n}: {weights / 2**30:.2f} GiB weights per device, {page:,} B per page, "
+              f"largest concurrency {c}")
+        if n == 1:
+            c1 = c
+    assert 256 <= c1 and c > 2 * c1     # TP 2 holds more than twice: the weights split too
+    assert bench.max_concurrency(weights, weights, page, 128)["max_concurrency"] == 0
+
+
+def test_tp_cli_checks():
+    """--tensor-parallel values: distinct, one sweep at a time, within the visible devices."""
+    for argv, msg in ((["--tensor-parallel", "1", "1"], "distinct"),
+                      (["--tensor-parallel", "1", "2", "--prefill-chunk", "16", "32"],
+                       "one of them at a time"),
+                      (["--tensor-parallel", "1", "64"], "visible devices"),
+                      (["--kv-memory-fraction", "1.5"], "kv-memory-fraction"),
+                      (["--device-memory-gib", "0"], "device-memory-gib")):
+        with pytest.raises(SystemExit, match=msg):
+            bench.setup_from_args(bench.parse_args(["--tiny", *argv]))
+    assert bench.setup_from_args(bench.parse_args(["--tiny"])).tensor_parallel == 1
