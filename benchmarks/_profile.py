@@ -264,6 +264,11 @@ def _executions_from_kernels(events: list[dict]) -> list[Execution]:
     return execs
 
 
+def _device_index(process_name: str) -> int:
+    m = re.search(r"/device:[A-Za-z_]+:(\d+)", process_name)
+    return int(m.group(1)) if m else 1 << 30
+
+
 def load_trace(trace_dir: str) -> Trace:
     """The device ops and program executions of the perfetto trace ``jax.profiler`` wrote under
     ``trace_dir`` (``jax.profiler.trace(dir, create_perfetto_trace=True)``)."""
@@ -279,7 +284,8 @@ def load_trace(trace_dir: str) -> Trace:
     xs = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: float(e["ts"]))
     device = {pid for pid, n in procs.items() if "/device:" in n and "CPU" not in n}
     if device:
-        pid = min(device)           # the first device (one GPU, or shard 0)
+        # the first device (one GPU, or shard 0): "/device:GPU:0" before "/device:GPU:1"
+        pid = min(device, key=lambda p: (_device_index(procs[p]), p))
 
         def line(e):
             return threads.get((e["pid"], e.get("tid")))

@@ -603,3 +603,31 @@ def test_tp_cli_checks():
         with pytest.raises(SystemExit, match=msg):
             bench.setup_from_args(bench.parse_args(["--tiny", *argv]))
     assert bench.setup_from_args(bench.parse_args(["--tiny"])).tensor_parallel == 1
+
+
+def test_gpu_trace_of_two_devices_reads_gpu_0(tmp_path):
+    """A two-GPU trace (TP 2): the ops of "/device:GPU:0" are read whatever the process ids; its
+    NCCL kernel (on its own stream, absent from the HLO) lands in "collectives"."""
+    events = []
+    for pid, gpu, nccl_us in ((3, 1, 40.0), (9, 0, 25.0)):
+        events += [{"ph": "M", "name": "process_name", "pid": pid,
+                    "args": {"name": f"/device:GPU:{gpu}"}},
+                   {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1,
+                    "args": {"name": "XLA Modules"}},
+                   {"ph": "M", "name": "thread_name", "pid": pid, "tid": 2,
+                    "args": {"name": "XLA Ops"}},
+                   {"ph": "X", "pid": pid, "tid": 1, "name": "jit_model_step(1)", "ts": 0,
+                    "dur": 100},
+                   {"ph": "X", "pid": pid, "tid": 2, "name": "k", "ts": 0, "dur": 10,
+                    "args": {"hlo_op": "gemm"}},
+                   {"ph": "X", "pid": pid, "tid": 2,
+                    "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ts": 20,
+                    "dur": nccl_us}]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = _profile.load_trace(str(tmp_path))
+    assert trace.on_device and len(trace.executions) == 1
+    c = _profile.attribute(trace.executions[0].ops, _profile.hlo_categories(_HLO_TP), True)
+    assert c == {"weight GEMMs": 10.0, "collectives": 25.0}
