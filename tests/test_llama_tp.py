@@ -178,3 +178,23 @@ def test_serve_benchmark_tp_sweep_two_gpus(tmp_path):
     res = _serve_tp_sweep(tmp_path, "1 2", env)
     _check_tp_sweep(res, [1, 2])
     assert res["meta"]["backend"] == "gpu"
+
+
+def test_pre_run_check_covers_tensor_parallel():
+    """The check before an 8B run (``serve._check``) adds the tiny model's paged random row at
+    every ``--tensor-parallel`` value > 1 against one device's: on 2 CPU devices its tokens
+    agree for every request."""
+    import json
+
+    root = os.path.dirname(HERE)
+    code = ("import json, serve; print('CHECK ' + json.dumps(serve._check([1, 2])))")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.join(root, "benchmarks"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("CHECK "))
+    agreement = json.loads(line[len("CHECK "):])["agreement"]
+    tp2 = [a for a in agreement if a["b"].endswith("[tp 2]")]
+    assert len(tp2) == 1 and tp2[0]["identical"] == tp2[0]["requests"] == 16, agreement
+    assert len(agreement) > 1 and all(a["identical"] == a["requests"] for a in agreement)
