@@ -15,6 +15,8 @@ keeps the script's directory, not the repo root, first on ``sys.path``):
     python benchmarks/serve.py --workload trtllm --kv-dtype fp8   # paged K/V in float8_e4m3fn
     python benchmarks/serve.py --workload trtllm --quick --profile /tmp/prof   # where time goes
     python benchmarks/serve.py --workload trtllm --quick --no-dense --prefill-chunk 512 2048 4096
+    python benchmarks/serve.py --workload trtllm --no-shared --no-dense --host-gib 0 \\
+        --tensor-parallel 1 2 --profile /tmp/tp_prof --profile-steps 8   # TP 1 vs 2 (2 GPUs)
 
 **Model.** Llama-3.1-8B's shape (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336,
 vocab 128256, RoPE theta 500000 with Llama-3 scaling, RMSNorm eps 1e-5), bfloat16 weights drawn
@@ -91,17 +93,54 @@ mixed, prefill-only) the count, step time p50/p90, host time, time blocked on th
 share of the run, and per phase (ramp-up, steady state, tail). ``--profile DIR`` adds a
 ``jax.profiler`` trace of ``--profile-steps`` steady-state steps per paged run and the device time
 per step kind by category (weight GEMMs, paged / ragged attention, K/V writes, sampling,
-norms/RoPE/other, idle inside a step, other programs, host gaps). ``--prefill-chunk`` with
-several values runs the paged rows once per value (the step budget = the largest concurrency +
-the chunk, unless ``--step-tokens``; dense and equal memory with the first value) and prints a
-table of them side by side.
+collectives, norms/RoPE/other, idle inside a step, other programs, host gaps).
+``--prefill-chunk`` with several values runs the paged rows once per value (the step budget =
+the largest concurrency + the chunk, unless ``--step-tokens``; dense and equal memory with the
+first value) and prints a table of them side by side.
+
+**Tensor parallelism** (``--tensor-parallel N [N ...]``, ``examples/llama/tp.py``). One value:
+the paged runs split over the first N devices (the weights sharded once, Megatron-style; the
+pools over KV heads), dense on one device. Several values (``--tensor-parallel 1 2``): the paged
+rows run once per value, in the order given, on fresh servers, the weights sharded once per
+value; the previous value's servers, pools and shards are freed first, and before the last value
+(when no dense run needs them) the unsharded weights leave device 0. Dense and equal memory run
+with the first value only; run names carry `` [tp N]``. Printed after the runs:
+
+- the scaling table: per run and value, output tok/s and its ratio to the first value's (target
+  >= 1.6x at TP 2 over TP 1), decode step ms p50, TTFT and ITL p50, and with ``--profile`` the
+  collectives' device ms per decode step (shard 0: its all-reduces after the O and down
+  projections and the logits' all-gather, ``benchmarks/_profile.py``'s "collectives") with
+  their share of the step and of the device's busy time; the requests whose tokens equal the
+  first value's (float32: all of them, else the exit status is 1);
+- the largest concurrency each value fits, arithmetic (no trial run), per device:
+  memory ``M`` = the allocator limit the device reports (``memory_stats()["bytes_limit"]``:
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.90 here, of the device's memory; the smallest over the
+  value's devices; ``--device-memory-gib`` gives it where none is reported, as on the CPU);
+  weights ``W`` = the value's params on device 0 (its shards; embeddings replicated); page bytes
+  ``B`` = one page's bytes on one device as the run's ``KVCacheConfig`` reports them
+  (``device_page_bytes()``: K and V of every layer, the device's KV heads, summed over layer
+  groups); K/V budget = ``f x (M - W)`` with ``f`` = ``--kv-memory-fraction`` (0.9: the rest
+  for the step's temporaries and XLA's workspace); a sequence at its longest (input + output)
+  holds ``P`` pages and the pool of ``c`` sequences is sized as the run sizes it, ``c x (P + 1)``
+  pages plus the null page; so ``c_max = floor((floor(budget / B) - 1) / (P + 1))``. For the
+  8B shape at 1,024/1,024 (page 16, ``P`` = 128) on an H200 (``M`` ~ 126.4 GiB): TP 1 ``W``
+  ~ 15.0 GiB, ``B`` = 2 MiB -> 397 sequences; TP 2 ``W`` ~ 8.0 GiB, ``B`` = 1 MiB -> 845.
+
+The issue's row (two H200s, ~5 minutes, at most ~7 with slow compiles: the check ~40 s, then
+per value the weights ~10 s, two step programs to compile ~1-1.5 min, 262,144 output tokens at
+~9,000 (TP 1) / ~14,000 (TP 2) tok/s, an 8-step trace; the runs print progress lines)::
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=true python3 benchmarks/serve.py --workload trtllm \\
+        --no-shared --no-dense --host-gib 0 --tensor-parallel 1 2 \\
+        --profile /tmp/tp_prof --profile-steps 8 --json serve_tp.json
 
 **Checks.** Before the 8B runs, the tiny float32 model runs paged, dense, and paged without prefix
-reuse on the same device: at least 3/4 of each pair's greedy generations must be identical, with
-logits within relative L2 1e-4 (else the script exits non-zero before the long part; a broken
-path changes most generations; ``--no-check`` skips it). ``--tiny`` is that model alone on its
-own workloads; on the CPU every generation must be identical with logits within 1e-5
-(``tests/test_serve_benchmark.py`` runs it). A configuration that raises is reported in the
+reuse on the same device, and paged at every ``--tensor-parallel`` value > 1 (its split of the
+tiny model) against one device: at least 3/4 of each pair's greedy generations must be
+identical, with logits within relative L2 1e-4 (else the script exits non-zero before the long
+part; a broken path changes most generations; ``--no-check`` skips it). ``--tiny`` is that model
+alone on its own workloads; on the CPU every generation must be identical with logits within
+1e-5 (``tests/test_serve_benchmark.py`` runs it). A configuration that raises is reported in the
 table and the JSON, the others still run, and the exit status is 1.
 
 Anchor (printed alongside, not measured here): TensorRT-LLM paged KV, Llama-3.1-8B on one H100,
