@@ -874,7 +874,7 @@ def tp_scaling(results: Sequence[dict[str, Any]],
     the first value's (TP 1 when given first), decode step ms, TTFT/ITL p50, the collectives'
     share of the decode step (with ``--profile``) and the requests whose tokens equal the first
     value's."""
-    same = {a["b"]: a for a in agreement}
+    same = {(a["a"], a["b"]): a for a in agreement}
     first: dict[str, dict] = {}
     rows = []
     for r in results:
@@ -882,7 +882,7 @@ def tp_scaling(results: Sequence[dict[str, Any]],
             continue
         run = loop_profile.sweep_base(r["name"])
         ref = first.setdefault(run, r)
-        a = same.get(r["name"])
+        a = same.get((ref["name"], r["name"]))
         rows.append({"run": run, "name": r["name"], "tensor_parallel": r["tensor_parallel"],
                      "reference": ref["name"], "output_tokens_per_s": r["output_tokens_per_s"],
                      "over_reference": (r["output_tokens_per_s"]
