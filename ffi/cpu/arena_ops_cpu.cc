@@ -183,7 +183,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaWriteKvCpu, kvcm::ArenaWriteKvImpl,
                                   .Attr<xffi::Span<const int64_t>>("pool"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaPagedAttentionCpu, kvcm::ArenaPagedAttentionImpl,
-                              xffi::Ffi::Bind()
+                              kvcm::BindAttentionAttrs(xffi::Ffi::Bind()
                                   .Arg<xffi::AnyBuffer>()  // q [B, H, D]
                                   .Arg<xffi::AnyBuffer>()  // page_table [B, P]
                                   .Arg<xffi::AnyBuffer>()  // seq_lens [B]
@@ -193,16 +193,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaPagedAttentionCpu, kvcm::ArenaPagedAttent
                                   .Arg<xffi::AnyBuffer>()  // after_k
                                   .Arg<xffi::AnyBuffer>()  // after_v
                                   .Ret<xffi::AnyBuffer>()  // out [B, H, D]
-                                  .Attr<xffi::Span<const int64_t>>("pool")
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<bool>("ring_table")
-                                  .Attr<bool>("check_indices"));
+                                  .Attr<xffi::Span<const int64_t>>("pool")));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaRaggedPagedAttentionCpu,
                               kvcm::ArenaRaggedPagedAttentionImpl,
-                              xffi::Ffi::Bind()
+                              kvcm::BindAttentionAttrs(xffi::Ffi::Bind()
                                   .Arg<xffi::AnyBuffer>()  // q [T, H, D]
                                   .Arg<xffi::AnyBuffer>()  // page_table [B, P]
                                   .Arg<xffi::AnyBuffer>()  // seq_lens [B]
@@ -213,9 +208,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaRaggedPagedAttentionCpu,
                                   .Arg<xffi::AnyBuffer>()  // after_k
                                   .Arg<xffi::AnyBuffer>()  // after_v
                                   .Ret<xffi::AnyBuffer>()  // out [T, H, D]
-                                  .Attr<xffi::Span<const int64_t>>("pool")
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<bool>("ring_table")
-                                  .Attr<bool>("check_indices"));
+                                  .Attr<xffi::Span<const int64_t>>("pool")));

@@ -240,7 +240,7 @@ ffi::Error RaggedPagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
 namespace xffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCpu, kvcm::PagedAttentionCpuImpl,
-                              xffi::Ffi::Bind()
+                              kvcm::BindAttentionAttrs(xffi::Ffi::Bind()
                                   .Arg<xffi::AnyBuffer>()  // q [B, H, D]
                                   .Arg<xffi::AnyBuffer>()  // k_cache
                                   .Arg<xffi::AnyBuffer>()  // v_cache
@@ -249,15 +249,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCpu, kvcm::PagedAttentionCpuImpl
                                   .Arg<xffi::AnyBuffer>()  // layer []
                                   .Arg<xffi::AnyBuffer>()  // k_scale [L, Hkv] f32 (fp8) or []
                                   .Arg<xffi::AnyBuffer>()  // v_scale
-                                  .Ret<xffi::AnyBuffer>()  // out [B, H, D]
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<bool>("ring_table")
-                                  .Attr<bool>("check_indices"));
+                                  .Ret<xffi::AnyBuffer>()));  // out [B, H, D]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCpu, kvcm::RaggedPagedAttentionCpuImpl,
-                              xffi::Ffi::Bind()
+                              kvcm::BindAttentionAttrs(xffi::Ffi::Bind()
                                   .Arg<xffi::AnyBuffer>()  // q [T, H, D]
                                   .Arg<xffi::AnyBuffer>()  // k_cache
                                   .Arg<xffi::AnyBuffer>()  // v_cache
@@ -267,9 +262,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCpu, kvcm::RaggedPagedAtte
                                   .Arg<xffi::AnyBuffer>()  // layer []
                                   .Arg<xffi::AnyBuffer>()  // k_scale [L, Hkv] f32 (fp8) or []
                                   .Arg<xffi::AnyBuffer>()  // v_scale
-                                  .Ret<xffi::AnyBuffer>()  // out [T, H, D]
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<bool>("ring_table")
-                                  .Attr<bool>("check_indices"));
+                                  .Ret<xffi::AnyBuffer>()));  // out [T, H, D]

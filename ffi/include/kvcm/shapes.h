@@ -15,6 +15,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -29,6 +30,19 @@ namespace kvcm {
 namespace ffi = xla::ffi;
 
 enum class DType { kF32, kBF16, kF16, kF8E4M3 };
+
+// The attributes every attention handler binds, in this order (after its operands and result):
+// scale, sliding_window, soft_cap, ring_table, check_indices. Usage:
+// BindAttentionAttrs(ffi::Ffi::Bind().Arg<...>()...Ret<...>()).
+template <typename Binding>
+auto BindAttentionAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<int32_t>("sliding_window")
+      .template Attr<float>("soft_cap")
+      .template Attr<bool>("ring_table")
+      .template Attr<bool>("check_indices");
+}
 
 inline std::string DimsToString(ffi::Span<const int64_t> dims) {
   std::ostringstream s;
