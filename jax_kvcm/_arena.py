@@ -1,5 +1,5 @@
 """The contiguous arena: one virtual reservation per hot pool group, a contiguous page range per
-sequence, physical memory mapped on demand (DESIGN.md §5).
+sequence, physical memory mapped on demand (docs/ARCHITECTURE.md §5).
 
 Geometry (one hot pool group; K and V pools ``[num_layers, num_slots, tokens_per_page,
 num_kv_heads, head_dim]`` laid out back to back in one reservation, K first):

@@ -5,8 +5,8 @@ that input itself. A buffer imported from outside (``jax.dlpack.from_dlpack``, o
 ``jax.device_put`` of host memory) is immutable to it, so a step donating the arena gets a fresh
 output buffer and the whole input copied into it -- the copy reads the reservation's unmapped
 (``PROT_NONE``) super-pages and faults, and even a fully mapped arena would be detached from the
-manager (DESIGN.md §5; ``tests/test_arena_ops.py`` records it). On the GPU the same import is
-aliased and the pools stay ``jax.Array``s.
+manager (docs/ARCHITECTURE.md §5; ``tests/test_arena_runner.py`` records it). On the GPU the same
+import is aliased and the pools stay ``jax.Array``s.
 
 So on CPU ``ArenaKVCacheManager.caches`` holds two :class:`ArenaPool`s: pytrees whose only leaf
 is an int32 scalar *token* and whose static part is the pool's address, shape and dtype.

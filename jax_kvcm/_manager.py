@@ -1116,9 +1116,8 @@ class KVCacheManager:
             # (an overlapped loop prepares the next step while the device runs this one): waiting
             # would idle the device for the rest of the host's preparation, so cached pages are
             # evicted instead (to a cold tier when there is one); only with nothing cached does
-            # the allocation wait. (Suspected on the H200: the full seed run's mixed steps took
-            # 68 ms of host time in step() and 0.04 ms blocked on tokens, i.e. step() waited for
-            # the device; benchmarks/RESULTS.md, session 5.)
+            # the allocation wait. (H200, full seed run: the mixed steps' host time in step()
+            # fell from 68 to 19 ms with this; benchmarks/RESULTS.md, sessions 5 and 6.)
             if self._num_pending.any():
                 if self._reclaim() > 0:
                     continue
