@@ -191,6 +191,10 @@ def make_batch(seed: int, case: Case, dtype, ragged: bool) -> Batch:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[c.id for c in DECODE_CASES])
 def test_paged_attention_matches_reference(backend, case, dtype, seed):
+    _check_paged_attention(backend, case, dtype, seed)
+
+
+def _check_paged_attention(backend, case, dtype, seed):
     b = make_batch(seed, case, dtype, ragged=False)
     args = (b.q, b.k_cache, b.v_cache, b.page_table, b.seq_lens)
     out = ops.paged_attention(*backend.put(*args), layer=b.layer, **case.attrs())
@@ -199,6 +203,19 @@ def test_paged_attention_matches_reference(backend, case, dtype, seed):
     want = reference("paged_attention", *args, layer=b.layer, **case.attrs())
     assert_zero_rows(out, b.zero_rows, "paged_attention seq_lens==0 rows", seed)
     assert_close(out, want, dtype, f"paged_attention[{case.id}]", seed)
+
+
+# 284 rows, just over one wave of the bf16 decode kernel's CTAs on an H200 (head dim 128: 2 CTAs
+# per SM x 132 SMs = 264): 264 rows run whole, the other 20 split 4 ways (PlanDecode in
+# ffi/cuda/paged_decode.cu). GPU only: the CPU handler is slow at this size.
+WAVE_TAIL_CASE = Case("wave-tail-p16-d128-gqa4", 16, 128, 4, 4, batch=71, max_pages=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_paged_attention_whole_rows_and_split_tail(backend, dtype):
+    _check_paged_attention(backend, WAVE_TAIL_CASE, dtype, seed=21)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -205,8 +205,8 @@ def test_fp8_decode_kernel_shapes(backend, case, op, dtype):
 
 
 # 512 rows of 2,048 tokens, just over one wave of the fp8 kernel's CTAs on an H200 (132 SMs x 3):
-# the split heuristic (NumSplits in ffi/cuda/paged_decode.cu) splits them 3 ways. GPU only: the
-# CPU handler takes ~80 s for it.
+# 396 rows run whole, the other 116 split 3 ways (PlanDecode in ffi/cuda/paged_decode.cu). GPU
+# only: the CPU handler takes ~80 s for it.
 MANY_ROWS_SPLIT = Case("many-rows-p16-d128-gqa4-split", 16, 128, 8, 4, batch=64, max_pages=128,
                        num_tokens=64)
 

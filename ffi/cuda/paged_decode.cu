@@ -1,12 +1,15 @@
 // Split-KV paged decode attention on tensor cores (bf16 / f16 queries; caches of the query dtype
 // or float8_e4m3fn).
 //
-// Grid (num_splits, num_kv_heads, batch). A CTA owns one sequence, one kv head and one range of
-// 16-token tiles; its G = H / Hkv query heads form the rows of one m16 tile (rows >= G are zero).
+// A CTA owns one row (a sequence and a kv head; row = b * Hkv + kvh) and one range of 16-token
+// tiles; its G = H / Hkv query heads form the rows of one m16 tile (rows >= G are zero). The grid
+// is 1-D: CTAs 0 .. full_rows - 1 take rows 0 .. full_rows - 1 whole, the remaining rows are split
+// num_splits ways (CTA full_rows + i: row full_rows + i / num_splits, split i % num_splits), so
+// the split CTAs, short, run last (see DecodeSchedule).
 // Each warp streams its own tiles (w, w + kWarps, ...) through a private kStages-deep cp.async
 // ring, keeps its own online-softmax state, and the warps merge through shared memory at the end.
-// With num_splits > 1 the CTA writes an unnormalized partial (o, max, sum) and a combine kernel
-// reduces the splits.
+// A split CTA writes an unnormalized partial (o, max, sum) and a combine kernel reduces the
+// splits of those rows.
 //
 // Ragged calls (query_start set) run this kernel for their single-query sequences (decode rows of
 // a mixed batch): sequence b's query row is query_start[b], and CTAs of other sequences exit at
@@ -24,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 
 #include "kvcm/cuda/attention.cuh"
 #include "kvcm/cuda/mma.cuh"
@@ -118,7 +122,8 @@ struct DecodeParams {
   AttentionArgs a;
   LogitTransform logit;
   int page_shift;
-  int num_splits;
+  int full_rows;      // rows [0, full_rows) run whole, one CTA each
+  int num_splits;     // CTAs per row for rows >= full_rows
   float* part_o;   // [num_splits, B, H, D] (num_splits > 1)
   float* part_ml;  // [num_splits, B, H, 2]
 };
@@ -132,7 +137,13 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   constexpr int kTileBytes = kTile * D * (kFp8 ? 1 : 2);  // bytes of one arriving tile
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  // 32-bit: the launch checks that the grid's CTA count fits an int.
+  const int cta = int(blockIdx.x), full_rows = p.full_rows, hkv = int(s.cache.num_kv_heads);
+  const bool whole = cta < full_rows;
+  const int row_id = whole ? cta : full_rows + (cta - full_rows) / p.num_splits;
+  const int split = whole ? 0 : (cta - full_rows) % p.num_splits;
+  const int splits = whole ? 1 : p.num_splits;
+  const int kvh = row_id % hkv, b = row_id / hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int G = int(s.group());
   const int P = int(s.cache.page_size);
@@ -162,7 +173,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   float v_scale;
   const LogitTransform logit = ScaledLogit<kFp8>(p.logit, a, li, kvh, v_scale);
   const int tile_lo = lo / kTile, tile_hi = (len + kTile - 1) / kTile;
-  const int per_split = (max(tile_hi - tile_lo, 0) + p.num_splits - 1) / p.num_splits;
+  const int per_split = (max(tile_hi - tile_lo, 0) + splits - 1) / splits;
   const int my_lo = tile_lo + split * per_split;
   const int my_hi = min(tile_hi, my_lo + per_split);
   const int my_count = my_hi - my_lo > warp ? (my_hi - my_lo - warp + kWarps - 1) / kWarps : 0;
@@ -429,7 +440,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     num *= v_scale;
     if (bad) num = NAN;
     const int64_t head = int64_t(kvh) * G + row;
-    if (p.num_splits == 1) {
+    if (splits == 1) {
       // den is 0 only with nothing attended; NaN (a NaN logit) must stay NaN.
       static_cast<T*>(a.out)[(qrow * s.num_heads + head) * D + d] =
           DTypeTraits<T>::from_float(den == 0.f ? (bad ? NAN : 0.f) : num / den);
@@ -444,12 +455,14 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   }
 }
 
-// Merges the splits of each (b, h): out = sum_i 2^(m_i - M) o_i / sum_i 2^(m_i - M) l_i.
-// Ragged calls: only single-query sequences, written at their q row.
+// Merges the splits of each (b, h) from flat head row first_row on (b * H + h; one CTA each):
+// out = sum_i 2^(m_i - M) o_i / sum_i 2^(m_i - M) l_i. Ragged calls: only single-query
+// sequences, written at their q row.
 template <typename T>
 __global__ void CombineSplitsKernel(const AttentionArgs a, const float* __restrict__ part_o,
-                                    const float* __restrict__ part_ml, int num_splits) {
-  const int64_t row = blockIdx.x, num_rows = a.shape.batch * a.shape.num_heads;
+                                    const float* __restrict__ part_ml, int num_splits,
+                                    int64_t first_row) {
+  const int64_t row = first_row + blockIdx.x, num_rows = a.shape.batch * a.shape.num_heads;
   const int64_t H = a.shape.num_heads, D = a.shape.cache.head_dim;
   const int b = int(row / H);
   int64_t out_row = row;
@@ -475,36 +488,47 @@ __global__ void CombineSplitsKernel(const AttentionArgs a, const float* __restri
   }
 }
 
-// The split count (the one heuristic; measured rows in benchmarks/RESULTS.md). Every CTA of a
-// decode grid streams about the same number of tiles, so the grid runs in waves of `slots` CTAs
-// (SMs x CTAs per SM) and a partly filled last wave costs as much as a full one. The split count
-// minimizes a model of that: waves x (16-token tiles per warp of a CTA + kCtaOverhead), plus
-// kCombineCost when split (the combine kernel). kCtaOverhead (the ring's fill and the warps'
-// merge, in tile iterations) makes an extra wave of short CTAs cost more than one of long ones,
-// so a split must save a wave. Bounds: at least 2 tiles per warp of a split (shorter splits are
-// all prologue), at most 64 (the combine kernel's reads grow with it). A split is kept only when
-// the model says it saves >= 3%. What it picks (H200, 132 SMs):
-// - few rows (B8 S32768, B1 S131072): one full wave, slots / rows splits;
-// - rows just over one wave (B64 S4096 with the fp8 ring's 3 CTAs/SM: 512 rows on 396 slots,
-//   1.29 waves): 3 splits, 3.9 waves of a third of the work (time 98 vs 134 in the model's units);
-// - many rows (B256 S1024, B256 S256: 5.2 waves): no split (a split's extra waves of short CTAs
-//   cost what the last wave's idle slots do).
+// The schedule (the one heuristic; measured rows in benchmarks/RESULTS.md): which rows run whole
+// and how many ways the rest are split. Every CTA of a decode grid streams about the same number
+// of tiles, so the grid runs in waves of `slots` CTAs (SMs x CTAs per SM), and a partly filled
+// last wave costs as much as a full one (B256 S1024 at 3 CTAs/SM: 2,048 rows are 5.2 waves, so
+// the sixth runs 17% full). The rows of the full waves run whole (full_rows, a multiple of
+// slots); the rows left over, the tail, are split `splits` ways so that they fill their wave(s)
+// with shorter CTAs. `splits` minimizes a model: waves x (16-token tiles per warp of a CTA +
+// kCtaOverhead) + kCombineCost when split. kCtaOverhead (the ring's fill and the warps' merge, in
+// tile iterations) makes an extra wave of short CTAs cost more than one of long ones. Bounds: at
+// least 2 tiles per warp of a split (shorter splits are all prologue), at most 64 (the combine
+// kernel's reads grow with it); a split is kept only when the model says it saves >= 3%. What it
+// picks on an H200 (132 SMs; 3 CTAs/SM for fp8 and the 16-bit shallow ring, 2 for the deep one):
+// - few rows (B8 S32768, B1 S131072): all rows are tail, one full wave, slots / rows splits;
+// - B64 S4096 fp8 (512 rows, 396 slots): 396 whole rows, 116 rows split 3 ways (348 CTAs);
+// - B256 S1024 (2,048 rows, 396 slots): 1,980 whole rows, 68 rows split 4 ways;
+// - B256 S256 (17 tiles a row): no split (at most 2 ways, which the combine eats).
 // max_tiles bounds the tiles of the longest row (the table width, or the window).
-int64_t NumSplits(int64_t rows, int64_t slots, int64_t max_tiles) {
+struct DecodeSchedule {
+  int64_t full_rows;  // rows [0, full_rows) run whole
+  int64_t splits;     // CTAs per row for the others (1: no split, full_rows = rows)
+};
+
+DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles) {
   constexpr int64_t kCtaOverhead = 2, kCombineCost = 2;
   const int64_t most = std::clamp<int64_t>(max_tiles / (2 * kWarps), 1, 64);
-  auto cost = [&](int64_t splits) {
-    const int64_t waves = (rows * splits + slots - 1) / slots;
+  const int64_t full_rows = rows / slots * slots, tail = rows - full_rows;
+  auto cta_cost = [&](int64_t splits) {
     const int64_t tiles = (max_tiles + splits - 1) / splits;
-    return waves * ((tiles + kWarps - 1) / kWarps + kCtaOverhead) +
+    return (tiles + kWarps - 1) / kWarps + kCtaOverhead;
+  };
+  auto cost = [&](int64_t splits) {
+    const int64_t tail_waves = (tail * splits + slots - 1) / slots;
+    return full_rows / slots * cta_cost(1) + tail_waves * cta_cost(splits) +
            (splits > 1 ? kCombineCost : 0);
   };
   int64_t best = 1, best_cost = cost(1);
-  for (int64_t splits = 2; splits <= most; ++splits) {
+  for (int64_t splits = 2; splits <= most && tail > 0; ++splits) {
     const int64_t c = cost(splits);
     if (100 * c <= 97 * best_cost) best = splits, best_cost = c;
   }
-  return best;
+  return best == 1 ? DecodeSchedule{rows, 1} : DecodeSchedule{full_rows, best};
 }
 
 // CTAs per SM of one kernel instance (configures its shared memory on the first call); 0 when
@@ -537,12 +561,17 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
   // fewer under a window.
   int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
   if (a.window > 0) max_tiles = std::min<int64_t>(max_tiles, (a.window + kTile - 1) / kTile + 1);
-  const int64_t splits = NumSplits(rows, slots, max_tiles);
+  const DecodeSchedule plan = PlanDecode(rows, slots, max_tiles);
+  const int64_t splits = plan.splits;
+  const int64_t ctas = plan.full_rows + (rows - plan.full_rows) * splits;
+  if (ctas > int64_t(std::numeric_limits<int>::max()))
+    return ffi::Error::InvalidArgument("paged_attention: batch * num_kv_heads is too large");
 
   DecodeParams p;
   p.a = a;
   p.logit = LogitTransform::Make(a.scale, a.soft_cap);
   p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
+  p.full_rows = int(plan.full_rows);
   p.num_splits = int(splits);
   p.part_o = nullptr;
   p.part_ml = nullptr;
@@ -556,12 +585,12 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
     p.part_o = reinterpret_cast<float*>(ws);
     p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
   }
-  dim3 grid(unsigned(splits), unsigned(s.cache.num_kv_heads), unsigned(s.batch));
-  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
+  kernel<<<unsigned(ctas), kWarps * 32, smem, stream>>>(p);
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
-  if (splits > 1) {
-    CombineSplitsKernel<T><<<unsigned(heads), 128, 0, stream>>>(a, p.part_o, p.part_ml,
-                                                                 int(splits));
+  if (splits > 1) {  // the split rows' heads: flat head rows full_rows * G on
+    const int64_t G = s.group();
+    CombineSplitsKernel<T><<<unsigned((rows - plan.full_rows) * G), 128, 0, stream>>>(
+        a, p.part_o, p.part_ml, int(splits), plan.full_rows * G);
     return LaunchError("paged_attention (combine kernel)");
   }
   return ffi::Error::Success();
