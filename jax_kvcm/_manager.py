@@ -965,7 +965,15 @@ class KVCacheManager:
         src = self._node_slots(victims)
         if not victims:
             return
-        out = self.storage.offload_ahead([(g, src[g][src[g] >= 0]) for g in range(self._G)])
+        try:
+            out = self.storage.offload_ahead([(g, src[g][src[g] >= 0])
+                                              for g in range(self._G)])
+        except Exception as e:  # noqa: BLE001 - nothing changed (the transaction rolled back)
+            self._stats.num_offload_ahead_failures += 1
+            warnings.warn(f"KVCacheManager: write-back ahead of {len(victims)} pages failed at "
+                          f"submission ({e!r}); they stay on the device", RuntimeWarning,
+                          stacklevel=3)
+            return
         if out is None:
             return
         dsts, fence = out

@@ -65,6 +65,7 @@ Not thread-safe: the KV-cache manager serializes calls with one lock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -693,7 +694,7 @@ class StorageManager:
         try:
             for (lg, src_level, src, dst_level), (_, dst) in zip(plan, taken):
                 if src.size:
-                    self._hook("submit")
+                    self._hook("offload_ahead" if ahead else "submit")
                     if ahead:
                         fences.append(self._submit_ahead(lg, src, dst))
                     else:
@@ -713,7 +714,7 @@ class StorageManager:
             if getattr(fence, "off_stream", False):
                 self._ahead_fences = [f for f in self._ahead_fences if not f.is_ready()]
                 self._ahead_fences.append(fence)
-                if self._ahead_pools is None:
+                if self._ahead_pools is None and self.side_stream:
                     self._ahead_pools = self._pool_pointers()
             self._stats.num_offloads_ahead += 1
             self._stats.num_pages_offloaded_ahead += sum(src.size for _, _, src, _ in plan)
@@ -738,7 +739,7 @@ class StorageManager:
         """Encodes device slots ``src`` into host slots ``dst`` (side stream when available);
         the fence of the copies. The host fences of ``dst`` are set by the caller."""
         g = self.cold_group_of[lg]
-        self._wait_fences(g, dst)
+        self._wait_fences(g, dst, read=False)
         pool = self.host_pools[g]
         if not self.side_stream:
             return self._encode(lg, src, dst, pool.device_address, pool.num_slots)
@@ -806,7 +807,7 @@ class StorageManager:
         path = (src_level, dst_level)
         if path == (D, H):
             g = self.cold_group_of[lg]
-            self._wait_fences(g, dst)
+            self._wait_fences(g, dst, read=False)
             pool = self.host_pools[g]
             self._host_fences[g][dst] = self._encode(lg, src, dst, pool.device_address,
                                                      pool.num_slots)
@@ -830,13 +831,14 @@ class StorageManager:
         elif path == (K, H):
             g = self.cold_group_of[lg]
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
-            self._wait_fences(g, dst)
+            self._wait_fences(g, dst, read=False)
             self._read(lg, dpool, src, hpool.base_address, dst)
         elif path == (D, D):
             self._copy_hot(lg, src, dst)
         elif path == (H, H):
             g = self.cold_group_of[lg]
-            self._wait_fences(g, np.concatenate([src, dst]))
+            self._wait_fences(g, src)
+            self._wait_fences(g, dst, read=False)
             view = self.host_pools[g].view()
             view[dst] = view[src]
         else:  # (K, K): through the staging ring
@@ -1099,11 +1101,12 @@ class StorageManager:
             return None
 
     def _wait_fences(self, cold_group: int, slots: np.ndarray, *,
-                     off_stream_only: bool = False) -> None:
+                     off_stream_only: bool = False, read: bool = True) -> None:
         """Host-side access to host slots waits for the device work that last touched them;
         ``off_stream_only``: only for side-stream copies (before a device-side read on XLA's
         stream, which is ordered after everything else already). A failed side-stream copy
-        raises here (its pages are not served)."""
+        raises here when the caller reads the slots (``read``; its pages are not served); a
+        writer only needs it finished."""
         fences = self._host_fences[cold_group]
         seen: set[int] = set()
         for f in fences[slots]:  # NOTE: one migration's pages share one fence object
@@ -1112,13 +1115,14 @@ class StorageManager:
             if off_stream_only and not getattr(f, "off_stream", False):
                 continue
             seen.add(id(f))
+            wait = f.wait if read else functools.partial(_wait_quietly, f)
             if not f.is_ready():
                 self._stats.num_host_fence_waits += 1
                 t = time.perf_counter()
-                f.wait()
+                wait()
                 self._stats.host_fence_wait_seconds += time.perf_counter() - t
             elif getattr(f, "off_stream", False):
-                f.wait()  # NOTE: returns at once, or raises the failure of a finished copy
+                wait()  # NOTE: returns at once, or raises the failure of a finished copy
         if off_stream_only:
             sel = np.fromiter((getattr(f, "off_stream", False) for f in fences[slots]), bool,
                               slots.size)
