@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from faults import InjectedFault, fail_at, install_gated_offloads
+from faults import GatedOffloads, InjectedFault, fail_at, install_gated_offloads
 from jax_kvcm._manager import SuspendResult
 from jax_kvcm._storage import SideStreamFence
 from test_manager import Harness, make, tiny_config
@@ -245,3 +245,52 @@ def test_side_stream_fence_needs_the_cuda_extension_only_when_used():
     fill(h, 3)
     assert all(not isinstance(r.fence, SideStreamFence) for r in h.mgr._offloads)
     assert InjectedFault  # the seam's error type (used by the gates)
+
+
+# -- the storage transaction -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_storage_offload_ahead_keeps_sources_and_fences_every_reader(tmp_path, seed):
+    """``StorageManager.offload_ahead``: the device sources stay allocated (the caller frees
+    them), the host pages are byte-exact, and every reader of them (a decode to the device on
+    XLA's stream, a disk write) waits for the copy first; a refusal changes nothing."""
+    from test_storage import fill_random, hot_pages, make_manager, snapshot
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    m = make_manager(tmp_path)
+    gates = GatedOffloads()
+    m._fence_hook = gates
+    try:
+        for lg in range(len(m.specs)):
+            src = m.allocate(D, lg, 4)
+            want = fill_random(m, lg, src, int(rng.integers(1 << 30)))
+            free_before = m.num_free(D, lg)
+            (dst,), fence = m.offload_ahead([(lg, src)])
+            assert fence is gates.fences[-1] and not fence.is_ready()
+            assert m.num_free(D, lg) == free_before  # sources not released
+            assert all(m.allocator(D, lg).is_allocated(int(s)) for s in src)
+            back = m.migrate(lg, H, dst, D)  # the decode reads the host pages: waits first
+            assert gates.num_waits == 1 and fence.state == "open"
+            assert np.array_equal(hot_pages(m, lg, back), want)
+            m.free(D, lg, src)
+            gates.num_waits = 0
+            # A disk write of pages in flight waits too.
+            src = m.allocate(D, lg, 2)
+            want = fill_random(m, lg, src, int(rng.integers(1 << 30)))
+            (dst,), _ = m.offload_ahead([(lg, src)])
+            on_disk = m.migrate(lg, H, dst, K)
+            assert gates.num_waits == 1
+            m.free(D, lg, src)
+            assert np.array_equal(hot_pages(m, lg, m.migrate(lg, K, on_disk, D)), want)
+            gates.num_waits = 0
+        # Refused (the host tier cannot take it): nothing changed.
+        src = m.allocate(D, 2, 3)
+        hold = m.governor.reserve(H, m.governor.available(H))
+        before = snapshot(m)
+        assert m.offload_ahead([(2, src)]) is None
+        assert snapshot(m) == before and len(gates.fences) == 2 * len(m.specs)
+        hold.release()
+        m.free(D, 2, src)
+    finally:
+        m.close()
