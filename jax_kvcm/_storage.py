@@ -714,8 +714,6 @@ class StorageManager:
             if getattr(fence, "off_stream", False):
                 self._ahead_fences = [f for f in self._ahead_fences if not f.is_ready()]
                 self._ahead_fences.append(fence)
-                if self._ahead_pools is None and self.side_stream:
-                    self._ahead_pools = self._pool_pointers()
             self._stats.num_offloads_ahead += 1
             self._stats.num_pages_offloaded_ahead += sum(src.size for _, _, src, _ in plan)
         for nbytes in staged:  # NOTE: the same usage as when each ran: peaks come out equal
@@ -781,13 +779,20 @@ class StorageManager:
         return bool(self._ahead_fences)
 
     def check_pools_in_place(self) -> None:
-        """Assumption (c) of the module docstring: raises RuntimeError when the pools (just
-        returned by a step) are not where the side-stream copies still in flight read them
-        (the step did not donate them, or XLA could not alias them). The copies' fences still
-        complete; the pages they move may hold stale bytes. A no-op without such copies."""
-        if self._ahead_pools is None or not self.side_stream_busy():
+        """Assumption (c) of the module docstring, checked as far as it can be without
+        blocking: while side-stream copies are in flight, the device addresses of the pools
+        are recorded the first time they are seen ready, and RuntimeError is raised when a
+        later step returned pools at other addresses (it did not donate them, or XLA could
+        not alias them: the pages those copies move may hold stale bytes). Pools not ready yet
+        are not looked at (asking for their address might wait for the step)."""
+        if not self.side_stream or not self.side_stream_busy():
             return
-        if self._pool_pointers() != self._ahead_pools:
+        if not all(a.is_ready() for pair in self.pools for a in pair):
+            return
+        now = self._pool_pointers()
+        if self._ahead_pools is None:
+            self._ahead_pools = now
+        elif now != self._ahead_pools:
             raise RuntimeError("a step moved the hot pools while side-stream offloads read them: "
                                "write-back ahead on CUDA needs steps that donate the pools "
                                "(donate_argnums) so that XLA updates them in place; set "
