@@ -430,3 +430,18 @@ def test_step_breakdown_of_a_made_up_trace_without_module_line(tmp_path):
     assert dec["idle inside the step"] == 0.02
     assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.05
     assert mix["idle inside the step"] == 0.01
+
+
+def test_trtllm_tiny_with_write_back_ahead():
+    """``--offload-ahead-pages``: the shared-prefix run moves cached pages to the host tier ahead
+    of need, reports it (log counters, the tiers table), and generates exactly the tokens of the
+    run without it."""
+    base = bench.main(["--workload", "trtllm", "--tiny", "--no-dense"])
+    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--offload-ahead-pages", "6"])
+    w = out["results"][0]["fence_waits"]
+    assert w["offload_ahead_moves"] > 0 and w["offload_ahead_pages"] > 0
+    assert w["offload_ahead_failures"] == 0 and w["side_stream_calls"] == 0  # CPU: no side stream
+    for a, b in zip(base["results"], out["results"]):
+        assert a["generated_digests"] == b["generated_digests"], a["name"]
+    assert "offloaded ahead" in bench.markdown(out)
+    assert base["results"][0]["fence_waits"]["offload_ahead_moves"] == 0
