@@ -294,3 +294,41 @@ def test_storage_offload_ahead_keeps_sources_and_fences_every_reader(tmp_path, s
         m.free(D, 2, src)
     finally:
         m.close()
+
+
+# -- the codec option ------------------------------------------------------------------------
+
+
+def test_codec_side_stream_option():
+    """Only the concat codec has the side-stream mover; on CPU its encode with
+    ``side_stream=True`` writes exactly what the plain encode writes (the handler is
+    synchronous). Bad tickets are refused naming the argument."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kvcm._codec import HotPoolGroupDesc, make_cold_page_codec
+    desc = HotPoolGroupDesc(index=0, layer_groups=(0,), num_layers=2, num_slots=6, page_size=4,
+                            num_kv_heads=2, head_dim=16, dtype=jnp.float32)
+    rng = np.random.default_rng(3)
+    print("seed=3")
+    k = jnp.asarray(rng.standard_normal(desc.pool_shape).astype(np.float32))
+    v = jnp.asarray(rng.standard_normal(desc.pool_shape).astype(np.float32))
+    pairs = jnp.asarray(np.array([[0, 3], [1, 5], [2, 1]], np.int32))
+    int8 = make_cold_page_codec("int8")
+    assert int8.configure([desc]) and not int8.supports_side_stream
+    with pytest.raises(ValueError, match="side_stream"):
+        int8.encode(0, k, v, pairs, 1 << 12, side_stream=True)
+    concat = make_cold_page_codec("concat")
+    assert concat.configure([desc]) and concat.supports_side_stream
+    with pytest.raises(ValueError, match="ticket"):
+        concat.register_host_index_pairs(pairs, np.asarray(pairs), ticket=-1)
+    outs = []
+    for side in (False, True):
+        buf = np.full((3, concat.cold_page_bytes(0)), 0xA5, np.uint8)
+        token = jax.jit(lambda k, v, p, side=side: concat.encode(
+            0, k, v, p, buf.ctypes.data, num_cold_slots=3, side_stream=side))(k, v, pairs)
+        token.block_until_ready()
+        outs.append(buf.copy())
+    want = np.stack([np.asarray(k)[:, [3, 5, 1]], np.asarray(v)[:, [3, 5, 1]]], axis=2)
+    want = np.ascontiguousarray(np.moveaxis(want, 1, 0)).view(np.uint8).reshape(3, -1)
+    assert np.array_equal(outs[0], want) and np.array_equal(outs[1], want)
