@@ -355,7 +355,10 @@ ffi::Error IssueOnSideStream(CopyList& list, cudaStream_t stream, int64_t ticket
   if (side == nullptr)
     return ffi::Error::Internal(std::string(op) + ": cannot create the side stream");
   cudaEvent_t start = nullptr, done = nullptr;
+  bool issued = false;  // copies on the side stream: a failure waits for them (they write the
+                        // host slots the caller's rollback frees)
   auto fail = [&](const char* what, cudaError_t e) {
+    if (issued) cudaStreamSynchronize(side);
     if (start != nullptr) cudaEventDestroy(start);
     if (done != nullptr) cudaEventDestroy(done);
     cudaGetLastError();
@@ -369,9 +372,9 @@ ffi::Error IssueOnSideStream(CopyList& list, cudaStream_t stream, int64_t ticket
   if ((e = cudaEventRecord(start, stream)) != cudaSuccess) return fail("cudaEventRecord", e);
   if ((e = cudaStreamWaitEvent(side, start, 0)) != cudaSuccess)
     return fail("cudaStreamWaitEvent", e);
+  issued = true;  // NOTE: even a failed IssueCopies may have issued some of them
   if (auto err = IssueCopies(list, side, /*encode=*/true, options, op); err.failure()) {
-    cudaEventDestroy(start);
-    cudaEventDestroy(done);
+    fail("the copies", cudaSuccess);
     return err;
   }
   if ((e = cudaEventRecord(done, side)) != cudaSuccess) return fail("cudaEventRecord", e);
