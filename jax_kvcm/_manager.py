@@ -334,7 +334,10 @@ class KVCacheConfig:
     place; ``complete_step`` raises otherwise). Elsewhere they run on XLA's stream right after the
     step. A good value: the pages one step can take, i.e. about ``max_tokens_per_step /
     tokens_per_page`` plus a decode step's growth (``max_batch / tokens_per_page``, more for
-    short pages). See :mod:`jax_kvcm._manager` ("Write-back ahead").
+    short pages), up to twice that for back-to-back prompt chunks (in an overlapped loop the
+    pages moved after step n come free once step n ran and the copy is done; a step that finds
+    the reserve still in flight evicts on XLA's stream as without it). See
+    :mod:`jax_kvcm._manager` ("Write-back ahead").
     """
 
     tokens_per_page: int
