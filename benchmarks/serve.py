@@ -245,6 +245,7 @@ class Setup:
     step_tokens: int = 4096             # paged token budget per step = dense prefill group budget
     prefill_chunk: int = 4096           # paged prompt tokens per step (ServeConfig field)
     host_bytes: int = 0                 # the paged runs' pinned host tier
+    offload_ahead_pages: int = 0        # the paged runs' write-back ahead (0 = off)
     dense_prefill_bucket: int = 128
     equal_memory_max_len: int = 4096
     equal_memory_run: bool = True
@@ -449,6 +450,7 @@ def _serve_config(setup: Setup, concurrency: int, prefix: bool,
         page_size=setup.page_size, device_pages=setup.pool_pages(concurrency),
         max_batch=concurrency, max_tokens_per_step=setup.step_tokens,
         prefill_chunk_tokens=setup.prefill_chunk, host_bytes=setup.host_bytes,
+        offload_ahead_pages=setup.offload_ahead_pages if setup.host_bytes else 0,
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
         batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
         record_logits=setup.record_logits, kv_dtype=setup.kv_dtype,
@@ -624,14 +626,23 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
 
 def _fence_waits(mgr: Any) -> dict[str, float]:
     """How often, and how long, the host waited for dispatched device work: allocations waiting
-    for the step that last read freed pages, and host-tier slots waiting for a migration. In the
-    overlapped loop each such wait is a bubble (the host prepares the next step late)."""
+    for the step that last read freed pages, host-tier slots waiting for a migration, and waits
+    for write-back-ahead copies (their tickets). In the overlapped loop each such wait is a
+    bubble (the host prepares the next step late). Also the write-back-ahead counters
+    (``--offload-ahead-pages``): transactions, pages, encode calls on the side stream, and
+    failed copies."""
     st = mgr.stats()
     sto = st.get("storage", {})
     return dict(allocation_waits=st.get("num_fence_waits", 0),
                 allocation_wait_s=st.get("fence_wait_seconds", 0.0),
                 host_slot_waits=sto.get("num_host_fence_waits", 0),
-                host_slot_wait_s=sto.get("host_fence_wait_seconds", 0.0))
+                host_slot_wait_s=sto.get("host_fence_wait_seconds", 0.0),
+                offload_ahead_waits=st.get("num_offload_ahead_waits", 0),
+                offload_ahead_wait_s=st.get("offload_ahead_wait_seconds", 0.0),
+                offload_ahead_moves=st.get("num_offloads_ahead", 0),
+                offload_ahead_pages=st.get("num_offloaded_ahead_pages", 0),
+                side_stream_calls=sto.get("num_side_stream_calls", 0),
+                offload_ahead_failures=st.get("num_offload_ahead_failures", 0))
 
 
 def run_dense(params: Any, setup: Setup, requests: Sequence[serve.Request], *, batch: int,
@@ -958,7 +969,12 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
             w = res["fence_waits"]
             log(f"  host waits for the device inside step(): {w['allocation_waits']} allocations "
                 f"({w['allocation_wait_s']:.2f} s), {w['host_slot_waits']} host-tier slots "
-                f"({w['host_slot_wait_s']:.2f} s)")
+                f"({w['host_slot_wait_s']:.2f} s), {w['offload_ahead_waits']} write-back-ahead "
+                f"copies ({w['offload_ahead_wait_s']:.2f} s)")
+            if w["offload_ahead_moves"]:
+                log(f"  write-back ahead: {w['offload_ahead_moves']} moves, "
+                    f"{w['offload_ahead_pages']} pages, {w['side_stream_calls']} encode calls on "
+                    f"the side stream, {w['offload_ahead_failures']} failed")
         if "error" in res.get("profile", {}):
             log(f"  profile {res['name']}: {res['profile']['error']}")
         elif "profile" in res:
@@ -1169,13 +1185,19 @@ def markdown(out: dict[str, Any]) -> str:
     tiers = [r for r in out["results"] if r.get("pages_per_tier")]
     if tiers:
         lines += ["", "| run | tier | capacity | referenced | cached | free | offloaded / "
-                  "onboarded |", "|---|---|---:|---:|---:|---:|---|"]
+                  "onboarded | offloaded ahead: moves / pages (side-stream calls) |",
+                  "|---|---|---:|---:|---:|---:|---|---|"]
         for r in tiers:
+            w = r.get("fence_waits", {})
             for tier, c in r["pages_per_tier"].items():
-                moved = (f"{r['pages_offloaded']} / {r['pages_onboarded']}" if tier == "device"
-                         else "")
+                moved = ahead = ""
+                if tier == "device":
+                    moved = f"{r['pages_offloaded']} / {r['pages_onboarded']}"
+                    ahead = (f"{w.get('offload_ahead_moves', 0)} / "
+                             f"{w.get('offload_ahead_pages', 0)} "
+                             f"({w.get('side_stream_calls', 0)})")
                 lines.append(f"| {r['name']} | {tier} | {c['capacity']} | {c['referenced']} | "
-                             f"{c['cached']} | {c['free']} | {moved} |")
+                             f"{c['cached']} | {c['free']} | {moved} | {ahead} |")
     lines += ["", "| comparison | value | note |", "|---|---:|---|"]
     for c in out["comparisons"]:
         if c["kind"] == "equal_batch":
@@ -1262,6 +1284,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=64, metavar="N",
                    help="steps in the --profile window (default 64)")
     p.add_argument("--host-gib", type=float, help="the paged runs' pinned host tier in GiB")
+    p.add_argument("--offload-ahead-pages", type=int, metavar="N",
+                   help="write-back ahead (KVCacheConfig.offload_ahead_pages) of the paged runs "
+                        "with a host tier: keep N device pages free or pending by moving LRU "
+                        "cached pages to the host after each step (side stream on CUDA); "
+                        "default 0 = off")
     p.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], metavar="N",
                    help="the paged runs split over the first N devices (examples/llama/tp.py; "
                         "dense stays on one device); default 1. Several values (e.g. 1 2): the "
@@ -1347,6 +1374,10 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         over.update(profile_dir=args.profile, profile_steps=args.profile_steps)
     if args.host_gib is not None:
         over["host_bytes"] = int(args.host_gib * 2**30)
+    if args.offload_ahead_pages is not None:
+        if args.offload_ahead_pages < 0:
+            raise SystemExit("--offload-ahead-pages must be >= 0")
+        over["offload_ahead_pages"] = args.offload_ahead_pages
     for arg, field in (("concurrency", "concurrencies"), ("requests_factor", "requests_factor"),
                        ("input_len", "input_len"), ("output_len", "output_len"),
                        ("shared_requests", "shared_requests"),

@@ -58,7 +58,7 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(
                      jnp.dtype(jnp.float8_e4m3fn))
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # Bits of the handlers' "options" attribute (ffi/include/kvcm/codec.h, CodecOptionBits).
-_OPT_CHECK_INDICES, _OPT_CONCAT_MEMCPY, _OPT_NO_MEMCPY_BATCH = 1, 2, 4
+_OPT_CHECK_INDICES, _OPT_CONCAT_MEMCPY, _OPT_NO_MEMCPY_BATCH, _OPT_SIDE_STREAM = 1, 2, 4, 8
 # NOTE: the handlers refuse hot pages above 2^40 bytes (every offset product then fits int64).
 _MAX_HOT_PAGE_BYTES = 1 << 40
 
@@ -121,6 +121,8 @@ class ColdPageCodec:
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = False
     _location: ClassVar[PageIndexLocation] = PageIndexLocation.BAD
+    #: Whether ``encode(..., side_stream=True)`` exists (the CUDA side-stream mover).
+    supports_side_stream: ClassVar[bool] = False
     _encode_target: ClassVar[str] = ""
     _decode_target: ClassVar[str] = ""
 
@@ -212,7 +214,8 @@ class ColdPageCodec:
     # -- encode / decode (traceable) -------------------------------------------------------------
 
     def encode(self, lg: int, k_pool: jax.Array, v_pool: jax.Array, index_pairs: jax.Array,
-               dst_address: int, *, num_cold_slots: int | None = None) -> jax.Array:
+               dst_address: int, *, num_cold_slots: int | None = None,
+               side_stream: bool = False) -> jax.Array:
         """Encodes hot pages into cold pages at ``dst_address + dst * cold_page_bytes(lg)``.
 
         Args:
@@ -222,13 +225,24 @@ class ColdPageCodec:
           dst_address: static int, the cold tier's base (device-accessible on GPU), a multiple
             of 16.
           num_cold_slots: optional static bound: cold slots ``>= num_cold_slots`` are refused.
+          side_stream: static; concat codec only (:attr:`supports_side_stream`). On CUDA the
+            copies run on a side stream with the copy engines (ffi/cuda/codec.cu), ordered after
+            everything XLA's stream did before the call; their completion is the *ticket* given
+            to :meth:`register_host_index_pairs` with the pairs, not the token. The CPU handler
+            ignores it (synchronous: done when the token is ready).
 
         Returns:
-          an int32 ``[1]`` token whose readiness means the pages are written. The custom call
-          has a side effect, so XLA never drops it.
+          an int32 ``[1]`` token whose readiness means the pages are written (with
+          ``side_stream`` on CUDA: that the copies are issued). The custom call has a side
+          effect, so XLA never drops it.
         """
         self._check_call(lg, k_pool, v_pool, index_pairs)
         attrs = self._attrs(dst_address, "dst_address", num_cold_slots)
+        if side_stream:
+            if not self.supports_side_stream:
+                raise ValueError(f"side_stream: the {self.name} codec has no side-stream mover "
+                                 "(the concat codec has)")
+            attrs["options"] = np.int32(self._options | _OPT_SIDE_STREAM)
         call = jax.ffi.ffi_call(self._encode_target, jax.ShapeDtypeStruct((1,), jnp.int32),
                                 has_side_effect=True)
         return call(k_pool, v_pool, index_pairs, **attrs)
@@ -256,7 +270,8 @@ class ColdPageCodec:
 
     # -- host index pairs (HOST location on CUDA) ------------------------------------------------
 
-    def register_host_index_pairs(self, device_array: jax.Array, host_pairs: Any) -> None:
+    def register_host_index_pairs(self, device_array: jax.Array, host_pairs: Any, *,
+                                  ticket: int = 0) -> None:
         """Gives the CUDA handler a host copy of the pairs held by ``device_array``.
 
         A HOST-location codec consumes its pairs on the host while its custom call runs, but XLA
@@ -264,8 +279,13 @@ class ColdPageCodec:
         device pointer. Register before calling the jitted function with ``device_array`` (passed
         straight through as the ``index_pairs`` operand) and call
         :meth:`unregister_host_index_pairs` only once that call's output is ready. A no-op for
-        arrays on the CPU (the handler reads them directly) and for empty arrays.
+        arrays on the CPU (the handler reads them directly) and for empty arrays. ``ticket``
+        (> 0): the side-stream ticket of an ``encode(..., side_stream=True)`` call (see
+        :func:`jax_kvcm._storage` ``SideStreamFence``); 0 for none.
         """
+        ticket = _as_int(ticket)
+        if ticket is None or ticket < 0:
+            raise ValueError(f"ticket must be an int >= 0, got {ticket!r}")
         host = np.ascontiguousarray(host_pairs, dtype=np.int32)
         if host.ndim != 2 or host.shape[1] != 2:
             raise ValueError(f"host_pairs must be int32 [n, 2], got shape {host.shape}")
@@ -274,8 +294,13 @@ class ColdPageCodec:
                              f"shape {tuple(device_array.shape)}")
         if host.shape[0] == 0 or not _on_accelerator(device_array):
             return
-        rc = _index_registry().register(device_array.unsafe_buffer_pointer(), host.ctypes.data,
-                                        host.shape[0])
+        registry = _index_registry()
+        if ticket:
+            rc = registry.register_ticket(device_array.unsafe_buffer_pointer(), host.ctypes.data,
+                                          host.shape[0], ticket)
+        else:
+            rc = registry.register(device_array.unsafe_buffer_pointer(), host.ctypes.data,
+                                   host.shape[0])
         if rc == -2:
             raise MemoryError("out of host memory registering index pairs")
         if rc != 0:
@@ -415,6 +440,7 @@ class ConcatCodec(ColdPageCodec):
 
     name = "concat"
     lossless = True
+    supports_side_stream = True
     _location = PageIndexLocation.HOST
     _encode_target = "kvcm_concat_encode_pages"
     _decode_target = "kvcm_concat_decode_pages"
@@ -557,6 +583,8 @@ class _IndexRegistry:
         for fn, args, res in (
                 (lib.kvcm_register_host_index_pairs,
                  [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64], ctypes.c_int),
+                (lib.kvcm_register_host_index_pairs_ticket,
+                 [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int),
                 (lib.kvcm_unregister_host_index_pairs, [ctypes.c_size_t], ctypes.c_int),
                 (lib.kvcm_lookup_host_index_pairs,
                  [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64),
@@ -564,6 +592,7 @@ class _IndexRegistry:
                 (lib.kvcm_concat_mover_calls, [ctypes.c_int], ctypes.c_int64)):
             fn.argtypes, fn.restype = args, res
         self._lib = lib
+        self.register_ticket = lib.kvcm_register_host_index_pairs_ticket
         bound = hasattr(module, "register_host_index_pairs")
         self.register = (module.register_host_index_pairs if bound
                          else lib.kvcm_register_host_index_pairs)

@@ -6,6 +6,29 @@ import numpy.typing as npt
 def registrations() -> dict[str, Any]:
     """FFI handler capsules by target name, for platform "CUDA"."""
 
+# Tickets of the concat codec's side-stream mover (encode with the side_stream option): the host
+# creates one per encode call, registers it with the call's host index pairs, and learns through it
+# when the copies, which run after the call on a side stream, are done.
+
+def ticket_create() -> int:
+    """A new ticket (an id > 0)."""
+
+def ticket_query(ticket: int) -> int:
+    """-1 unknown, 0 created (no call submitted it yet), 1 copies in flight, 2 done; RuntimeError
+    when the copies failed."""
+
+def ticket_wait(ticket: int) -> bool:
+    """Blocks (GIL released) until the ticket's copies are done: True; False when no call
+    submitted it yet (wait for that call's token first). RuntimeError when they failed,
+    ValueError for an unknown ticket."""
+
+def ticket_release(ticket: int) -> None:
+    """Forgets the ticket (no-op when unknown); a pending completion event is released by the
+    driver once the side stream passed it."""
+
+def num_tickets() -> int:
+    """Live tickets (leak checks in tests)."""
+
 class PinnedHostBuffer:
     """Zeroed, pinned, device-mapped host memory (host tier on CUDA builds).
 

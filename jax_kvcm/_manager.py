@@ -31,6 +31,18 @@ NOTE: migrations release device source slots immediately (StorageManager's trans
 safe because the encode takes the pools as operands and so is ordered after the step on XLA's
 stream, and any later writer of the slot is ordered after the encode.
 
+Write-back ahead (``KVCacheConfig.offload_ahead_pages``): after each step is handed back
+(:meth:`KVCacheManager.complete_step`), when the device pages that are free or pending fall below
+that reserve, the least recently used cached device pages move to the host tier with
+``StorageManager.offload_ahead`` (on CUDA with the concat codec: copies on a side stream, off XLA's
+compute stream), so that a later step's admissions find free pages instead of evicting (and
+copying) first. The pages belong to the host tier at once (a prefix hit onboards them, waiting for
+the copy first); their device slots go to the pending frees with the copy's fence, so no slot is
+handed out before the copy read it. A copy that fails rolls back: its pages that are still where
+the offload put them return to their device slots (never freed), their host slots are freed. That
+happens when the failure is seen (``_settle_offloads``): before an operation reads the pages, or
+when the pending frees are reclaimed.
+
 Plan, then act. Every allocation first checks that it fits once every cached page at that tier is
 evicted and every pending free reclaimed (:meth:`KVCacheManager._room`); only then does it evict.
 So a refusal (``OutOfPagesError``, ``MUST_RECOMPUTE``, ``resume`` -> False, a prefix hit left on a
@@ -313,6 +325,19 @@ class KVCacheConfig:
     piece of a page in one cold slot (piece ``s`` at ``1/n`` of the slot, see
     :mod:`jax_kvcm._storage`); their budgets count all pieces (the host tier is one process's
     memory).
+
+    ``offload_ahead_pages`` (write-back ahead; 0 = off, the default): after each
+    ``complete_step``, when fewer device pages than this (per pool) are free or pending, the
+    least recently used cached pages move to the host tier ahead of need (needs ``host_bytes``).
+    On CUDA with the concat codec and no mesh the copies run on a side stream with the copy
+    engines, overlapping the next steps; the steps must then donate the pools (XLA updates them in
+    place; ``complete_step`` raises otherwise). Elsewhere they run on XLA's stream right after the
+    step. A good value: the pages one step can take, i.e. about ``max_tokens_per_step /
+    tokens_per_page`` plus a decode step's growth (``max_batch / tokens_per_page``, more for
+    short pages), up to twice that for back-to-back prompt chunks (in an overlapped loop the
+    pages moved after step n come free once step n ran and the copy is done; a step that finds
+    the reserve still in flight evicts on XLA's stream as without it). See
+    :mod:`jax_kvcm._manager` ("Write-back ahead").
     """
 
     tokens_per_page: int
@@ -336,6 +361,7 @@ class KVCacheConfig:
     arena: Any = None
     mesh: jax.sharding.Mesh | None = None
     mesh_axis: str = "tp"
+    offload_ahead_pages: int = 0
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -410,6 +436,11 @@ class KVCacheConfig:
         s(self, "device_pages", pages)
         check_count(self.host_bytes, "host_bytes", minimum=0)
         check_count(self.disk_bytes, "disk_bytes", minimum=0)
+        check_count(self.offload_ahead_pages, "offload_ahead_pages", minimum=0)
+        if self.offload_ahead_pages and not self.host_bytes:
+            raise ValueError("offload_ahead_pages needs a host tier (host_bytes > 0)")
+        if self.offload_ahead_pages and self.hot_backend != "paged":
+            raise ValueError("offload_ahead_pages is for hot_backend='paged'")
         if self.disk_bytes and not self.disk_dir:
             raise ValueError("disk_dir is required when disk_bytes > 0")
         if not isinstance(self.enable_prefix_reuse, bool):
@@ -614,6 +645,12 @@ class _Stats:
     num_refused_resumes: int = 0
     num_fence_waits: int = 0        # allocations that waited for a dispatched step
     fence_wait_seconds: float = 0.0  # host time spent in those waits
+    num_offloads_ahead: int = 0          # write-back-ahead transactions (offload_ahead_pages)
+    num_offloaded_ahead_pages: int = 0   # pages they moved to the host tier
+    num_offload_ahead_waits: int = 0     # times the host waited for such a copy to finish
+    offload_ahead_wait_seconds: float = 0.0
+    num_offload_ahead_failures: int = 0  # copies that failed (their pages rolled back)
+    num_offload_ahead_restored_pages: int = 0
     num_aborted_steps: int = 0
     num_failed_steps: int = 0       # steps whose pools were lost (abort/recover_from_failed_step)
     num_lost_sequences: int = 0     # sequences closed by such a loss (to recompute)
@@ -621,6 +658,19 @@ class _Stats:
     num_disk_write_errors: int = 0       # failed writes to the disk tier (e.g. ENOSPC)
     num_disk_read_errors: int = 0        # failed reads of it (EIO, short reads): misses
     num_dropped_on_disk_error: int = 0   # pages dropped because the disk could not take them
+
+
+@dataclass(slots=True)
+class _Offload:
+    """A write-back-ahead offload whose copy was not seen finished: ``nodes`` moved from device
+    slots ``src [G, n]`` to host slots ``dst [G, n]`` (column i: nodes[i]); ``entry`` is the
+    pending free of ``src``, held until ``fence`` is settled."""
+
+    fence: Any
+    nodes: list[BlockNode]
+    src: np.ndarray
+    dst: np.ndarray
+    entry: list[Any]
 
 
 # -- the manager -----------------------------------------------------------------------------
@@ -715,6 +765,9 @@ class KVCacheManager:
         # Entries NO_PAGE are no page (a layer group with nothing to free there).
         self._pending: list[list[Any]] = []
         self._num_pending = np.zeros(self._G, np.int64)
+        # Write-back-ahead offloads whose copies were not seen finished (see _settle_offloads).
+        self._offloads: list[_Offload] = []
+        self._offload_of: dict[int, _Offload] = {}  # id(node) -> its offload in flight
         self._closed_in_step = False
         self._shut = False
 
@@ -859,11 +912,13 @@ class KVCacheManager:
         """Returns ready pending frees to the allocator; the number of pages returned."""
         if not self._pending:
             return 0
+        if self._offloads:
+            self._settle_offloads(block)
         self._poll_fence(block)
         keep, n = [], 0
         for entry in self._pending:
             step, slots = entry[0], entry[1]
-            if step is not None and step <= self._ready_upto:
+            if step is not None and step <= self._ready_upto and entry[3] is None:
                 for g in range(self._G):
                     s = slots[g]
                     s = s[s >= 0]
@@ -875,15 +930,123 @@ class KVCacheManager:
         self._pending = keep
         return n
 
-    def _defer_free(self, slots: np.ndarray, owners: np.ndarray | int | None = None) -> None:
+    def _defer_free(self, slots: np.ndarray, owners: np.ndarray | int | None = None,
+                    fence: Any = None) -> list[Any] | None:
         """Device slots ``[G, n]`` (``NO_PAGE`` entries skipped) to free once the last step that
-        may read them completed; ``owners``: the seq id (or one per column) that released them
-        (for :meth:`state`)."""
+        may read them completed (and ``fence``, when given, is settled: an offload's copy that
+        reads them); ``owners``: the seq id (or one per column) that released them (for
+        :meth:`state`). Returns the pending entry (None when there is nothing to free)."""
         if slots.shape[1] == 0:
-            return
+            return None
         step = None if self._in_step is not None else self._step_index
-        self._pending.append([step, slots, owners])
+        entry = [step, slots, owners, fence]
+        self._pending.append(entry)
         self._num_pending += np.count_nonzero(slots >= 0, axis=1)
+        return entry
+
+    # -- write-back ahead --------------------------------------------------------------------
+
+    def _offload_ahead(self) -> None:
+        """Write-back ahead (module docstring): when fewer than ``offload_ahead_pages`` device
+        pages of a pool are free or pending, moves that many least recently used cached pages
+        to the host tier (making room there as eviction does); their device slots are freed
+        once the copy's fence is settled. Does nothing when the host tier cannot take them."""
+        want = self.config.offload_ahead_pages
+        if not want or H not in self._levels:
+            return
+        self._reclaim()
+        lack = want - (self._pool_free(D) + self._per_pool(D, self._num_pending))
+        short = lack[self._pool_of[D]] > 0
+        if not short.any():
+            return
+        victims = self.tree.lru_nodes(D, int(lack.max()), short)
+        if not victims:
+            return
+        if not self._make_room_cold(H, np.count_nonzero(self._node_slots(victims) >= 0, axis=1)):
+            return
+        victims = [v for v in victims if v.alive and v.level is D and v.refcount == 0]
+        src = self._node_slots(victims)
+        if not victims:
+            return
+        try:
+            out = self.storage.offload_ahead([(g, src[g][src[g] >= 0])
+                                              for g in range(self._G)])
+        except Exception as e:  # noqa: BLE001 - nothing changed (the transaction rolled back)
+            self._stats.num_offload_ahead_failures += 1
+            warnings.warn(f"KVCacheManager: write-back ahead of {len(victims)} pages failed at "
+                          f"submission ({e!r}); they stay on the device", RuntimeWarning,
+                          stacklevel=3)
+            return
+        if out is None:
+            return
+        dsts, fence = out
+        dst = np.full(src.shape, NO_PAGE, np.int32)
+        for g in range(self._G):
+            dst[g, src[g] >= 0] = dsts[g]
+        for i, n in enumerate(victims):
+            self.tree.move(n, H, dst[:, i].copy())
+        entry = self._defer_free(src.copy(), None, fence)
+        rec = _Offload(fence, victims, src, dst, entry)
+        self._offloads.append(rec)
+        for n in victims:
+            self._offload_of[id(n)] = rec
+        self._stats.num_offloads_ahead += 1
+        self._stats.num_offloaded_ahead_pages += len(victims)
+        self._stats.num_evicted_pages[H] += len(victims)
+        self._emit(ManagerEvent("evicted", len(victims), H))
+
+    def _settle_offloads(self, block: bool, nodes: list[BlockNode] | None = None) -> None:
+        """Settles write-back-ahead offloads (all, or those that moved ``nodes``): a finished
+        copy lets its device slots be freed; a failed one is rolled back
+        (:meth:`_offload_failed`); with ``block`` unfinished ones are waited for (counted in
+        ``num_offload_ahead_waits``), else kept."""
+        if nodes is None:
+            recs = list(self._offloads)
+        else:
+            recs = list({id(r): r for n in nodes
+                         if (r := self._offload_of.get(id(n))) is not None}.values())
+        for rec in recs:
+            if not rec.fence.is_ready():
+                if not block:
+                    continue
+                self._stats.num_offload_ahead_waits += 1
+                t = time.perf_counter()
+                try:
+                    rec.fence.wait()
+                except Exception:  # noqa: BLE001, S110 - seen again just below
+                    pass
+                self._stats.offload_ahead_wait_seconds += time.perf_counter() - t
+            try:
+                rec.fence.wait()  # NOTE: ready: returns at once or raises the copy's failure
+            except Exception as e:  # noqa: BLE001 - a failed copy is rolled back, not raised
+                self._offload_failed(rec, e)
+            rec.entry[3] = None
+            self._offloads.remove(rec)
+            for n in rec.nodes:
+                if self._offload_of.get(id(n)) is rec:
+                    del self._offload_of[id(n)]
+
+    def _offload_failed(self, rec: _Offload, error: Exception) -> None:
+        """Rolls back a failed write-back-ahead copy: each of its pages still where the offload
+        put it (same node, on the host, same slots) returns to its device slots, which were
+        never freed, and its host slots are freed; the rest (dropped or moved on since) keep
+        their fate and their device slots are freed as pending frees."""
+        entry, restored = rec.entry, 0
+        for i, n in enumerate(rec.nodes):
+            if not (n.alive and n.level is H and np.array_equal(n.slots, rec.dst[:, i])):
+                continue
+            for g in np.flatnonzero(rec.dst[:, i] >= 0).tolist():
+                self.storage.free(H, g, rec.dst[g:g + 1, i])
+            self.tree.move(n, D, rec.src[:, i].copy())
+            self._num_pending -= entry[1][:, i] >= 0
+            entry[1][:, i] = NO_PAGE
+            restored += 1
+        self._stats.num_offload_ahead_failures += 1
+        self._stats.num_offload_ahead_restored_pages += restored
+        self._stats.num_evicted_pages[H] -= restored
+        warnings.warn(f"KVCacheManager: a write-back-ahead copy of {len(rec.nodes)} pages to the "
+                      f"host tier failed ({error!r}); {restored} pages stay on the device",
+                      RuntimeWarning, stacklevel=3)
 
     # -- room: free, pending, cached pages per pool ------------------------------------------
 
@@ -1092,12 +1255,15 @@ class KVCacheManager:
                 continue
             if self._make_room_cold(lower, np.count_nonzero(self._node_slots(victims) >= 0,
                                                             axis=1)):
-                victims = [v for v in victims if v.alive]  # cascades may have dropped some
+                if self._offloads and level is H:  # NOTE: a failed copy rolls pages back
+                    self._settle_offloads(True, victims)
+                # cascades may have dropped some
+                victims = [v for v in victims if v.alive and v.level is level]
                 if self._migrate_nodes(victims, lower):
                     self._stats.num_evicted_pages[lower] += len(victims)
                     self._emit(ManagerEvent("evicted", len(victims), lower))
                     return
-        victims = [v for v in victims if v.alive]
+        victims = [v for v in victims if v.alive and v.level is level]
         if self._stats.num_disk_write_errors > failures:
             self._stats.num_dropped_on_disk_error += len(victims)
         for v in victims:
@@ -1195,6 +1361,8 @@ class KVCacheManager:
         to the device (one transaction; window pages no one needs are freed instead). Lower-tier
         hits that cannot are left untouched (not even their LRU position changes); an I/O error
         releases every reference taken and propagates."""
+        if self._offloads and self._in_step is None:  # NOTE: a failed copy rolls pages back
+            self._settle_offloads(True, [n for n in nodes if n.level is H])
         lower = [j for j, n in enumerate(nodes) if n.level is not D]
         wr = self._wrel_at(len(nodes) * self._tpp)
         if lower and self._in_step is None:
@@ -1484,6 +1652,9 @@ class KVCacheManager:
                 self._win.advance(seqs, rows, self._len, self._ncommit, self._defer_free,
                                   self._seq_id)
             self._closed_in_step = False
+            if self.config.offload_ahead_pages:
+                self.storage.check_pools_in_place()
+                self._offload_ahead()
 
     def _check_caches(self, caches: Any) -> list[tuple[jax.Array, jax.Array]]:
         """``caches`` validated for :meth:`complete_step` (see there)."""
@@ -1574,6 +1745,8 @@ class KVCacheManager:
 
     def _lose_device(self) -> list[Sequence]:
         """See :meth:`recover_from_failed_step` (lock held, no step in flight)."""
+        if self._offloads:  # NOTE: rolled-back pages are on the device: lost with it below
+            self._settle_offloads(True)
         lost = [s for s in self._seqs.values()
                 if (s.state is SequenceState.ACTIVE and self._npages[s._row] > 0)
                 or any(n.level is D for n in s._nodes)]
@@ -1772,6 +1945,8 @@ class KVCacheManager:
             self._check_seq(seq, SequenceState.SUSPENDED)
             self._need_pools("resume")
             lv, parked = seq._parked
+            if self._offloads:  # NOTE: before the parts are built (a failed copy rolls back)
+                self._settle_offloads(True, [n for n in seq._nodes if n.level is H])
             cold = [[n for n in seq._nodes if n.level is level] for level in (K, H)]
             parts = [(level, self._node_slots(b), D) for level, b in zip((K, H), cold) if b]
             parts.append((lv, parked, D))
@@ -1915,6 +2090,8 @@ class KVCacheManager:
                 except Exception:  # noqa: BLE001 - a failed step's output: nothing to wait for
                     pass
             self._ready_upto = self._step_index
+            if self._offloads:
+                self._settle_offloads(True)
             self._reclaim()
             self._shut = True
             self.storage.close()
@@ -2071,6 +2248,10 @@ class KVCacheManager:
         for entry in self._pending:
             pending += np.count_nonzero(entry[1] >= 0, axis=1)
         assert np.array_equal(pending, self._num_pending), (pending, self._num_pending)
+        for rec in self._offloads:  # an offload in flight holds its device slots as pending
+            assert any(e is rec.entry for e in self._pending) and rec.entry[3] is rec.fence
+        assert all(e[3] is None or any(r.entry is e for r in self._offloads)
+                   for e in self._pending)
         for lv in self._levels:
             used: list[list[np.ndarray]] = [[] for _ in range(G)]
             for n in self.tree.nodes.values():

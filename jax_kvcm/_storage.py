@@ -36,7 +36,28 @@ shards (a failure on any shard, before or at submission, rolls back all of them)
 
 NOTE: device work is ordered by XLA's stream (every encode/decode takes the pools as operands), so
 fences only guard host-side accesses: the staging ring, host slots read by disk writes, host slots
-written by disk reads.
+written by disk reads. The exception is :meth:`StorageManager.offload_ahead` (write-back ahead):
+
+**Offloads off the compute stream.** ``offload_ahead`` moves device pages to the host tier as one
+transaction like :meth:`~StorageManager.migrate_many`, but with the concat codec on CUDA (one
+device, no mesh) its encode runs on a side stream with the copy engines (``side_stream`` in
+ffi/cuda/codec.cu): the copies finish *after* XLA's stream moved on, and their completion is a
+:class:`SideStreamFence` (the codec's tickets). Elsewhere (CPU, other codecs, a mesh) the same call
+encodes on XLA's stream as usual and its fence is the token. Either way:
+
+(a) the device source slots are *not* released: the caller (the KV-cache manager) frees them once
+    the returned fence is ready, so no later step's ``write_kv`` can overwrite a page the side
+    stream still reads;
+(b) the fence becomes the destination host slots' fence, and fences of side-stream copies
+    (``off_stream``) are waited on before *any* read of those host slots, device-side decodes
+    included (a decode on XLA's stream is not ordered after the side stream);
+(c) ASSUMPTION: the hot pools stay at their device addresses until the fence is ready. Steps donate
+    the pools and XLA aliases them in place (as the manager's own decode and copy functions do);
+    the fence also holds the pool arrays it read, so pools that are not donated stay alive.
+    :meth:`StorageManager.check_pools_in_place` (called by the manager when a step returns its
+    pools) raises when a step moved the pools while such copies were in flight;
+    :meth:`~StorageManager.rebuild_pools` and :meth:`~StorageManager.close` wait for them first;
+(d) :meth:`~StorageManager.close` waits for every outstanding side-stream copy.
 
 Not thread-safe: the KV-cache manager serializes calls with one lock.
 """
@@ -44,6 +65,7 @@ Not thread-safe: the KV-cache manager serializes calls with one lock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kvcm import _ffi
 from jax_kvcm._codec import (ColdPageCodec, HotPoolGroupDesc, PageIndexLocation,
                              create_default_cold_page_codec)
 from jax_kvcm._disk_tier import DiskIOError, DiskPool
@@ -69,6 +92,7 @@ __all__ = [
     "CorruptPageError",
     "UnreadablePageError",
     "LayerGroupSpec",
+    "SideStreamFence",
     "StorageConfig",
     "StorageEvent",
     "StorageManager",
@@ -175,6 +199,96 @@ class _Stats:
     bytes_migrated: int = 0
     num_host_fence_waits: int = 0       # host-slot accesses that waited for device work
     host_fence_wait_seconds: float = 0.0
+    num_offloads_ahead: int = 0         # offload_ahead transactions
+    num_pages_offloaded_ahead: int = 0
+    num_side_stream_calls: int = 0      # of their encode calls, those on the side stream
+
+
+class SideStreamFence:
+    """Completion of encode calls made with ``side_stream=True`` (CUDA): ready when the last
+    call's token is (every call was issued) and every ticket's copies are done. The side stream
+    runs its copies in order, but every ticket is checked and released.
+
+    ``off_stream`` is True: XLA's stream is not ordered after these copies, so device-side
+    readers of the bytes they write wait on the host (see the module docstring, (b)). ``arrays``
+    (the pools the calls read) are kept alive until the fence is ready. A failure (the call's
+    error, a failed copy) is raised by :meth:`wait`, every time; :meth:`is_ready` is then True.
+    """
+
+    __slots__ = ("_token", "_tickets", "_arrays", "_error", "_done")
+    off_stream = True
+
+    def __init__(self, token: jax.Array, tickets: Sequence[int], arrays: tuple = ()) -> None:
+        self._token, self._tickets, self._arrays = token, list(tickets), arrays
+        self._error: BaseException | None = None
+        self._done = False
+
+    def _finish(self, error: BaseException | None) -> None:
+        for t in self._tickets:
+            _ffi._kvcm_cuda.ticket_release(t)
+        self._tickets, self._arrays, self._token = [], (), None
+        self._error, self._done = error, True
+
+    def is_ready(self) -> bool:
+        if self._done:
+            return True
+        try:
+            if not self._token.is_ready():
+                return False
+            for t in self._tickets:
+                state = _ffi._kvcm_cuda.ticket_query(t)
+                if state == 1:  # copies in flight
+                    return False
+                if state != 2:  # never submitted although the call ran: the call failed
+                    self.wait()
+                    return True
+        except Exception as e:  # noqa: BLE001 - reported by wait()
+            self._finish(e)
+            return True
+        self._finish(None)
+        return True
+
+    def wait(self) -> None:
+        if not self._done:
+            try:
+                self._token.block_until_ready()
+                for t in self._tickets:
+                    if not _ffi._kvcm_cuda.ticket_wait(t):
+                        raise RuntimeError(f"side-stream offload: ticket {t} was never submitted "
+                                           "(its encode call failed)")
+            except Exception as e:  # noqa: BLE001 - kept and raised on every wait
+                self._finish(e)
+            else:
+                self._finish(None)
+        if self._error is not None:
+            raise self._error
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self._done else "pending")
+        return f"SideStreamFence({state}, {len(self._tickets)} tickets)"
+
+
+class _AllFences:
+    """Ready when every fence is; ``off_stream`` when any is."""
+
+    __slots__ = ("fences", "off_stream")
+
+    def __init__(self, fences: Sequence[Any]) -> None:
+        self.fences = list(fences)
+        self.off_stream = any(getattr(f, "off_stream", False) for f in fences)
+
+    def is_ready(self) -> bool:
+        return all(f.is_ready() for f in self.fences)
+
+    def wait(self) -> None:
+        errors = []
+        for f in self.fences:
+            try:
+                f.wait()
+            except Exception as e:  # noqa: BLE001 - every fence is waited on
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class StorageManager:
@@ -198,6 +312,10 @@ class StorageManager:
         self._observers: list[Callable[[StorageEvent], None]] = []
         self._stats = _Stats()
         self._fault_hook: Callable[[str], None] | None = None
+        # NOTE: a test seam (tests/faults.py): wraps the fence of each offload_ahead transaction.
+        self._fence_hook: Callable[[Any], Any] | None = None
+        self._ahead_fences: list[Any] = []  # off-stream fences not yet seen ready
+        self._ahead_pools: list[tuple[int, ...]] | None = None  # pool pointers they read
         self._pending_host_indices: list[tuple[jax.Array, jax.Array]] = []
         self._jit_cache: dict[tuple, Callable] = {}
         self.host_pools: list[HostPool] = []
@@ -306,6 +424,11 @@ class StorageManager:
             self.batching_id.append(int(self._codec.batching_layer_group_id(lg)))
         self._validate_batching()
         self._build_cold_groups(config.cold_pool_groups)
+        # The side-stream mover (offload_ahead): the concat codec's CUDA handler, one device.
+        self.side_stream = (self._mesh is None and self._codec.supports_side_stream
+                            and not isinstance(self.device, jax.sharding.NamedSharding)
+                            and self.device.platform != "cpu" and _ffi._kvcm_cuda is not None
+                            and hasattr(_ffi._kvcm_cuda, "ticket_create"))
 
         # 6. Cold tiers, sized by the pool ratios projected through slot counts.
         layouts = [LayerGroupLayout(lg, PoolGroupIndex(self.hot_group_of[lg]),
@@ -442,8 +565,10 @@ class StorageManager:
 
     def rebuild_pools(self) -> None:
         """Replaces every hot pool by zeros of the same shape and dtype on :attr:`device` (after
-        a failed step consumed the pools: their content is gone; the caller forgets it)."""
+        a failed step consumed the pools: their content is gone; the caller forgets it). Waits
+        for side-stream copies first (they may still read the old pools)."""
         self._check_open()
+        self.wait_side_stream()
         self.pools = [tuple(self._zeros(a.shape, a.dtype) for a in pair) for pair in self.pools]
 
     def _zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -496,6 +621,27 @@ class StorageManager:
         returns ``None`` and any failure (I/O error, corrupt page) raises, and then nothing
         changed (ledger, peaks, free counts, stats, events; the sources are intact). On success
         returns the destination slots of each move, in order, and releases every source."""
+        out = self._migrate(moves, ahead=False)
+        return None if out is None else out[0]
+
+    def offload_ahead(self, moves: Sequence[tuple[int, np.ndarray]]
+                      ) -> tuple[list[np.ndarray], Any] | None:
+        """Device -> host moves ``(lg, src_slots [n])`` as one transaction, for write-back
+        ahead (module docstring, "Offloads off the compute stream"): as :meth:`migrate_many`
+        (None when the host tier cannot take them, a failure raises, and then nothing changed),
+        but on success it returns ``(dst slots per move, fence)`` and does NOT release the
+        device source slots: they stay allocated until the caller frees them (:meth:`free`)
+        once ``fence.is_ready()``. The pages belong to the host slots from now on; the fence
+        guards every access to them (it is their host fence). With :attr:`side_stream` the
+        copies run on the side stream and ``fence`` is a :class:`SideStreamFence` (its
+        ``wait`` raises when they failed: the host copy is then lost, the device source still
+        holds the page); otherwise it is the encode's token."""
+        return self._migrate([(lg, CacheLevel.DEVICE, src, CacheLevel.HOST) for lg, src in moves],
+                             ahead=True)
+
+    def _migrate(self, moves: Sequence[tuple[int, CacheLevel, np.ndarray, CacheLevel]], *,
+                 ahead: bool) -> tuple[list[np.ndarray], Any] | None:
+        """migrate_many (ahead=False; the fence is None) or offload_ahead (ahead=True)."""
         self._check_open()
         plan = []
         for lg, src_level, src_slots, dst_level in moves:
@@ -544,14 +690,32 @@ class StorageManager:
                 return None
         # 2-3. Submit everything; staging charges are replayed only once all of it succeeded.
         staged: list[int] = []
+        fences: list[Any] = []  # ahead: one per move
         try:
             for (lg, src_level, src, dst_level), (_, dst) in zip(plan, taken):
                 if src.size:
-                    self._hook("submit")
-                    self._transfer(lg, src_level, src, dst_level, dst, staged)
+                    self._hook("offload_ahead" if ahead else "submit")
+                    if ahead:
+                        fences.append(self._submit_ahead(lg, src, dst))
+                    else:
+                        self._transfer(lg, src_level, src, dst_level, dst, staged)
         except BaseException:
+            for f in fences:  # NOTE: copies already issued write the slots unwind frees
+                _wait_quietly(f)
             unwind()
             raise
+        fence = None
+        if ahead and fences:
+            fence = fences[0] if len(fences) == 1 else _AllFences(fences)
+            if self._fence_hook is not None:
+                fence = self._fence_hook(fence)
+            for (lg, _, src, _), (_, dst) in zip(plan, taken):
+                self._host_fences[self.cold_group_of[lg]][dst] = fence
+            if getattr(fence, "off_stream", False):
+                self._ahead_fences = [f for f in self._ahead_fences if not f.is_ready()]
+                self._ahead_fences.append(fence)
+            self._stats.num_offloads_ahead += 1
+            self._stats.num_pages_offloaded_ahead += sum(src.size for _, _, src, _ in plan)
         for nbytes in staged:  # NOTE: the same usage as when each ran: peaks come out equal
             charge = self.governor.reserve(CacheLevel.HOST, nbytes, transient=True)
             charge.commit()
@@ -565,8 +729,81 @@ class StorageManager:
             self._stats.num_pages_migrated += src.size
             self._stats.bytes_migrated += src.size * self.page_bytes(dst_level, lg)
             self._emit(StorageEvent("migrated", lg, dst_level, dst, src_level, src))
-            self.free(src_level, lg, src)
-        return [dst for _, dst in taken]
+            if not ahead:  # NOTE: ahead: the caller frees the sources once the fence is ready
+                self.free(src_level, lg, src)
+        return [dst for _, dst in taken], fence
+
+    def _submit_ahead(self, lg: int, src: np.ndarray, dst: np.ndarray) -> Any:
+        """Encodes device slots ``src`` into host slots ``dst`` (side stream when available);
+        the fence of the copies. The host fences of ``dst`` are set by the caller."""
+        g = self.cold_group_of[lg]
+        self._wait_fences(g, dst, read=False)
+        pool = self.host_pools[g]
+        if not self.side_stream:
+            return self._encode(lg, src, dst, pool.device_address, pool.num_slots)
+        return self._encode_side(lg, src, dst, pool.device_address, pool.num_slots)
+
+    def _encode_side(self, lg: int, src: np.ndarray, dst: np.ndarray, address: int,
+                     num_cold_slots: int) -> SideStreamFence:
+        """:meth:`_encode` with the side-stream mover: one ticket per codec call."""
+        h = self.hot_group_of[lg]
+        fn = self._jitted("encode_side", self.batching_id[lg], address, num_cold_slots)
+        cuda = _ffi._kvcm_cuda
+        tickets: list[int] = []
+        token = None
+        k, v = self.pools[h]
+        try:
+            for chunk in self._index_batches(dst, src):
+                tickets.append(cuda.ticket_create())
+                pairs = self._put_pairs(lg, chunk, cold=0, ticket=tickets[-1])
+                token = fn(k, v, pairs)
+                self._track_host_indices(lg, pairs, token)
+                self._stats.num_side_stream_calls += 1
+        except BaseException:
+            issued = tickets[:-1]
+            if issued and token is not None:  # NOTE: they write the host slots unwind frees
+                _wait_quietly(SideStreamFence(token, issued))
+            for t in tickets[len(issued):]:
+                cuda.ticket_release(t)
+            raise
+        return SideStreamFence(token, tickets, (k, v))
+
+    def _pool_pointers(self) -> list[tuple[int, ...]]:
+        return [tuple(a.unsafe_buffer_pointer() for a in pair) for pair in self.pools]
+
+    def side_stream_busy(self) -> bool:
+        """Whether side-stream copies may still be running (an off-stream fence not ready)."""
+        self._ahead_fences = [f for f in self._ahead_fences if not f.is_ready()]
+        if not self._ahead_fences:
+            self._ahead_pools = None
+        return bool(self._ahead_fences)
+
+    def check_pools_in_place(self) -> None:
+        """Assumption (c) of the module docstring, checked as far as it can be without
+        blocking: while side-stream copies are in flight, the device addresses of the pools
+        are recorded the first time they are seen ready, and RuntimeError is raised when a
+        later step returned pools at other addresses (it did not donate them, or XLA could
+        not alias them: the pages those copies move may hold stale bytes). Pools not ready yet
+        are not looked at (asking for their address might wait for the step)."""
+        if not self.side_stream or not self.side_stream_busy():
+            return
+        if not all(a.is_ready() for pair in self.pools for a in pair):
+            return
+        now = self._pool_pointers()
+        if self._ahead_pools is None:
+            self._ahead_pools = now
+        elif now != self._ahead_pools:
+            raise RuntimeError("a step moved the hot pools while side-stream offloads read them: "
+                               "write-back ahead on CUDA needs steps that donate the pools "
+                               "(donate_argnums) so that XLA updates them in place; set "
+                               "KVCacheConfig.offload_ahead_pages=0 otherwise")
+
+    def wait_side_stream(self) -> None:
+        """Waits for every side-stream copy (errors are the fences' owners' to handle)."""
+        for f in self._ahead_fences:
+            _wait_quietly(f)
+        self._ahead_fences = []
+        self._ahead_pools = None
 
     def _transfer(self, lg: int, src_level: CacheLevel, src: np.ndarray, dst_level: CacheLevel,
                   dst: np.ndarray, staged: list[int]) -> None:
@@ -575,12 +812,13 @@ class StorageManager:
         path = (src_level, dst_level)
         if path == (D, H):
             g = self.cold_group_of[lg]
-            self._wait_fences(g, dst)
+            self._wait_fences(g, dst, read=False)
             pool = self.host_pools[g]
             self._host_fences[g][dst] = self._encode(lg, src, dst, pool.device_address,
                                                      pool.num_slots)
         elif path == (H, D):
             g = self.cold_group_of[lg]
+            self._wait_fences(g, src, off_stream_only=True)  # XLA's stream is not after them
             # A later host-side write into these slots must wait for this read.
             pool = self.host_pools[g]
             self._host_fences[g][src] = self._decode(lg, src, dst, pool.device_address,
@@ -598,13 +836,14 @@ class StorageManager:
         elif path == (K, H):
             g = self.cold_group_of[lg]
             hpool, dpool = self.host_pools[g], self.disk_pools[g]
-            self._wait_fences(g, dst)
+            self._wait_fences(g, dst, read=False)
             self._read(lg, dpool, src, hpool.base_address, dst)
         elif path == (D, D):
             self._copy_hot(lg, src, dst)
         elif path == (H, H):
             g = self.cold_group_of[lg]
-            self._wait_fences(g, np.concatenate([src, dst]))
+            self._wait_fences(g, src)
+            self._wait_fences(g, dst, read=False)
             view = self.host_pools[g].view()
             view[dst] = view[src]
         else:  # (K, K): through the staging ring
@@ -669,9 +908,11 @@ class StorageManager:
                                                                  num_cold_slots)
         if fn is None:
             codec = self._codec
-            if kind == "encode":
+            if kind in ("encode", "encode_side"):
+                side = kind == "encode_side"
                 fn = jax.jit(lambda k, v, pairs: codec.encode(lg, k, v, pairs, address,
-                                                              num_cold_slots=num_cold_slots))
+                                                              num_cold_slots=num_cold_slots,
+                                                              side_stream=side))
             elif kind == "decode":
                 def decode(k, v, pairs):
                     k, v = codec.decode(lg, k, v, pairs, address, num_cold_slots=num_cold_slots)
@@ -712,15 +953,16 @@ class StorageManager:
                            out_specs=out_specs, check_vma=False)
         return jax.jit(fn, donate_argnums=(0, 1) if kind == "decode" else ())
 
-    def _put_pairs(self, lg: int, chunk: np.ndarray, cold: int = 0) -> jax.Array:
+    def _put_pairs(self, lg: int, chunk: np.ndarray, cold: int = 0,
+                   ticket: int = 0) -> jax.Array:
         """The pairs of one codec call on the device(s). With a mesh, ``cold`` is the column of
         cold slots: shard ``s`` gets the chunk with cold slot ``c`` as piece ``c * n + s`` (see
         the module doc), each block its own buffer (a HOST-location codec gets each shard's host
-        copy)."""
+        copy). ``ticket``: the side-stream ticket of the call (no mesh)."""
         if self._mesh is None:
             arr = jax.device_put(chunk, self._index_placement)
             if self.index_location[lg] == PageIndexLocation.HOST:
-                self._codec.register_host_index_pairs(arr, chunk)
+                self._codec.register_host_index_pairs(arr, chunk, ticket=ticket)
             return arr
         n = self.num_shards
         blocks = []
@@ -863,19 +1105,35 @@ class StorageManager:
         except BudgetExceededError:
             return None
 
-    def _wait_fences(self, cold_group: int, slots: np.ndarray) -> None:
-        """Host-side access to host slots waits for the device work that last touched them."""
+    def _wait_fences(self, cold_group: int, slots: np.ndarray, *,
+                     off_stream_only: bool = False, read: bool = True) -> None:
+        """Host-side access to host slots waits for the device work that last touched them;
+        ``off_stream_only``: only for side-stream copies (before a device-side read on XLA's
+        stream, which is ordered after everything else already). A failed side-stream copy
+        raises here when the caller reads the slots (``read``; its pages are not served); a
+        writer only needs it finished."""
         fences = self._host_fences[cold_group]
         seen: set[int] = set()
         for f in fences[slots]:  # NOTE: one migration's pages share one fence object
-            if f is not None and id(f) not in seen:
-                seen.add(id(f))
-                if not f.is_ready():
-                    self._stats.num_host_fence_waits += 1
-                    t = time.perf_counter()
-                    f.wait()
-                    self._stats.host_fence_wait_seconds += time.perf_counter() - t
-        fences[slots] = None
+            if f is None or id(f) in seen:
+                continue
+            if off_stream_only and not getattr(f, "off_stream", False):
+                continue
+            seen.add(id(f))
+            wait = f.wait if read else functools.partial(_wait_quietly, f)
+            if not f.is_ready():
+                self._stats.num_host_fence_waits += 1
+                t = time.perf_counter()
+                wait()
+                self._stats.host_fence_wait_seconds += time.perf_counter() - t
+            elif getattr(f, "off_stream", False):
+                wait()  # NOTE: returns at once, or raises the failure of a finished copy
+        if off_stream_only:
+            sel = np.fromiter((getattr(f, "off_stream", False) for f in fences[slots]), bool,
+                              slots.size)
+            fences[slots[sel]] = None
+        else:
+            fences[slots] = None
 
     def _hook(self, point: str) -> None:
         if self._fault_hook is not None:
@@ -897,6 +1155,7 @@ class StorageManager:
             return
         self._closed = True
         errors: list[BaseException] = []
+        self.wait_side_stream()  # NOTE: they write host memory freed below
         for p, d in self._pending_host_indices:
             try:
                 d.block_until_ready()
@@ -917,6 +1176,14 @@ class StorageManager:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def _wait_quietly(fence: Any) -> None:
+    """Waits for ``fence``; its failure is its owner's to report."""
+    try:
+        fence.wait()
+    except Exception:  # noqa: BLE001, S110 - see the docstring
+        pass
 
 
 def _all_allocated(allocator: Any, slots: np.ndarray) -> bool:

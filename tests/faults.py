@@ -10,6 +10,9 @@
   (e.g. ``"shard_pairs:1"``: while shard 1's part of a codec call is prepared, after shard 0's).
 - :func:`bad_shard_pairs` makes one shard's codec index pairs point past the cold region, so the
   codec call fails at run time on that shard only (pools split over a mesh).
+- :class:`GatedOffloads` (``install_gated_offloads``) holds the copies of write-back-ahead
+  offloads "in flight" until the test opens them (or makes them fail): each offload's fence
+  is wrapped in a :class:`GateFence`, an off-stream fence like the CUDA side-stream mover's.
 """
 
 from __future__ import annotations
@@ -125,3 +128,62 @@ def bad_shard_pairs(storage, shard: int):
         yield
     finally:
         del storage._put_pairs
+
+
+class GateFence:
+    """Wraps an offload's fence: not ready until :meth:`open` (then as the wrapped one), or
+    failed after :meth:`fail`. ``wait`` on a closed gate counts the wait, then opens it (the
+    copy "finishes" while the host waits), unless ``block_forever`` (then it raises
+    AssertionError: the test said nobody may wait)."""
+
+    off_stream = True  # like SideStreamFence: device-side readers wait on the host too
+
+    def __init__(self, inner, gates) -> None:
+        self.inner, self.gates = inner, gates
+        self.state = "closed"  # closed / open / failed
+
+    def open(self) -> None:
+        if self.state == "closed":
+            self.state = "open"
+
+    def fail(self) -> None:
+        self.state = "failed"
+
+    def is_ready(self) -> bool:
+        return self.state != "closed" and self.inner.is_ready()
+
+    def wait(self) -> None:
+        if self.state == "closed":
+            if self.gates.block_forever:
+                raise AssertionError("waited on an offload the test holds in flight")
+            self.gates.num_waits += 1
+            self.state = "open"
+        self.inner.wait()
+        if self.state == "failed":
+            raise InjectedFault("offload copy")
+
+
+class GatedOffloads:
+    """Every write-back-ahead offload of one storage manager gets a :class:`GateFence`
+    (``fences``, in order); ``num_waits``: waits on closed gates."""
+
+    def __init__(self) -> None:
+        self.fences: list[GateFence] = []
+        self.num_waits = 0
+        self.block_forever = False
+
+    def __call__(self, fence):
+        gate = GateFence(fence, self)
+        self.fences.append(gate)
+        return gate
+
+    def open_all(self) -> None:
+        for f in self.fences:
+            f.open()
+
+
+def install_gated_offloads(mgr) -> GatedOffloads:
+    """Gates the offloads of ``mgr`` (a KVCacheManager) from now on."""
+    gates = GatedOffloads()
+    mgr.storage._fence_hook = gates
+    return gates

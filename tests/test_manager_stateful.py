@@ -11,6 +11,9 @@ tokens per sequence), read back through the ring of every step's ``StepBatch``; 
 compaction moves sequences between rows.
 ``KVCM_STATEFUL_EXAMPLES`` raises the number of examples (default 200, up to 50 steps each).
 
+Write-back ahead (``offload_ahead_pages``, with a host tier): its copies are held in flight by the
+gate seam of ``faults.py`` until a rule finishes one or makes it fail (rolled back, nothing lost).
+
 Faults (seams from ``faults.py``): disk reads that fail (EIO) and disk writes that fail (ENOSPC),
 once, twice or for good; a step that raises before running (``abort_step``) or that consumes its
 donated pools and fails inside XLA (``abort_step`` then reports the lost sequences, which the
@@ -31,7 +34,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from faults import FOREVER, failing_step, install_faulty_disks
+from faults import FOREVER, failing_step, install_faulty_disks, install_gated_offloads
 from jax_kvcm._manager import OutOfPagesError, SequenceState, SuspendResult
 from jax_kvcm._storage import CorruptPageError
 from test_manager import Harness, _state, make, tiny_config
@@ -44,7 +47,7 @@ COUNTS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, "reco
           "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0,
           "aborted": 0, "lost": 0, "observer_errors": 0, "disk_read_errors": 0,
           "disk_write_errors": 0, "unreadable_resume": 0, "ring": 0, "compacted": 0,
-          "ring_checked": 0}
+          "ring_checked": 0, "offloaded_ahead": 0, "ahead_done": 0, "ahead_failed": 0}
 PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
 
 
@@ -55,6 +58,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.h: Harness | None = None
         self.disks: list = []
         self.observer = None
+        self.gates = None
 
     @initialize(tiers=st.sampled_from(["none", "host", "disk", "host+disk"]),
                 groups=st.sampled_from(["1", "1", "2", "w", "1+w", "1+w shared", "w+w"]),
@@ -62,8 +66,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 hash_kind=st.sampled_from(["sha", "const"]),
                 faults=st.sampled_from([(0, 0), (1, 1), (FOREVER, 0), (1, 0), (0, FOREVER)]),
                 tpp=st.sampled_from([4, 4, 2, 8]),
-                ring=st.booleans(), chunk=st.sampled_from([None, 1, 3, 6]))
-    def setup(self, tiers, groups, window, hash_kind, faults, tpp, ring, chunk):
+                ring=st.booleans(), chunk=st.sampled_from([None, 1, 3, 6]),
+                ahead=st.sampled_from([0, 0, 5, 12]))
+    def setup(self, tiers, groups, window, hash_kind, faults, tpp, ring, chunk, ahead):
         # "w": a sliding-window group; "shared": same layouts, so one cold pool for both.
         windows = {"1": (None,), "2": (None, None), "w": (window,), "1+w": (None, window),
                    "1+w shared": (None, window), "w+w": (window, window + 2)}[groups]
@@ -71,12 +76,15 @@ class ManagerMachine(RuleBasedStateMachine):
                           disk_dir=self.dir if "disk" in tiers else None,
                           disk_pages=6 if "disk" in tiers else 0, windows=windows,
                           same_layout="shared" in groups, max_batch=4, max_tokens=32,
-                          max_seq_len=48, tpp=tpp, ring_tables=ring, max_window_chunk=chunk)
+                          max_seq_len=48, tpp=tpp, ring_tables=ring, max_window_chunk=chunk,
+                          offload_ahead_pages=ahead if "host" in tiers else 0)
         COUNTS["windowed"] += "w" in groups
         COUNTS["ring"] += ring and "w" in groups
         kw = {"_hash_fn": (lambda b: b"k")} if hash_kind == "const" else {}
         self.h = make(cfg, **kw)
         self.disks = install_faulty_disks(self.h.mgr)
+        if self.h.mgr.config.offload_ahead_pages:
+            self.gates = install_gated_offloads(self.h.mgr)
         self.disk_faults(*faults)
         COUNTS["examples"] += 1
 
@@ -269,6 +277,29 @@ class ManagerMachine(RuleBasedStateMachine):
             assert not any(s.state is SequenceState.ACTIVE and s.num_pages
                            for s in mgr._seqs.values())
 
+    @precondition(lambda self: self.h is not None and self.gates is not None)
+    @rule(data=st.data())
+    def close_then_step(self, data):  # NOTE: cached pages for write-back ahead to move
+        self.close(data)
+        self.step(data)
+
+    @precondition(lambda self: self.h is not None and self.gates is not None)
+    @rule(data=st.data())
+    def offload_copies(self, data):
+        """A write-back-ahead copy in flight finishes, or fails: rolled back when the manager
+        sees it (here: free_page_count), its pages back on the device, nothing lost."""
+        closed = [f for f in self.gates.fences if f.state == "closed"]
+        if not closed:
+            return
+        gate = data.draw(st.sampled_from(closed))
+        if data.draw(st.sampled_from([True, True, True, False])):
+            gate.open()
+            COUNTS["ahead_done"] += 1
+        else:
+            gate.fail()
+            COUNTS["ahead_failed"] += 1
+        self.h.mgr.free_page_count()
+
     @precondition(lambda self: self.h is not None and not self.observer)
     @rule(kind=st.sampled_from(["removed", "stored", "migrated", "committed", "evicted",
                                 "dropped", "suspended"]))
@@ -292,6 +323,7 @@ class ManagerMachine(RuleBasedStateMachine):
         COUNTS["observer_errors"] += st["num_observer_errors"]
         COUNTS["disk_read_errors"] += st["num_disk_read_errors"]
         COUNTS["disk_write_errors"] += st["num_disk_write_errors"]
+        COUNTS["offloaded_ahead"] += st["num_offloaded_ahead_pages"]
 
     def teardown(self):
         if self.h is not None:
@@ -316,7 +348,8 @@ def test_machine_covered_every_path():
         pytest.skip("the machine did not run in this session")
     for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused", "windowed",
                 "window_released", "aborted", "lost", "observer_errors", "disk_read_errors",
-                "disk_write_errors", "ring", "compacted", "ring_checked"):
+                "disk_write_errors", "ring", "compacted", "ring_checked", "offloaded_ahead",
+                "ahead_done", "ahead_failed"):
         assert COUNTS[key] > 0, COUNTS
     assert COUNTS["rules"] >= 20 * COUNTS["examples"], COUNTS
     assert COUNTS["steps"] >= 5 * COUNTS["examples"], COUNTS

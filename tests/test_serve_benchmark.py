@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import jax_kvcm  # noqa: F401  (the installed package before the repo root goes on sys.path)
+import jax_kvcm  # (the installed package before the repo root goes on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -549,7 +549,6 @@ def test_max_concurrency_against_the_managers_pool_bytes():
     pool of c_max sequences (sized as the run sizes it) fits the K/V budget, c_max + 1 does not;
     for the 8B shape on an H200-sized budget at TP 1 and (page bytes halved, weights per device
     as tp.param_specs splits them) TP 2."""
-    import jax_kvcm
     from examples.llama import tp
 
     setup = dataclasses.replace(bench.TRTLLM, run_shared=False)
@@ -631,3 +630,18 @@ def test_gpu_trace_of_two_devices_reads_gpu_0(tmp_path):
     assert trace.on_device and len(trace.executions) == 1
     c = _profile.attribute(trace.executions[0].ops, _profile.hlo_categories(_HLO_TP), True)
     assert c == {"weight GEMMs": 10.0, "collectives": 25.0}
+
+
+def test_trtllm_tiny_with_write_back_ahead():
+    """``--offload-ahead-pages``: the shared-prefix run moves cached pages to the host tier ahead
+    of need, reports it (log counters, the tiers table), and generates exactly the tokens of the
+    run without it."""
+    base = bench.main(["--workload", "trtllm", "--tiny", "--no-dense"])
+    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--offload-ahead-pages", "6"])
+    w = out["results"][0]["fence_waits"]
+    assert w["offload_ahead_moves"] > 0 and w["offload_ahead_pages"] > 0
+    assert w["offload_ahead_failures"] == 0 and w["side_stream_calls"] == 0  # CPU: no side stream
+    for a, b in zip(base["results"], out["results"]):
+        assert a["generated_digests"] == b["generated_digests"], a["name"]
+    assert "offloaded ahead" in bench.markdown(out)
+    assert base["results"][0]["fence_waits"]["offload_ahead_moves"] == 0

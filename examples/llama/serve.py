@@ -136,6 +136,7 @@ class ServeConfig:
     disk_dir: str | None = None
     disk_bytes: int = 0
     cold_codec: str = "concat"
+    offload_ahead_pages: int = 0       # KVCacheConfig.offload_ahead_pages (write-back ahead)
     max_batch: int = 8
     max_tokens_per_step: int = 64      # the token budget of one step (decodes + prompt chunks)
     # Prompt tokens one step may carry besides its decodes (chunked prefill). It bounds the
@@ -385,7 +386,7 @@ class Server:
             enable_prefix_reuse=serve.enable_prefix_reuse, max_batch=serve.max_batch,
             max_tokens_per_step=serve.max_tokens_per_step, max_seq_len=serve.max_seq_len,
             batch_buckets=serve.batch_buckets, token_buckets=serve.token_buckets,
-            mesh=self.mesh)
+            mesh=self.mesh, offload_ahead_pages=serve.offload_ahead_pages)
         self.manager = KVCacheManager(self.kv_config, CODECS[serve.cold_codec]())
         self.manager.add_observer(self._on_event)
         rings = tuple(w if g.sliding_window else 0

@@ -20,6 +20,17 @@
 //     the seed's design. The driver entry point is looked up once at run time
 //     (cudaGetDriverEntryPointByVersion, ABI of 12.8); where it does not exist (driver < 12.8), or
 //     with the no_memcpy_batch option, the same descriptors go as one cudaMemcpyAsync each.
+//   - side stream (encode only, the side_stream option; the write-back-ahead offloads): the memcpy
+//     mover's descriptors, issued on a side stream of the device (created once, lowest priority,
+//     non-blocking) so that the copy engines move the pages while XLA's stream runs the next steps
+//     on every SM. Ordering: an event recorded on XLA's stream at this call and waited on by the
+//     side stream (the copies read what earlier steps wrote); completion: an event recorded on the
+//     side stream after the copies, kept in a *ticket* (registry below) that the host creates
+//     before the call, names in the registered host pairs, and queries / waits on through the
+//     module (ticket_query, ticket_wait). The call's token is ready once the copies are ISSUED,
+//     not done. NOTE (the caller's side, jax_kvcm/_storage.py): the hot slots read and the cold
+//     slots written belong to the copy until its ticket completes, and the pools must stay at
+//     their addresses meanwhile (steps donate them and XLA aliases them in place).
 // int8 (DEVICE index location): one CTA per (pair, layer, K/V) reads its pair with one 8-byte load;
 //   a pair outside the hot pool or the cold tier makes the CTA raise kBadIndexPair in the error
 //   word and touch nothing (reported as an error naming index_pairs only in checked mode).
@@ -33,6 +44,8 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -46,14 +59,58 @@ namespace {
 
 // ---- host index registry -----------------------------------------------------------------------
 
+struct HostPairs {
+  std::vector<int32_t> pairs;  // 2 * n ints
+  int64_t ticket = 0;          // the side-stream mover's ticket (0: none)
+};
+
 struct IndexRegistry {
   std::mutex mutex;
-  std::unordered_map<uintptr_t, std::vector<int32_t>> pairs;  // device pointer -> 2 * n ints
+  std::unordered_map<uintptr_t, HostPairs> pairs;  // device pointer -> its host copy
 };
 
 IndexRegistry& Registry() {
   static IndexRegistry* r = new IndexRegistry();  // NOTE: leaked on purpose (no exit-order issues)
   return *r;
+}
+
+// ---- side-stream tickets -----------------------------------------------------------------------
+
+// A ticket: created by the host (0 events), given its completion event by the encode call that
+// names it (submitted), then queried / waited on and released by the host.
+struct Ticket {
+  cudaEvent_t done = nullptr;
+};
+
+struct TicketRegistry {
+  std::mutex mutex;
+  int64_t next = 1;
+  std::unordered_map<int64_t, Ticket> tickets;
+};
+
+TicketRegistry& Tickets() {
+  static TicketRegistry* r = new TicketRegistry();  // NOTE: leaked on purpose, like Registry()
+  return *r;
+}
+
+// The side stream of `device`, created on first use (lowest priority, not synchronizing with the
+// legacy stream); nullptr when it cannot be created.
+cudaStream_t SideStream(int device) {
+  static std::mutex mutex;
+  static std::unordered_map<int, cudaStream_t>* streams =
+      new std::unordered_map<int, cudaStream_t>();  // NOTE: leaked (streams live to exit)
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams->find(device);
+  if (it != streams->end()) return it->second;
+  int least = 0, greatest = 0;
+  cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  cudaStream_t s = nullptr;
+  if (cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, least) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  (*streams)[device] = s;
+  return s;
 }
 
 // ---- cuMemcpyBatchAsync ------------------------------------------------------------------------
@@ -187,6 +244,11 @@ ffi::Error BuildCopyList(CopyList& list, const int32_t* pairs, const CodecCall& 
   return ffi::Error::Success();
 }
 
+ffi::Error IssueCopies(CopyList& list, cudaStream_t stream, bool encode, int32_t options,
+                       const char* op);
+ffi::Error IssueOnSideStream(CopyList& list, cudaStream_t stream, int64_t ticket,
+                             int32_t options, const char* op);
+
 ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
                       const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
                       uint64_t address, int64_t num_cold_slots, int32_t options, char* k_base,
@@ -199,6 +261,8 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
   if (c.num_pairs == 0) return ffi::Error::Success();
 
   thread_local CopyList list;
+  const bool side = (options & kOptSideStream) != 0;
+  int64_t ticket = 0;
   bool use_kernel = false;
   {
     IndexRegistry& reg = Registry();
@@ -210,13 +274,21 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
                      "index location), but no host copy is registered for this device buffer; "
                      "call codec.register_host_index_pairs(index_pairs, host_pairs) before the "
                      "call and unregister it once the call's output is ready");
-    if (int64_t(it->second.size()) != 2 * c.num_pairs)
+    const std::vector<int32_t>& host = it->second.pairs;
+    if (int64_t(host.size()) != 2 * c.num_pairs)
       return Invalid(std::string(op) + ": index_pairs: the registered host copy has " +
-                     std::to_string(it->second.size() / 2) + " pairs, the operand has " +
+                     std::to_string(host.size() / 2) + " pairs, the operand has " +
                      std::to_string(c.num_pairs));
-    const int32_t* pairs = it->second.data();
+    if (side) {
+      if (!encode) return Invalid(std::string(op) + ": the side_stream option is for encode only");
+      ticket = it->second.ticket;
+      if (ticket <= 0)
+        return Invalid(std::string(op) + ": index_pairs: the side_stream option needs a ticket "
+                       "registered with the host pairs (register_host_index_pairs(..., ticket))");
+    }
+    const int32_t* pairs = host.data();
     if (auto err = CheckIndexPairs(pairs, c, encode); err.failure()) return err;
-    use_kernel = !(options & kOptConcatMemcpy) && c.num_pairs <= int64_t(INT32_MAX) &&
+    use_kernel = !side && !(options & kOptConcatMemcpy) && c.num_pairs <= int64_t(INT32_MAX) &&
                  2 * c.hot.num_layers <= 65535 && DeviceAccessible(address);
     if (!use_kernel) {
       if (auto err = BuildCopyList(list, pairs, c, encode, address, k_base, v_base, op);
@@ -227,6 +299,13 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
   (use_kernel ? g_concat_kernel_calls : g_concat_memcpy_calls).fetch_add(1);
   if (use_kernel)
     return ConcatKernelLaunch(encode, stream, c, k_base, v_base, index_pairs, address);
+  if (side) return IssueOnSideStream(list, stream, ticket, options, op);
+  return IssueCopies(list, stream, encode, options, op);
+}
+
+// The memcpy mover: the descriptors of `list` on `stream`, batched where the driver can.
+ffi::Error IssueCopies(CopyList& list, cudaStream_t stream, bool encode, int32_t options,
+                       const char* op) {
   const size_t count = list.dsts.size();
   // NOTE: cuMemcpyBatchAsync refuses the legacy NULL stream; XLA never hands us that one.
   PFN_cuMemcpyBatchAsync_v12080 batch =
@@ -262,6 +341,55 @@ ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_
                                   " of " + std::to_string(count) +
                                   " failed: " + cudaGetErrorString(e));
   }
+  return ffi::Error::Success();
+}
+
+// The side-stream mover: the side stream waits for what XLA's stream did up to this call, runs
+// the copies, and records the completion event into `ticket`. On failure nothing is recorded (the
+// ticket stays unsubmitted) and the error names the step that failed.
+ffi::Error IssueOnSideStream(CopyList& list, cudaStream_t stream, int64_t ticket,
+                             int32_t options, const char* op) {
+  int device = 0;
+  cudaGetDevice(&device);
+  cudaStream_t side = SideStream(device);
+  if (side == nullptr)
+    return ffi::Error::Internal(std::string(op) + ": cannot create the side stream");
+  cudaEvent_t start = nullptr, done = nullptr;
+  bool issued = false;  // copies on the side stream: a failure waits for them (they write the
+                        // host slots the caller's rollback frees)
+  auto fail = [&](const char* what, cudaError_t e) {
+    if (issued) cudaStreamSynchronize(side);
+    if (start != nullptr) cudaEventDestroy(start);
+    if (done != nullptr) cudaEventDestroy(done);
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string(op) + ": side stream: " + what + " failed: " +
+                                cudaGetErrorString(e));
+  };
+  cudaError_t e = cudaEventCreateWithFlags(&start, cudaEventDisableTiming);
+  if (e != cudaSuccess) return fail("cudaEventCreate", e);
+  if ((e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming)) != cudaSuccess)
+    return fail("cudaEventCreate", e);
+  if ((e = cudaEventRecord(start, stream)) != cudaSuccess) return fail("cudaEventRecord", e);
+  if ((e = cudaStreamWaitEvent(side, start, 0)) != cudaSuccess)
+    return fail("cudaStreamWaitEvent", e);
+  issued = true;  // NOTE: even a failed IssueCopies may have issued some of them
+  if (auto err = IssueCopies(list, side, /*encode=*/true, options, op); err.failure()) {
+    fail("the copies", cudaSuccess);
+    return err;
+  }
+  if ((e = cudaEventRecord(done, side)) != cudaSuccess) return fail("cudaEventRecord", e);
+  cudaEventDestroy(start);  // NOTE: released by the driver once the side stream passed it
+  TicketRegistry& reg = Tickets();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto it = reg.tickets.find(ticket);
+  if (it == reg.tickets.end() || it->second.done != nullptr) {
+    // The copies are issued but nobody can wait on them: wait here rather than lose the order.
+    cudaEventSynchronize(done);
+    cudaEventDestroy(done);
+    return Invalid(std::string(op) + ": ticket " + std::to_string(ticket) +
+                   " is unknown or already used (create one per call: ticket_create)");
+  }
+  it->second.done = done;
   return ffi::Error::Success();
 }
 
@@ -499,6 +627,8 @@ ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_po
                     uint64_t address, int64_t num_cold_slots, int32_t options, char* k_base,
                     char* v_base) {
   const bool checked = (options & kOptCheckIndices) != 0;
+  if (options & kOptSideStream)
+    return Invalid("int8 codec: the side_stream option is for the concat codec only");
   auto call =
       ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address, num_cold_slots);
   if (call.has_error()) return call.error();
@@ -566,18 +696,25 @@ ffi::Error DecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBu
 
 // Copies n (dst, src) pairs (2 * n int32) for the device buffer at device_ptr. 0 on success,
 // -1 for bad arguments, -2 when out of memory.
-KVCM_EXPORT int kvcm_register_host_index_pairs(uintptr_t device_ptr, const int32_t* pairs,
-                                               int64_t n) {
-  if (n < 0 || (n > 0 && pairs == nullptr) || (n > 0 && device_ptr == 0)) return -1;
+// `ticket` (> 0) names the side-stream mover's ticket of the call (0: none).
+KVCM_EXPORT int kvcm_register_host_index_pairs_ticket(uintptr_t device_ptr, const int32_t* pairs,
+                                                      int64_t n, int64_t ticket) {
+  if (n < 0 || (n > 0 && pairs == nullptr) || (n > 0 && device_ptr == 0) || ticket < 0)
+    return -1;
   auto& reg = kvcm::cuda::Registry();
   try {
-    std::vector<int32_t> copy(pairs, pairs + 2 * n);
+    kvcm::cuda::HostPairs entry{std::vector<int32_t>(pairs, pairs + 2 * n), ticket};
     std::lock_guard<std::mutex> lock(reg.mutex);
-    reg.pairs[device_ptr] = std::move(copy);
+    reg.pairs[device_ptr] = std::move(entry);
   } catch (const std::bad_alloc&) {
     return -2;
   }
   return 0;
+}
+
+KVCM_EXPORT int kvcm_register_host_index_pairs(uintptr_t device_ptr, const int32_t* pairs,
+                                               int64_t n) {
+  return kvcm_register_host_index_pairs_ticket(device_ptr, pairs, n, 0);
 }
 
 // Removes the entry of device_ptr; 1 when one was removed, 0 when none existed.
@@ -594,9 +731,10 @@ KVCM_EXPORT int64_t kvcm_lookup_host_index_pairs(uintptr_t device_ptr, int32_t* 
   std::lock_guard<std::mutex> lock(reg.mutex);
   auto it = reg.pairs.find(device_ptr);
   if (it == reg.pairs.end()) return -1;
-  const int64_t n = int64_t(it->second.size() / 2);
+  const int64_t n = int64_t(it->second.pairs.size() / 2);
   if (out != nullptr && capacity > 0)
-    std::memcpy(out, it->second.data(), size_t(std::min(n, capacity)) * 2 * sizeof(int32_t));
+    std::memcpy(out, it->second.pairs.data(),
+                size_t(std::min(n, capacity)) * 2 * sizeof(int32_t));
   return n;
 }
 
@@ -611,6 +749,96 @@ KVCM_EXPORT int64_t kvcm_num_host_index_registrations() {
 KVCM_EXPORT int64_t kvcm_concat_mover_calls(int which) {
   return which == 0 ? kvcm::cuda::g_concat_kernel_calls.load()
                     : kvcm::cuda::g_concat_memcpy_calls.load();
+}
+
+// ---- side-stream tickets: module functions ----------------------------------------------------
+
+namespace {
+
+// Ticket states reported by ticket_query.
+constexpr int kTicketUnknown = -1, kTicketCreated = 0, kTicketInFlight = 1, kTicketDone = 2;
+
+int64_t TicketCreate() {
+  auto& reg = kvcm::cuda::Tickets();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  const int64_t id = reg.next++;
+  reg.tickets.emplace(id, kvcm::cuda::Ticket{});
+  return id;
+}
+
+// The ticket's event, or nullptr (state set to unknown / created).
+cudaEvent_t TicketEvent(int64_t id, int& state) {
+  auto& reg = kvcm::cuda::Tickets();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto it = reg.tickets.find(id);
+  if (it == reg.tickets.end()) {
+    state = kTicketUnknown;
+    return nullptr;
+  }
+  state = kTicketCreated;
+  return it->second.done;
+}
+
+[[noreturn]] void TicketError(int64_t id, const char* what, cudaError_t e) {
+  cudaGetLastError();
+  throw std::runtime_error("offload ticket " + std::to_string(id) + ": " + what + " failed: " +
+                           cudaGetErrorString(e));
+}
+
+int TicketQuery(int64_t id) {
+  int state = 0;
+  cudaEvent_t done = TicketEvent(id, state);
+  if (done == nullptr) return state;
+  const cudaError_t e = cudaEventQuery(done);
+  if (e == cudaSuccess) return kTicketDone;
+  if (e == cudaErrorNotReady) return kTicketInFlight;
+  TicketError(id, "cudaEventQuery", e);
+}
+
+bool TicketWait(int64_t id) {
+  int state = 0;
+  cudaEvent_t done = TicketEvent(id, state);
+  if (state == kTicketUnknown) throw std::invalid_argument("unknown offload ticket " +
+                                                           std::to_string(id));
+  if (done == nullptr) return false;
+  nb::gil_scoped_release release;
+  const cudaError_t e = cudaEventSynchronize(done);
+  if (e != cudaSuccess) TicketError(id, "cudaEventSynchronize", e);
+  return true;
+}
+
+void TicketRelease(int64_t id) {
+  auto& reg = kvcm::cuda::Tickets();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto it = reg.tickets.find(id);
+  if (it == reg.tickets.end()) return;
+  // NOTE: an event still pending is released by the driver once the side stream passed it.
+  if (it->second.done != nullptr) cudaEventDestroy(it->second.done);
+  reg.tickets.erase(it);
+}
+
+int64_t NumTickets() {
+  auto& reg = kvcm::cuda::Tickets();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  return int64_t(reg.tickets.size());
+}
+
+}  // namespace
+
+// Called by _kvcm_cuda's module definition (module.cc).
+void BindOffloadTickets(nb::module_& m) {
+  m.def("ticket_create", &TicketCreate,
+        "A new side-stream offload ticket (an id > 0) to register with an encode call's pairs.");
+  m.def("ticket_query", &TicketQuery, nb::arg("ticket"),
+        "-1 unknown, 0 created (no call submitted it yet), 1 copies in flight, 2 done; raises "
+        "RuntimeError when the copies failed.");
+  m.def("ticket_wait", &TicketWait, nb::arg("ticket"),
+        "Blocks until the ticket's copies are done (True); False when no call submitted it yet "
+        "(wait for the call's token first). Raises RuntimeError when they failed, ValueError for "
+        "an unknown ticket.");
+  m.def("ticket_release", &TicketRelease, nb::arg("ticket"),
+        "Forgets the ticket (no-op when unknown).");
+  m.def("num_tickets", &NumTickets, "Live tickets (leak checks in tests).");
 }
 
 // ---- handler symbols and registrations ---------------------------------------------------------

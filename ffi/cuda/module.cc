@@ -15,6 +15,7 @@ XLA_FFI_Error* KvcmRaggedPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
 void BindPinnedMemory(nb::module_& m);        // pinned_memory.cc
 void BindArenaVmm(nb::module_& m);            // arena_vmm.cc (the contiguous arena's memory)
 void AddCodecRegistrationsCuda(nb::dict& d);  // codec.cu (declared with C++ linkage there)
+void BindOffloadTickets(nb::module_& m);      // codec.cu (the side-stream mover's tickets)
 
 template <typename Fn>
 static nb::capsule Capsule(Fn* fn) {
@@ -33,4 +34,5 @@ NB_MODULE(_kvcm_cuda, m) {
   }, "Handler capsules by FFI target name.");
   BindPinnedMemory(m);
   BindArenaVmm(m);
+  BindOffloadTickets(m);
 }

@@ -45,6 +45,7 @@ enum CodecOptionBits : int32_t {
   kOptCheckIndices = 1 << 0,   // CUDA int8: validate the device pairs first, raise on bad ones
   kOptConcatMemcpy = 1 << 1,   // CUDA concat: memcpy mover even when the copy kernel could run
   kOptNoMemcpyBatch = 1 << 2,  // CUDA concat memcpy mover: one cudaMemcpyAsync per piece
+  kOptSideStream = 1 << 3,     // CUDA concat encode: memcpy mover on a side stream, with a ticket
 };
 
 // Dequantized float32 value of one int8 element (see the file comment).
