@@ -24,9 +24,14 @@ Step protocol: ``prepare_step`` -> the user's jitted step (donating :attr:`cache
 pages (suspend, resume, onboarding) raise :class:`StepInFlightError`.
 
 Fences. Pages the manager frees (closed sequences, dropped cached pages) go to a pending list tagged
-with the step count; they return to the allocator only once the latest completed step's output
-arrays are ready (steps complete in order, so that covers every earlier step). ``prepare_step``
-reclaims ready ones without blocking and blocks only when nothing else is free.
+with the step count; they return to the allocator once that step is complete. Each completed step
+leaves a fence: a few bytes sliced from its output pool (``_step_fence``), which the next step does
+not donate. Steps complete in order, so the manager polls the fences oldest first: in an
+overlapped loop (step n handed back while step n - 1 still runs) the pages freed after step n - 1
+come back as soon as it finished, not only once the newest step is ready. (Polling the newest
+step alone never succeeded in an overlapped loop: every allocation evicted instead, and write-back
+ahead stalled; H200 seed run, benchmarks/RESULTS.md, session 7.) ``prepare_step`` reclaims ready
+ones without blocking and blocks only when nothing else is free.
 NOTE: migrations release device source slots immediately (StorageManager's transaction); that is
 safe because the encode takes the pools as operands and so is ordered after the step on XLA's
 stream, and any later writer of the slot is ordered after the encode.
@@ -99,6 +104,17 @@ __all__ = [
 
 D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
 _LITTLE = np.little_endian
+
+
+@jax.jit
+def _step_fence(pool: jax.Array) -> jax.Array:
+    """A few bytes computed from a step's output pool ``[..., Hkv, D]`` (the leading axes cut to
+    1, the KV-head axis kept, so a pool sharded over KV heads stays sharded: no collective):
+    ready once the step is complete, and never donated, unlike the pool that the next step
+    takes. One small dispatch per step."""
+    return pool[(slice(0, 1),) * (pool.ndim - 2)] if pool.ndim > 2 else pool.reshape(-1)[:1]
+
+
 _COUNT_KEYS = ("capacity", "free", "pending", "referenced", "cached")
 DISK_DEGRADED_AFTER = 3  # consecutive failed disk writes after which the disk tier takes no more
 
@@ -758,7 +774,11 @@ class KVCacheManager:
                              np.ndarray] | None = None
         self._handed: list[tuple[jax.Array, jax.Array]] = []  # the pools the step was given
         self._step_index = 0        # completed steps
-        self._fence: Any = None     # an output array of the latest completed step
+        self._fence: Any = None     # a fence of the latest completed step (_step_fence)
+        # (step index, fence) of earlier steps not yet known complete, oldest first: an
+        # overlapped loop completes step n before step n - 1 has run, and the pages step n - 1
+        # freed must come back once it has, not once the newest step has.
+        self._older_fences: deque[tuple[int, Any]] = deque()
         self._ready_upto = 0        # every step <= this is known complete
         # NOTE: pending frees: [step index that must complete, slots [G, n], owner seq ids [n]
         # or None]; step index None means "the step in flight" (tagged at complete_step).
@@ -893,12 +913,21 @@ class KVCacheManager:
     # -- fences and pending frees ------------------------------------------------------------
 
     def _poll_fence(self, block: bool) -> None:
+        """Advances ``_ready_upto`` past every step known complete: the older steps' fences in
+        order (steps complete in order), then the latest one's; ``block`` waits for the latest."""
+        older = self._older_fences
+        while older and older[0][0] <= self._ready_upto:
+            older.popleft()
         f = self._fence
         if f is None or self._ready_upto >= self._step_index:
+            older.clear()
             return
-        if f.is_deleted():
-            # NOTE: donated into a later migration (a decode or a hot copy): the pools it
-            # produced depend on the step's outputs, so their readiness implies the step's.
+        if not block:
+            while older and older[0][1].is_ready():
+                self._ready_upto = older.popleft()[0]
+            if older:
+                return
+        if f.is_deleted():  # pragma: no cover - _step_fence's arrays are never donated
             f = self.storage.pools[0][0]
         if block:
             self._stats.num_fence_waits += 1
@@ -907,6 +936,7 @@ class KVCacheManager:
             self._stats.fence_wait_seconds += time.perf_counter() - t
         if block or f.is_ready():
             self._ready_upto = self._step_index
+            older.clear()
 
     def _reclaim(self, block: bool = False) -> int:
         """Returns ready pending frees to the allocator; the number of pages returned."""
@@ -1635,8 +1665,10 @@ class KVCacheManager:
             seqs, rows = self._in_step[:2]
             self._in_step = None
             self._handed = []
+            if self._fence is not None:
+                self._older_fences.append((self._step_index, self._fence))
             self._step_index += 1
-            self._fence = caches[0][0]
+            self._fence = _step_fence(caches[0][0])
             for p in self._pending:
                 if p[0] is None:
                     p[0] = self._step_index
@@ -1757,6 +1789,7 @@ class KVCacheManager:
                 self._drop(n)
         # Nothing can read the old pools' pages any more: every pending free is ready.
         self._fence = None
+        self._older_fences.clear()
         self._ready_upto = self._step_index
         for p in self._pending:
             p[0] = self._step_index

@@ -82,6 +82,27 @@ def test_free_page_count():
     assert m.free_page_count() == (12 - 2, 9 - 2)
 
 
+def test_pages_freed_before_the_latest_step_come_back_while_it_runs():
+    """An overlapped loop completes step n before step n - 1 has run on the device. Pages freed
+    after step n - 1 must come back once step n - 1 finished, while step n still runs (not only
+    once the latest step is ready: then an overlapped loop never reclaims and evicts instead)."""
+    h = make(tiny_config(device_pages=12))
+    m = h.mgr
+    a, b = h.add(list(range(1, 10))), h.add(list(range(20, 25)))
+    h.run([(a, 9), (b, 5)], as_ids=[True, True])
+    older = m._fence = NotReadyFence()  # step 1 "still runs"
+    m.close(a)                           # its private tail page waits for step 1
+    free = m.free_page_count()
+    batch, spans = h.prepare([(b, 1)], as_ids=[False])
+    m.complete_step(h.write(batch, spans))
+    latest = m._fence = NotReadyFence()  # step 2 handed back and "running"
+    assert m.free_page_count() == free   # step 1 not finished: the page is still pending
+    older.block_until_ready()            # step 1 finished; step 2 still runs
+    assert m.free_page_count() == (free[0] + 1,)
+    assert not latest.is_ready()
+    m.check_invariants()
+
+
 def test_compact_moves_rows_without_rebuilding():
     """Four sequences, two closed: compacting the survivors to rows 0 and 1 moves their ring
     rows; later steps keep writing and reading the right pages."""
