@@ -300,20 +300,23 @@ TINY_SETUP = Setup(
 # concurrency 256 and its dense comparison. Prompt chunks of 2,048 tokens: on the H200 they gave
 # 9,258 / 8,938 output tok/s (seed / random, --quick) against 8,895 / 8,080 with 512-token chunks,
 # a mixed step taking ~62-64 ms instead of ~25-29 ms (RESULTS.md, 2026-12-01); the runner's own
-# default (ServeConfig.prefill_chunk_tokens = 512) keeps the latency-bounded choice.
+# default (ServeConfig.prefill_chunk_tokens = 512) keeps the latency-bounded choice. Write-back
+# ahead keeps 384 device pages free or pending (its ~207,000 offloads copied on a side stream
+# instead of in the steps): 9,434 against 9,175 output tok/s in the full run (RESULTS.md,
+# 2026-12-01, session 7); --offload-ahead-pages 0 turns it off.
 TRTLLM = dataclasses.replace(
     FULL, name="trtllm", input_len=1024, output_len=1024, concurrencies=(256,),
     shared_prompts=15, shared_prompt_len=512, shared_prompt_jitter=32, shared_total_len=1024,
     shared_output_len=1024, shared_concurrency=256, shared_requests=2500, shared_runs=("on",),
     shared_first=True, step_tokens=256 + 2048, prefill_chunk=2048, host_bytes=32 << 30,
-    equal_memory_run=False)
+    offload_ahead_pages=384, equal_memory_run=False)
 TRTLLM_QUICK = dataclasses.replace(TRTLLM, shared_requests=512)
 TINY_TRTLLM = dataclasses.replace(
     TINY_SETUP, name="tiny-trtllm", input_len=40, output_len=16, concurrencies=(8,),
     requests_factor=1.0, shared_prompts=5, shared_prompt_len=20, shared_prompt_jitter=3,
     shared_total_len=40, shared_output_len=16, shared_concurrency=8, shared_requests=24,
     shared_runs=("on",), shared_first=True, step_tokens=8 + 16, prefill_chunk=16,
-    host_bytes=1 << 20, equal_memory_run=False)
+    host_bytes=1 << 20, offload_ahead_pages=8, equal_memory_run=False)
 WORKLOADS = {"default": (FULL, QUICK, TINY_SETUP), "trtllm": (TRTLLM, TRTLLM_QUICK, TINY_TRTLLM)}
 # The device check before an 8B run: the tiny model, one concurrency, no equal-memory run.
 CHECK_SETUP = dataclasses.replace(TINY_SETUP, name="tiny-check", concurrencies=(8,),
@@ -328,13 +331,20 @@ def _log(*a: Any) -> None:
     print(*a, flush=True)
 
 
-_COMPILES = {"n": 0, "s": 0.0}
+_COMPILES: dict[str, Any] = {"n": 0, "s": 0.0, "names": []}  # names: (function, seconds)
 
 
 def _on_duration(event: str, duration: float, *args: Any, **kwargs: Any) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _COMPILES["n"] += 1
         _COMPILES["s"] += float(duration)
+        _COMPILES["names"].append((str(kwargs.get("fun_name", "?")), float(duration)))
+
+
+def _compiled_between(n0: int, n1: int) -> list[str]:
+    """``"function (seconds)"`` of the XLA compiles counted while ``_COMPILES["n"]`` went from
+    ``n0`` to ``n1``."""
+    return [f"{name} ({sec:.1f} s)" for name, sec in _COMPILES["names"][n0:n1]]
 
 
 try:  # counts XLA compiles (a compile in a timed region is flagged); absent: no flag
@@ -459,8 +469,9 @@ def _serve_config(setup: Setup, concurrency: int, prefix: bool,
 
 def _summary(label: str, path: str, workload: str, concurrency: int,
              requests: Sequence[serve.Request], outs: Sequence[serve.RequestOutput],
-             seconds: float, compiles: int, warmup_s: float, decode_ms: Sequence[float],
-             **extra: Any) -> dict[str, Any]:
+             seconds: float, compiles: tuple[int, int], warmup_s: float,
+             decode_ms: Sequence[float], **extra: Any) -> dict[str, Any]:
+    """One run's row; ``compiles``: ``_COMPILES["n"]`` when its timed region began and ended."""
     gen = sum(len(o.generated_ids) for o in outs)
     ttft = [o.time_to_first_token_s for o in outs]
     itl = np.concatenate([np.diff(o.token_times_s) for o in outs if len(o.token_times_s) > 1]
@@ -474,7 +485,9 @@ def _summary(label: str, path: str, workload: str, concurrency: int,
         ttft_p50_s=_pct(ttft, 50), ttft_p90_s=_pct(ttft, 90),
         itl_p50_ms=_pct(itl, 50) * 1e3, itl_p90_ms=_pct(itl, 90) * 1e3,
         decode_step_ms_p50=_pct(decode_ms, 50), decode_steps=len(decode_ms),
-        warmup_s=warmup_s, compiles_in_timed_region=compiles if _COUNTING_COMPILES else None,
+        warmup_s=warmup_s,
+        compiles_in_timed_region=compiles[1] - compiles[0] if _COUNTING_COMPILES else None,
+        compiled_in_timed_region=_compiled_between(*compiles),
         **extra)
 
 
@@ -491,7 +504,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     scfg = _serve_config(setup, concurrency, prefix, hot_backend)
     arena = hot_backend == "arena"
     t = time.perf_counter()
-    warm_compiles = dict(_COMPILES)
+    warm_compiles = {k: _COMPILES[k] for k in ("n", "s")}
     warm = serve.Server(params, setup.model, scfg)
     warm.generate([serve.Request(prompt=list(range(1, setup.page_size + 2)), max_new_tokens=2,
                                  eos_token_ids=[])])
@@ -562,7 +575,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
                     arena_half = dataclasses.asdict(a)
             paused += time.perf_counter() - ts
     seconds = time.perf_counter() - t0 - paused
-    compiles = _COMPILES["n"] - n_compiles
+    compiles = (n_compiles, _COMPILES["n"])
     if window is not None:
         window.stop(server)
     rep = server.report()
@@ -661,7 +674,7 @@ def run_dense(params: Any, setup: Setup, requests: Sequence[serve.Request], *, b
     outs = srv.generate(requests)
     seconds = time.perf_counter() - t0
     res = _summary(label, "dense", workload, batch, requests, outs, seconds,
-                   _COMPILES["n"] - n_compiles, warmup_s, srv.decode_ms, prefix_reuse=False,
+                   (n_compiles, _COMPILES["n"]), warmup_s, srv.decode_ms, prefix_reuse=False,
                    prefix_hit_rate=0.0, peak_running=min(batch, len(requests)),
                    pages_used_peak=None, pool_pages=None, page_size=None,
                    cache_bytes=srv.cache_bytes, capacity_seqs=batch, capacity_seq_len=max_len,
@@ -702,7 +715,8 @@ def _fmt_result(r: dict) -> str:
             extra += f", SUSPENDS {r['suspends']} RECOMPUTES {r['recomputes']}"
     flag = ""
     if r["compiles_in_timed_region"]:
-        flag = f"  WARNING: {r['compiles_in_timed_region']} compile(s) inside the timed region"
+        flag = (f"  WARNING: {r['compiles_in_timed_region']} compile(s) inside the timed region: "
+                + ", ".join(r.get("compiled_in_timed_region", [])))
     return (f"  {r['name']}: {r['output_tokens_per_s']:,.0f} output tok/s, {r['requests']} "
             f"requests in {r['seconds']:.2f} s, TTFT p50 {r['ttft_p50_s']:.3f} s p90 "
             f"{r['ttft_p90_s']:.3f} s, ITL p50 {r['itl_p50_ms']:.1f} ms p90 "
@@ -1288,7 +1302,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write-back ahead (KVCacheConfig.offload_ahead_pages) of the paged runs "
                         "with a host tier: keep N device pages free or pending by moving LRU "
                         "cached pages to the host after each step (side stream on CUDA); "
-                        "default 0 = off")
+                        "default: the workload's (trtllm: 384, its tiny run 8; else 0 = off)")
     p.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], metavar="N",
                    help="the paged runs split over the first N devices (examples/llama/tp.py; "
                         "dense stays on one device); default 1. Several values (e.g. 1 2): the "

@@ -910,9 +910,11 @@ class StorageManager:
             codec = self._codec
             if kind in ("encode", "encode_side"):
                 side = kind == "encode_side"
-                fn = jax.jit(lambda k, v, pairs: codec.encode(lg, k, v, pairs, address,
-                                                              num_cold_slots=num_cold_slots,
-                                                              side_stream=side))
+
+                def encode(k, v, pairs):
+                    return codec.encode(lg, k, v, pairs, address, num_cold_slots=num_cold_slots,
+                                        side_stream=side)
+                fn = jax.jit(encode)
             elif kind == "decode":
                 def decode(k, v, pairs):
                     k, v = codec.decode(lg, k, v, pairs, address, num_cold_slots=num_cold_slots)

@@ -633,11 +633,11 @@ def test_gpu_trace_of_two_devices_reads_gpu_0(tmp_path):
 
 
 def test_trtllm_tiny_with_write_back_ahead():
-    """``--offload-ahead-pages``: the shared-prefix run moves cached pages to the host tier ahead
-    of need, reports it (log counters, the tiers table), and generates exactly the tokens of the
-    run without it."""
-    base = bench.main(["--workload", "trtllm", "--tiny", "--no-dense"])
-    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--offload-ahead-pages", "6"])
+    """Write-back ahead, on by default in the trtllm preset: the shared-prefix run moves cached
+    pages to the host tier ahead of need, reports it (log counters, the tiers table), and
+    generates exactly the tokens of the run with ``--offload-ahead-pages 0`` (off)."""
+    base = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--offload-ahead-pages", "0"])
+    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense"])
     w = out["results"][0]["fence_waits"]
     assert w["offload_ahead_moves"] > 0 and w["offload_ahead_pages"] > 0
     assert w["offload_ahead_failures"] == 0 and w["side_stream_calls"] == 0  # CPU: no side stream
