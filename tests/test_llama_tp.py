@@ -28,10 +28,20 @@ def run_worker(*args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("devices,cases", [(2, "llama,tied,qwen2_mixed,qwen3"),
-                                           (4, "llama,tied")])
-def test_tensor_parallel_tokens_equal_one_device_and_hf(devices, cases):
-    print(run_worker("--devices", str(devices), "--cases", cases))
+TP_CASES = {2: "llama,tied,qwen2_mixed,qwen3", 4: "llama,tied"}
+
+
+@pytest.fixture(scope="module")
+def tp_worker_cpu() -> str:
+    """One worker on 4 CPU devices for every degree of TP_CASES (TP 2 on the first two): each
+    case's checkpoint and TP-1 runs are made once, not once per degree."""
+    return run_worker("--devices", "4", *(f"--tp={n}:{c}" for n, c in TP_CASES.items()))
+
+
+@pytest.mark.parametrize("tp", sorted(TP_CASES))
+def test_tensor_parallel_tokens_equal_one_device_and_hf(tp_worker_cpu, tp):
+    print(tp_worker_cpu)
+    assert f"OK devices=4 tp={tp} cases={TP_CASES[tp]}\n" in tp_worker_cpu
 
 
 def test_config_checks_name_the_field():
