@@ -86,8 +86,8 @@ def main() -> None:
 
 
 def check_case(name: str, degrees: list[int]) -> None:
+    """Case ``name``'s checkpoint and TP-1 runs, then :func:`check_degree` per TP degree."""
     import numpy as np
-    import torch
 
     from conftest import random_hf_llama
     from examples.llama import loader, serve
