@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,30 @@ NULL_PAGE = 0
 # them (they are in bounds) but must mask them out. Pages no page table references hold NaN: no
 # kernel may touch them.
 K_POISON, V_POISON = 30.0, -30.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The heap earlier modules left behind.
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_older_objects():
+    """Keeps the garbage collector to the objects this module made.
+
+    By the late modules the objects the earlier ones left (imported modules, jax's caches) number
+    over a million, and a full collection traverses them all: ~0.9 s per ``gc.collect()``, which
+    the serving benchmark calls after every run (to free a pool before the next one), ~85 s of
+    ``tests/test_serve_benchmark.py`` in the whole suite against ~1 s alone. ``gc.freeze()``
+    moves them out of the collector's sight for this module (their references still keep this
+    module's objects alive; a cycle among this module's objects is still collected). At its end
+    (after its module-scoped fixtures) a collection of this module's objects alone frees its
+    cyclic garbage (managers and their pools, servers) before the next module freezes what is
+    left; ``gc.unfreeze()`` hands the older objects back.
+    """
+    gc.freeze()
+    yield
+    gc.collect()
+    gc.unfreeze()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ fixed-shape jitted steps that must compile once over 50 calls.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -410,6 +411,18 @@ SCAN_CASES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_scan_model(op: str, oracle: bool):
+    """SCAN_CASES[op]'s scan model over the ops (caches donated) or, ``oracle``, over the
+    reference; one jitted function per pair, so the seeds (same shapes) compile it once."""
+    from jax_kvcm.ops import reference as ref
+    case, ragged = SCAN_CASES[op], op == "ragged"
+    mod = ref if oracle else ops
+    attention = mod.ragged_paged_attention if ragged else mod.paged_attention
+    model = _scan_model(mod.write_kv, attention, case.num_layers, ragged, case.attrs())
+    return jax.jit(model) if oracle else jax.jit(model, donate_argnums=(0, 1))
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["paged", "ragged"])
@@ -445,14 +458,9 @@ def test_write_then_attend_in_scan_over_layers(backend, op, dtype, seed):
     inputs = [x.astype(dtype) for x in (k_cache, v_cache, q, k, v)]
     inputs += [slot_mapping, page_table, seq_lens, query_start]
 
-    attention = ops.ragged_paged_attention if ragged else ops.paged_attention
-    model = jax.jit(_scan_model(ops.write_kv, attention, L, ragged, case.attrs()),
-                    donate_argnums=(0, 1))
-    k_out, v_out, outs = model(*backend.put(*inputs))
+    k_out, v_out, outs = _jitted_scan_model(op, oracle=False)(*backend.put(*inputs))
 
-    from jax_kvcm.ops import reference as ref
-    ref_attention = ref.ragged_paged_attention if ragged else ref.paged_attention
-    ref_model = jax.jit(_scan_model(ref.write_kv, ref_attention, L, ragged, case.attrs()))
+    ref_model = _jitted_scan_model(op, oracle=True)
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         want_k, want_v, want = ref_model(*(jax.device_put(to_f32(x), cpu) for x in inputs))

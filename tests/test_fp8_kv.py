@@ -306,6 +306,8 @@ def test_reference_fp8_path_matches_dequantized(op):
     b, q, k8, v8, kdq, vdq, ks, vs = fp8_batch(seed, case, jnp.float32, ragged=op == "ragged")
     extra = (b.query_start,) if op == "ragged" else ()
     fn = ref.ragged_paged_attention if op == "ragged" else ref.paged_attention
+    # jitted (op by op the reference spends seconds dispatching small ops); both sides alike
+    fn = jax.jit(fn, static_argnames=("layer", *case.attrs()))
     j = jnp.asarray
     idx = (j(b.page_table), j(b.seq_lens)) + tuple(j(x) for x in extra)
     got = fn(j(q), j(k8), j(v8), *idx, layer=b.layer, k_scale=j(ks), v_scale=j(vs),

@@ -28,10 +28,20 @@ def run_worker(*args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("devices,cases", [(2, "llama,tied,qwen2_mixed,qwen3"),
-                                           (4, "llama,tied")])
-def test_tensor_parallel_tokens_equal_one_device_and_hf(devices, cases):
-    print(run_worker("--devices", str(devices), "--cases", cases))
+TP_CASES = {2: "llama,tied,qwen2_mixed,qwen3", 4: "llama,tied"}
+
+
+@pytest.fixture(scope="module")
+def tp_worker_cpu() -> str:
+    """One worker on 4 CPU devices for every degree of TP_CASES (TP 2 on the first two): each
+    case's checkpoint and TP-1 runs are made once, not once per degree."""
+    return run_worker("--devices", "4", *(f"--tp={n}:{c}" for n, c in TP_CASES.items()))
+
+
+@pytest.mark.parametrize("tp", sorted(TP_CASES))
+def test_tensor_parallel_tokens_equal_one_device_and_hf(tp_worker_cpu, tp):
+    print(tp_worker_cpu)
+    assert f"OK devices=4 tp={tp} cases={TP_CASES[tp]}\n" in tp_worker_cpu
 
 
 def test_config_checks_name_the_field():
@@ -67,21 +77,29 @@ def test_tensor_parallel_two_gpus():
     print(run_worker("--devices", "2", "--platform", "gpu"))
 
 
-def test_serve_benchmark_tiny_on_two_devices(tmp_path):
-    """``benchmarks/serve.py --tiny --tensor-parallel 2``: the paged runs on a 2-device mesh
-    generate what the dense single-device runs do (the benchmark raises otherwise)."""
+@pytest.fixture(scope="module")
+def serve_on_two_devices(tmp_path_factory) -> tuple[dict, str]:
+    """One process on 2 CPU devices runs ``benchmarks/serve.py --tiny --tensor-parallel 2
+    --no-shared --json FILE`` (its ``main``) and then the pre-run check ``serve._check([1, 2])``
+    (as an 8B run does before its runs); (the JSON, the process's stdout)."""
     import json
 
     root = os.path.dirname(HERE)
+    out = tmp_path_factory.mktemp("serve_tp2") / "serve.json"
+    code = ("import json, serve; serve.main(['--tiny', '--tensor-parallel', '2', '--no-shared', "
+            f"'--json', {str(out)!r}]); print('CHECK ' + json.dumps(serve._check([1, 2])))")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    out = tmp_path / "serve.json"
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "serve.py"),
-                           "--tiny", "--tensor-parallel", "2", "--no-shared", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.join(root, "benchmarks"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.join(root, "benchmarks"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_serve_benchmark_tiny_on_two_devices(serve_on_two_devices):
+    """``benchmarks/serve.py --tiny --tensor-parallel 2``: the paged runs on a 2-device mesh
+    generate what the dense single-device runs do (the benchmark raises otherwise)."""
+    res, _ = serve_on_two_devices
     paged = [r for r in res["results"] if r["path"] == "paged"]
     assert paged and all(r["tensor_parallel"] == 2 for r in paged), paged
     assert res["agreement"] and all(a["identical"] == a["requests"] for a in res["agreement"])
@@ -180,20 +198,14 @@ def test_serve_benchmark_tp_sweep_two_gpus(tmp_path):
     assert res["meta"]["backend"] == "gpu"
 
 
-def test_pre_run_check_covers_tensor_parallel():
+def test_pre_run_check_covers_tensor_parallel(serve_on_two_devices):
     """The check before an 8B run (``serve._check``) adds the tiny model's paged random row at
     every ``--tensor-parallel`` value > 1 against one device's: on 2 CPU devices its tokens
     agree for every request."""
     import json
 
-    root = os.path.dirname(HERE)
-    code = ("import json, serve; print('CHECK ' + json.dumps(serve._check([1, 2])))")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.join(root, "benchmarks"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("CHECK "))
+    _, stdout = serve_on_two_devices
+    line = next(x for x in stdout.splitlines() if x.startswith("CHECK "))
     agreement = json.loads(line[len("CHECK "):])["agreement"]
     tp2 = [a for a in agreement if a["b"].endswith("[tp 2]")]
     assert len(tp2) == 1 and tp2[0]["identical"] == tp2[0]["requests"] == 16, agreement

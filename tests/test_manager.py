@@ -1058,8 +1058,11 @@ def test_step_batch_per_group_drives_attention(impl):
     slot_mapping give each group's write_kv and attention what they need. The null page is NaN:
     an attention that read a released (null) entry of the windowed group would return NaN."""
     from jax_kvcm.ops import reference
+    # The reference jitted (its semantics, without seconds of op-by-op dispatch per step).
+    static = ("layer", "sliding_window")
     fn = {"op": (jax_kvcm.ragged_paged_attention, jax_kvcm.paged_attention),
-          "reference": (reference.ragged_paged_attention, reference.paged_attention)}[impl]
+          "reference": (jax.jit(reference.ragged_paged_attention, static_argnames=static),
+                        jax.jit(reference.paged_attention, static_argnames=static))}[impl]
     h = make(tiny_config(device_pages=30, windows=(None, 6), max_seq_len=64, max_tokens=32))
     mgr, rng = h.mgr, np.random.default_rng(3)
     a, b = h.add(list(range(1, 12))), h.add(list(range(20, 27)))

@@ -39,10 +39,18 @@ def _load():
 bench = _load()
 
 
-def test_tiny_run_paged_equals_dense(tmp_path):
-    path = tmp_path / "serve.json"
-    out = bench.main(["--tiny", "--json", str(path)])
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """``--tiny`` with the arena rows beside the paged ones, run once for the tests of both
+    (the paged and dense rows are those of a plain ``--tiny`` run); (output, its JSON file)."""
+    path = tmp_path_factory.mktemp("tiny") / "serve.json"
+    return bench.main(["--tiny", "--hot-backend", "paged", "arena", "--json", str(path)]), path
+
+
+def test_tiny_run_paged_equals_dense(tiny_run):
+    out, path = tiny_run
     assert json.loads(path.read_text())["results"] == json.loads(json.dumps(out["results"]))
+    assert bench.setup_from_args(bench.parse_args(["--tiny"])).hot_backends == ("paged",)
     setup = bench.TINY_SETUP
     runs = {r["name"]: r for r in out["results"]}
     for c in setup.concurrencies:
@@ -88,11 +96,18 @@ def test_a_broken_dense_path_is_caught(monkeypatch):
         bench.bench(setup, params, min_identical=1.0, log=lambda *a: None)
 
 
-def test_trtllm_preset_tiny():
+@pytest.fixture(scope="module")
+def trtllm_tiny():
+    """``--workload trtllm --tiny``, run once for the preset test and as the write-back-ahead
+    test's run with write-back ahead (the preset's default)."""
+    return bench.main(["--workload", "trtllm", "--tiny"])
+
+
+def test_trtllm_preset_tiny(trtllm_tiny):
     """The seed-workload preset on the tiny model: the shared-prefix run (prefix reuse, a host
     tier) first, then the random row paged and dense (identical tokens); every row reports
     inter-token latencies and a roofline line, the paged rows pages per tier."""
-    out = bench.main(["--workload", "trtllm", "--tiny"])
+    out = trtllm_tiny
     setup = bench.TINY_TRTLLM
     names = [r["name"] for r in out["results"]]
     assert names == ["paged shared c8 prefix on", "paged random c8", "dense random c8"]
@@ -129,11 +144,11 @@ def test_arena_budget_covers_the_paged_pool():
     assert a.max_pages_per_sequence == setup.pages_per_seq
 
 
-def test_tiny_arena_rows_beside_paged():
+def test_tiny_arena_rows_beside_paged(tiny_run):
     """--hot-backend paged arena on the tiny model (on CPU: the arena's donated steps over
     ArenaPools): an arena row beside each paged row, the same tokens, no map/unmap in the
     second half, and the arena-vs-paged comparisons."""
-    out = bench.main(["--tiny", "--hot-backend", "paged", "arena", "--no-dense"])
+    out, _ = tiny_run
     runs = {r["name"]: r for r in out["results"]}
     names = [n for n in runs if n.startswith("arena ")]
     assert sorted(names) == sorted(["arena random c4", "arena random c8",
@@ -632,15 +647,17 @@ def test_gpu_trace_of_two_devices_reads_gpu_0(tmp_path):
     assert c == {"weight GEMMs": 10.0, "collectives": 25.0}
 
 
-def test_trtllm_tiny_with_write_back_ahead():
-    """Write-back ahead, on by default in the trtllm preset: the shared-prefix run moves cached
-    pages to the host tier ahead of need, reports it (log counters, the tiers table), and
-    generates exactly the tokens of the run with ``--offload-ahead-pages 0`` (off)."""
+def test_trtllm_tiny_with_write_back_ahead(trtllm_tiny):
+    """Write-back ahead, on by default in the trtllm preset: its shared-prefix run (the paged rows
+    of the preset run) moves cached pages to the host tier ahead of need, reports it (log
+    counters, the tiers table), and generates exactly the tokens of the run with
+    ``--offload-ahead-pages 0`` (off)."""
+    out = dict(trtllm_tiny, results=[r for r in trtllm_tiny["results"] if r["path"] == "paged"])
     base = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--offload-ahead-pages", "0"])
-    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense"])
     w = out["results"][0]["fence_waits"]
     assert w["offload_ahead_moves"] > 0 and w["offload_ahead_pages"] > 0
     assert w["offload_ahead_failures"] == 0 and w["side_stream_calls"] == 0  # CPU: no side stream
+    assert [r["name"] for r in base["results"]] == [r["name"] for r in out["results"]]
     for a, b in zip(base["results"], out["results"]):
         assert a["generated_digests"] == b["generated_digests"], a["name"]
     assert "offloaded ahead" in bench.markdown(out)

@@ -194,8 +194,11 @@ def test_ring_tables_drive_ring_ops(backend, impl):
     group's width): ragged and decode attention equal dense attention over the written K/V.
     The null page is NaN, so a read of a released entry shows."""
     from jax_kvcm.ops import reference
+    # The reference jitted (its semantics, without seconds of op-by-op dispatch per step).
+    static = ("layer", "sliding_window", "ring_table")
     fn = {"op": (jax_kvcm.ragged_paged_attention, jax_kvcm.paged_attention),
-          "reference": (reference.ragged_paged_attention, reference.paged_attention)}[impl]
+          "reference": (jax.jit(reference.ragged_paged_attention, static_argnames=static),
+                        jax.jit(reference.paged_attention, static_argnames=static))}[impl]
     cfg = ring_config((None, 6), chunk=3, device_pages=40, max_seq_len=64)
     h = Harness(KVCacheManager(cfg, device=backend.device))
     rng = np.random.default_rng(11)

@@ -3,8 +3,9 @@
 transformers; run as a script by ``test_llama_tp.py`` in its own process (the CPU device count is
 fixed when jax starts).
 
-Usage: ``python tp_worker.py --devices N [--platform cpu|gpu] [--cases a,b]``. Exits 0 when every
-check passes.
+Usage: ``python tp_worker.py --devices N [--platform cpu|gpu] [--cases a,b] [--tp T[:a,b] ...]``
+(``--tp`` repeated: several degrees in one process, each case's TP-1 runs shared; default
+``--tp N``). Exits 0 when every check passes, after one ``OK ... tp=T cases=...`` line per degree.
 
 Per model (float32 HF checkpoints with random weights, saved and loaded back through the loader):
 
@@ -58,23 +59,35 @@ def main() -> None:
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--tp", action="append", metavar="N[:CASES]",
+                    help="a tensor-parallel degree to check (default: --devices), with its cases "
+                         "after a colon (default: --cases); repeat it to check several degrees "
+                         "in this process, each case against one TP-1 run")
     args = ap.parse_args()
+    plan = []
+    for spec in args.tp or [str(args.devices)]:
+        n, _, cases = spec.partition(":")
+        plan.append((int(n), (cases or args.cases).split(",")))
     if args.platform == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}")
     import jax
     import jax_kvcm  # noqa: F401  (the installed package first; the repo root after)
-    assert jax.device_count() >= args.devices, (jax.devices(), args.devices)
+    assert jax.device_count() >= args.devices >= max(n for n, _ in plan), (
+        jax.devices(), args.devices, plan)
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for name in args.cases.split(","):
-        check_case(name, args.devices)
-    print(f"OK devices={args.devices} cases={args.cases}")
+    for name in CASES:
+        degrees = [n for n, cases in plan if name in cases]
+        if degrees:
+            check_case(name, degrees)
+    for n, cases in plan:
+        print(f"OK devices={args.devices} tp={n} cases={','.join(cases)}")
 
 
-def check_case(name: str, n: int) -> None:
+def check_case(name: str, degrees: list[int]) -> None:
+    """Case ``name``'s checkpoint and TP-1 runs, then :func:`check_degree` per TP degree."""
     import numpy as np
-    import torch
 
     from conftest import random_hf_llama
     from examples.llama import loader, serve
@@ -102,7 +115,17 @@ def check_case(name: str, n: int) -> None:
             outs += srv.generate([serve.Request(p, NEW_TOKENS, eos_token_ids=()) for p in wave])
         return srv, outs
 
-    one, want = run(1)
+    _, want = run(1)
+    fp8_one = run(1, "fp8")[1] if name == "llama" else None
+    for n in degrees:
+        check_degree(name, n, hf, config, run, waves, want, fp8_one)
+
+
+def check_degree(name, n, hf, config, run, waves, want, fp8_one) -> None:
+    """The TP-``n`` server against the TP-1 one's outputs ``want`` (``fp8_one``: its FP8 K/V
+    outputs, ``llama`` only) and against ``hf``."""
+    import torch
+
     srv, got = run(n)
     what = f"{name} tp={n}"
     hits = sum(o.prefix_hit_tokens for o in got)
@@ -139,7 +162,6 @@ def check_case(name: str, n: int) -> None:
               f"{rep['pages_offloaded']} ({rep['pages_offloaded_to_disk']} to disk), onboarded "
               f"{rep['pages_onboarded']}", flush=True)
     if name == "llama":   # FP8 K/V pools: kv_scales split with the heads
-        _, fp8_one = run(1, "fp8")
         _, fp8_n = run(n, "fp8")
         for i, (a, b) in enumerate(zip(fp8_n, fp8_one)):
             assert a.generated_ids == b.generated_ids, (f"{what} fp8 request {i}: "
