@@ -26,9 +26,10 @@ pages (suspend, resume, onboarding) raise :class:`StepInFlightError`.
 Fences. Pages the manager frees (closed sequences, dropped cached pages) go to a pending list tagged
 with the step count; they return to the allocator once that step is complete. Each completed step
 leaves a fence: a few bytes sliced from its output pool (``_step_fence``), which the next step does
-not donate. Steps complete in order, so the manager polls the fences oldest first: in an
-overlapped loop (step n handed back while step n - 1 still runs) the pages freed after step n - 1
-come back as soon as it finished, not only once the newest step is ready. (Polling the newest
+not donate; the manager keeps the latest few. Steps complete in order, so a ready fence covers
+every step before it: in an overlapped loop (step n handed back while step n - 1 still runs) the
+pages freed after step n - 1 come back as soon as it finished, not only once the newest step is
+ready. (Polling the newest
 step alone never succeeded in an overlapped loop: every allocation evicted instead, and write-back
 ahead stalled; H200 seed run, benchmarks/RESULTS.md, session 7.) ``prepare_step`` reclaims ready
 ones without blocking and blocks only when nothing else is free.
@@ -113,6 +114,9 @@ def _step_fence(pool: jax.Array) -> jax.Array:
     ready once the step is complete, and never donated, unlike the pool that the next step
     takes. One small dispatch per step."""
     return pool[(slice(0, 1),) * (pool.ndim - 2)] if pool.ndim > 2 else pool.reshape(-1)[:1]
+
+
+_OLDER_FENCES = 4  # an overlapped loop runs one or two steps behind the host
 
 
 _COUNT_KEYS = ("capacity", "free", "pending", "referenced", "cached")
@@ -775,9 +779,9 @@ class KVCacheManager:
         self._handed: list[tuple[jax.Array, jax.Array]] = []  # the pools the step was given
         self._step_index = 0        # completed steps
         self._fence: Any = None     # a fence of the latest completed step (_step_fence)
-        # (step index, fence) of earlier steps not yet known complete, oldest first: an
-        # overlapped loop completes step n before step n - 1 has run, and the pages step n - 1
-        # freed must come back once it has, not once the newest step has.
+        # (step index, fence) of earlier steps not yet known complete, oldest first, at most
+        # _OLDER_FENCES: an overlapped loop completes step n before step n - 1 has run, and the
+        # pages step n - 1 freed must come back once it has, not once the newest step has.
         self._older_fences: deque[tuple[int, Any]] = deque()
         self._ready_upto = 0        # every step <= this is known complete
         # NOTE: pending frees: [step index that must complete, slots [G, n], owner seq ids [n]
@@ -913,20 +917,14 @@ class KVCacheManager:
     # -- fences and pending frees ------------------------------------------------------------
 
     def _poll_fence(self, block: bool) -> None:
-        """Advances ``_ready_upto`` past every step known complete: the older steps' fences in
-        order (steps complete in order), then the latest one's; ``block`` waits for the latest."""
+        """Advances ``_ready_upto`` past every step known complete: the latest step's fence
+        (``block`` waits for it), else the newest ready one of the older steps' (steps complete
+        in order, so it covers every step before it)."""
         older = self._older_fences
-        while older and older[0][0] <= self._ready_upto:
-            older.popleft()
         f = self._fence
         if f is None or self._ready_upto >= self._step_index:
             older.clear()
             return
-        if not block:
-            while older and older[0][1].is_ready():
-                self._ready_upto = older.popleft()[0]
-            if older:
-                return
         if f.is_deleted():  # pragma: no cover - _step_fence's arrays are never donated
             f = self.storage.pools[0][0]
         if block:
@@ -937,6 +935,14 @@ class KVCacheManager:
         if block or f.is_ready():
             self._ready_upto = self._step_index
             older.clear()
+            return
+        for i in range(len(older) - 1, -1, -1):
+            step, fence = older[i]
+            if step <= self._ready_upto or fence.is_ready():
+                self._ready_upto = max(self._ready_upto, step)
+                for _ in range(i + 1):
+                    older.popleft()
+                return
 
     def _reclaim(self, block: bool = False) -> int:
         """Returns ready pending frees to the allocator; the number of pages returned."""
@@ -1667,6 +1673,10 @@ class KVCacheManager:
             self._handed = []
             if self._fence is not None:
                 self._older_fences.append((self._step_index, self._fence))
+                if len(self._older_fences) > _OLDER_FENCES:
+                    # NOTE: dropping the oldest loses nothing: a later step's fence, once
+                    # ready, covers it (steps complete in order).
+                    self._older_fences.popleft()
             self._step_index += 1
             self._fence = _step_fence(caches[0][0])
             for p in self._pending:

@@ -103,6 +103,32 @@ def test_pages_freed_before_the_latest_step_come_back_while_it_runs():
     m.check_invariants()
 
 
+def test_older_step_fences_stay_bounded_without_pending_frees():
+    """With nothing pending nobody polls the fences; the older ones kept must stay bounded (each
+    is a small device array) while a later one still covers the pages freed before it."""
+    h = make(tiny_config(device_pages=12))
+    m = h.mgr
+    a = h.add(list(range(1, 10)))
+    h.run([(a, 9)], as_ids=[True])
+    fences = []
+    for _ in range(20):
+        batch, spans = h.prepare([(a, 1)], as_ids=[False])
+        m.complete_step(h.write(batch, spans))
+        m._fence = NotReadyFence()
+        fences.append(m._fence)
+    assert len(m._older_fences) <= 4
+    m.close(a)  # its pages wait for the latest step ("running")
+    free = m.free_page_count()
+    pending = m.stats()["pages"]["device"]["pending"]
+    assert pending > 0
+    fences[-2].block_until_ready()  # only the step before the latest finished
+    assert m.free_page_count() == free  # the latest step still runs: nothing freed after it
+    fences[-1].block_until_ready()
+    assert m.free_page_count() == (free[0] + pending,)
+    assert m.stats()["pages"]["device"]["pending"] == 0
+    m.check_invariants()
+
+
 def test_compact_moves_rows_without_rebuilding():
     """Four sequences, two closed: compacting the survivors to rows 0 and 1 moves their ring
     rows; later steps keep writing and reading the right pages."""
