@@ -29,10 +29,9 @@ leaves a fence: a few bytes sliced from its output pool (``_step_fence``), which
 not donate; the manager keeps the latest few. Steps complete in order, so a ready fence covers
 every step before it: in an overlapped loop (step n handed back while step n - 1 still runs) the
 pages freed after step n - 1 come back as soon as it finished, not only once the newest step is
-ready. (Polling the newest
-step alone never succeeded in an overlapped loop: every allocation evicted instead, and write-back
-ahead stalled; H200 seed run, benchmarks/RESULTS.md, session 7.) ``prepare_step`` reclaims ready
-ones without blocking and blocks only when nothing else is free.
+ready. (Polling the newest step alone never succeeded in an overlapped loop: every allocation
+evicted instead, and write-back ahead stalled; H200 seed run, benchmarks/RESULTS.md, session 7.)
+``prepare_step`` reclaims ready ones without blocking and blocks only when nothing else is free.
 NOTE: migrations release device source slots immediately (StorageManager's transaction); that is
 safe because the encode takes the pools as operands and so is ordered after the step on XLA's
 stream, and any later writer of the slot is ordered after the encode.
@@ -925,7 +924,9 @@ class KVCacheManager:
         if f is None or self._ready_upto >= self._step_index:
             older.clear()
             return
-        if f.is_deleted():  # pragma: no cover - _step_fence's arrays are never donated
+        if f.is_deleted():
+            # NOTE: _step_fence's arrays are never donated; a deleted fence (a donated pool)
+            # is still answered by the pools that later work made from it.
             f = self.storage.pools[0][0]
         if block:
             self._stats.num_fence_waits += 1
@@ -1001,9 +1002,9 @@ class KVCacheManager:
         if not self._make_room_cold(H, np.count_nonzero(self._node_slots(victims) >= 0, axis=1)):
             return
         victims = [v for v in victims if v.alive and v.level is D and v.refcount == 0]
-        src = self._node_slots(victims)
         if not victims:
             return
+        src = self._node_slots(victims)
         try:
             out = self.storage.offload_ahead([(g, src[g][src[g] >= 0])
                                               for g in range(self._G)])

@@ -739,9 +739,8 @@ class StorageManager:
         g = self.cold_group_of[lg]
         self._wait_fences(g, dst, read=False)
         pool = self.host_pools[g]
-        if not self.side_stream:
-            return self._encode(lg, src, dst, pool.device_address, pool.num_slots)
-        return self._encode_side(lg, src, dst, pool.device_address, pool.num_slots)
+        encode = self._encode_side if self.side_stream else self._encode
+        return encode(lg, src, dst, pool.device_address, pool.num_slots)
 
     def _encode_side(self, lg: int, src: np.ndarray, dst: np.ndarray, address: int,
                      num_cold_slots: int) -> SideStreamFence:
