@@ -2,14 +2,17 @@
 // or float8_e4m3fn).
 //
 // A CTA owns one row (a sequence and a kv head; row = b * Hkv + kvh) and one range of 16-token
-// tiles; its G = H / Hkv query heads form the rows of one m16 tile (rows >= G are zero). The grid
-// is 1-D: CTAs 0 .. full_rows - 1 take rows 0 .. full_rows - 1 whole, the remaining rows are split
-// num_splits ways (CTA full_rows + i: row full_rows + i / num_splits, split i % num_splits), so
-// the split CTAs, short, run last (see DecodeSchedule).
+// tiles. The grid is 1-D: CTAs 0 .. full_rows - 1 take rows 0 .. full_rows - 1 whole, the
+// remaining rows are split num_splits ways (CTA full_rows + i: row full_rows + i / num_splits,
+// split i % num_splits), so the split CTAs, short, run last (see DecodeSchedule).
 // Each warp streams its own tiles (w, w + kWarps, ...) through a private kStages-deep cp.async
 // ring, keeps its own online-softmax state, and the warps merge through shared memory at the end.
 // A split CTA writes an unnormalized partial (o, max, sum) and a combine kernel reduces the
 // splits of those rows.
+//
+// The MMAs are transposed ("swap AB"): a tile's 16 tokens (or 16 head dims) are the m16 rows of
+// mma.m16n8k16 and the row's G query heads its 8 columns, S^T = K Q^T and O^T += V^T P^T. With
+// G <= 8 that is half the MMAs and half the accumulators of Q on the rows (G padded to 16).
 //
 // Ragged calls (query_start set) run this kernel for their single-query sequences (decode rows of
 // a mixed batch): sequence b's query row is query_start[b], and CTAs of other sequences exit at
@@ -20,8 +23,9 @@
 // fragments (cvt.rn.f16x2.e4m3x2, exact): no converted copy of the tile in shared memory. The MMAs
 // run in f16 (bf16 queries are converted to f16 once: exact for |q| in f16's normal range). Two
 // free index permutations make each lane's bytes contiguous (see the kernel): the head-dim order
-// of the S = Q K^T k steps (Q uses the same), and the head-dim order of the O = P V columns (undone
-// when O is written out). tests/test_fp8_decode_fragments.py emulates these layouts on the host.
+// of the S^T = K Q^T k steps (Q uses the same), and the head-dim order of the O^T rows
+// (PermutedVDim, undone when O is written out). tests/test_decode_fragments.py emulates these
+// layouts (and the 16-bit ldmatrix ones) on the host.
 // The per-(layer, kv head) scales are constant within a CTA: k_scale is folded into the logit
 // scale and v_scale multiplies the merged output, so no per-element scaling happens.
 #include <algorithm>
@@ -64,8 +68,8 @@ constexpr int DecodeSmemBytes() {
 
 // fp8 tiles ([16 tokens][D bytes] in shared memory): 16-byte chunk c of row r lives at chunk
 // position c ^ Fp8ChunkSwizzle<D>(r). Chosen so that the fragment reads of the kernel hit 32
-// distinct banks per shared-memory wavefront (checked by tests/test_fp8_decode_fragments.py):
-// - K reads 4 bytes of chunk kk of rows g = 0..7 (lane = 4g + q): the swizzle must differ on
+// distinct banks per shared-memory wavefront (checked by tests/test_decode_fragments.py):
+// - K reads 4 bytes of chunk kk of rows g (and g + 8), lane = 4g + q: the swizzle must differ on
 //   the rows sharing banks: r & 7 at D = 128 (row stride 128 bytes), (r >> 1) & 3 at D = 64
 //   (two rows per 128 bytes);
 // - V reads 16 bytes of chunks 2g and 2g + 1 of rows 2q (+1, +8, +9) at D = 256 (8 lanes per
@@ -84,6 +88,24 @@ __device__ __forceinline__ int Fp8ChunkSwizzle(int row) {
 template <int D>
 __device__ __forceinline__ int Fp8TileOffset(int row, int chunk) {
   return row * D + ((chunk ^ Fp8ChunkSwizzle<D>(row)) << 4);
+}
+
+// fp8 caches: head-dim index of row r (0..15) of m-tile mt of O^T (see the P V step): lane
+// (g, q)'s rows g and g + 8 of every m-tile lie in the D / 8 bytes at g * (D / 8) of a token row,
+// in pieces of kPiece = min(D / 8, 16) bytes, row g in a piece's first half, g + 8 in its second.
+template <int D>
+__host__ __device__ constexpr int PermutedVDim(int mt, int r) {
+  constexpr int kPiece = D / 8 < 16 ? D / 8 : 16;
+  return (r & 7) * (D / 8) + (mt / (kPiece / 2)) * kPiece + (r >> 3) * (kPiece / 2) +
+         mt % (kPiece / 2);
+}
+
+// The transpose of an 8x8 matrix of 16-bit values held as row fragments (lane l: row l / 4,
+// columns 2 (l % 4) + {0, 1}), returned in the same layout.
+__device__ __forceinline__ uint32_t MovMatrixTrans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // Four e4m3 values (bytes 0..3 of w) -> two f16x2 words: lo = {byte 0, byte 1}, hi = {byte 2,
@@ -128,8 +150,9 @@ struct DecodeParams {
   float* part_ml;  // [num_splits, B, H, 2]
 };
 
-// T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T.
-template <typename T, int D, bool kFp8, int kStages>
+// T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T; kNH:
+// column tiles of 8 query heads (G <= 8 * kNH).
+template <typename T, int D, bool kFp8, int kStages, int kNH>
 __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodeParams p) {
   using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
   constexpr int kChunks = D / 8;            // 16-byte chunks of M per row
@@ -178,24 +201,32 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   const int my_hi = min(tile_hi, my_lo + per_split);
   const int my_count = my_hi - my_lo > warp ? (my_hi - my_lo - warp + kWarps - 1) / kWarps : 0;
 
-  // Q rows kvh*G + r for r < G as A fragments, one per 16-wide k step. The A layout gives lane
-  // (g = lane / 4, q = lane % 4) the k indices {2q, 2q + 1} (words 0, 1) and {2q + 8, 2q + 9}
-  // (words 2, 3) of rows g and g + 8. 16-bit caches: k = head-dim index d - 16 kk. fp8 caches
-  // permute the d's of a k step so that a lane's four K bytes are one word: k index {2q, 2q + 1,
-  // 2q + 8, 2q + 9} holds d = 16 kk + 4q + {0, 1, 2, 3} (the dot product is a sum over d, so any
-  // permutation shared by Q and K gives the same S).
+  // The kernel computes the transposed products (tokens and head dims on the MMA's 16 rows, the
+  // G query heads of the kv head on its 8 columns, kNH column tiles for G > 8):
+  //   S^T = K Q^T   (A = a K tile [16 tokens][16 d], B = Q^T [16 d][8 heads], k = d)
+  //   O^T += V^T P^T (A = V^T [16 d][16 tokens], B = P^T [16 tokens][8 heads], k = tokens)
+  // which takes half the MMAs (and half the accumulator registers) of S = Q K^T with G <= 8 query
+  // heads padded to 16 rows. P^T's B fragments come from the S^T accumulators by one in-register
+  // 8x8 transpose each (movmatrix).
+  // Q^T as B fragments, one pair per 16-wide k step and column tile: lane (g = lane / 4,
+  // q = lane % 4) holds head nh * 8 + g at k {2q, 2q + 1} (word 0) and {2q + 8, 2q + 9} (word 1).
+  // 16-bit caches: k = d - 16 kk. fp8 caches permute the d's of a k step so that a lane's four K
+  // bytes are one word: k {2q, 2q + 1} holds d = 16 kk + 4q + {0, 1}, k {2q + 8, 2q + 9} holds
+  // d = 16 kk + 4q + {2, 3} (the dot product is a sum over d: any permutation shared by Q and K
+  // gives the same S).
   const int r0 = lane / 4, c0 = (lane % 4) * 2;
   const T* qb = static_cast<const T*>(a.q) + (qrow * s.num_heads + int64_t(kvh) * G) * D;
-  uint32_t qf[D / 16][4];
+  uint32_t qf[D / 16][kNH][2];
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int col = kFp8 ? kk * 16 + 2 * c0 : kk * 16 + c0;  // fp8: 4q
-    constexpr int kHi = kFp8 ? 2 : 8;  // offset of words 2 and 3's d from words 0 and 1's
-    qf[kk][0] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col) : 0u;
-    qf[kk][1] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col) : 0u;
-    qf[kk][2] = r0 < G ? QueryWord<T, M>(qb + r0 * D + col + kHi) : 0u;
-    qf[kk][3] = r0 + 8 < G ? QueryWord<T, M>(qb + (r0 + 8) * D + col + kHi) : 0u;
-  }
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int nh = 0; nh < kNH; ++nh) {
+      const int head = nh * 8 + r0;
+      const int col = kFp8 ? kk * 16 + 2 * c0 : kk * 16 + c0;  // fp8: 4q
+      constexpr int kHi = kFp8 ? 2 : 8;  // offset of word 1's d from word 0's
+      qf[kk][nh][0] = head < G ? QueryWord<T, M>(qb + head * D + col) : 0u;
+      qf[kk][nh][1] = head < G ? QueryWord<T, M>(qb + head * D + col + kHi) : 0u;
+    }
 
   constexpr int kElemBytes = kFp8 ? 1 : 2;
   const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
@@ -264,10 +295,19 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
       CpAsync16(SmemAddr(vs + so), vbase + off, valid);
     }
   };
-  float o[D / 8][4];
+  // O^T accumulators: m-tile mt, column tile nh; C element j of lane (g, q) is row
+  // g + 8 (j / 2) of the m-tile and head nh * 8 + 2q + j % 2. Row r of m-tile mt is
+  // d = 16 mt + r (16-bit caches) or PermutedVDim(mt, r) (fp8, see the P V step).
+  float o[D / 16][kNH][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int mt = 0; mt < D / 16; ++mt)
+#pragma unroll
+    for (int nh = 0; nh < kNH; ++nh) o[mt][nh][0] = o[mt][nh][1] = o[mt][nh][2] = o[mt][nh][3] = 0.f;
+  // Online-softmax state of this lane's heads nh * 8 + 2q + {0, 1}; l is this lane's partial sum
+  // over its tokens (rows g, g + 8), summed over the lanes of a column at the end.
+  float m[kNH][2], l[kNH][2];
+#pragma unroll
+  for (int nh = 0; nh < kNH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
 
   int page_lo, page_hi;
 #pragma unroll
@@ -290,63 +330,95 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
     }
     CpAsyncCommit();
 
-    // Two independent accumulator chains (even / odd k steps) halve the dependent-mma latency.
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    float sd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // S^T = K Q^T. Two independent accumulator chains (even / odd k steps) halve the dependent
+    // MMA latency.
+    float sc[kNH][4], sd[kNH][4];
+#pragma unroll
+    for (int nh = 0; nh < kNH; ++nh)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[nh][j] = sd[nh][j] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t r[4];
+      uint32_t ka[4];  // A fragment: tokens g (words 0, 2) and g + 8 (1, 3)
       if constexpr (kFp8) {
-        // B fragments of n-tiles 0 and 1 (tokens nt * 8 + g): words 0, 1 hold k {2q, 2q + 1}
-        // and {2q + 8, 2q + 9}, i.e. d = 16 kk + 4q + {0, 1} and {2, 3} (the permutation of qf):
-        // the low and high halves of the 32-bit word at byte 4q of chunk kk of the token's row.
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(
-              ktile + Fp8TileOffset<D>(nt * 8 + r0, kk) + 2 * c0);
-          Fp8QuadToHalf2x2(w, r[2 * nt], r[2 * nt + 1]);
-        }
+        // Words 0 / 2 hold k {2q, 2q + 1} / {2q + 8, 2q + 9} = d 16 kk + 4q + {0, 1} / {2, 3}:
+        // the low and high halves of the word at byte 4q of chunk kk of the token's row.
+        const uint32_t w0 =
+            *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0, kk) + 2 * c0);
+        const uint32_t w1 =
+            *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0 + 8, kk) + 2 * c0);
+        Fp8QuadToHalf2x2(w0, ka[0], ka[2]);
+        Fp8QuadToHalf2x2(w1, ka[1], ka[3]);
       } else {
+        // Matrices 0..3 of the x4 load: tokens 0-7 / 8-15 (bit 3 of the lane) at chunk 2 kk /
+        // 2 kk + 1 (bit 4).
         const M* ks = reinterpret_cast<const M*>(ktile);
-        const int row = (lane & 7) + ((lane >> 4) << 3);
-        LdMatrixX4(r, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + ((lane >> 3) & 1))));
+        const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
+        LdMatrixX4(ka, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + (lane >> 4))));
       }
-      if (kk % 2 == 0) {
-        Mma<M>::mma(sc[0], qf[kk], r[0], r[1]);
-        Mma<M>::mma(sc[1], qf[kk], r[2], r[3]);
-      } else {
-        Mma<M>::mma(sd[0], qf[kk], r[0], r[1]);
-        Mma<M>::mma(sd[1], qf[kk], r[2], r[3]);
+#pragma unroll
+      for (int nh = 0; nh < kNH; ++nh) {
+        if (kk % 2 == 0) Mma<M>::mma(sc[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
+        else Mma<M>::mma(sd[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
       }
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) sc[nt][j] += sd[nt][j];
     const int tile_pos = (my_lo + warp + it * kWarps) * kTile;
+    uint32_t pb[kNH][2];  // P^T as B fragments
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nh = 0; nh < kNH; ++nh) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int pos = tile_pos + nt * 8 + c0 + (j & 1);
-        sc[nt][j] = (pos >= lo && pos < len) ? logit(sc[nt][j]) : -INFINITY;
+        const int pos = tile_pos + r0 + 8 * (j >> 1);
+        sc[nh][j] = (pos >= lo && pos < len) ? logit(sc[nh][j] + sd[nh][j]) : -INFINITY;
       }
-    OnlineSoftmax<2, D / 8>(sc, o, m, l);
-    const uint32_t pa[4] = {Mma<M>::pack(sc[0][0], sc[0][1]), Mma<M>::pack(sc[0][2], sc[0][3]),
-                            Mma<M>::pack(sc[1][0], sc[1][1]), Mma<M>::pack(sc[1][2], sc[1][3])};
-    if constexpr (kFp8) {
-      // O = P V with the output columns permuted: column c of n-tile n holds d = c * (D / 8) + n
-      // (undone at the write-out). Lane (g, q)'s B fragments, for every n-tile, are then
-      // {V[t][d], V[t + 1][d]} for t = 2q (word 0) and t = 2q + 8 (word 1), d = g * (D / 8) + n:
-      // the D / 8 contiguous bytes at g * (D / 8) of rows 2q, 2q + 1, 2q + 8, 2q + 9, read in
-      // pieces of up to 16 bytes. Bytes of rows t and t + 1 are interleaved into e4m3 pairs
-      // (row t's byte low: the smaller k index), each pair converted to one f16x2 word.
-      constexpr int kRowBytes = D / 8;  // per lane and row
-      constexpr int kPiece = kRowBytes < 16 ? kRowBytes : 16;
+      // Online softmax per column (head): the max over the tile's 16 tokens is over this
+      // lane's two rows and the 8 lanes of the column (lane bits 2-4).
+      float alpha[2];
 #pragma unroll
-      for (int pc = 0; pc < kRowBytes / kPiece; ++pc) {
-        const int byte = r0 * kRowBytes + pc * kPiece;  // in the unswizzled row
-        uint32_t w[4][kPiece / 4];  // rows 2q, 2q + 1, 2q + 8, 2q + 9
+      for (int c = 0; c < 2; ++c) {
+        float mx = fmaxf(sc[nh][c], sc[nh][2 + c]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m[nh][c], mx);
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        alpha[c] = FastExp2(m[nh][c] - base);
+        sc[nh][c] = FastExp2(sc[nh][c] - base);
+        sc[nh][2 + c] = FastExp2(sc[nh][2 + c] - base);
+        l[nh][c] = l[nh][c] * alpha[c] + (sc[nh][c] + sc[nh][2 + c]);
+        m[nh][c] = m_new;
+      }
+      // NOTE: skipped warp-uniformly when no column's max moved (every alpha exactly 1).
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int mt = 0; mt < D / 16; ++mt) {
+          o[mt][nh][0] *= alpha[0];
+          o[mt][nh][1] *= alpha[1];
+          o[mt][nh][2] *= alpha[0];
+          o[mt][nh][3] *= alpha[1];
+        }
+      }
+      // Tokens g (g + 8) x heads 2q, 2q + 1 is the row fragment of an 8x8 matrix; its transpose
+      // gives lane (g, q) head g at tokens 2q, 2q + 1 (2q + 8, 2q + 9): P^T's B fragment.
+      pb[nh][0] = MovMatrixTrans(Mma<M>::pack(sc[nh][0], sc[nh][1]));
+      pb[nh][1] = MovMatrixTrans(Mma<M>::pack(sc[nh][2], sc[nh][3]));
+    }
+
+    // O^T += V^T P^T.
+    if constexpr (kFp8) {
+      // V^T's A fragment of m-tile mt: words 0 / 1 hold rows g / g + 8 at tokens {2q, 2q + 1},
+      // words 2 / 3 the same rows at tokens {2q + 8, 2q + 9}. The rows are permuted
+      // (PermutedVDim): lane (g, q) finds every byte it needs in the D / 8 contiguous bytes at
+      // g * (D / 8) of token rows 2q, 2q + 1, 2q + 8, 2q + 9, read in pieces of up to 16 bytes
+      // whose first half holds row g and second half row g + 8 of kPiece / 2 m-tiles. The
+      // bytes of rows t and t + 1 are interleaved into e4m3 pairs (row t's byte low: the smaller
+      // k index), each pair converted to one f16x2 word.
+      constexpr int kPiece = D / 8 < 16 ? D / 8 : 16;
+      constexpr int kWords = kPiece / 4;
+#pragma unroll
+      for (int pc = 0; pc < D / 8 / kPiece; ++pc) {
+        const int byte = r0 * (D / 8) + pc * kPiece;  // in the unswizzled row
+        uint32_t w[4][kWords];  // rows 2q, 2q + 1, 2q + 8, 2q + 9
 #pragma unroll
         for (int rr = 0; rr < 4; ++rr) {
           const int row = c0 + (rr & 1) + (rr >> 1) * 8;
@@ -360,40 +432,48 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
           }
         }
 #pragma unroll
-        for (int j = 0; j < kPiece / 4; ++j) {
-          // Bytes 0, 1 (2, 3) of word j of rows t and t + 1 as {t, t + 1} pairs of n-tiles
-          // pc * kPiece + 4j + 0, 1 (2, 3), in the low and high halves.
-          const uint32_t lo0 = __byte_perm(w[0][j], w[1][j], 0x5140);
-          const uint32_t hi0 = __byte_perm(w[0][j], w[1][j], 0x7362);
-          const uint32_t lo1 = __byte_perm(w[2][j], w[3][j], 0x5140);
-          const uint32_t hi1 = __byte_perm(w[2][j], w[3][j], 0x7362);
-          uint32_t b0[4], b1[4];  // n-tile pc * kPiece + 4j + i: {b0[i], b1[i]}
-          Fp8QuadToHalf2x2(lo0, b0[0], b0[1]);
-          Fp8QuadToHalf2x2(hi0, b0[2], b0[3]);
-          Fp8QuadToHalf2x2(lo1, b1[0], b1[1]);
-          Fp8QuadToHalf2x2(hi1, b1[2], b1[3]);
+        for (int j = 0; j < kWords / 2; ++j) {  // m-tiles pc * kPiece / 2 + 4j + i, i < 4
+          uint32_t va[4][4];  // [i][A word]
 #pragma unroll
-          for (int i = 0; i < 4; ++i) Mma<M>::mma(o[pc * kPiece + 4 * j + i], pa, b0[i], b1[i]);
+          for (int hr = 0; hr < 2; ++hr)        // A rows g / g + 8: word j / j + kWords / 2
+#pragma unroll
+            for (int tp = 0; tp < 2; ++tp) {    // tokens {2q, 2q + 1} / {2q + 8, 2q + 9}
+              const uint32_t x = w[2 * tp][j + hr * (kWords / 2)];
+              const uint32_t y = w[2 * tp + 1][j + hr * (kWords / 2)];
+              const int word = hr + 2 * tp;
+              Fp8QuadToHalf2x2(__byte_perm(x, y, 0x5140), va[0][word], va[1][word]);
+              Fp8QuadToHalf2x2(__byte_perm(x, y, 0x7362), va[2][word], va[3][word]);
+            }
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int nh = 0; nh < kNH; ++nh)
+              Mma<M>::mma(o[pc * (kPiece / 2) + 4 * j + i][nh], va[i], pb[nh][0], pb[nh][1]);
         }
       }
     } else {
       const M* vs = reinterpret_cast<const M*>(vtile);
 #pragma unroll
-      for (int n = 0; n < D / 8; n += 2) {
-        uint32_t r[4];
-        const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
-        LdMatrixX4Trans(r, SmemAddr(vs + SwizzledOffset<kChunks>(row, n + (lane >> 4))));
-        Mma<M>::mma(o[n], pa, r[0], r[1]);
-        Mma<M>::mma(o[n + 1], pa, r[2], r[3]);
+      for (int mt = 0; mt < D / 16; ++mt) {
+        // Matrices 0..3 of the x4 transposed load: d 16 mt + 0-7 / + 8-15 (chunk 2 mt / 2 mt + 1,
+        // lane bit 3) at tokens 0-7 / 8-15 (lane bit 4).
+        uint32_t va[4];
+        const int row = (lane & 7) + ((lane >> 4) << 3);
+        LdMatrixX4Trans(va, SmemAddr(vs + SwizzledOffset<kChunks>(row, 2 * mt + ((lane >> 3) & 1))));
+#pragma unroll
+        for (int nh = 0; nh < kNH; ++nh) Mma<M>::mma(o[mt][nh], va, pb[nh][0], pb[nh][1]);
       }
     }
   }
   CpAsyncWait<0>();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-  }
+  for (int nh = 0; nh < kNH; ++nh)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 4);
+      l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 8);
+      l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 16);
+    }
   if (bits) {
     atomicOr(&cta_bad, 1);
     RaiseError(a.error_word, bits);
@@ -404,23 +484,24 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   float* mm = mo + kWarps * G * D;             // [kWarps][G]
   float* ml = mm + kWarps * G;                 // [kWarps][G]
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = r0 + 8 * h;
-    if (row < G) {
+  for (int nh = 0; nh < kNH; ++nh)
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        // Column c of n-tile n: d = n * 8 + c, or c * (D / 8) + n for fp8 (see the P V step).
-        const int d0 = kFp8 ? c0 * (D / 8) + n : n * 8 + c0;
-        const int d1 = kFp8 ? (c0 + 1) * (D / 8) + n : n * 8 + c0 + 1;
-        mo[(warp * G + row) * D + d0] = o[n][2 * h];
-        mo[(warp * G + row) * D + d1] = o[n][2 * h + 1];
-      }
-      if (lane % 4 == 0) {
-        mm[warp * G + row] = m[h];
-        ml[warp * G + row] = l[h];
+    for (int c = 0; c < 2; ++c) {
+      const int head = nh * 8 + c0 + c;
+      if (head >= G) continue;
+      float* dst = mo + (warp * G + head) * D;
+#pragma unroll
+      for (int mt = 0; mt < D / 16; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = r0 + 8 * hr;
+          dst[kFp8 ? PermutedVDim<D>(mt, r) : mt * 16 + r] = o[mt][nh][2 * hr + c];
+        }
+      if (r0 == 0) {
+        mm[warp * G + head] = m[nh][c];
+        ml[warp * G + head] = l[nh][c];
       }
     }
-  }
   __syncthreads();
   const bool bad = cta_bad != 0;
   for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
@@ -533,11 +614,11 @@ DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles) {
 
 // CTAs per SM of one kernel instance (configures its shared memory on the first call); 0 when
 // the attribute cannot be set.
-template <typename T, int D, bool kFp8, int kStages>
+template <typename T, int D, bool kFp8, int kStages, int kNH>
 int CtasPerSm() {
   static int per_sm = [] {  // NOTE: per-template, on the first launch
     constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
-    auto kernel = PagedDecodeKernel<T, D, kFp8, kStages>;
+    auto kernel = PagedDecodeKernel<T, D, kFp8, kStages, kNH>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
       return 0;
@@ -548,12 +629,12 @@ int CtasPerSm() {
   return per_sm;
 }
 
-template <typename T, int D, bool kFp8, int kStages>
+template <typename T, int D, bool kFp8, int kStages, int kNH>
 ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {
   const AttentionShape& s = a.shape;
   constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
-  auto kernel = PagedDecodeKernel<T, D, kFp8, kStages>;
-  const int per_sm = CtasPerSm<T, D, kFp8, kStages>();
+  auto kernel = PagedDecodeKernel<T, D, kFp8, kStages, kNH>;
+  const int per_sm = CtasPerSm<T, D, kFp8, kStages, kNH>();
   if (per_sm == 0) return LaunchError("paged_attention: cudaFuncSetAttribute");
   const int64_t rows = s.batch * s.cache.num_kv_heads;
   const int64_t slots = int64_t(NumSMs()) * per_sm;
@@ -615,19 +696,25 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a, size_t
     // unsplit, is at least 4 waves deep at its occupancy (many short rows: B256 S256, B256
     // S1024); else the deeper. fp8 caches have one depth (its occupancy is already the
     // registers' limit, so a shallower ring would only hold fewer bytes in flight).
-    auto run = [&](auto fp8) -> ffi::Error {
+    auto run = [&](auto fp8, auto nh) -> ffi::Error {
       constexpr bool kFp8 = decltype(fp8)::value;
+      constexpr int kNH = decltype(nh)::value;
       constexpr int kDeep = MaxStages<D, kFp8>();
       if constexpr (!kFp8 && kDeep > 2) {
         const int64_t rows = a.shape.batch * a.shape.cache.num_kv_heads;
-        const int per_sm = CtasPerSm<T, D, kFp8, 2>();
+        const int per_sm = CtasPerSm<T, D, kFp8, 2, kNH>();
         if (per_sm > 0 && rows >= 4 * int64_t(NumSMs()) * per_sm)
-          return Launch<T, D, kFp8, 2>(stream, a, workspace_offset);
+          return Launch<T, D, kFp8, 2, kNH>(stream, a, workspace_offset);
       }
-      return Launch<T, D, kFp8, kDeep>(stream, a, workspace_offset);
+      return Launch<T, D, kFp8, kDeep, kNH>(stream, a, workspace_offset);
     };
-    if (a.shape.fp8()) return run(std::true_type{});
-    return run(std::false_type{});
+    // G <= 8 query heads per kv head fill one 8-wide MMA column tile, G <= 16 two.
+    auto by_heads = [&](auto fp8) -> ffi::Error {
+      if (a.shape.group() <= 8) return run(fp8, std::integral_constant<int, 1>{});
+      return run(fp8, std::integral_constant<int, 2>{});
+    };
+    if (a.shape.fp8()) return by_heads(std::true_type{});
+    return by_heads(std::false_type{});
   });
 }
 
