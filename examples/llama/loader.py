@@ -293,15 +293,21 @@ def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0
 
     embed_std, gain = init_scales(config)
 
+    # NOTE: every value is rounded to float32 first, then to the checkpoint's dtype, so a bf16
+    # checkpoint holds exactly the f32 one's values rounded (a float64 product cast straight to
+    # bfloat16 can round the other way at a tie of the f32 value).
+    def cast(x):
+        return np.asarray(x, np.float32).astype(np_dtype)
+
     def dense(*shape):  # HF layout [out, in]: fan-in is the last axis
         std = gain / np.sqrt(shape[-1])
-        return (std * rng.standard_normal(shape, dtype=np.float32)).astype(np_dtype)
+        return cast(std * rng.standard_normal(shape, dtype=np.float32))
 
     def norm(n):
-        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np_dtype)
+        return cast(1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32))
 
-    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": (
-        embed_std * rng.standard_normal((V, D), dtype=np.float32)).astype(np_dtype)}
+    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": cast(
+        embed_std * rng.standard_normal((V, D), dtype=np.float32))}
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = norm(D)
@@ -310,8 +316,8 @@ def write_random_checkpoint(path: str | Path, config: LlamaConfig, seed: int = 0
         tensors[p + "self_attn.v_proj.weight"] = dense(kv_dim, D)
         if c.qkv_bias:
             for name, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
-                tensors[p + f"self_attn.{name}_proj.bias"] = (
-                    gain / np.sqrt(D) * rng.standard_normal(n, dtype=np.float32)).astype(np_dtype)
+                tensors[p + f"self_attn.{name}_proj.bias"] = cast(
+                    gain / np.sqrt(D) * rng.standard_normal(n, dtype=np.float32))
         if c.qk_norm:
             tensors[p + "self_attn.q_norm.weight"] = norm(c.head_dim)
             tensors[p + "self_attn.k_norm.weight"] = norm(c.head_dim)

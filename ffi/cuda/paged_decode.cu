@@ -45,15 +45,16 @@ constexpr int kWarps = 4;
 // Ring depth. 16-bit caches: 3 stages (2 CTAs/SM at head_dim 128) keeps the most bytes in flight
 // per warp; 2 stages (3 CTAs/SM) has more warps to hide each warp's compute, which wins when the
 // grid is many waves deep (measured on the H200: 256x1024 3.58 vs 3.34 TB/s; at 64x4096 the 3-CTA
-// grid is 1.3 waves and loses, 2.85 vs 3.51). head_dim 256 always uses 2 (smem).
-// fp8 caches: a stage is half the bytes, so 4 stages at head_dim <= 128 (64 KB per CTA at 128)
-// keep as many bytes in flight per SM as the 16-bit deep ring (12 warps x 3 tiles x 4 KB vs 8 x 2
-// x 8 KB) while running 3 CTAs/SM, the occupancy the registers allow (~164 per thread): the
-// shallow ring's occupancy gain already holds, so fp8 has one depth (see LaunchPagedDecode).
-// head_dim 256: 3 stages (96 KB, 2 CTAs/SM, the register limit at ~255 per thread).
+// grid is 1.3 waves and loses, 2.85 vs 3.51). head_dim 256 always uses 2 (smem). The transposed
+// kernel (~160 registers) kept the same balance: 256x1024 0.290 vs 0.295 ms deep.
+// fp8 caches: 3 stages at every head_dim (48 KB per CTA at 128: 4 CTAs/SM, 16 warps, which the
+// transposed kernel's ~120 registers per thread allow). Measured on the H200 (2026-12-01, same
+// build otherwise): 3 stages beat 4 (64 KB, 3 CTAs/SM) at every decode shape of
+// benchmarks/attention.py, by 3-7% (B256 S1024 0.164 vs 0.172 ms, B256 S256 0.060 vs 0.065).
+// head_dim 256: 96 KB, 2 CTAs/SM.
 template <int D, bool kFp8>
 constexpr int MaxStages() {
-  if constexpr (kFp8) return D <= 128 ? 4 : 3;
+  if constexpr (kFp8) return 3;
   return D <= 128 ? 3 : 2;
 }
 
@@ -694,8 +695,8 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a, size_t
     constexpr int D = decltype(d)::value;
     // The ring depth (see MaxStages): 16-bit caches take the shallower ring when the grid,
     // unsplit, is at least 4 waves deep at its occupancy (many short rows: B256 S256, B256
-    // S1024); else the deeper. fp8 caches have one depth (its occupancy is already the
-    // registers' limit, so a shallower ring would only hold fewer bytes in flight).
+    // S1024); else the deeper (re-measured with the transposed kernel, 2026-12-01: the deep ring
+    // there is 2% / 8% slower). fp8 caches have one depth.
     auto run = [&](auto fp8, auto nh) -> ffi::Error {
       constexpr bool kFp8 = decltype(fp8)::value;
       constexpr int kNH = decltype(nh)::value;
