@@ -67,6 +67,9 @@ DECODE_CASES = [
     Case("p32-d128-gqa4-window40-nulled", 32, 128, 2, 2, batch=6, max_pages=5, sliding_window=40,
          null_out_of_window=True),
     Case("layers3-p16-d64-gqa4", 16, 64, 2, 4, batch=6, max_pages=4, num_layers=3),
+    # G > 8: the decode kernel's two 8-head column tiles (a full and a partial second one).
+    Case("p16-d128-gqa16", 16, 128, 1, 16, batch=5, max_pages=4),
+    Case("p32-d64-gqa12", 32, 64, 2, 12, batch=5, max_pages=3),
     # batch * Hkv >= 4 waves of CTAs on an H200: a 16-bit cache takes the decode kernel's
     # shallower ring (see MaxStages in ffi/cuda/paged_decode.cu), every other case the deeper
     # one; fp8 caches have one depth.
