@@ -10,7 +10,16 @@
 #   --no-arena      skip benchmarks/arena_map.py
 #   --no-serve      skip examples/llama/run.py and benchmarks/{manager_overhead,decode_step,serve}.py
 #   --full-serve    the serving benchmark's full seed run (2,500 requests) instead of --quick
-# Steps: verify pytest attention migration arena run manager decode serve http
+#   --pytest=ARGS   the gpu pytest step's arguments instead of the whole gpu suite (e.g.
+#                   --pytest="test_attention.py -k ragged")
+#   --attention=ARGS  extra arguments for benchmarks/attention.py (e.g. --attention="--only decode")
+# Anchors: with a .anchors/ folder of wheels in the repo root (see benchmarks/_anchors.py), they
+# are installed into /tmp/anchors, FlashInfer's JIT cache is warmed in the background from the
+# start (benchmarks/_anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
+# benchmark and the profile step measure them side by side with ours.
+# Steps: verify pytest attention profile migration arena run manager decode serve http
+#   (profile: Nsight Compute over benchmarks/decode_profile.py at B256 S1024, ours and, with the
+#   anchors, FlashInfer's; off unless named in --only)
 #   (http: benchmarks/serve_http.py --quick; it needs fastapi/uvicorn: with no network, install
 #   them first from a wheel folder, e.g. `pip install --no-index --find-links DIR fastapi uvicorn`).
 # One ~10-minute call fits about: build (~45 s), pytest (~4 min), serve --quick (~3.5 min).
@@ -19,9 +28,11 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-declare -A want=([verify]=1 [pytest]=1 [attention]=1 [migration]=1 [arena]=1 [run]=1 [manager]=1
-                 [decode]=1 [serve]=1 [http]=0)
+declare -A want=([verify]=1 [pytest]=1 [attention]=1 [profile]=0 [migration]=1 [arena]=1 [run]=1
+                 [manager]=1 [decode]=1 [serve]=1 [http]=0)
 serve_size=--quick
+pytest_args=.
+attention_args=
 dry_run=0
 for arg in "$@"; do
   case "$arg" in
@@ -39,18 +50,30 @@ for arg in "$@"; do
     --no-arena) want[arena]=0 ;;
     --no-serve) for k in run manager decode serve; do want[$k]=0; done ;;
     --full-serve) serve_size= ;;
+    --pytest=*) pytest_args=${arg#--pytest=} ;;
+    --attention=*) attention_args=${arg#--attention=} ;;
     --dry-run) dry_run=1 ;;
     *) echo "unknown flag $arg"; exit 2 ;;
   esac
 done
 if [ $dry_run = 1 ]; then
-  for k in verify pytest attention migration arena run manager decode serve http; do
+  for k in verify pytest attention profile migration arena run manager decode serve http; do
     [ ${want[$k]} = 1 ] && echo "would run: $k"
   done
   echo "serve size: ${serve_size:-full}"
   exit 0
 fi
 t0=$SECONDS
+anchors=()
+if compgen -G ".anchors/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/anchors .anchors/*.whl \
+    && anchors=(--anchors /tmp/anchors)
+  if [ ${#anchors[@]} -gt 0 ] && { [ ${want[attention]} = 1 ] || [ ${want[profile]} = 1 ]; }; then
+    PYTHONPATH=/tmp/anchors python3 benchmarks/_anchors.py --anchors /tmp/anchors \
+      > "$OUT/anchors_warm.log" 2>&1 &
+    warm_pid=$!
+  fi
+fi
 rm -rf /tmp/site
 python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
@@ -76,12 +99,29 @@ if [ ${want[verify]} = 1 ]; then
   grep -E "FAIL|gpu_verify|seed" "$OUT/verify.log" | tail -40
 fi
 if [ ${want[pytest]} = 1 ]; then
-  step pytest-gpu pytest_gpu.log bash -c "cd tests && python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -rf --rootdir=. ."
+  step pytest-gpu pytest_gpu.log bash -c "cd tests && python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
   grep -E "FAILED|ERROR" "$OUT/pytest_gpu.log" | head -20; tail -3 "$OUT/pytest_gpu.log"
 fi
 if [ ${want[attention]} = 1 ] && [ -f benchmarks/attention.py ]; then
-  step attention bench.log python3 benchmarks/attention.py --no-pallas-sweep --json "$OUT/attention.json"
+  [ -n "${warm_pid:-}" ] && wait "$warm_pid" && tail -7 "$OUT/anchors_warm.log"
+  # shellcheck disable=SC2086  # attention_args is a list of words
+  step attention bench.log python3 benchmarks/attention.py --no-pallas-sweep "${anchors[@]}" \
+    $attention_args --json "$OUT/attention.json"
   tail -45 "$OUT/bench.log"
+fi
+if [ ${want[profile]} = 1 ]; then
+  [ -n "${warm_pid:-}" ] && wait "$warm_pid"
+  ncu_sections=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats
+                --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats)
+  step ncu-ours ncu_ours.txt ncu --clock-control none -k regex:PagedDecode --launch-skip 2 \
+    --launch-count 1 "${ncu_sections[@]}" python3 benchmarks/decode_profile.py
+  if [ ${#anchors[@]} -gt 0 ]; then
+    step ncu-flashinfer ncu_flashinfer.txt ncu --clock-control none --launch-skip 2 \
+      --launch-count 1 -k regex:BatchPrefill "${ncu_sections[@]}" \
+      python3 benchmarks/decode_profile.py --method flashinfer "${anchors[@]}"
+  fi
+  grep -hE "^  [A-Z]|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Eligible Warps|Registers Per|Achieved Occupancy" \
+    "$OUT"/ncu_*.txt | head -40
 fi
 if [ ${want[migration]} = 1 ] && [ -f benchmarks/migration.py ]; then
   step migration migration.log python3 benchmarks/migration.py --json "$OUT/migration.json"
