@@ -34,35 +34,39 @@
 #include <limits>
 
 #include "kvcm/cuda/attention.cuh"
+#include "kvcm/cuda/mbarrier.cuh"
 #include "kvcm/cuda/mma.cuh"
 
 namespace kvcm::cuda {
 namespace {
 
 constexpr int kTile = 16;  // tokens per tile
-constexpr int kWarps = 4;
+constexpr int kWarps = 4;  // consumer warps; one producer warp more per CTA
+constexpr int kThreads = (kWarps + 1) * 32;
 
-// Ring depth. 16-bit caches: 3 stages (2 CTAs/SM at head_dim 128) keeps the most bytes in flight
-// per warp; 2 stages (3 CTAs/SM) has more warps to hide each warp's compute, which wins when the
-// grid is many waves deep (measured on the H200: 256x1024 3.58 vs 3.34 TB/s; at 64x4096 the 3-CTA
-// grid is 1.3 waves and loses, 2.85 vs 3.51). head_dim 256 always uses 2 (smem). The transposed
-// kernel (~160 registers) kept the same balance: 256x1024 0.290 vs 0.295 ms deep.
-// fp8 caches: 3 stages at every head_dim (48 KB per CTA at 128: 4 CTAs/SM, 16 warps, which the
-// transposed kernel's ~120 registers per thread allow). Measured on the H200 (2026-12-01, same
-// build otherwise): 3 stages beat 4 (64 KB, 3 CTAs/SM) at every decode shape of
-// benchmarks/attention.py, by 3-7% (B256 S1024 0.164 vs 0.172 ms, B256 S256 0.060 vs 0.065).
-// head_dim 256: 96 KB, 2 CTAs/SM.
+// The CTA's ring: kStages {K, V} tiles of kTile tokens in shared memory, filled in tile order by
+// the producer warp and each read by one consumer warp (tile i by warp i % kWarps). The ring's
+// bytes, not the warps, bound the bytes in flight per SM: every stage that no consumer is
+// reading is being filled. kRingBytes is sized for 3 CTAs per SM (3 x 72 KiB of the H200's
+// 227 KiB; registers allow 3 x 160 threads at <= 136 per thread), at most kMaxStages stages.
+constexpr int kRingBytes = 72 * 1024;
+constexpr int kMaxStages = 32;
+
 template <int D, bool kFp8>
-constexpr int MaxStages() {
-  if constexpr (kFp8) return 3;
-  return D <= 128 ? 3 : 2;
+constexpr int TileBytes() {  // one arriving {K or V} tile
+  return kTile * D * (kFp8 ? 1 : 2);
+}
+template <int D, bool kFp8>
+constexpr int RingStages() {
+  constexpr int n = kRingBytes / (2 * TileBytes<D, kFp8>());
+  return n < kMaxStages ? n : kMaxStages;
 }
 
-// Per warp: kStages {K, V} tiles as they arrive (2 bytes or 1 byte per element); at least the
-// end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G] maxima and sums, which reuse it.
-template <int D, bool kFp8, int kStages>
+// The ring; at least the end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G]
+// maxima and sums, which reuse it.
+template <int D, bool kFp8>
 constexpr int DecodeSmemBytes() {
-  constexpr int ring = kWarps * kStages * 2 * kTile * D * (kFp8 ? 1 : 2);
+  constexpr int ring = RingStages<D, kFp8>() * 2 * TileBytes<D, kFp8>();
   constexpr int merge = kWarps * 16 * (D + 2) * 4;
   return ring > merge ? ring : merge;
 }
@@ -153,12 +157,13 @@ struct DecodeParams {
 
 // T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T; kNH:
 // column tiles of 8 query heads (G <= 8 * kNH).
-template <typename T, int D, bool kFp8, int kStages, int kNH>
-__global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodeParams p) {
+template <typename T, int D, bool kFp8, int kNH>
+__global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const DecodeParams p) {
   using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
+  constexpr int kStages = RingStages<D, kFp8>();
   constexpr int kChunks = D / 8;            // 16-byte chunks of M per row
   constexpr int kLoadChunks = kFp8 ? D / 16 : D / 8;  // 16-byte chunks per cached row
-  constexpr int kTileBytes = kTile * D * (kFp8 ? 1 : 2);  // bytes of one arriving tile
+  constexpr int kTileBytes = TileBytes<D, kFp8>();  // bytes of one arriving tile
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   // 32-bit: the launch checks that the grid's CTA count fits an int.
@@ -169,13 +174,23 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   const int splits = whole ? 1 : p.num_splits;
   const int kvh = row_id % hkv, b = row_id / hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool producer = warp == kWarps;
   const int G = int(s.group());
   const int P = int(s.cache.page_size);
 
   extern __shared__ uint4 smem_raw[];
   char* smem = reinterpret_cast<char*>(smem_raw);
+  // full[i]: stage i's copies landed (one arrival per producer lane, on its copies);
+  // empty[i]: its consumer warp read it (one arrival per lane).
+  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
   __shared__ int cta_bad;
-  if (threadIdx.x == 0) cta_bad = 0;
+  if (threadIdx.x == 0) {
+    cta_bad = 0;
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(&full_bar[i], 32);
+      MbarInit(&empty_bar[i], 32);
+    }
+  }
   __syncthreads();
 
   // The q / out row of this sequence: b for decode calls, query_start[b] for ragged ones.
@@ -200,281 +215,282 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
   const int per_split = (max(tile_hi - tile_lo, 0) + splits - 1) / splits;
   const int my_lo = tile_lo + split * per_split;
   const int my_hi = min(tile_hi, my_lo + per_split);
-  const int my_count = my_hi - my_lo > warp ? (my_hi - my_lo - warp + kWarps - 1) / kWarps : 0;
+  const int num_tiles = max(my_hi - my_lo, 0);  // the CTA's tiles: my_lo + i, i < num_tiles
 
-  // The kernel computes the transposed products (tokens and head dims on the MMA's 16 rows, the
-  // G query heads of the kv head on its 8 columns, kNH column tiles for G > 8):
-  //   S^T = K Q^T   (A = a K tile [16 tokens][16 d], B = Q^T [16 d][8 heads], k = d)
-  //   O^T += V^T P^T (A = V^T [16 d][16 tokens], B = P^T [16 tokens][8 heads], k = tokens)
-  // which takes half the MMAs (and half the accumulator registers) of S = Q K^T with G <= 8 query
-  // heads padded to 16 rows. P^T's B fragments come from the S^T accumulators by one in-register
-  // 8x8 transpose each (movmatrix).
-  // Q^T as B fragments, one pair per 16-wide k step and column tile: lane (g = lane / 4,
-  // q = lane % 4) holds head nh * 8 + g at k {2q, 2q + 1} (word 0) and {2q + 8, 2q + 9} (word 1).
-  // 16-bit caches: k = d - 16 kk. fp8 caches permute the d's of a k step so that a lane's four K
-  // bytes are one word: k {2q, 2q + 1} holds d = 16 kk + 4q + {0, 1}, k {2q + 8, 2q + 9} holds
-  // d = 16 kk + 4q + {2, 3} (the dot product is a sum over d: any permutation shared by Q and K
-  // gives the same S).
-  const int r0 = lane / 4, c0 = (lane % 4) * 2;
-  const T* qb = static_cast<const T*>(a.q) + (qrow * s.num_heads + int64_t(kvh) * G) * D;
-  uint32_t qf[D / 16][kNH][2];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-    for (int nh = 0; nh < kNH; ++nh) {
-      const int head = nh * 8 + r0;
-      const int col = kFp8 ? kk * 16 + 2 * c0 : kk * 16 + c0;  // fp8: 4q
-      constexpr int kHi = kFp8 ? 2 : 8;  // offset of word 1's d from word 0's
-      qf[kk][nh][0] = head < G ? QueryWord<T, M>(qb + head * D + col) : 0u;
-      qf[kk][nh][1] = head < G ? QueryWord<T, M>(qb + head * D + col + kHi) : 0u;
-    }
-
-  constexpr int kElemBytes = kFp8 ? 1 : 2;
-  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
-  const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
-  const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
-  const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
-  const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
-  constexpr int kWarpBytes = kStages * 2 * kTileBytes;
-  char* wsmem = smem + warp * kWarpBytes;
-  const int max_pages = int(s.max_pages);
-
-  // Page indices of a tile, lane-uniform: a 16-token tile spans one page (P >= 16) or two
-  // (P == 8). Fetched one iteration ahead so their latency hides behind the compute.
-  auto fetch_pages = [&](int it, int& page_lo, int& page_hi) {
-    page_lo = page_hi = 0;
-    if (it < my_count) {
-      const int first = (my_lo + warp + it * kWarps) * kTile;  // < len
-      page_lo = pages[TableEntry(first >> p.page_shift, max_pages, a.ring)];
-      page_hi = (P >= 16 || first + 8 >= len)
-                    ? page_lo
-                    : pages[TableEntry((first + 8) >> p.page_shift, max_pages, a.ring)];
-    }
-  };
-  auto load_tile = [&](int it, int stage, int page_lo, int page_hi) {
-    const int first = (my_lo + warp + it * kWarps) * kTile;
-    char* ks = wsmem + stage * 2 * kTileBytes;
-    char* vs = ks + kTileBytes;
-    // Fast path (every tile but a row's first and last, and pages of 16+ tokens): the whole
-    // tile is attended and lies in one valid page, so one lane-uniform check replaces the
-    // per-chunk ones and each lane's rows are a fixed stride apart (its chunk column is fixed:
-    // kLoadChunks divides 32).
-    if (P >= kTile && first >= lo && first + kTile <= len && page_lo >= 0 &&
-        page_lo < s.cache.num_pages) {
-      constexpr int kRowStep = 32 / kLoadChunks;
-      const int ch = lane % kLoadChunks, row0 = lane / kLoadChunks;
-      const int64_t off0 =
-          (int64_t(page_lo) * P + ((first + row0) & (P - 1))) * token_bytes + ch * 16;
-#pragma unroll
-      for (int k = 0; k < kTile / kRowStep; ++k) {
-        const int row = row0 + k * kRowStep;
-        const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
-        const int64_t off = off0 + int64_t(k * kRowStep) * token_bytes;
-        CpAsync16(SmemAddr(ks + so), kbase + off, true);
-        CpAsync16(SmemAddr(vs + so), vbase + off, true);
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;  // a consumer lane's MMA fragment row / column
+  float o[D / 16][kNH][4];
+  float m[kNH][2], l[kNH][2];
+  if (producer) {
+    // ---- producer warp: tile i into stage i % kStages, once its previous tile was read ----
+    constexpr int kElemBytes = kFp8 ? 1 : 2;
+    const int64_t layer_off =
+        (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
+    const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
+    const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
+    const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
+    const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
+    const int max_pages = int(s.max_pages);
+    // Page ids, 32 at a time: lane j holds the entry of page index base + j of the row (-1 when
+    // past its last page), so a tile's page ids come by shuffle and the table's latency is paid
+    // once per 32 pages (>= 16 tiles).
+    int base = -64, lane_page = -1;
+    const int last_page = len > 0 ? (len - 1) >> p.page_shift : -1;
+    auto page_of = [&](int index) {  // lane-uniform index in [base, base + 32)
+      return __shfl_sync(0xffffffffu, lane_page, (index - base) & 31);
+    };
+    for (int it = 0; it < num_tiles; ++it) {
+      const int stage = it % kStages;
+      const int first = (my_lo + it) * kTile;  // < len
+      const int p_lo = first >> p.page_shift;
+      const int p_hi = min(first + kTile - 1, len - 1) >> p.page_shift;  // p_lo + {0, 1}
+      if (p_hi >= base + 32) {
+        base = p_lo;
+        lane_page = base + lane <= last_page
+                        ? pages[TableEntry(base + lane, max_pages, a.ring)]
+                        : -1;
       }
-      return;
-    }
+      const int page_lo = page_of(p_lo), page_hi = page_of(p_hi);
+      if (it >= kStages) MbarWait(&empty_bar[stage], ((it / kStages) - 1) & 1);
+      char* ks = smem + stage * 2 * kTileBytes;
+      char* vs = ks + kTileBytes;
+      // Fast path (every tile but a row's first and last, and pages of 16+ tokens): the whole
+      // tile is attended and lies in one valid page, so one lane-uniform check replaces the
+      // per-chunk ones and each lane's rows are a fixed stride apart (its chunk column is
+      // fixed: kLoadChunks divides 32).
+      if (P >= kTile && first >= lo && first + kTile <= len && page_lo >= 0 &&
+          page_lo < s.cache.num_pages) {
+        constexpr int kRowStep = 32 / kLoadChunks;
+        const int ch = lane % kLoadChunks, row0 = lane / kLoadChunks;
+        const int64_t off0 =
+            (int64_t(page_lo) * P + ((first + row0) & (P - 1))) * token_bytes + ch * 16;
 #pragma unroll
-    for (int i = lane; i < kTile * kLoadChunks; i += 32) {
-      const int row = i / kLoadChunks, ch = i % kLoadChunks;
-      const int pos = first + row;
-      const int page = (P == 8 && row >= 8) ? page_hi : page_lo;
-      bool valid = pos >= lo && pos < len;
-      int64_t off = 0;
-      if (valid) {
-        if (page < 0 || page >= s.cache.num_pages) {
-          bits |= kBadPage;
-          valid = false;
-        } else {
-          off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
+        for (int k = 0; k < kTile / kRowStep; ++k) {
+          const int row = row0 + k * kRowStep;
+          const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
+          const int64_t off = off0 + int64_t(k * kRowStep) * token_bytes;
+          CpAsync16(SmemAddr(ks + so), kbase + off, true);
+          CpAsync16(SmemAddr(vs + so), vbase + off, true);
+        }
+      } else {
+        // Rows outside [lo, len) or in a bad page are zero-filled (a zero V row times its zero
+        // probability adds nothing; its K row's logit is masked).
+#pragma unroll
+        for (int i = lane; i < kTile * kLoadChunks; i += 32) {
+          const int row = i / kLoadChunks, ch = i % kLoadChunks;
+          const int pos = first + row;
+          const int page = (pos >> p.page_shift) == p_lo ? page_lo : page_hi;
+          bool valid = pos >= lo && pos < len;
+          int64_t off = 0;
+          if (valid) {
+            if (page < 0 || page >= s.cache.num_pages) {
+              bits |= kBadPage;
+              valid = false;
+            } else {
+              off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
+            }
+          }
+          // Both swizzled: 16-bit tiles for ldmatrix, fp8 tiles for the fragment reads.
+          const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
+          CpAsync16(SmemAddr(ks + so), kbase + off, valid);
+          CpAsync16(SmemAddr(vs + so), vbase + off, valid);
         }
       }
-      // Both swizzled: 16-bit tiles for ldmatrix, fp8 tiles for the fragment reads.
-      const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
-      CpAsync16(SmemAddr(ks + so), kbase + off, valid);
-      CpAsync16(SmemAddr(vs + so), vbase + off, valid);
+      MbarArriveOnCopies(&full_bar[stage]);
     }
-  };
-  // O^T accumulators: m-tile mt, column tile nh; C element j of lane (g, q) is row
-  // g + 8 (j / 2) of the m-tile and head nh * 8 + 2q + j % 2. Row r of m-tile mt is
-  // d = 16 mt + r (16-bit caches) or PermutedVDim(mt, r) (fp8, see the P V step).
-  float o[D / 16][kNH][4];
+    CpAsyncWait<0>();
+  } else {
+    // ---- consumer warps: tiles warp, warp + kWarps, ... of the CTA's ----
+    const int my_count = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+    // The kernel computes the transposed products (tokens and head dims on the MMA's 16 rows, the
+    // G query heads of the kv head on its 8 columns, kNH column tiles for G > 8):
+    //   S^T = K Q^T   (A = a K tile [16 tokens][16 d], B = Q^T [16 d][8 heads], k = d)
+    //   O^T += V^T P^T (A = V^T [16 d][16 tokens], B = P^T [16 tokens][8 heads], k = tokens)
+    // which takes half the MMAs (and half the accumulator registers) of S = Q K^T with G <= 8 query
+    // heads padded to 16 rows. P^T's B fragments come from the S^T accumulators by one in-register
+    // 8x8 transpose each (movmatrix).
+    // Q^T as B fragments, one pair per 16-wide k step and column tile: lane (g = lane / 4,
+    // q = lane % 4) holds head nh * 8 + g at k {2q, 2q + 1} (word 0) and {2q + 8, 2q + 9} (word 1).
+    // 16-bit caches: k = d - 16 kk. fp8 caches permute the d's of a k step so that a lane's four K
+    // bytes are one word: k {2q, 2q + 1} holds d = 16 kk + 4q + {0, 1}, k {2q + 8, 2q + 9} holds
+    // d = 16 kk + 4q + {2, 3} (the dot product is a sum over d: any permutation shared by Q and K
+    // gives the same S).
+    const T* qb = static_cast<const T*>(a.q) + (qrow * s.num_heads + int64_t(kvh) * G) * D;
+    uint32_t qf[D / 16][kNH][2];
 #pragma unroll
-  for (int mt = 0; mt < D / 16; ++mt)
+    for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-    for (int nh = 0; nh < kNH; ++nh) o[mt][nh][0] = o[mt][nh][1] = o[mt][nh][2] = o[mt][nh][3] = 0.f;
-  // Online-softmax state of this lane's heads nh * 8 + 2q + {0, 1}; l is this lane's partial sum
-  // over its tokens (rows g, g + 8), summed over the lanes of a column at the end.
-  float m[kNH][2], l[kNH][2];
-#pragma unroll
-  for (int nh = 0; nh < kNH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
+      for (int nh = 0; nh < kNH; ++nh) {
+        const int head = nh * 8 + r0;
+        const int col = kFp8 ? kk * 16 + 2 * c0 : kk * 16 + c0;  // fp8: 4q
+        constexpr int kHi = kFp8 ? 2 : 8;  // offset of word 1's d from word 0's
+        qf[kk][nh][0] = head < G ? QueryWord<T, M>(qb + head * D + col) : 0u;
+        qf[kk][nh][1] = head < G ? QueryWord<T, M>(qb + head * D + col + kHi) : 0u;
+      }
 
-  int page_lo, page_hi;
+    // O^T accumulators: m-tile mt, column tile nh; C element j of lane (g, q) is row
+    // g + 8 (j / 2) of the m-tile and head nh * 8 + 2q + j % 2. Row r of m-tile mt is
+    // d = 16 mt + r (16-bit caches) or PermutedVDim(mt, r) (fp8, see the P V step).
 #pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
-    fetch_pages(st, page_lo, page_hi);
-    if (st < my_count) load_tile(st, st, page_lo, page_hi);
-    CpAsyncCommit();
-  }
-  fetch_pages(kStages - 1, page_lo, page_hi);
-  for (int it = 0; it < my_count; ++it) {
-    CpAsyncWait<kStages - 2>();
-    __syncwarp();
-    // This warp's arrived {K, V} tile (read below, before the next iteration's __syncwarp lets
-    // any lane refill its stage).
-    const char* ktile = wsmem + (it % kStages) * 2 * kTileBytes;
-    const char* vtile = ktile + kTileBytes;
-    if (it + kStages - 1 < my_count) {
-      load_tile(it + kStages - 1, (it + kStages - 1) % kStages, page_lo, page_hi);
-      fetch_pages(it + kStages, page_lo, page_hi);
+    for (int mt = 0; mt < D / 16; ++mt)
+#pragma unroll
+      for (int nh = 0; nh < kNH; ++nh) o[mt][nh][0] = o[mt][nh][1] = o[mt][nh][2] = o[mt][nh][3] = 0.f;
+    // Online-softmax state of this lane's heads nh * 8 + 2q + {0, 1}; l is this lane's partial
+    // sum over its tokens (rows g, g + 8), summed over the lanes of a column at the end.
+#pragma unroll
+    for (int nh = 0; nh < kNH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
+
+    for (int i = 0; i < my_count; ++i) {
+      const int it = warp + i * kWarps;
+      const int stage = it % kStages;
+      MbarWait(&full_bar[stage], (it / kStages) & 1);
+      const char* ktile = smem + stage * 2 * kTileBytes;
+      const char* vtile = ktile + kTileBytes;
+
+      // S^T = K Q^T. Two independent accumulator chains (even / odd k steps) halve the dependent
+      // MMA latency.
+      float sc[kNH][4], sd[kNH][4];
+#pragma unroll
+      for (int nh = 0; nh < kNH; ++nh)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sc[nh][j] = sd[nh][j] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t ka[4];  // A fragment: tokens g (words 0, 2) and g + 8 (1, 3)
+        if constexpr (kFp8) {
+          // Words 0 / 2 hold k {2q, 2q + 1} / {2q + 8, 2q + 9} = d 16 kk + 4q + {0, 1} / {2, 3}:
+          // the low and high halves of the word at byte 4q of chunk kk of the token's row.
+          const uint32_t w0 =
+              *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0, kk) + 2 * c0);
+          const uint32_t w1 =
+              *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0 + 8, kk) + 2 * c0);
+          Fp8QuadToHalf2x2(w0, ka[0], ka[2]);
+          Fp8QuadToHalf2x2(w1, ka[1], ka[3]);
+        } else {
+          // Matrices 0..3 of the x4 load: tokens 0-7 / 8-15 (bit 3 of the lane) at chunk 2 kk /
+          // 2 kk + 1 (bit 4).
+          const M* ks = reinterpret_cast<const M*>(ktile);
+          const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
+          LdMatrixX4(ka, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + (lane >> 4))));
+        }
+#pragma unroll
+        for (int nh = 0; nh < kNH; ++nh) {
+          if (kk % 2 == 0) Mma<M>::mma(sc[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
+          else Mma<M>::mma(sd[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
+        }
+      }
+      const int tile_pos = (my_lo + it) * kTile;
+      uint32_t pb[kNH][2];  // P^T as B fragments
+#pragma unroll
+      for (int nh = 0; nh < kNH; ++nh) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int pos = tile_pos + r0 + 8 * (j >> 1);
+          sc[nh][j] = (pos >= lo && pos < len) ? logit(sc[nh][j] + sd[nh][j]) : -INFINITY;
+        }
+        // Online softmax per column (head): the max over the tile's 16 tokens is over this
+        // lane's two rows and the 8 lanes of the column (lane bits 2-4).
+        float alpha[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float mx = fmaxf(sc[nh][c], sc[nh][2 + c]);
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+          const float m_new = fmaxf(m[nh][c], mx);
+          const float base = m_new == -INFINITY ? 0.f : m_new;
+          alpha[c] = FastExp2(m[nh][c] - base);
+          sc[nh][c] = FastExp2(sc[nh][c] - base);
+          sc[nh][2 + c] = FastExp2(sc[nh][2 + c] - base);
+          l[nh][c] = l[nh][c] * alpha[c] + (sc[nh][c] + sc[nh][2 + c]);
+          m[nh][c] = m_new;
+        }
+        // NOTE: skipped warp-uniformly when no column's max moved (every alpha exactly 1).
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+          for (int mt = 0; mt < D / 16; ++mt) {
+            o[mt][nh][0] *= alpha[0];
+            o[mt][nh][1] *= alpha[1];
+            o[mt][nh][2] *= alpha[0];
+            o[mt][nh][3] *= alpha[1];
+          }
+        }
+        // Tokens g (g + 8) x heads 2q, 2q + 1 is the row fragment of an 8x8 matrix; its transpose
+        // gives lane (g, q) head g at tokens 2q, 2q + 1 (2q + 8, 2q + 9): P^T's B fragment.
+        pb[nh][0] = MovMatrixTrans(Mma<M>::pack(sc[nh][0], sc[nh][1]));
+        pb[nh][1] = MovMatrixTrans(Mma<M>::pack(sc[nh][2], sc[nh][3]));
+      }
+
+      // O^T += V^T P^T.
+      if constexpr (kFp8) {
+        // V^T's A fragment of m-tile mt: words 0 / 1 hold rows g / g + 8 at tokens {2q, 2q + 1},
+        // words 2 / 3 the same rows at tokens {2q + 8, 2q + 9}. The rows are permuted
+        // (PermutedVDim): lane (g, q) finds every byte it needs in the D / 8 contiguous bytes at
+        // g * (D / 8) of token rows 2q, 2q + 1, 2q + 8, 2q + 9, read in pieces of up to 16 bytes
+        // whose first half holds row g and second half row g + 8 of kPiece / 2 m-tiles. The
+        // bytes of rows t and t + 1 are interleaved into e4m3 pairs (row t's byte low: the smaller
+        // k index), each pair converted to one f16x2 word.
+        constexpr int kPiece = D / 8 < 16 ? D / 8 : 16;
+        constexpr int kWords = kPiece / 4;
+#pragma unroll
+        for (int pc = 0; pc < D / 8 / kPiece; ++pc) {
+          const int byte = r0 * (D / 8) + pc * kPiece;  // in the unswizzled row
+          uint32_t w[4][kWords];  // rows 2q, 2q + 1, 2q + 8, 2q + 9
+#pragma unroll
+          for (int rr = 0; rr < 4; ++rr) {
+            const int row = c0 + (rr & 1) + (rr >> 1) * 8;
+            const char* src = vtile + Fp8TileOffset<D>(row, byte >> 4) + (byte & 15);
+            if constexpr (kPiece == 16) {
+              const uint4 v = *reinterpret_cast<const uint4*>(src);
+              w[rr][0] = v.x; w[rr][1] = v.y; w[rr][2] = v.z; w[rr][3] = v.w;
+            } else {
+              const uint2 v = *reinterpret_cast<const uint2*>(src);
+              w[rr][0] = v.x; w[rr][1] = v.y;
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < kWords / 2; ++j) {  // m-tiles pc * kPiece / 2 + 4j + i, i < 4
+            uint32_t va[4][4];  // [i][A word]
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)        // A rows g / g + 8: word j / j + kWords / 2
+#pragma unroll
+              for (int tp = 0; tp < 2; ++tp) {    // tokens {2q, 2q + 1} / {2q + 8, 2q + 9}
+                const uint32_t x = w[2 * tp][j + hr * (kWords / 2)];
+                const uint32_t y = w[2 * tp + 1][j + hr * (kWords / 2)];
+                const int word = hr + 2 * tp;
+                Fp8QuadToHalf2x2(__byte_perm(x, y, 0x5140), va[0][word], va[1][word]);
+                Fp8QuadToHalf2x2(__byte_perm(x, y, 0x7362), va[2][word], va[3][word]);
+              }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+              for (int nh = 0; nh < kNH; ++nh)
+                Mma<M>::mma(o[pc * (kPiece / 2) + 4 * j + i][nh], va[i], pb[nh][0], pb[nh][1]);
+          }
+        }
+      } else {
+        const M* vs = reinterpret_cast<const M*>(vtile);
+#pragma unroll
+        for (int mt = 0; mt < D / 16; ++mt) {
+          // Matrices 0..3 of the x4 transposed load: d 16 mt + 0-7 / + 8-15 (chunk 2 mt / 2 mt + 1,
+          // lane bit 3) at tokens 0-7 / 8-15 (lane bit 4).
+          uint32_t va[4];
+          const int row = (lane & 7) + ((lane >> 4) << 3);
+          LdMatrixX4Trans(va, SmemAddr(vs + SwizzledOffset<kChunks>(row, 2 * mt + ((lane >> 3) & 1))));
+#pragma unroll
+          for (int nh = 0; nh < kNH; ++nh) Mma<M>::mma(o[mt][nh], va, pb[nh][0], pb[nh][1]);
+        }
+      }
+      MbarArrive(&empty_bar[stage]);  // every lane has read the stage (K and V)
     }
-    CpAsyncCommit();
-
-    // S^T = K Q^T. Two independent accumulator chains (even / odd k steps) halve the dependent
-    // MMA latency.
-    float sc[kNH][4], sd[kNH][4];
 #pragma unroll
     for (int nh = 0; nh < kNH; ++nh)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) sc[nh][j] = sd[nh][j] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t ka[4];  // A fragment: tokens g (words 0, 2) and g + 8 (1, 3)
-      if constexpr (kFp8) {
-        // Words 0 / 2 hold k {2q, 2q + 1} / {2q + 8, 2q + 9} = d 16 kk + 4q + {0, 1} / {2, 3}:
-        // the low and high halves of the word at byte 4q of chunk kk of the token's row.
-        const uint32_t w0 =
-            *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0, kk) + 2 * c0);
-        const uint32_t w1 =
-            *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0 + 8, kk) + 2 * c0);
-        Fp8QuadToHalf2x2(w0, ka[0], ka[2]);
-        Fp8QuadToHalf2x2(w1, ka[1], ka[3]);
-      } else {
-        // Matrices 0..3 of the x4 load: tokens 0-7 / 8-15 (bit 3 of the lane) at chunk 2 kk /
-        // 2 kk + 1 (bit 4).
-        const M* ks = reinterpret_cast<const M*>(ktile);
-        const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
-        LdMatrixX4(ka, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + (lane >> 4))));
-      }
-#pragma unroll
-      for (int nh = 0; nh < kNH; ++nh) {
-        if (kk % 2 == 0) Mma<M>::mma(sc[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
-        else Mma<M>::mma(sd[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
-      }
-    }
-    const int tile_pos = (my_lo + warp + it * kWarps) * kTile;
-    uint32_t pb[kNH][2];  // P^T as B fragments
-#pragma unroll
-    for (int nh = 0; nh < kNH; ++nh) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int pos = tile_pos + r0 + 8 * (j >> 1);
-        sc[nh][j] = (pos >= lo && pos < len) ? logit(sc[nh][j] + sd[nh][j]) : -INFINITY;
-      }
-      // Online softmax per column (head): the max over the tile's 16 tokens is over this
-      // lane's two rows and the 8 lanes of the column (lane bits 2-4).
-      float alpha[2];
-#pragma unroll
       for (int c = 0; c < 2; ++c) {
-        float mx = fmaxf(sc[nh][c], sc[nh][2 + c]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        const float m_new = fmaxf(m[nh][c], mx);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        alpha[c] = FastExp2(m[nh][c] - base);
-        sc[nh][c] = FastExp2(sc[nh][c] - base);
-        sc[nh][2 + c] = FastExp2(sc[nh][2 + c] - base);
-        l[nh][c] = l[nh][c] * alpha[c] + (sc[nh][c] + sc[nh][2 + c]);
-        m[nh][c] = m_new;
+        l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 4);
+        l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 8);
+        l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 16);
       }
-      // NOTE: skipped warp-uniformly when no column's max moved (every alpha exactly 1).
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-        for (int mt = 0; mt < D / 16; ++mt) {
-          o[mt][nh][0] *= alpha[0];
-          o[mt][nh][1] *= alpha[1];
-          o[mt][nh][2] *= alpha[0];
-          o[mt][nh][3] *= alpha[1];
-        }
-      }
-      // Tokens g (g + 8) x heads 2q, 2q + 1 is the row fragment of an 8x8 matrix; its transpose
-      // gives lane (g, q) head g at tokens 2q, 2q + 1 (2q + 8, 2q + 9): P^T's B fragment.
-      pb[nh][0] = MovMatrixTrans(Mma<M>::pack(sc[nh][0], sc[nh][1]));
-      pb[nh][1] = MovMatrixTrans(Mma<M>::pack(sc[nh][2], sc[nh][3]));
-    }
-
-    // O^T += V^T P^T.
-    if constexpr (kFp8) {
-      // V^T's A fragment of m-tile mt: words 0 / 1 hold rows g / g + 8 at tokens {2q, 2q + 1},
-      // words 2 / 3 the same rows at tokens {2q + 8, 2q + 9}. The rows are permuted
-      // (PermutedVDim): lane (g, q) finds every byte it needs in the D / 8 contiguous bytes at
-      // g * (D / 8) of token rows 2q, 2q + 1, 2q + 8, 2q + 9, read in pieces of up to 16 bytes
-      // whose first half holds row g and second half row g + 8 of kPiece / 2 m-tiles. The
-      // bytes of rows t and t + 1 are interleaved into e4m3 pairs (row t's byte low: the smaller
-      // k index), each pair converted to one f16x2 word.
-      constexpr int kPiece = D / 8 < 16 ? D / 8 : 16;
-      constexpr int kWords = kPiece / 4;
-#pragma unroll
-      for (int pc = 0; pc < D / 8 / kPiece; ++pc) {
-        const int byte = r0 * (D / 8) + pc * kPiece;  // in the unswizzled row
-        uint32_t w[4][kWords];  // rows 2q, 2q + 1, 2q + 8, 2q + 9
-#pragma unroll
-        for (int rr = 0; rr < 4; ++rr) {
-          const int row = c0 + (rr & 1) + (rr >> 1) * 8;
-          const char* src = vtile + Fp8TileOffset<D>(row, byte >> 4) + (byte & 15);
-          if constexpr (kPiece == 16) {
-            const uint4 v = *reinterpret_cast<const uint4*>(src);
-            w[rr][0] = v.x; w[rr][1] = v.y; w[rr][2] = v.z; w[rr][3] = v.w;
-          } else {
-            const uint2 v = *reinterpret_cast<const uint2*>(src);
-            w[rr][0] = v.x; w[rr][1] = v.y;
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kWords / 2; ++j) {  // m-tiles pc * kPiece / 2 + 4j + i, i < 4
-          uint32_t va[4][4];  // [i][A word]
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr)        // A rows g / g + 8: word j / j + kWords / 2
-#pragma unroll
-            for (int tp = 0; tp < 2; ++tp) {    // tokens {2q, 2q + 1} / {2q + 8, 2q + 9}
-              const uint32_t x = w[2 * tp][j + hr * (kWords / 2)];
-              const uint32_t y = w[2 * tp + 1][j + hr * (kWords / 2)];
-              const int word = hr + 2 * tp;
-              Fp8QuadToHalf2x2(__byte_perm(x, y, 0x5140), va[0][word], va[1][word]);
-              Fp8QuadToHalf2x2(__byte_perm(x, y, 0x7362), va[2][word], va[3][word]);
-            }
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int nh = 0; nh < kNH; ++nh)
-              Mma<M>::mma(o[pc * (kPiece / 2) + 4 * j + i][nh], va[i], pb[nh][0], pb[nh][1]);
-        }
-      }
-    } else {
-      const M* vs = reinterpret_cast<const M*>(vtile);
-#pragma unroll
-      for (int mt = 0; mt < D / 16; ++mt) {
-        // Matrices 0..3 of the x4 transposed load: d 16 mt + 0-7 / + 8-15 (chunk 2 mt / 2 mt + 1,
-        // lane bit 3) at tokens 0-7 / 8-15 (lane bit 4).
-        uint32_t va[4];
-        const int row = (lane & 7) + ((lane >> 4) << 3);
-        LdMatrixX4Trans(va, SmemAddr(vs + SwizzledOffset<kChunks>(row, 2 * mt + ((lane >> 3) & 1))));
-#pragma unroll
-        for (int nh = 0; nh < kNH; ++nh) Mma<M>::mma(o[mt][nh], va, pb[nh][0], pb[nh][1]);
-      }
-    }
   }
-  CpAsyncWait<0>();
-#pragma unroll
-  for (int nh = 0; nh < kNH; ++nh)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 4);
-      l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 8);
-      l[nh][c] += __shfl_xor_sync(0xffffffffu, l[nh][c], 16);
-    }
   if (bits) {
     atomicOr(&cta_bad, 1);
     RaiseError(a.error_word, bits);
@@ -489,7 +505,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(const DecodePar
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int head = nh * 8 + c0 + c;
-      if (head >= G) continue;
+      if (producer || head >= G) continue;
       float* dst = mo + (warp * G + head) * D;
 #pragma unroll
       for (int mt = 0; mt < D / 16; ++mt)
@@ -615,27 +631,27 @@ DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles) {
 
 // CTAs per SM of one kernel instance (configures its shared memory on the first call); 0 when
 // the attribute cannot be set.
-template <typename T, int D, bool kFp8, int kStages, int kNH>
+template <typename T, int D, bool kFp8, int kNH>
 int CtasPerSm() {
   static int per_sm = [] {  // NOTE: per-template, on the first launch
-    constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
-    auto kernel = PagedDecodeKernel<T, D, kFp8, kStages, kNH>;
+    constexpr int smem = DecodeSmemBytes<D, kFp8>();
+    auto kernel = PagedDecodeKernel<T, D, kFp8, kNH>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
       return 0;
     int n = 1;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem);
     return std::max(n, 1);
   }();
   return per_sm;
 }
 
-template <typename T, int D, bool kFp8, int kStages, int kNH>
+template <typename T, int D, bool kFp8, int kNH>
 ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {
   const AttentionShape& s = a.shape;
-  constexpr int smem = DecodeSmemBytes<D, kFp8, kStages>();
-  auto kernel = PagedDecodeKernel<T, D, kFp8, kStages, kNH>;
-  const int per_sm = CtasPerSm<T, D, kFp8, kStages, kNH>();
+  constexpr int smem = DecodeSmemBytes<D, kFp8>();
+  auto kernel = PagedDecodeKernel<T, D, kFp8, kNH>;
+  const int per_sm = CtasPerSm<T, D, kFp8, kNH>();
   if (per_sm == 0) return LaunchError("paged_attention: cudaFuncSetAttribute");
   const int64_t rows = s.batch * s.cache.num_kv_heads;
   const int64_t slots = int64_t(NumSMs()) * per_sm;
@@ -667,7 +683,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
     p.part_o = reinterpret_cast<float*>(ws);
     p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
   }
-  kernel<<<unsigned(ctas), kWarps * 32, smem, stream>>>(p);
+  kernel<<<unsigned(ctas), kThreads, smem, stream>>>(p);
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
   if (splits > 1) {  // the split rows' heads: flat head rows full_rows * G on
     const int64_t G = s.group();
@@ -693,21 +709,8 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a, size_t
   return DispatchHalfDtypeAndHeadDim(a, "paged_attention", [&](auto t, auto d) -> ffi::Error {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    // The ring depth (see MaxStages): 16-bit caches take the shallower ring when the grid,
-    // unsplit, is at least 4 waves deep at its occupancy (many short rows: B256 S256, B256
-    // S1024); else the deeper (re-measured with the transposed kernel, 2026-12-01: the deep ring
-    // there is 2% / 8% slower). fp8 caches have one depth.
     auto run = [&](auto fp8, auto nh) -> ffi::Error {
-      constexpr bool kFp8 = decltype(fp8)::value;
-      constexpr int kNH = decltype(nh)::value;
-      constexpr int kDeep = MaxStages<D, kFp8>();
-      if constexpr (!kFp8 && kDeep > 2) {
-        const int64_t rows = a.shape.batch * a.shape.cache.num_kv_heads;
-        const int per_sm = CtasPerSm<T, D, kFp8, 2, kNH>();
-        if (per_sm > 0 && rows >= 4 * int64_t(NumSMs()) * per_sm)
-          return Launch<T, D, kFp8, 2, kNH>(stream, a, workspace_offset);
-      }
-      return Launch<T, D, kFp8, kDeep, kNH>(stream, a, workspace_offset);
+      return Launch<T, D, decltype(fp8)::value, decltype(nh)::value>(stream, a, workspace_offset);
     };
     // G <= 8 query heads per kv head fill one 8-wide MMA column tile, G <= 16 two.
     auto by_heads = [&](auto fp8) -> ffi::Error {

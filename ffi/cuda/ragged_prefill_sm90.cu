@@ -15,6 +15,7 @@
 // Non-finite rule: for tiles that some row of the CTA reads only in part, the consumers zero V
 // chunks holding NaN/inf and flag their keys; rows that do read a flagged key output NaN.
 #include "kvcm/cuda/attention.cuh"
+#include "kvcm/cuda/mbarrier.cuh"
 #include "kvcm/cuda/mma.cuh"
 #include "kvcm/cuda/wgmma_ops.cuh"
 
@@ -47,32 +48,6 @@ __device__ __forceinline__ uint64_t SmemDesc(const void* p, uint32_t lead_bytes,
          (uint64_t(stride_bytes >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count));
-}
-// Arrives on `bar` once every cp.async this thread issued so far has landed (counted in the
-// barrier's initial arrival count: .noinc).
-__device__ __forceinline__ void MbarArriveOnCopies(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(bar))
-               : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(bar)) : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint64_t* bar, int parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SmemAddr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void NamedBarrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 // Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to wgmma's async proxy.
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
