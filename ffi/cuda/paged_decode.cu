@@ -5,10 +5,12 @@
 // tiles. The grid is 1-D: CTAs 0 .. full_rows - 1 take rows 0 .. full_rows - 1 whole, the
 // remaining rows are split num_splits ways (CTA full_rows + i: row full_rows + i / num_splits,
 // split i % num_splits), so the split CTAs, short, run last (see DecodeSchedule).
-// Each warp streams its own tiles (w, w + kWarps, ...) through a private kStages-deep cp.async
-// ring, keeps its own online-softmax state, and the warps merge through shared memory at the end.
-// A split CTA writes an unnormalized partial (o, max, sum) and a combine kernel reduces the
-// splits of those rows.
+// One producer warp streams the CTA's tiles, in order, through a CTA-wide ring of {K, V} stages
+// (cp.async, zero-filled outside the row; a stage's "full" mbarrier completes when its copies
+// land, its "empty" one when its consumer has read it). Consumer warp w computes tiles w,
+// w + kWarps, ... with its own online-softmax state, and the warps merge through shared memory at
+// the end. A split CTA writes an unnormalized partial (o, max, sum) and a combine kernel reduces
+// the splits of those rows.
 //
 // The MMAs are transposed ("swap AB"): a tile's 16 tokens (or 16 head dims) are the m16 rows of
 // mma.m16n8k16 and the row's G query heads its 8 columns, S^T = K Q^T and O^T += V^T P^T. With
@@ -41,33 +43,55 @@ namespace kvcm::cuda {
 namespace {
 
 constexpr int kTile = 16;  // tokens per tile
-constexpr int kWarps = 4;  // consumer warps; one producer warp more per CTA
-constexpr int kThreads = (kWarps + 1) * 32;
 
-// The CTA's ring: kStages {K, V} tiles of kTile tokens in shared memory, filled in tile order by
-// the producer warp and each read by one consumer warp (tile i by warp i % kWarps). The ring's
-// bytes, not the warps, bound the bytes in flight per SM: every stage that no consumer is
-// reading is being filled. kRingBytes is sized for 3 CTAs per SM (3 x 72 KiB of the H200's
-// 227 KiB; registers allow 3 x 160 threads at <= 136 per thread), at most kMaxStages stages.
-constexpr int kRingBytes = 72 * 1024;
+// A CTA: kWarps consumer warps and one producer warp, around a ring of kStages {K, V} tiles of
+// kTile tokens in shared memory, filled in tile order by the producer and each read by one
+// consumer (tile i by warp i % kWarps). The ring's bytes, not the warps, bound the bytes in
+// flight per SM: every stage that no consumer is reading is being filled.
+// - 16-bit caches: 4 consumers, a 72 KiB ring: 3 CTAs per SM (3 x 72 KiB of the H200's 227 KiB;
+//   ~94 registers per thread at head_dim 128). Measured on the H200 (2026-12-02, B64 S4096 ..
+//   B256 S256): 0.98-1.01x FlashInfer's tensor-core decode where the former per-warp 2-3 stage
+//   rings ran at 0.87-0.95x.
+// - fp8 caches (G <= 8, head_dim <= 128): 8 consumers, a 104 KiB ring: 2 CTAs per SM. A tile
+//   carries half the bytes and costs its consumer more work (the e4m3 conversions), so a byte
+//   stream needs twice the consumer warps of a 16-bit one.
+template <int D, bool kFp8, int kNH>
+constexpr int ConsumerWarps() {
+  return kFp8 && kNH == 1 && D <= 128 ? 8 : 4;
+}
+template <int D, bool kFp8, int kNH>
+constexpr int CtaThreads() {
+  return (ConsumerWarps<D, kFp8, kNH>() + 1) * 32;
+}
+template <int D, bool kFp8, int kNH>
+constexpr int RingBytes() {
+  return (ConsumerWarps<D, kFp8, kNH>() == 8 ? 104 : 72) * 1024;
+}
+// A register bound for the compiler: the 4-consumer configurations at G <= 8 and head_dim <= 128
+// are sized for 3 CTAs per SM (<= 136 registers; ~94-108 without the bound). The 8-consumer fp8
+// one needs <= 112 for 2 (it takes ~110 unbounded; a bound of 2 made ptxas spill).
+template <int D, bool kFp8, int kNH>
+constexpr int MinCtasPerSm() {
+  return ConsumerWarps<D, kFp8, kNH>() == 4 && kNH == 1 && D <= 128 ? 3 : 1;
+}
 constexpr int kMaxStages = 32;
 
 template <int D, bool kFp8>
 constexpr int TileBytes() {  // one arriving {K or V} tile
   return kTile * D * (kFp8 ? 1 : 2);
 }
-template <int D, bool kFp8>
+template <int D, bool kFp8, int kNH>
 constexpr int RingStages() {
-  constexpr int n = kRingBytes / (2 * TileBytes<D, kFp8>());
+  constexpr int n = RingBytes<D, kFp8, kNH>() / (2 * TileBytes<D, kFp8>());
   return n < kMaxStages ? n : kMaxStages;
 }
 
 // The ring; at least the end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G]
 // maxima and sums, which reuse it.
-template <int D, bool kFp8>
+template <int D, bool kFp8, int kNH>
 constexpr int DecodeSmemBytes() {
-  constexpr int ring = RingStages<D, kFp8>() * 2 * TileBytes<D, kFp8>();
-  constexpr int merge = kWarps * 16 * (D + 2) * 4;
+  constexpr int ring = RingStages<D, kFp8, kNH>() * 2 * TileBytes<D, kFp8>();
+  constexpr int merge = ConsumerWarps<D, kFp8, kNH>() * 16 * (D + 2) * 4;
   return ring > merge ? ring : merge;
 }
 
@@ -158,9 +182,11 @@ struct DecodeParams {
 // T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T; kNH:
 // column tiles of 8 query heads (G <= 8 * kNH).
 template <typename T, int D, bool kFp8, int kNH>
-__global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const DecodeParams p) {
+__global__ void __launch_bounds__(CtaThreads<D, kFp8, kNH>(), MinCtasPerSm<D, kFp8, kNH>())
+    PagedDecodeKernel(const DecodeParams p) {
   using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
-  constexpr int kStages = RingStages<D, kFp8>();
+  constexpr int kWarps = ConsumerWarps<D, kFp8, kNH>();
+  constexpr int kStages = RingStages<D, kFp8, kNH>();
   constexpr int kChunks = D / 8;            // 16-byte chunks of M per row
   constexpr int kLoadChunks = kFp8 ? D / 16 : D / 8;  // 16-byte chunks per cached row
   constexpr int kTileBytes = TileBytes<D, kFp8>();  // bytes of one arriving tile
@@ -608,13 +634,13 @@ struct DecodeSchedule {
   int64_t splits;     // CTAs per row for the others (1: no split, full_rows = rows)
 };
 
-DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles) {
+DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles, int64_t warps) {
   constexpr int64_t kCtaOverhead = 2, kCombineCost = 2;
-  const int64_t most = std::clamp<int64_t>(max_tiles / (2 * kWarps), 1, 64);
+  const int64_t most = std::clamp<int64_t>(max_tiles / (2 * warps), 1, 64);
   const int64_t full_rows = rows / slots * slots, tail = rows - full_rows;
   auto cta_cost = [&](int64_t splits) {
     const int64_t tiles = (max_tiles + splits - 1) / splits;
-    return (tiles + kWarps - 1) / kWarps + kCtaOverhead;
+    return (tiles + warps - 1) / warps + kCtaOverhead;
   };
   auto cost = [&](int64_t splits) {
     const int64_t tail_waves = (tail * splits + slots - 1) / slots;
@@ -634,13 +660,13 @@ DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles) {
 template <typename T, int D, bool kFp8, int kNH>
 int CtasPerSm() {
   static int per_sm = [] {  // NOTE: per-template, on the first launch
-    constexpr int smem = DecodeSmemBytes<D, kFp8>();
+    constexpr int smem = DecodeSmemBytes<D, kFp8, kNH>();
     auto kernel = PagedDecodeKernel<T, D, kFp8, kNH>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
       return 0;
     int n = 1;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, CtaThreads<D, kFp8, kNH>(), smem);
     return std::max(n, 1);
   }();
   return per_sm;
@@ -649,7 +675,7 @@ int CtasPerSm() {
 template <typename T, int D, bool kFp8, int kNH>
 ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {
   const AttentionShape& s = a.shape;
-  constexpr int smem = DecodeSmemBytes<D, kFp8>();
+  constexpr int smem = DecodeSmemBytes<D, kFp8, kNH>();
   auto kernel = PagedDecodeKernel<T, D, kFp8, kNH>;
   const int per_sm = CtasPerSm<T, D, kFp8, kNH>();
   if (per_sm == 0) return LaunchError("paged_attention: cudaFuncSetAttribute");
@@ -659,7 +685,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
   // fewer under a window.
   int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
   if (a.window > 0) max_tiles = std::min<int64_t>(max_tiles, (a.window + kTile - 1) / kTile + 1);
-  const DecodeSchedule plan = PlanDecode(rows, slots, max_tiles);
+  const DecodeSchedule plan = PlanDecode(rows, slots, max_tiles, ConsumerWarps<D, kFp8, kNH>());
   const int64_t splits = plan.splits;
   const int64_t ctas = plan.full_rows + (rows - plan.full_rows) * splits;
   if (ctas > int64_t(std::numeric_limits<int>::max()))
@@ -683,7 +709,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
     p.part_o = reinterpret_cast<float*>(ws);
     p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
   }
-  kernel<<<unsigned(ctas), kThreads, smem, stream>>>(p);
+  kernel<<<unsigned(ctas), CtaThreads<D, kFp8, kNH>(), smem, stream>>>(p);
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
   if (splits > 1) {  // the split rows' heads: flat head rows full_rows * G on
     const int64_t G = s.group();
