@@ -43,55 +43,45 @@ namespace kvcm::cuda {
 namespace {
 
 constexpr int kTile = 16;  // tokens per tile
+constexpr int kWarps = 4;  // warps that compute tiles (tile i of a CTA's: warp i % kWarps)
 
-// A CTA: kWarps consumer warps and one producer warp, around a ring of kStages {K, V} tiles of
-// kTile tokens in shared memory, filled in tile order by the producer and each read by one
-// consumer (tile i by warp i % kWarps). The ring's bytes, not the warps, bound the bytes in
-// flight per SM: every stage that no consumer is reading is being filled.
-// - 16-bit caches: 4 consumers, a 72 KiB ring: 3 CTAs per SM (3 x 72 KiB of the H200's 227 KiB;
-//   ~94 registers per thread at head_dim 128). Measured on the H200 (2026-12-02, B64 S4096 ..
-//   B256 S256): 0.98-1.01x FlashInfer's tensor-core decode where the former per-warp 2-3 stage
-//   rings ran at 0.87-0.95x.
-// - fp8 caches (G <= 8, head_dim <= 128): 8 consumers, a 104 KiB ring: 2 CTAs per SM. A tile
-//   carries half the bytes and costs its consumer more work (the e4m3 conversions), so a byte
-//   stream needs twice the consumer warps of a 16-bit one.
-template <int D, bool kFp8, int kNH>
-constexpr int ConsumerWarps() {
-  return kFp8 && kNH == 1 && D <= 128 ? 8 : 4;
-}
-template <int D, bool kFp8, int kNH>
-constexpr int CtaThreads() {
-  return (ConsumerWarps<D, kFp8, kNH>() + 1) * 32;
-}
-template <int D, bool kFp8, int kNH>
-constexpr int RingBytes() {
-  return (ConsumerWarps<D, kFp8, kNH>() == 8 ? 104 : 72) * 1024;
-}
-// A register bound for the compiler: the 4-consumer configurations at G <= 8 and head_dim <= 128
-// are sized for 3 CTAs per SM (<= 136 registers; ~94-108 without the bound). The 8-consumer fp8
-// one needs <= 112 for 2 (it takes ~110 unbounded; a bound of 2 made ptxas spill).
-template <int D, bool kFp8, int kNH>
-constexpr int MinCtasPerSm() {
-  return ConsumerWarps<D, kFp8, kNH>() == 4 && kNH == 1 && D <= 128 ? 3 : 1;
-}
-constexpr int kMaxStages = 32;
+// How a CTA's tiles reach shared memory, per cache dtype (measured on the H200, 2026-12-02;
+// benchmarks/RESULTS.md):
+// - 16-bit caches: a producer ring. One more warp streams the CTA's tiles, in order, into a
+//   CTA-wide ring of kRingBytes (cp.async; a stage's "full" mbarrier completes when its copies
+//   land, its "empty" one when its consumer warp has read it), so every stage that no warp is
+//   reading is in flight: 3 CTAs per SM, 3 x 72 KiB of the SM's 227 KiB. 0.98-1.02x FlashInfer's
+//   tensor-core decode at B64 S4096 .. B1 S131072, where per-warp rings ran at 0.87-0.95x.
+// - fp8 caches: per-warp rings. Each warp streams its own tiles through a private 3-stage ring
+//   (48 KiB per CTA at head_dim 128: 4 CTAs, 16 computing warps per SM). A tile of half the bytes
+//   costs its warp more work (the e4m3 conversions); the producer ring with 4 (3 CTAs/SM) or 8
+//   (2 CTAs/SM) consumer warps ran fp8 1.1x-2x slower than this.
+constexpr int kRingBytes = 72 * 1024;
+constexpr int kMaxRingStages = 32;
+constexpr int kFp8WarpStages = 3;
 
 template <int D, bool kFp8>
 constexpr int TileBytes() {  // one arriving {K or V} tile
   return kTile * D * (kFp8 ? 1 : 2);
 }
-template <int D, bool kFp8, int kNH>
+template <bool kFp8>
+constexpr int CtaThreads() {
+  return (kWarps + (kFp8 ? 0 : 1)) * 32;
+}
+// Stages of the CTA's ring (16-bit caches) or of each warp's (fp8).
+template <int D, bool kFp8>
 constexpr int RingStages() {
-  constexpr int n = RingBytes<D, kFp8, kNH>() / (2 * TileBytes<D, kFp8>());
-  return n < kMaxStages ? n : kMaxStages;
+  if constexpr (kFp8) return kFp8WarpStages;
+  constexpr int n = kRingBytes / (2 * TileBytes<D, kFp8>());
+  return n < kMaxRingStages ? n : kMaxRingStages;
 }
 
-// The ring; at least the end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G]
-// maxima and sums, which reuse it.
-template <int D, bool kFp8, int kNH>
+// The ring(s); at least the end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G]
+// maxima and sums, which reuse them.
+template <int D, bool kFp8>
 constexpr int DecodeSmemBytes() {
-  constexpr int ring = RingStages<D, kFp8, kNH>() * 2 * TileBytes<D, kFp8>();
-  constexpr int merge = ConsumerWarps<D, kFp8, kNH>() * 16 * (D + 2) * 4;
+  constexpr int ring = (kFp8 ? kWarps : 1) * RingStages<D, kFp8>() * 2 * TileBytes<D, kFp8>();
+  constexpr int merge = kWarps * 16 * (D + 2) * 4;
   return ring > merge ? ring : merge;
 }
 
@@ -179,17 +169,248 @@ struct DecodeParams {
   float* part_ml;  // [num_splits, B, H, 2]
 };
 
-// T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T; kNH:
-// column tiles of 8 query heads (G <= 8 * kNH).
-template <typename T, int D, bool kFp8, int kNH>
-__global__ void __launch_bounds__(CtaThreads<D, kFp8, kNH>(), MinCtasPerSm<D, kFp8, kNH>())
-    PagedDecodeKernel(const DecodeParams p) {
-  using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
-  constexpr int kWarps = ConsumerWarps<D, kFp8, kNH>();
-  constexpr int kStages = RingStages<D, kFp8, kNH>();
-  constexpr int kChunks = D / 8;            // 16-byte chunks of M per row
+// Q^T as B fragments, one pair per 16-wide k step and column tile: lane (g = lane / 4,
+// q = lane % 4) holds head nh * 8 + g at k {2q, 2q + 1} (word 0) and {2q + 8, 2q + 9} (word 1).
+// 16-bit caches: k = d - 16 kk. fp8 caches permute the d's of a k step so that a lane's four K
+// bytes are one word: k {2q, 2q + 1} holds d = 16 kk + 4q + {0, 1}, k {2q + 8, 2q + 9} holds
+// d = 16 kk + 4q + {2, 3} (the dot product is a sum over d: any permutation shared by Q and K
+// gives the same S). qb: the row's first query head.
+template <typename T, typename M, int D, bool kFp8, int kNH>
+__device__ __forceinline__ void LoadQueryFragments(uint32_t (&qf)[D / 16][kNH][2], const T* qb,
+                                                   int G, int lane) {
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int nh = 0; nh < kNH; ++nh) {
+      const int head = nh * 8 + r0;
+      const int col = kFp8 ? kk * 16 + 2 * c0 : kk * 16 + c0;  // fp8: 4q
+      constexpr int kHi = kFp8 ? 2 : 8;  // offset of word 1's d from word 0's
+      qf[kk][nh][0] = head < G ? QueryWord<T, M>(qb + head * D + col) : 0u;
+      qf[kk][nh][1] = head < G ? QueryWord<T, M>(qb + head * D + col + kHi) : 0u;
+    }
+}
+
+// Where a row's K / V bytes are (the layer's and kv head's offset applied).
+struct RowSource {
+  const char* k;
+  const char* v;
+  int64_t token_bytes;  // bytes from one token of a page to the next
+  int64_t num_pages;
+  int page_size, page_shift;
+};
+
+// One warp's cp.asyncs of the {K, V} tile of tokens [first, first + kTile) into ks (V at ks +
+// TileBytes), both swizzled (16-bit tiles for ldmatrix, fp8 tiles for the fragment reads).
+// page_lo / page_hi: the pages of its first and last token (equal unless the page size is 8).
+// Rows outside [lo, len), or in a bad page (kBadPage in bits), are zero-filled: a zero V row
+// times its zero probability adds nothing, and its K row's logit is masked.
+template <int D, bool kFp8>
+__device__ __forceinline__ void LoadTile(char* ks, const RowSource& src, int first, int lo,
+                                         int len, int page_lo, int page_hi, int lane,
+                                         uint32_t& bits) {
+  constexpr int kChunks = D / 8;                      // 16-byte chunks of a 16-bit tile row
   constexpr int kLoadChunks = kFp8 ? D / 16 : D / 8;  // 16-byte chunks per cached row
-  constexpr int kTileBytes = TileBytes<D, kFp8>();  // bytes of one arriving tile
+  char* vs = ks + TileBytes<D, kFp8>();
+  const int P = src.page_size;
+  // Fast path (every tile but a row's first and last, and pages of 16+ tokens): the whole tile
+  // is attended and lies in one valid page, so one lane-uniform check replaces the per-chunk
+  // ones and each lane's rows are a fixed stride apart (its chunk column is fixed: kLoadChunks
+  // divides 32).
+  if (P >= kTile && first >= lo && first + kTile <= len && page_lo >= 0 &&
+      page_lo < src.num_pages) {
+    constexpr int kRowStep = 32 / kLoadChunks;
+    const int ch = lane % kLoadChunks, row0 = lane / kLoadChunks;
+    const int64_t off0 =
+        (int64_t(page_lo) * P + ((first + row0) & (P - 1))) * src.token_bytes + ch * 16;
+#pragma unroll
+    for (int k = 0; k < kTile / kRowStep; ++k) {
+      const int row = row0 + k * kRowStep;
+      const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
+      const int64_t off = off0 + int64_t(k * kRowStep) * src.token_bytes;
+      CpAsync16(SmemAddr(ks + so), src.k + off, true);
+      CpAsync16(SmemAddr(vs + so), src.v + off, true);
+    }
+    return;
+  }
+  const int p_lo = first >> src.page_shift;
+#pragma unroll
+  for (int i = lane; i < kTile * kLoadChunks; i += 32) {
+    const int row = i / kLoadChunks, ch = i % kLoadChunks;
+    const int pos = first + row;
+    const int page = (pos >> src.page_shift) == p_lo ? page_lo : page_hi;
+    bool valid = pos >= lo && pos < len;
+    int64_t off = 0;
+    if (valid) {
+      if (page < 0 || page >= src.num_pages) {
+        bits |= kBadPage;
+        valid = false;
+      } else {
+        off = (int64_t(page) * P + (pos & (P - 1))) * src.token_bytes + ch * 16;
+      }
+    }
+    const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
+    CpAsync16(SmemAddr(ks + so), src.k + off, valid);
+    CpAsync16(SmemAddr(vs + so), src.v + off, valid);
+  }
+}
+
+// One warp's attention over the tile at ktile (V at ktile + TileBytes) of tokens [tile_pos,
+// tile_pos + kTile), positions outside [lo, len) masked: the online softmax state (m, l) and the
+// O^T accumulators o of this lane (see the kernel) are updated.
+template <typename M, int D, bool kFp8, int kNH>
+__device__ __forceinline__ void AttendTile(const char* ktile, int tile_pos, int lo, int len,
+                                           const LogitTransform& logit,
+                                           const uint32_t (&qf)[D / 16][kNH][2],
+                                           float (&o)[D / 16][kNH][4], float (&m)[kNH][2],
+                                           float (&l)[kNH][2], int lane) {
+  constexpr int kChunks = D / 8;
+  const char* vtile = ktile + TileBytes<D, kFp8>();
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+  // S^T = K Q^T. Two independent accumulator chains (even / odd k steps) halve the dependent
+  // MMA latency.
+  float sc[kNH][4], sd[kNH][4];
+#pragma unroll
+  for (int nh = 0; nh < kNH; ++nh)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sc[nh][j] = sd[nh][j] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t ka[4];  // A fragment: tokens g (words 0, 2) and g + 8 (1, 3)
+    if constexpr (kFp8) {
+      // Words 0 / 2 hold k {2q, 2q + 1} / {2q + 8, 2q + 9} = d 16 kk + 4q + {0, 1} / {2, 3}:
+      // the low and high halves of the word at byte 4q of chunk kk of the token's row.
+      const uint32_t w0 =
+          *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0, kk) + 2 * c0);
+      const uint32_t w1 =
+          *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0 + 8, kk) + 2 * c0);
+      Fp8QuadToHalf2x2(w0, ka[0], ka[2]);
+      Fp8QuadToHalf2x2(w1, ka[1], ka[3]);
+    } else {
+      // Matrices 0..3 of the x4 load: tokens 0-7 / 8-15 (bit 3 of the lane) at chunk 2 kk /
+      // 2 kk + 1 (bit 4).
+      const M* ks = reinterpret_cast<const M*>(ktile);
+      const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
+      LdMatrixX4(ka, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + (lane >> 4))));
+    }
+#pragma unroll
+    for (int nh = 0; nh < kNH; ++nh) {
+      if (kk % 2 == 0) Mma<M>::mma(sc[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
+      else Mma<M>::mma(sd[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
+    }
+  }
+    uint32_t pb[kNH][2];  // P^T as B fragments
+#pragma unroll
+  for (int nh = 0; nh < kNH; ++nh) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int pos = tile_pos + r0 + 8 * (j >> 1);
+      sc[nh][j] = (pos >= lo && pos < len) ? logit(sc[nh][j] + sd[nh][j]) : -INFINITY;
+    }
+    // Online softmax per column (head): the max over the tile's 16 tokens is over this
+    // lane's two rows and the 8 lanes of the column (lane bits 2-4).
+    float alpha[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float mx = fmaxf(sc[nh][c], sc[nh][2 + c]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m[nh][c], mx);
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      alpha[c] = FastExp2(m[nh][c] - base);
+      sc[nh][c] = FastExp2(sc[nh][c] - base);
+      sc[nh][2 + c] = FastExp2(sc[nh][2 + c] - base);
+      l[nh][c] = l[nh][c] * alpha[c] + (sc[nh][c] + sc[nh][2 + c]);
+      m[nh][c] = m_new;
+    }
+    // NOTE: skipped warp-uniformly when no column's max moved (every alpha exactly 1).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int mt = 0; mt < D / 16; ++mt) {
+        o[mt][nh][0] *= alpha[0];
+        o[mt][nh][1] *= alpha[1];
+        o[mt][nh][2] *= alpha[0];
+        o[mt][nh][3] *= alpha[1];
+      }
+    }
+    // Tokens g (g + 8) x heads 2q, 2q + 1 is the row fragment of an 8x8 matrix; its transpose
+    // gives lane (g, q) head g at tokens 2q, 2q + 1 (2q + 8, 2q + 9): P^T's B fragment.
+    pb[nh][0] = MovMatrixTrans(Mma<M>::pack(sc[nh][0], sc[nh][1]));
+    pb[nh][1] = MovMatrixTrans(Mma<M>::pack(sc[nh][2], sc[nh][3]));
+  }
+
+  // O^T += V^T P^T.
+  if constexpr (kFp8) {
+    // V^T's A fragment of m-tile mt: words 0 / 1 hold rows g / g + 8 at tokens {2q, 2q + 1},
+    // words 2 / 3 the same rows at tokens {2q + 8, 2q + 9}. The rows are permuted
+    // (PermutedVDim): lane (g, q) finds every byte it needs in the D / 8 contiguous bytes at
+    // g * (D / 8) of token rows 2q, 2q + 1, 2q + 8, 2q + 9, read in pieces of up to 16 bytes
+    // whose first half holds row g and second half row g + 8 of kPiece / 2 m-tiles. The
+    // bytes of rows t and t + 1 are interleaved into e4m3 pairs (row t's byte low: the smaller
+    // k index), each pair converted to one f16x2 word.
+    constexpr int kPiece = D / 8 < 16 ? D / 8 : 16;
+    constexpr int kWords = kPiece / 4;
+#pragma unroll
+    for (int pc = 0; pc < D / 8 / kPiece; ++pc) {
+      const int byte = r0 * (D / 8) + pc * kPiece;  // in the unswizzled row
+      uint32_t w[4][kWords];  // rows 2q, 2q + 1, 2q + 8, 2q + 9
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        const int row = c0 + (rr & 1) + (rr >> 1) * 8;
+        const char* src = vtile + Fp8TileOffset<D>(row, byte >> 4) + (byte & 15);
+        if constexpr (kPiece == 16) {
+          const uint4 v = *reinterpret_cast<const uint4*>(src);
+          w[rr][0] = v.x; w[rr][1] = v.y; w[rr][2] = v.z; w[rr][3] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(src);
+          w[rr][0] = v.x; w[rr][1] = v.y;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kWords / 2; ++j) {  // m-tiles pc * kPiece / 2 + 4j + i, i < 4
+        uint32_t va[4][4];  // [i][A word]
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)        // A rows g / g + 8: word j / j + kWords / 2
+#pragma unroll
+          for (int tp = 0; tp < 2; ++tp) {    // tokens {2q, 2q + 1} / {2q + 8, 2q + 9}
+            const uint32_t x = w[2 * tp][j + hr * (kWords / 2)];
+            const uint32_t y = w[2 * tp + 1][j + hr * (kWords / 2)];
+            const int word = hr + 2 * tp;
+            Fp8QuadToHalf2x2(__byte_perm(x, y, 0x5140), va[0][word], va[1][word]);
+            Fp8QuadToHalf2x2(__byte_perm(x, y, 0x7362), va[2][word], va[3][word]);
+          }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int nh = 0; nh < kNH; ++nh)
+            Mma<M>::mma(o[pc * (kPiece / 2) + 4 * j + i][nh], va[i], pb[nh][0], pb[nh][1]);
+      }
+    }
+  } else {
+    const M* vs = reinterpret_cast<const M*>(vtile);
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) {
+      // Matrices 0..3 of the x4 transposed load: d 16 mt + 0-7 / + 8-15 (chunk 2 mt / 2 mt + 1,
+      // lane bit 3) at tokens 0-7 / 8-15 (lane bit 4).
+      uint32_t va[4];
+      const int row = (lane & 7) + ((lane >> 4) << 3);
+      LdMatrixX4Trans(va, SmemAddr(vs + SwizzledOffset<kChunks>(row, 2 * mt + ((lane >> 3) & 1))));
+#pragma unroll
+      for (int nh = 0; nh < kNH; ++nh) Mma<M>::mma(o[mt][nh], va, pb[nh][0], pb[nh][1]);
+    }
+  }
+}
+
+// T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T; kNH:
+// column tiles of 8 query heads (G <= 8 * kNH). 16-bit caches: kWarps computing warps and a
+// producer warp around one CTA-wide ring; fp8 caches: kWarps warps with a ring each (see
+// kRingBytes).
+template <typename T, int D, bool kFp8, int kNH>
+__global__ void __launch_bounds__(CtaThreads<kFp8>()) PagedDecodeKernel(const DecodeParams p) {
+  using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
+  constexpr int kStages = RingStages<D, kFp8>();
+  constexpr int kTileBytes = TileBytes<D, kFp8>();  // bytes of one arriving K (or V) tile
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   // 32-bit: the launch checks that the grid's CTA count fits an int.
@@ -200,21 +421,22 @@ __global__ void __launch_bounds__(CtaThreads<D, kFp8, kNH>(), MinCtasPerSm<D, kF
   const int splits = whole ? 1 : p.num_splits;
   const int kvh = row_id % hkv, b = row_id / hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool producer = warp == kWarps;
+  const bool computes = warp < kWarps;  // else the producer warp (16-bit caches)
   const int G = int(s.group());
-  const int P = int(s.cache.page_size);
 
   extern __shared__ uint4 smem_raw[];
   char* smem = reinterpret_cast<char*>(smem_raw);
-  // full[i]: stage i's copies landed (one arrival per producer lane, on its copies);
-  // empty[i]: its consumer warp read it (one arrival per lane).
-  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
+  // 16-bit caches: full[i]: stage i's copies landed (one arrival per producer lane, on its
+  // copies); empty[i]: its warp has read it (one arrival per lane).
+  __shared__ uint64_t full_bar[kFp8 ? 1 : kStages], empty_bar[kFp8 ? 1 : kStages];
   __shared__ int cta_bad;
   if (threadIdx.x == 0) {
     cta_bad = 0;
-    for (int i = 0; i < kStages; ++i) {
-      MbarInit(&full_bar[i], 32);
-      MbarInit(&empty_bar[i], 32);
+    if constexpr (!kFp8) {
+      for (int i = 0; i < kStages; ++i) {
+        MbarInit(&full_bar[i], 32);
+        MbarInit(&empty_bar[i], 32);
+      }
     }
   }
   __syncthreads();
@@ -242,272 +464,126 @@ __global__ void __launch_bounds__(CtaThreads<D, kFp8, kNH>(), MinCtasPerSm<D, kF
   const int my_lo = tile_lo + split * per_split;
   const int my_hi = min(tile_hi, my_lo + per_split);
   const int num_tiles = max(my_hi - my_lo, 0);  // the CTA's tiles: my_lo + i, i < num_tiles
+  // This warp's tiles: my_lo + warp + j * kWarps, j < my_count.
+  const int my_count = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
 
-  const int r0 = lane / 4, c0 = (lane % 4) * 2;  // a consumer lane's MMA fragment row / column
+  constexpr int kElemBytes = kFp8 ? 1 : 2;
+  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
+  const RowSource src{static_cast<const char*>(a.k_cache) + layer_off,
+                      static_cast<const char*>(a.v_cache) + layer_off,
+                      s.cache.token_stride() * kElemBytes, s.cache.num_pages,
+                      int(s.cache.page_size), p.page_shift};
+  const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
+  const int max_pages = int(s.max_pages);
+
+  // The kernel computes the transposed products (tokens and head dims on the MMA's 16 rows, the
+  // G query heads of the kv head on its 8 columns, kNH column tiles for G > 8):
+  //   S^T = K Q^T   (A = a K tile [16 tokens][16 d], B = Q^T [16 d][8 heads], k = d)
+  //   O^T += V^T P^T (A = V^T [16 d][16 tokens], B = P^T [16 tokens][8 heads], k = tokens)
+  // which takes half the MMAs (and half the accumulator registers) of S = Q K^T with G <= 8 query
+  // heads padded to 16 rows. P^T's B fragments come from the S^T accumulators by one in-register
+  // 8x8 transpose each (movmatrix).
+  // O^T accumulators: m-tile mt, column tile nh; C element j of lane (g, q) is row
+  // g + 8 (j / 2) of the m-tile and head nh * 8 + 2q + j % 2. Row r of m-tile mt is
+  // d = 16 mt + r (16-bit caches) or PermutedVDim(mt, r) (fp8, see AttendTile's P V step).
+  // Online-softmax state of this lane's heads nh * 8 + 2q + {0, 1}; l is this lane's partial
+  // sum over its tokens (rows g, g + 8), summed over the lanes of a column at the end.
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+  uint32_t qf[D / 16][kNH][2];
   float o[D / 16][kNH][4];
   float m[kNH][2], l[kNH][2];
-  if (producer) {
-    // ---- producer warp: tile i into stage i % kStages, once its previous tile was read ----
-    constexpr int kElemBytes = kFp8 ? 1 : 2;
-    const int64_t layer_off =
-        (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
-    const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
-    const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
-    const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
-    const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
-    const int max_pages = int(s.max_pages);
-    // Page ids, 32 at a time: lane j holds the entry of page index base + j of the row (-1 when
-    // past its last page), so a tile's page ids come by shuffle and the table's latency is paid
-    // once per 32 pages (>= 16 tiles).
-    int base = -64, lane_page = -1;
-    const int last_page = len > 0 ? (len - 1) >> p.page_shift : -1;
-    auto page_of = [&](int index) {  // lane-uniform index in [base, base + 32)
-      return __shfl_sync(0xffffffffu, lane_page, (index - base) & 31);
-    };
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % kStages;
-      const int first = (my_lo + it) * kTile;  // < len
-      const int p_lo = first >> p.page_shift;
-      const int p_hi = min(first + kTile - 1, len - 1) >> p.page_shift;  // p_lo + {0, 1}
-      if (p_hi >= base + 32) {
-        base = p_lo;
-        lane_page = base + lane <= last_page
-                        ? pages[TableEntry(base + lane, max_pages, a.ring)]
-                        : -1;
-      }
-      const int page_lo = page_of(p_lo), page_hi = page_of(p_hi);
-      if (it >= kStages) MbarWait(&empty_bar[stage], ((it / kStages) - 1) & 1);
-      char* ks = smem + stage * 2 * kTileBytes;
-      char* vs = ks + kTileBytes;
-      // Fast path (every tile but a row's first and last, and pages of 16+ tokens): the whole
-      // tile is attended and lies in one valid page, so one lane-uniform check replaces the
-      // per-chunk ones and each lane's rows are a fixed stride apart (its chunk column is
-      // fixed: kLoadChunks divides 32).
-      if (P >= kTile && first >= lo && first + kTile <= len && page_lo >= 0 &&
-          page_lo < s.cache.num_pages) {
-        constexpr int kRowStep = 32 / kLoadChunks;
-        const int ch = lane % kLoadChunks, row0 = lane / kLoadChunks;
-        const int64_t off0 =
-            (int64_t(page_lo) * P + ((first + row0) & (P - 1))) * token_bytes + ch * 16;
-#pragma unroll
-        for (int k = 0; k < kTile / kRowStep; ++k) {
-          const int row = row0 + k * kRowStep;
-          const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
-          const int64_t off = off0 + int64_t(k * kRowStep) * token_bytes;
-          CpAsync16(SmemAddr(ks + so), kbase + off, true);
-          CpAsync16(SmemAddr(vs + so), vbase + off, true);
-        }
-      } else {
-        // Rows outside [lo, len) or in a bad page are zero-filled (a zero V row times its zero
-        // probability adds nothing; its K row's logit is masked).
-#pragma unroll
-        for (int i = lane; i < kTile * kLoadChunks; i += 32) {
-          const int row = i / kLoadChunks, ch = i % kLoadChunks;
-          const int pos = first + row;
-          const int page = (pos >> p.page_shift) == p_lo ? page_lo : page_hi;
-          bool valid = pos >= lo && pos < len;
-          int64_t off = 0;
-          if (valid) {
-            if (page < 0 || page >= s.cache.num_pages) {
-              bits |= kBadPage;
-              valid = false;
-            } else {
-              off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
-            }
-          }
-          // Both swizzled: 16-bit tiles for ldmatrix, fp8 tiles for the fragment reads.
-          const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
-          CpAsync16(SmemAddr(ks + so), kbase + off, valid);
-          CpAsync16(SmemAddr(vs + so), vbase + off, valid);
-        }
-      }
-      MbarArriveOnCopies(&full_bar[stage]);
-    }
-    CpAsyncWait<0>();
-  } else {
-    // ---- consumer warps: tiles warp, warp + kWarps, ... of the CTA's ----
-    const int my_count = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
-    // The kernel computes the transposed products (tokens and head dims on the MMA's 16 rows, the
-    // G query heads of the kv head on its 8 columns, kNH column tiles for G > 8):
-    //   S^T = K Q^T   (A = a K tile [16 tokens][16 d], B = Q^T [16 d][8 heads], k = d)
-    //   O^T += V^T P^T (A = V^T [16 d][16 tokens], B = P^T [16 tokens][8 heads], k = tokens)
-    // which takes half the MMAs (and half the accumulator registers) of S = Q K^T with G <= 8 query
-    // heads padded to 16 rows. P^T's B fragments come from the S^T accumulators by one in-register
-    // 8x8 transpose each (movmatrix).
-    // Q^T as B fragments, one pair per 16-wide k step and column tile: lane (g = lane / 4,
-    // q = lane % 4) holds head nh * 8 + g at k {2q, 2q + 1} (word 0) and {2q + 8, 2q + 9} (word 1).
-    // 16-bit caches: k = d - 16 kk. fp8 caches permute the d's of a k step so that a lane's four K
-    // bytes are one word: k {2q, 2q + 1} holds d = 16 kk + 4q + {0, 1}, k {2q + 8, 2q + 9} holds
-    // d = 16 kk + 4q + {2, 3} (the dot product is a sum over d: any permutation shared by Q and K
-    // gives the same S).
-    const T* qb = static_cast<const T*>(a.q) + (qrow * s.num_heads + int64_t(kvh) * G) * D;
-    uint32_t qf[D / 16][kNH][2];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-      for (int nh = 0; nh < kNH; ++nh) {
-        const int head = nh * 8 + r0;
-        const int col = kFp8 ? kk * 16 + 2 * c0 : kk * 16 + c0;  // fp8: 4q
-        constexpr int kHi = kFp8 ? 2 : 8;  // offset of word 1's d from word 0's
-        qf[kk][nh][0] = head < G ? QueryWord<T, M>(qb + head * D + col) : 0u;
-        qf[kk][nh][1] = head < G ? QueryWord<T, M>(qb + head * D + col + kHi) : 0u;
-      }
-
-    // O^T accumulators: m-tile mt, column tile nh; C element j of lane (g, q) is row
-    // g + 8 (j / 2) of the m-tile and head nh * 8 + 2q + j % 2. Row r of m-tile mt is
-    // d = 16 mt + r (16-bit caches) or PermutedVDim(mt, r) (fp8, see the P V step).
+  if (computes) {
+    LoadQueryFragments<T, M, D, kFp8, kNH>(
+        qf, static_cast<const T*>(a.q) + (qrow * s.num_heads + int64_t(kvh) * G) * D, G, lane);
 #pragma unroll
     for (int mt = 0; mt < D / 16; ++mt)
 #pragma unroll
       for (int nh = 0; nh < kNH; ++nh) o[mt][nh][0] = o[mt][nh][1] = o[mt][nh][2] = o[mt][nh][3] = 0.f;
-    // Online-softmax state of this lane's heads nh * 8 + 2q + {0, 1}; l is this lane's partial
-    // sum over its tokens (rows g, g + 8), summed over the lanes of a column at the end.
 #pragma unroll
     for (int nh = 0; nh < kNH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
+  }
 
-    for (int i = 0; i < my_count; ++i) {
-      const int it = warp + i * kWarps;
-      const int stage = it % kStages;
-      MbarWait(&full_bar[stage], (it / kStages) & 1);
-      const char* ktile = smem + stage * 2 * kTileBytes;
-      const char* vtile = ktile + kTileBytes;
-
-      // S^T = K Q^T. Two independent accumulator chains (even / odd k steps) halve the dependent
-      // MMA latency.
-      float sc[kNH][4], sd[kNH][4];
-#pragma unroll
-      for (int nh = 0; nh < kNH; ++nh)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) sc[nh][j] = sd[nh][j] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t ka[4];  // A fragment: tokens g (words 0, 2) and g + 8 (1, 3)
-        if constexpr (kFp8) {
-          // Words 0 / 2 hold k {2q, 2q + 1} / {2q + 8, 2q + 9} = d 16 kk + 4q + {0, 1} / {2, 3}:
-          // the low and high halves of the word at byte 4q of chunk kk of the token's row.
-          const uint32_t w0 =
-              *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0, kk) + 2 * c0);
-          const uint32_t w1 =
-              *reinterpret_cast<const uint32_t*>(ktile + Fp8TileOffset<D>(r0 + 8, kk) + 2 * c0);
-          Fp8QuadToHalf2x2(w0, ka[0], ka[2]);
-          Fp8QuadToHalf2x2(w1, ka[1], ka[3]);
-        } else {
-          // Matrices 0..3 of the x4 load: tokens 0-7 / 8-15 (bit 3 of the lane) at chunk 2 kk /
-          // 2 kk + 1 (bit 4).
-          const M* ks = reinterpret_cast<const M*>(ktile);
-          const int row = (lane & 7) + (((lane >> 3) & 1) << 3);
-          LdMatrixX4(ka, SmemAddr(ks + SwizzledOffset<kChunks>(row, 2 * kk + (lane >> 4))));
+  if constexpr (!kFp8) {
+    if (!computes) {
+      // ---- producer warp: tile i into stage i % kStages, once its previous tile was read ----
+      // Page ids, 32 at a time: lane j holds the entry of page index base + j of the row (-1
+      // past its last page), so a tile's page ids come by shuffle and the table's latency is
+      // paid once per 32 pages (>= 16 tiles).
+      int base = -64, lane_page = -1;
+      const int last_page = len > 0 ? (len - 1) >> p.page_shift : -1;
+      for (int it = 0; it < num_tiles; ++it) {
+        const int stage = it % kStages;
+        const int first = (my_lo + it) * kTile;  // < len
+        const int p_lo = first >> p.page_shift;
+        const int p_hi = min(first + kTile - 1, len - 1) >> p.page_shift;  // p_lo + {0, 1}
+        if (p_hi >= base + 32) {
+          base = p_lo;
+          lane_page = base + lane <= last_page ? pages[TableEntry(base + lane, max_pages, a.ring)]
+                                               : -1;
         }
-#pragma unroll
-        for (int nh = 0; nh < kNH; ++nh) {
-          if (kk % 2 == 0) Mma<M>::mma(sc[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
-          else Mma<M>::mma(sd[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
-        }
+        const int page_lo = __shfl_sync(0xffffffffu, lane_page, p_lo - base);
+        const int page_hi = __shfl_sync(0xffffffffu, lane_page, p_hi - base);
+        if (it >= kStages) MbarWait(&empty_bar[stage], ((it / kStages) - 1) & 1);
+        LoadTile<D, kFp8>(smem + stage * 2 * kTileBytes, src, first, lo, len, page_lo, page_hi,
+                          lane, bits);
+        MbarArriveOnCopies(&full_bar[stage]);
       }
-      const int tile_pos = (my_lo + it) * kTile;
-      uint32_t pb[kNH][2];  // P^T as B fragments
-#pragma unroll
-      for (int nh = 0; nh < kNH; ++nh) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int pos = tile_pos + r0 + 8 * (j >> 1);
-          sc[nh][j] = (pos >= lo && pos < len) ? logit(sc[nh][j] + sd[nh][j]) : -INFINITY;
-        }
-        // Online softmax per column (head): the max over the tile's 16 tokens is over this
-        // lane's two rows and the 8 lanes of the column (lane bits 2-4).
-        float alpha[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float mx = fmaxf(sc[nh][c], sc[nh][2 + c]);
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-          const float m_new = fmaxf(m[nh][c], mx);
-          const float base = m_new == -INFINITY ? 0.f : m_new;
-          alpha[c] = FastExp2(m[nh][c] - base);
-          sc[nh][c] = FastExp2(sc[nh][c] - base);
-          sc[nh][2 + c] = FastExp2(sc[nh][2 + c] - base);
-          l[nh][c] = l[nh][c] * alpha[c] + (sc[nh][c] + sc[nh][2 + c]);
-          m[nh][c] = m_new;
-        }
-        // NOTE: skipped warp-uniformly when no column's max moved (every alpha exactly 1).
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-          for (int mt = 0; mt < D / 16; ++mt) {
-            o[mt][nh][0] *= alpha[0];
-            o[mt][nh][1] *= alpha[1];
-            o[mt][nh][2] *= alpha[0];
-            o[mt][nh][3] *= alpha[1];
-          }
-        }
-        // Tokens g (g + 8) x heads 2q, 2q + 1 is the row fragment of an 8x8 matrix; its transpose
-        // gives lane (g, q) head g at tokens 2q, 2q + 1 (2q + 8, 2q + 9): P^T's B fragment.
-        pb[nh][0] = MovMatrixTrans(Mma<M>::pack(sc[nh][0], sc[nh][1]));
-        pb[nh][1] = MovMatrixTrans(Mma<M>::pack(sc[nh][2], sc[nh][3]));
+      CpAsyncWait<0>();
+    } else {
+      for (int j = 0; j < my_count; ++j) {
+        const int it = warp + j * kWarps;
+        const int stage = it % kStages;
+        MbarWait(&full_bar[stage], (it / kStages) & 1);
+        AttendTile<M, D, kFp8, kNH>(smem + stage * 2 * kTileBytes, (my_lo + it) * kTile, lo, len,
+                                    logit, qf, o, m, l, lane);
+        MbarArrive(&empty_bar[stage]);  // every lane has read the stage (K and V)
       }
-
-      // O^T += V^T P^T.
-      if constexpr (kFp8) {
-        // V^T's A fragment of m-tile mt: words 0 / 1 hold rows g / g + 8 at tokens {2q, 2q + 1},
-        // words 2 / 3 the same rows at tokens {2q + 8, 2q + 9}. The rows are permuted
-        // (PermutedVDim): lane (g, q) finds every byte it needs in the D / 8 contiguous bytes at
-        // g * (D / 8) of token rows 2q, 2q + 1, 2q + 8, 2q + 9, read in pieces of up to 16 bytes
-        // whose first half holds row g and second half row g + 8 of kPiece / 2 m-tiles. The
-        // bytes of rows t and t + 1 are interleaved into e4m3 pairs (row t's byte low: the smaller
-        // k index), each pair converted to one f16x2 word.
-        constexpr int kPiece = D / 8 < 16 ? D / 8 : 16;
-        constexpr int kWords = kPiece / 4;
-#pragma unroll
-        for (int pc = 0; pc < D / 8 / kPiece; ++pc) {
-          const int byte = r0 * (D / 8) + pc * kPiece;  // in the unswizzled row
-          uint32_t w[4][kWords];  // rows 2q, 2q + 1, 2q + 8, 2q + 9
-#pragma unroll
-          for (int rr = 0; rr < 4; ++rr) {
-            const int row = c0 + (rr & 1) + (rr >> 1) * 8;
-            const char* src = vtile + Fp8TileOffset<D>(row, byte >> 4) + (byte & 15);
-            if constexpr (kPiece == 16) {
-              const uint4 v = *reinterpret_cast<const uint4*>(src);
-              w[rr][0] = v.x; w[rr][1] = v.y; w[rr][2] = v.z; w[rr][3] = v.w;
-            } else {
-              const uint2 v = *reinterpret_cast<const uint2*>(src);
-              w[rr][0] = v.x; w[rr][1] = v.y;
-            }
-          }
-#pragma unroll
-          for (int j = 0; j < kWords / 2; ++j) {  // m-tiles pc * kPiece / 2 + 4j + i, i < 4
-            uint32_t va[4][4];  // [i][A word]
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr)        // A rows g / g + 8: word j / j + kWords / 2
-#pragma unroll
-              for (int tp = 0; tp < 2; ++tp) {    // tokens {2q, 2q + 1} / {2q + 8, 2q + 9}
-                const uint32_t x = w[2 * tp][j + hr * (kWords / 2)];
-                const uint32_t y = w[2 * tp + 1][j + hr * (kWords / 2)];
-                const int word = hr + 2 * tp;
-                Fp8QuadToHalf2x2(__byte_perm(x, y, 0x5140), va[0][word], va[1][word]);
-                Fp8QuadToHalf2x2(__byte_perm(x, y, 0x7362), va[2][word], va[3][word]);
-              }
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-              for (int nh = 0; nh < kNH; ++nh)
-                Mma<M>::mma(o[pc * (kPiece / 2) + 4 * j + i][nh], va[i], pb[nh][0], pb[nh][1]);
-          }
-        }
-      } else {
-        const M* vs = reinterpret_cast<const M*>(vtile);
-#pragma unroll
-        for (int mt = 0; mt < D / 16; ++mt) {
-          // Matrices 0..3 of the x4 transposed load: d 16 mt + 0-7 / + 8-15 (chunk 2 mt / 2 mt + 1,
-          // lane bit 3) at tokens 0-7 / 8-15 (lane bit 4).
-          uint32_t va[4];
-          const int row = (lane & 7) + ((lane >> 4) << 3);
-          LdMatrixX4Trans(va, SmemAddr(vs + SwizzledOffset<kChunks>(row, 2 * mt + ((lane >> 3) & 1))));
-#pragma unroll
-          for (int nh = 0; nh < kNH; ++nh) Mma<M>::mma(o[mt][nh], va, pb[nh][0], pb[nh][1]);
-        }
-      }
-      MbarArrive(&empty_bar[stage]);  // every lane has read the stage (K and V)
     }
+  } else {
+    // ---- every warp streams its own tiles through its own kStages-deep ring ----
+    char* wsmem = smem + warp * kStages * 2 * kTileBytes;
+    // Page ids of a warp's tile j, lane-uniform: a 16-token tile spans one page (P >= 16) or two
+    // (P == 8). Fetched one tile ahead so their latency hides behind the compute.
+    auto fetch_pages = [&](int j, int& page_lo, int& page_hi) {
+      page_lo = page_hi = 0;
+      if (j < my_count) {
+        const int first = (my_lo + warp + j * kWarps) * kTile;  // < len
+        page_lo = pages[TableEntry(first >> p.page_shift, max_pages, a.ring)];
+        page_hi = (src.page_size >= kTile || first + 8 >= len)
+                      ? page_lo
+                      : pages[TableEntry((first + 8) >> p.page_shift, max_pages, a.ring)];
+      }
+    };
+    auto load = [&](int j, int page_lo, int page_hi) {
+      LoadTile<D, kFp8>(wsmem + (j % kStages) * 2 * kTileBytes, src,
+                        (my_lo + warp + j * kWarps) * kTile, lo, len, page_lo, page_hi, lane,
+                        bits);
+    };
+    int page_lo, page_hi;
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      fetch_pages(st, page_lo, page_hi);
+      if (st < my_count) load(st, page_lo, page_hi);
+      CpAsyncCommit();
+    }
+    fetch_pages(kStages - 1, page_lo, page_hi);
+    for (int j = 0; j < my_count; ++j) {
+      CpAsyncWait<kStages - 2>();
+      __syncwarp();
+      // This warp's arrived tile j (read below, before the next iteration's __syncwarp lets any
+      // lane refill its stage).
+      const char* ktile = wsmem + (j % kStages) * 2 * kTileBytes;
+      if (j + kStages - 1 < my_count) {
+        load(j + kStages - 1, page_lo, page_hi);
+        fetch_pages(j + kStages, page_lo, page_hi);
+      }
+      CpAsyncCommit();
+      AttendTile<M, D, kFp8, kNH>(ktile, (my_lo + warp + j * kWarps) * kTile, lo, len, logit,
+                                  qf, o, m, l, lane);
+    }
+    CpAsyncWait<0>();
+  }
+  if (computes) {
 #pragma unroll
     for (int nh = 0; nh < kNH; ++nh)
 #pragma unroll
@@ -531,7 +607,7 @@ __global__ void __launch_bounds__(CtaThreads<D, kFp8, kNH>(), MinCtasPerSm<D, kF
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int head = nh * 8 + c0 + c;
-      if (producer || head >= G) continue;
+      if (!computes || head >= G) continue;
       float* dst = mo + (warp * G + head) * D;
 #pragma unroll
       for (int mt = 0; mt < D / 16; ++mt)
@@ -623,7 +699,7 @@ __global__ void CombineSplitsKernel(const AttentionArgs a, const float* __restri
 // tile iterations) makes an extra wave of short CTAs cost more than one of long ones. Bounds: at
 // least 2 tiles per warp of a split (shorter splits are all prologue), at most 64 (the combine
 // kernel's reads grow with it); a split is kept only when the model says it saves >= 3%. What it
-// picks on an H200 (132 SMs; 3 CTAs/SM for fp8 and the 16-bit shallow ring, 2 for the deep one):
+// picks on an H200 (132 SMs; 3 CTAs/SM for 16-bit caches at head_dim 128, 4 for fp8):
 // - few rows (B8 S32768, B1 S131072): all rows are tail, one full wave, slots / rows splits;
 // - B64 S4096 fp8 (512 rows, 396 slots): 396 whole rows, 116 rows split 3 ways (348 CTAs);
 // - B256 S1024 (2,048 rows, 396 slots): 1,980 whole rows, 68 rows split 4 ways;
@@ -634,13 +710,13 @@ struct DecodeSchedule {
   int64_t splits;     // CTAs per row for the others (1: no split, full_rows = rows)
 };
 
-DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles, int64_t warps) {
+DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles) {
   constexpr int64_t kCtaOverhead = 2, kCombineCost = 2;
-  const int64_t most = std::clamp<int64_t>(max_tiles / (2 * warps), 1, 64);
+  const int64_t most = std::clamp<int64_t>(max_tiles / (2 * kWarps), 1, 64);
   const int64_t full_rows = rows / slots * slots, tail = rows - full_rows;
   auto cta_cost = [&](int64_t splits) {
     const int64_t tiles = (max_tiles + splits - 1) / splits;
-    return (tiles + warps - 1) / warps + kCtaOverhead;
+    return (tiles + kWarps - 1) / kWarps + kCtaOverhead;
   };
   auto cost = [&](int64_t splits) {
     const int64_t tail_waves = (tail * splits + slots - 1) / slots;
@@ -660,13 +736,13 @@ DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles, int64_
 template <typename T, int D, bool kFp8, int kNH>
 int CtasPerSm() {
   static int per_sm = [] {  // NOTE: per-template, on the first launch
-    constexpr int smem = DecodeSmemBytes<D, kFp8, kNH>();
+    constexpr int smem = DecodeSmemBytes<D, kFp8>();
     auto kernel = PagedDecodeKernel<T, D, kFp8, kNH>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
       return 0;
     int n = 1;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, CtaThreads<D, kFp8, kNH>(), smem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, CtaThreads<kFp8>(), smem);
     return std::max(n, 1);
   }();
   return per_sm;
@@ -675,7 +751,7 @@ int CtasPerSm() {
 template <typename T, int D, bool kFp8, int kNH>
 ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {
   const AttentionShape& s = a.shape;
-  constexpr int smem = DecodeSmemBytes<D, kFp8, kNH>();
+  constexpr int smem = DecodeSmemBytes<D, kFp8>();
   auto kernel = PagedDecodeKernel<T, D, kFp8, kNH>;
   const int per_sm = CtasPerSm<T, D, kFp8, kNH>();
   if (per_sm == 0) return LaunchError("paged_attention: cudaFuncSetAttribute");
@@ -685,7 +761,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
   // fewer under a window.
   int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
   if (a.window > 0) max_tiles = std::min<int64_t>(max_tiles, (a.window + kTile - 1) / kTile + 1);
-  const DecodeSchedule plan = PlanDecode(rows, slots, max_tiles, ConsumerWarps<D, kFp8, kNH>());
+  const DecodeSchedule plan = PlanDecode(rows, slots, max_tiles);
   const int64_t splits = plan.splits;
   const int64_t ctas = plan.full_rows + (rows - plan.full_rows) * splits;
   if (ctas > int64_t(std::numeric_limits<int>::max()))
@@ -709,7 +785,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
     p.part_o = reinterpret_cast<float*>(ws);
     p.part_ml = reinterpret_cast<float*>(static_cast<char*>(ws) + o_bytes);
   }
-  kernel<<<unsigned(ctas), CtaThreads<D, kFp8, kNH>(), smem, stream>>>(p);
+  kernel<<<unsigned(ctas), CtaThreads<kFp8>(), smem, stream>>>(p);
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
   if (splits > 1) {  // the split rows' heads: flat head rows full_rows * G on
     const int64_t G = s.group();
