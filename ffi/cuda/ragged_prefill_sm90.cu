@@ -5,7 +5,8 @@
 // there maps CTAs to sequences), for bf16/f16 queries over caches of the same dtype at head_dim 64
 // and 128 on sm_90a. A CTA has three warpgroups:
 // - the producer (warps 0-3) streams 64-key K/V tiles through a kStages-deep shared-memory ring
-//   with cp.async (rows are gathered one by one through the page table), in the 128-byte
+//   with cp.async (rows are gathered through the page table, whose entries for a tile each lane
+//   of a producer warp loads one tile ahead and hands to the rows by shuffle), in the 128-byte
 //   swizzled layout that wgmma reads; each thread's copies arrive on the stage's "full" mbarrier
 //   when they land (cp.async.mbarrier.arrive), so the producer never waits for data, only for
 //   the stage's "empty" mbarrier before refilling it;
@@ -72,6 +73,9 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, int parity) {
 }
 __device__ __forceinline__ void NamedBarrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 // Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to wgmma's async proxy.
 __device__ __forceinline__ void FenceProxyAsync() {
@@ -168,29 +172,67 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
     const int64_t token_bytes = s.cache.token_stride() * 2;
     const int ch = wt % kChunks, row_base = wt / kChunks;
+    const uint32_t ring_s = SmemAddr(ring);
+    // Pages of at least kKeys / 32 tokens (at most 32 per tile): lane j of every producer warp
+    // looks up page j of a tile once, one tile ahead and before the empty-slot wait, as the byte
+    // offset of its first token (-1: a bad page id, or no key of the CTA's range in it), and the
+    // rows take it by shuffle, so no global load or 64-bit multiply sits on a row's path to its
+    // cp.asyncs. Smaller pages are looked up per row.
+    const int tile_pages = max(1, kKeys >> p.page_shift);
+    const bool lane_pages = tile_pages <= 32;
+    const int32_t page_bytes = int32_t(P * token_bytes);  // < 2^31: RaggedPrefillSm90Supports
+    auto tile_page_offset = [&](int it) -> int64_t {
+      const int pg = (((t_lo + it) * kKeys) >> p.page_shift) + lane;
+      if (it >= num_tiles || lane >= tile_pages || (pg << p.page_shift) >= key_hi ||
+          ((pg + 1) << p.page_shift) <= key_lo)
+        return -1;
+      const int page = pages[TableEntry(pg, int(s.max_pages), a.ring)];
+      if (page < 0 || page >= s.cache.num_pages) {
+        bits |= kBadPage;
+        return -1;
+      }
+      return int64_t(page) * page_bytes;
+    };
+    int64_t next_offset = lane_pages ? tile_page_offset(0) : -1;
     for (int it = 0; it < num_tiles; ++it) {
       const int stage = it % kStages;
+      const int64_t lane_offset = next_offset;
+      if (lane_pages) next_offset = tile_page_offset(it + 1);
       if (it >= kStages) MbarWait(&empty_bar[stage], ((it / kStages) - 1) & 1);
-      uint8_t* ks = ring + stage * 2 * kTileBytes;
+      const uint32_t ks = ring_s + stage * 2 * kTileBytes;
       const int key0 = (t_lo + it) * kKeys;
-#pragma unroll
-      for (int i = 0; i < kKeys / kRowsPerPass; ++i) {
+      const int page0 = key0 >> p.page_shift;
+      auto issue_row = [&](int i, int64_t page_offset) {  // page_offset < 0: nothing to read
         const int row = row_base + i * kRowsPerPass;
         const int pos = key0 + row;
-        bool valid = pos >= key_lo && pos < key_hi;
-        int64_t off = 0;
-        if (valid) {
-          const int page = pages[TableEntry(pos >> p.page_shift, int(s.max_pages), a.ring)];
-          if (page < 0 || page >= s.cache.num_pages) {
-            bits |= kBadPage;
-            valid = false;
-          } else {
-            off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
-          }
+        const bool ok = pos >= key_lo && pos < key_hi && page_offset >= 0;
+        const int64_t off =
+            ok ? page_offset + int32_t(pos & (P - 1)) * int32_t(token_bytes) + ch * 16 : 0;
+        const uint32_t so = uint32_t(Swizzle128(kKeys, row, ch));
+        CpAsync16(ks + so, kbase + off, ok);
+        CpAsync16(ks + kTileBytes + so, vbase + off, ok);
+      };
+      if (lane_pages) {
+#pragma unroll
+        for (int i = 0; i < kKeys / kRowsPerPass; ++i) {
+          const int pos = key0 + row_base + i * kRowsPerPass;
+          const int src = ((pos >> p.page_shift) - page0) & 31;
+          const int lo = __shfl_sync(0xffffffffu, int32_t(lane_offset), src);
+          const int hi = __shfl_sync(0xffffffffu, int32_t(lane_offset >> 32), src);
+          issue_row(i, int64_t((uint64_t(uint32_t(hi)) << 32) | uint32_t(lo)));
         }
-        const int so = Swizzle128(kKeys, row, ch);
-        CpAsync16(SmemAddr(ks + so), kbase + off, valid);
-        CpAsync16(SmemAddr(ks + kTileBytes + so), vbase + off, valid);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kKeys / kRowsPerPass; ++i) {
+          const int pos = key0 + row_base + i * kRowsPerPass;
+          int64_t page_offset = -1;
+          if (pos >= key_lo && pos < key_hi) {
+            const int page = pages[TableEntry(pos >> p.page_shift, int(s.max_pages), a.ring)];
+            if (page < 0 || page >= s.cache.num_pages) bits |= kBadPage;
+            else page_offset = int64_t(page) * page_bytes;
+          }
+          issue_row(i, page_offset);
+        }
       }
       MbarArriveOnCopies(&full_bar[stage]);
     }
@@ -228,6 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     // largest |q.k| a row read (an inf there -> NaN; a NaN propagates through exp2 by itself).
     const bool fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
 
+    if (cw == 1 && num_tiles > 0) NamedBarrierArrive(5, 128 * kConsumers);  // warpgroup 0 first
     for (int it = 0; it < num_tiles; ++it) {
       const int stage = it % kStages;
       const int key0 = (t_lo + it) * kKeys;
@@ -271,10 +314,16 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       // The whole warpgroup skips tiles outside its rows' causal / window band.
       const bool skip =
           key0 > wg_q_hi || (a.window > 0 && key0 + kKeys - 1 <= wg_q_lo - a.window);
+      const uint8_t* ks = ring + stage * 2 * kTileBytes;
+      const uint8_t* vs = ks + kTileBytes;
+      float sc[kKeys / 8][4];
+      // Ping-pong: the warpgroups issue their S GEMMs in turn, so that one's softmax runs while
+      // the other's GEMMs do. Warpgroup cw waits on named barrier 5 + cw for the other's
+      // arrival (its S GEMM of the previous tile, or warpgroup 1's first arrival before the
+      // loop), and arrives on the other's after issuing its own; skipped tiles take their turn
+      // too, so both make num_tiles turns (warpgroup 1's last arrival would have no taker).
+      NamedBarrier(5 + cw, 128 * kConsumers);
       if (!skip) {
-        const uint8_t* ks = ring + stage * 2 * kTileBytes;
-        const uint8_t* vs = ks + kTileBytes;
-        float sc[kKeys / 8][4];
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
         FenceRegisters(sc);
@@ -286,6 +335,9 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           WgmmaSS<T, kKeys>::template run<0>(sc, qd, kd, kk > 0);
         }
         WgmmaCommit();
+      }
+      if (cw == 0 || it + 1 < num_tiles) NamedBarrierArrive(5 + (1 - cw), 128 * kConsumers);
+      if (!skip) {
         WgmmaWaitAll();
         FenceRegisters(sc);
 
@@ -438,8 +490,10 @@ ffi::Error LaunchSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_t
 bool RaggedPrefillSm90Supports(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t D = s.cache.head_dim;
+  // A page's bytes (per layer) fit 31 bits: the producer's per-row offsets are 32-bit.
+  const bool small_pages = s.cache.page_size * s.cache.token_stride() * 2 < (int64_t(1) << 31);
   return !s.fp8() && s.cache.dtype == s.q_dtype && (D == 64 || D == 128) &&
-         s.cache.page_size >= 1 && Sm90aAvailable();
+         s.cache.page_size >= 1 && small_pages && Sm90aAvailable();
 }
 
 ffi::Error LaunchRaggedPrefillSm90(cudaStream_t stream, const PrefillParams& p,
