@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     return key0 + kKeys - 1 > q_first || (a.window > 0 && key0 <= q_last - a.window);
   };
 
-  const int wg = threadIdx.x / 128;
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);  // warp-uniform for ptxas
   const int wt = threadIdx.x % 128;         // thread within its warpgroup
   const int warp = wt / 32, lane = wt % 32;
   const int r0 = lane / 4, c0 = (lane % 4) * 2;
