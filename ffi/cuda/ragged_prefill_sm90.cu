@@ -4,17 +4,27 @@
 // CTA owns 128 rows = (token, head) pairs of one sequence and one kv head; the schedule kernel
 // there maps CTAs to sequences), for bf16/f16 queries over caches of the same dtype at head_dim 64
 // and 128 on sm_90a. A CTA has three warpgroups:
-// - the producer (warps 0-3) streams 64-key K/V tiles through a kStages-deep shared-memory ring
-//   with cp.async (rows are gathered through the page table, whose entries for a tile each lane
-//   of a producer warp loads one tile ahead and hands to the rows by shuffle), in the 128-byte
-//   swizzled layout that wgmma reads; each thread's copies arrive on the stage's "full" mbarrier
-//   when they land (cp.async.mbarrier.arrive), so the producer never waits for data, only for
-//   the stage's "empty" mbarrier before refilling it;
-// - two consumers (64 rows each) compute S = Q K^T with wgmma from shared memory (Q stays in
-//   shared memory, K-major), mask and soft-max S in registers (the accumulator layout is the
-//   mma.sync one per 8 columns), and O += P V with P from registers and V read MN-major.
-// Non-finite rule: for tiles that some row of the CTA reads only in part, the consumers zero V
-// chunks holding NaN/inf and flag their keys; rows that do read a flagged key output NaN.
+// - the producer (warps 0-3, its registers cut to kProducerRegs by setmaxnreg) streams 128-key
+//   K/V tiles through a kStages-deep shared-memory ring with cp.async (rows are gathered through
+//   the page table, whose entries for a tile each lane of a producer warp loads one tile ahead and
+//   hands to the rows by shuffle), in the 128-byte swizzled layout that wgmma reads; each
+//   thread's copies arrive on the stage's "full" mbarrier when they land
+//   (cp.async.mbarrier.arrive), so the producer never waits for data, only for the stage's
+//   "empty" mbarrier before refilling it. For a tile that some row of the CTA reads only in part,
+//   each producer thread instead waits for its own copies, zeroes the V chunks it copied that hold
+//   NaN/inf, flags their keys (one word per warp and 32 keys), and then arrives;
+// - two consumers (64 rows each, registers raised to kConsumerRegs) compute S = Q K^T with wgmma
+//   from shared memory (Q stays in shared memory, K-major; m64n128k16), mask and soft-max S in
+//   registers (the accumulator layout is the mma.sync one per 8 columns), and O += P V with P
+//   from registers and V read MN-major. Within a warpgroup, the S GEMM of tile j is issued
+//   together with the P V GEMM of tile j - 1 and waited for alone (wgmma.wait_group 1), so the
+//   soft-max of tile j runs while the tensor cores do P V of tile j - 1; O is rescaled after
+//   that GEMM lands (wait_group 0), only where a row's max moved. Across the two warpgroups, the
+//   GEMM issues take turns (named barriers 5 and 6), so one's soft-max overlaps the other's
+//   GEMMs. Each warpgroup runs its GEMMs only over the tiles in its rows' causal / window band
+//   and just takes its turn and releases the stage for the others.
+// Non-finite rule: keys flagged by the producer (above) make the rows that read them output NaN;
+// elsewhere a row whose largest |q.k| is inf outputs NaN and a NaN propagates through exp2.
 #include "kvcm/cuda/attention.cuh"
 #include "kvcm/cuda/mma.cuh"
 #include "kvcm/cuda/wgmma_ops.cuh"
@@ -25,15 +35,23 @@ namespace {
 constexpr int kConsumers = 2;                     // consumer warpgroups, 64 rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer warpgroup
 constexpr int kRows = 64 * kConsumers;
-constexpr int kKeys = 64;                         // keys per K/V tile
-constexpr int kStages = 4;
+constexpr int kKeys = 128;                        // keys per K/V tile
 constexpr int kFlagWords = kKeys / 32;
+// setmaxnreg budgets: the launch gets 168 per thread (65536 / 384, rounded down to 8); the
+// producer gives back 168 - kProducerRegs, each consumer takes kConsumerRegs - 168, and the
+// total must stay within the SM's 64K: kProducerRegs + 2 * kConsumerRegs <= 512.
+constexpr int kProducerRegs = 48;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 512, "register file");
 
+// Ring depth: head_dim 128 holds three 64 KiB stages next to Q (32 KiB), head_dim 64 four.
+template <int D> constexpr int Stages() { return D == 128 ? 3 : 4; }
 template <int D> constexpr int TileBytes() { return kKeys * D * 2; }
 // + 1 KiB to align the base to the 128-byte swizzle's 1 KiB period.
 template <int D> constexpr int Sm90SmemBytes() {
-  return 1024 + kRows * D * 2 + kStages * 2 * TileBytes<D>();
+  return 1024 + kRows * D * 2 + Stages<D>() * 2 * TileBytes<D>();
 }
+static_assert(Sm90SmemBytes<128>() + 1024 <= 227 * 1024, "shared memory (with the static part)");
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows of D 16-bit values,
 // stored as D / 64 column blocks of [rows][128 bytes] with the 128-byte swizzle (chunk ^ row % 8).
@@ -87,11 +105,23 @@ __device__ __forceinline__ void WgmmaFence() {
 __device__ __forceinline__ void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void WgmmaWaitAll() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most N of this warpgroup's committed wgmma groups are still in flight (groups
+// complete in commit order).
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// Pins accumulator registers at this point of the program: the compiler sees them written here,
-// so no read or write of them moves across an asynchronous wgmma's issue or completion.
+template <int N>
+__device__ __forceinline__ void SetMaxRegs() {
+  if constexpr (N < 168) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+  }
+}
+// Pins registers at this point of the program: the compiler sees them read and written here, so
+// no access to them moves across an asynchronous wgmma's issue (wgmma.fence) or completion
+// (wgmma.wait_group), and registers a wgmma still reads stay live until its wait.
 template <int N>
 __device__ __forceinline__ void FenceRegisters(float (&d)[N][4]) {
 #pragma unroll
@@ -99,15 +129,59 @@ __device__ __forceinline__ void FenceRegisters(float (&d)[N][4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
 }
+template <int N>
+__device__ __forceinline__ void FenceRegisters(uint32_t (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
+}
+
+__device__ __forceinline__ void FenceScalars(float& a, float& b, float& c, float& d) {
+  asm volatile("" : "+f"(a), "+f"(b), "+f"(c), "+f"(d)::"memory");
+}
+
+// One online soft-max step over a tile's logits s (log2 domain after the factor `scale`: raw q.k
+// with scale = scale_log2 on the fast path, pre-transformed logits with scale = 1 otherwise;
+// masked entries -inf): s becomes exp2(s * scale - m_new * scale), l is rescaled and summed (per
+// thread; the 4 threads of a row add up at the end), and alpha[h] is the factor O's row half h
+// must be multiplied by (applied by the caller once the P V GEMM in flight has landed).
+template <int NT>
+__device__ __forceinline__ void SoftmaxStep(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                            float (&alpha)[2], float scale) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[h], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new * scale;
+    alpha[h] = FastExp2(m[h] * scale - base);
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][2 * h] = FastExp2(fmaf(s[nt][2 * h], scale, -base));
+      s[nt][2 * h + 1] = FastExp2(fmaf(s[nt][2 * h + 1], scale, -base));
+      sum += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    l[h] = l[h] * alpha[h] + sum;
+    m[h] = m_new;
+  }
+}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kStages = Stages<D>();
   constexpr int kChunks = D / 8;                // 16-byte chunks per row
   constexpr int kRowsPerPass = 128 / kChunks;   // producer rows per pass over a tile
+  constexpr int kRowsPerThread = kKeys / kRowsPerPass;
   constexpr int kTileBytes = TileBytes<D>();
   constexpr int kKvBlock = kKeys * 128;         // one 64-column block of a K/V tile
   constexpr int kQBlock = kRows * 128;
+  static_assert(32 % kRowsPerPass == 0, "a producer thread's rows: row % 32 = row_base + ...");
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   const int kvh = blockIdx.y;
@@ -129,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   uint8_t* qs = smem;                       // [D / 64][kRows][128 B]
   uint8_t* ring = smem + kRows * D * 2;     // kStages x {K, V} [D / 64][kKeys][128 B]
   __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
-  __shared__ uint32_t bad_keys[kStages][4 * kConsumers][kFlagWords];  // per consumer warp
+  __shared__ uint32_t bad_keys[kStages][4][kFlagWords];  // per producer warp, 32 keys a word
   __shared__ int cta_bad;
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -143,7 +217,6 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   int li = *a.layer;
   uint32_t bits = 0;
   if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; }
-  const LogitTransform logit = p.logit;
 
   const int last_row = min(row0 + kRows, num_rows) - 1;
   const int q_first = pos0 + row0 / G, q_last = pos0 + last_row / G;
@@ -155,17 +228,15 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     return key0 + kKeys - 1 > q_first || (a.window > 0 && key0 <= q_last - a.window);
   };
 
-  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);  // warp-uniform for ptxas
+  // The warpgroup index broadcast from lane 0: ptxas then treats the role branches as
+  // warp-uniform; otherwise it serializes every wgmma (C7518, "divergent path").
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   const int wt = threadIdx.x % 128;         // thread within its warpgroup
   const int warp = wt / 32, lane = wt % 32;
-  const int r0 = lane / 4, c0 = (lane % 4) * 2;
-  float o[D / 8][4];
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  bool row_nan[2] = {false, false};
-  float absmax[2] = {0.f, 0.f};  // the largest |q.k| each row read (fast path)
 
   if (wg == 0) {
     // ---- producer ----
+    SetMaxRegs<kProducerRegs>();
     const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * 2;
     const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
     const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
@@ -213,8 +284,8 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         CpAsync16(ks + kTileBytes + so, vbase + off, ok);
       };
       if (lane_pages) {
-#pragma unroll
-        for (int i = 0; i < kKeys / kRowsPerPass; ++i) {
+#pragma unroll 4
+        for (int i = 0; i < kRowsPerThread; ++i) {
           const int pos = key0 + row_base + i * kRowsPerPass;
           const int src = ((pos >> p.page_shift) - page0) & 31;
           const int lo = __shfl_sync(0xffffffffu, int32_t(lane_offset), src);
@@ -222,8 +293,8 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           issue_row(i, int64_t((uint64_t(uint32_t(hi)) << 32) | uint32_t(lo)));
         }
       } else {
-#pragma unroll
-        for (int i = 0; i < kKeys / kRowsPerPass; ++i) {
+#pragma unroll 4
+        for (int i = 0; i < kRowsPerThread; ++i) {
           const int pos = key0 + row_base + i * kRowsPerPass;
           int64_t page_offset = -1;
           if (pos >= key_lo && pos < key_hi) {
@@ -234,189 +305,309 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           issue_row(i, page_offset);
         }
       }
-      MbarArriveOnCopies(&full_bar[stage]);
+      if (!partial_tile(key0)) {
+        MbarArriveOnCopies(&full_bar[stage]);
+        continue;
+      }
+      // A tile some row of the CTA reads only in part: this thread's copies landed (visible to
+      // it), it zeroes those of its V chunks that hold NaN/inf, and its warp flags their keys
+      // (row = row_base + i * kRowsPerPass: word i * kRowsPerPass / 32, bit row % 32). The
+      // consumers read the flags of the stage after its full barrier, and only for such tiles;
+      // the stage's previous flags were read before its empty barrier let this tile in.
+      CpAsyncWait<0>();
+      uint32_t mine[kFlagWords] = {};
+      uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const int row = row_base + i * kRowsPerPass;
+        uint4* chunk = reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, ch));
+        const uint4 c = *chunk;
+        constexpr uint32_t kExp = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+        bool bad = false;
+        for (const uint32_t w : {c.x, c.y, c.z, c.w})
+          bad |= (w & kExp) == kExp || ((w >> 16) & kExp) == kExp;
+        if (bad) {
+          *chunk = make_uint4(0u, 0u, 0u, 0u);
+          mine[i * kRowsPerPass / 32] |= 1u << (row % 32);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kFlagWords; ++i) {
+        const uint32_t f = __reduce_or_sync(0xffffffffu, mine[i]);
+        if (lane == 0) bad_keys[stage][warp][i] = f;
+      }
+      FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
+      MbarArrive(&full_bar[stage]);
     }
     CpAsyncWait<0>();
-  } else {
-    // ---- consumers ----
-    const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the CTA
-    for (int i = wt; i < 64 * kChunks; i += 128) {
-      const int r = cw * 64 + i / kChunks, ch = i % kChunks;
-      const int row = row0 + r;
-      const bool valid = row < num_rows;
-      const T* src =
-          static_cast<const T*>(a.q) +
-          (valid ? ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D +
-                       ch * 8
-                 : 0);
-      CpAsync16(SmemAddr(qs + Swizzle128(kRows, r, ch)), src, valid);
+    if (bits) {
+      atomicOr(&cta_bad, 1);
+      RaiseError(a.error_word, bits);
     }
-    CpAsyncCommit();
-    CpAsyncWait<0>();
-    FenceProxyAsync();
-    NamedBarrier(1 + cw, 128);
-
-    int qpos[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      qpos[h] = pos0 + min(row0 + cw * 64 + warp * 16 + r0 + 8 * h, num_rows - 1) / G;
-    const int wg_q_lo = pos0 + min(row0 + cw * 64, num_rows - 1) / G;
-    const int wg_q_hi = pos0 + min(row0 + cw * 64 + 63, num_rows - 1) / G;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    const uint8_t* q_wg = qs + cw * 64 * 128;
-    // Without a soft cap (and with a positive scale) the row max commutes with the scale: S stays
-    // raw q.k, the scale folds into exp2's argument, and the non-finite rule needs only the
-    // largest |q.k| a row read (an inf there -> NaN; a NaN propagates through exp2 by itself).
-    const bool fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
-
-    if (cw == 1 && num_tiles > 0) NamedBarrierArrive(5, 128 * kConsumers);  // warpgroup 0 first
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % kStages;
-      const int key0 = (t_lo + it) * kKeys;
-      MbarWait(&full_bar[stage], (it / kStages) & 1);
-      uint32_t flagged[kFlagWords] = {};
-      bool any_flagged = false;
-      if (partial_tile(key0)) {  // both warpgroups, in step (named barrier 3 over 256 threads)
-        // The flags of this stage's previous tile have been read by every consumer thread.
-        NamedBarrier(3, 128 * kConsumers);
-        const int ct = threadIdx.x - 128;
-        uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
-        static_assert(kKeys <= 64, "one 64-bit mask of bad keys per thread");
-        uint64_t mine = 0;
-#pragma unroll
-        for (int i = ct; i < kKeys * kChunks; i += 128 * kConsumers) {
-          const int row = i / kChunks;
-          uint4* chunk = reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, i % kChunks));
-          const uint4 c = *chunk;
-          constexpr uint32_t kExp = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
-          bool bad = false;
-          for (const uint32_t w : {c.x, c.y, c.z, c.w})
-            bad |= (w & kExp) == kExp || ((w >> 16) & kExp) == kExp;
-          if (bad) {
-            *chunk = make_uint4(0u, 0u, 0u, 0u);
-            mine |= uint64_t(1) << row;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kFlagWords; ++i) {
-          const uint32_t f = __reduce_or_sync(0xffffffffu, uint32_t(mine >> (32 * i)));
-          if (lane == 0) bad_keys[stage][ct / 32][i] = f;
-        }
-        FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
-        NamedBarrier(3, 128 * kConsumers);
-#pragma unroll
-        for (int i = 0; i < kFlagWords; ++i) {
-          for (int w = 0; w < 4 * kConsumers; ++w) flagged[i] |= bad_keys[stage][w][i];
-          any_flagged |= flagged[i] != 0u;
-        }
-      }
-      // The whole warpgroup skips tiles outside its rows' causal / window band.
-      const bool skip =
-          key0 > wg_q_hi || (a.window > 0 && key0 + kKeys - 1 <= wg_q_lo - a.window);
-      const uint8_t* ks = ring + stage * 2 * kTileBytes;
-      const uint8_t* vs = ks + kTileBytes;
-      float sc[kKeys / 8][4];
-      // Ping-pong: the warpgroups issue their S GEMMs in turn, so that one's softmax runs while
-      // the other's GEMMs do. Warpgroup cw waits on named barrier 5 + cw for the other's
-      // arrival (its S GEMM of the previous tile, or warpgroup 1's first arrival before the
-      // loop), and arrives on the other's after issuing its own; skipped tiles take their turn
-      // too, so both make num_tiles turns (warpgroup 1's last arrival would have no taker).
-      NamedBarrier(5 + cw, 128 * kConsumers);
-      if (!skip) {
-#pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-        FenceRegisters(sc);
-        WgmmaFence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const uint64_t qd = SmemDesc(q_wg + (kk / 4) * kQBlock + (kk % 4) * 32, 16, 1024);
-          const uint64_t kd = SmemDesc(ks + (kk / 4) * kKvBlock + (kk % 4) * 32, 16, 1024);
-          WgmmaSS<T, kKeys>::template run<0>(sc, qd, kd, kk > 0);
-        }
-        WgmmaCommit();
-      }
-      if (cw == 0 || it + 1 < num_tiles) NamedBarrierArrive(5 + (1 - cw), 128 * kConsumers);
-      if (!skip) {
-        WgmmaWaitAll();
-        FenceRegisters(sc);
-
-        const bool needs_mask =
-            key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
-        auto is_masked = [&](int kt, int h) {
-          const int key = key0 + kt;
-          return key > qpos[h] || (a.window > 0 && key <= qpos[h] - a.window);
-        };
-        if (fast && !needs_mask) {  // the hot path: one instruction per logit before softmax
-#pragma unroll
-          for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(sc[nt][j]));
-        } else {
-#pragma unroll
-          for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              float x = sc[nt][j];
-              if (needs_mask && is_masked(nt * 8 + c0 + (j & 1), j >> 1)) {
-                x = -INFINITY;
-              } else if (fast) {
-                absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(x));
-              } else {
-                x = logit(x);
-              }
-              sc[nt][j] = x;
-            }
-        }
-        if (any_flagged) {
-#pragma unroll
-          for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int kt = nt * 8 + c0 + (j & 1);
-              if (!(needs_mask && is_masked(kt, j >> 1)) && ((flagged[kt / 32] >> (kt % 32)) & 1u))
-                row_nan[j >> 1] = true;
-            }
-        }
-        if (fast) {
-          ScaledOnlineSoftmax<kKeys / 8, D / 8>(sc, o, m, l, logit.scale_log2);
-        } else {
-          OnlineSoftmax<kKeys / 8, D / 8>(sc, o, m, l);
-        }
-
-        // P as the A operand from registers (the m16n8k16 A fragment of each 16-key step).
-        uint32_t pa[kKeys / 16][4];
-#pragma unroll
-        for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-          pa[k16][0] = Mma<T>::pack(sc[2 * k16][0], sc[2 * k16][1]);
-          pa[k16][1] = Mma<T>::pack(sc[2 * k16][2], sc[2 * k16][3]);
-          pa[k16][2] = Mma<T>::pack(sc[2 * k16 + 1][0], sc[2 * k16 + 1][1]);
-          pa[k16][3] = Mma<T>::pack(sc[2 * k16 + 1][2], sc[2 * k16 + 1][3]);
-        }
-        FenceRegisters(o);
-        WgmmaFence();
-#pragma unroll
-        for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-          // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
-          const uint64_t vd = SmemDesc(vs + k16 * 16 * 128, kKvBlock, 1024);
-          WgmmaRS<T, D>::template run<1>(o, pa[k16], vd, 1);
-        }
-        WgmmaCommit();
-        WgmmaWaitAll();
-        FenceRegisters(o);
-      }
-      MbarArrive(&empty_bar[stage]);
-    }
+    NamedBarrierArrive(3, kThreads);  // cta_bad, before the consumers' stores
+    return;
   }
+
+  // ---- consumers ----
+  SetMaxRegs<kConsumerRegs>();
+  const LogitTransform logit = p.logit;
+  const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the CTA
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+  for (int i = wt; i < 64 * kChunks; i += 128) {
+    const int r = cw * 64 + i / kChunks, ch = i % kChunks;
+    const int row = row0 + r;
+    const bool valid = row < num_rows;
+    const T* src =
+        static_cast<const T*>(a.q) +
+        (valid ? ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D +
+                     ch * 8
+               : 0);
+    CpAsync16(SmemAddr(qs + Swizzle128(kRows, r, ch)), src, valid);
+  }
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  FenceProxyAsync();
+  NamedBarrier(1 + cw, 128);
+
+  int qpos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    qpos[h] = pos0 + min(row0 + cw * 64 + warp * 16 + r0 + 8 * h, num_rows - 1) / G;
+  const int wg_q_lo = pos0 + min(row0 + cw * 64, num_rows - 1) / G;
+  const int wg_q_hi = pos0 + min(row0 + cw * 64 + 63, num_rows - 1) / G;
+  // This warpgroup's tiles [ta, tb): those meeting its rows' causal / window band (the keys
+  // [max(0, wg_q_lo - window + 1), wg_q_hi]); t_lo <= ta < tb <= num_tiles.
+  const int wg_key_lo = a.window > 0 ? max(0, wg_q_lo - a.window + 1) : 0;
+  const int ta = wg_key_lo / kKeys - t_lo;
+  const int tb = min(num_tiles, wg_q_hi / kKeys + 1 - t_lo);
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  bool row_nan[2] = {false, false};
+  float absmax[2] = {0.f, 0.f};  // the largest |q.k| each row read (fast path)
+  float sc[kKeys / 8][4];
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+  uint32_t pa[kKeys / 16][4];  // P of the tile whose P V GEMM is next (m16n8k16 A fragments)
+  const uint8_t* q_wg = qs + cw * 64 * 128;
+  // Without a soft cap (and with a positive scale) the row max commutes with the scale: S stays
+  // raw q.k, the scale folds into exp2's argument, and the non-finite rule needs only the
+  // largest |q.k| a row read (an inf there -> NaN; a NaN propagates through exp2 by itself).
+  const bool fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
+
+  // Ping-pong: the warpgroups issue their GEMMs in turns, one turn per tile. Warpgroup cw waits
+  // on named barrier 5 + cw for the other's arrival (after its issues of the previous tile, or
+  // warpgroup 1's first arrival below) and arrives on the other's after its own issues; a tile
+  // outside a warpgroup's band is an empty turn, so both make num_tiles turns (warpgroup 1's
+  // last arrival would have no taker).
+  if (cw == 1 && num_tiles > 0) NamedBarrierArrive(5, 128 * kConsumers);  // warpgroup 0 first
+  auto turn_begin = [&]() { NamedBarrier(5 + cw, 128 * kConsumers); };
+  auto turn_end = [&](int it) {
+    if (cw == 0 || it + 1 < num_tiles) NamedBarrierArrive(5 + (1 - cw), 128 * kConsumers);
+  };
+  auto wait_tile = [&](int it) {
+    MbarWait(&full_bar[it % kStages], (it / kStages) & 1);
+    FenceProxyAsync();  // the tile's cp.async (generic proxy) writes, before wgmma reads them
+  };
+  auto skip_tile = [&](int it) {  // outside this warpgroup's band
+    wait_tile(it);
+    turn_begin();
+    turn_end(it);
+    MbarArrive(&empty_bar[it % kStages]);
+  };
+  auto issue_s = [&](int stage) {
+    const uint8_t* ks = ring + stage * 2 * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t qd = SmemDesc(q_wg + (kk / 4) * kQBlock + (kk % 4) * 32, 16, 1024);
+      const uint64_t kd = SmemDesc(ks + (kk / 4) * kKvBlock + (kk % 4) * 32, 16, 1024);
+      WgmmaSS<T, kKeys>::template run<0>(sc, qd, kd, kk > 0);
+    }
+    WgmmaCommit();
+  };
+  auto issue_pv = [&](int stage) {
+    const uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+#pragma unroll
+    for (int k16 = 0; k16 < kKeys / 16; ++k16) {
+      // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
+      const uint64_t vd = SmemDesc(vs + k16 * 16 * 128, kKvBlock, 1024);
+      WgmmaRS<T, D>::template run<1>(o, pa[k16], vd, 1);
+    }
+    WgmmaCommit();
+  };
+  // Mask, non-finite bookkeeping and soft-max of tile it's S (landed); alpha for O. Selects,
+  // not branches, per logit, so that each path is straight-line code.
+  auto softmax_tile = [&](auto fast_c, int it, float (&alpha)[2]) {
+    constexpr bool kFast = decltype(fast_c)::value;
+    const int key0 = (t_lo + it) * kKeys;
+    const bool needs_mask =
+        key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
+    // Key kt (of this thread: kt = nt * 8 + c0 + (j & 1)) is masked for row half h when
+    // nt * 8 + (j & 1) > hi[h] (after the row) or <= lo[h] (before its window).
+    int hi[2], lo[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      hi[h] = qpos[h] - key0 - c0;
+      lo[h] = a.window > 0 ? qpos[h] - a.window - key0 - c0 : -(1 << 30);
+    }
+    auto is_masked = [&](int nt, int j) {
+      const int kt = nt * 8 + (j & 1);
+      return kt > hi[j >> 1] || kt <= lo[j >> 1];
+    };
+    if constexpr (!kFast) {
+      if (logit.soft_cap > 0.f) {
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float x = sc[nt][j];
+            sc[nt][j] = fabsf(x) < INFINITY ? logit.capped(x) : NAN;
+          }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float x = sc[nt][j];
+            sc[nt][j] = fabsf(x) < INFINITY ? x * logit.scale_log2 : NAN;
+          }
+      }
+    }
+    if (needs_mask) {
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const bool masked = is_masked(nt, j);
+          if constexpr (kFast)
+            absmax[j >> 1] = fmaxf(absmax[j >> 1], masked ? 0.f : fabsf(sc[nt][j]));
+          sc[nt][j] = masked ? -INFINITY : sc[nt][j];
+        }
+    } else if constexpr (kFast) {  // the hot path: one instruction per logit before soft-max
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(sc[nt][j]));
+    }
+    if (partial_tile(key0)) {  // keys the producer flagged (V chunks with NaN/inf)
+      const int stage = it % kStages;
+      uint32_t flagged[kFlagWords];
+      bool any_flagged = false;
+#pragma unroll
+      for (int i = 0; i < kFlagWords; ++i) {
+        flagged[i] = bad_keys[stage][0][i] | bad_keys[stage][1][i] | bad_keys[stage][2][i] |
+                     bad_keys[stage][3][i];
+        any_flagged |= flagged[i] != 0u;
+      }
+      if (any_flagged) {
+        uint32_t hit[2] = {0u, 0u};
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int kt = nt * 8 + (j & 1);  // + c0: the shift below
+            const uint32_t read = needs_mask && is_masked(nt, j) ? 0u : 1u;
+            hit[j >> 1] |= (flagged[kt / 32] >> (kt % 32 + c0)) & read;
+          }
+        row_nan[0] |= hit[0] != 0u;
+        row_nan[1] |= hit[1] != 0u;
+      }
+    }
+    SoftmaxStep<kKeys / 8>(sc, m, l, alpha, kFast ? logit.scale_log2 : 1.f);
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int k16 = 0; k16 < kKeys / 16; ++k16) {
+      pa[k16][0] = Mma<T>::pack(sc[2 * k16][0], sc[2 * k16][1]);
+      pa[k16][1] = Mma<T>::pack(sc[2 * k16][2], sc[2 * k16][3]);
+      pa[k16][2] = Mma<T>::pack(sc[2 * k16 + 1][0], sc[2 * k16 + 1][1]);
+      pa[k16][3] = Mma<T>::pack(sc[2 * k16 + 1][2], sc[2 * k16 + 1][3]);
+    }
+  };
+  // The band's tiles, one instance per logit path (fast: raw q.k, scale in exp2's argument).
+  auto band = [&](auto fast_c) {
+    float alpha[2];
+    // First tile of the band: S alone (O is still zero, so its alpha is not needed).
+    wait_tile(ta);
+    turn_begin();
+    FenceRegisters(sc);
+    WgmmaFence();
+    issue_s(ta % kStages);
+    turn_end(ta);
+    WgmmaWait<0>();
+    FenceRegisters(sc);
+    softmax_tile(fast_c, ta, alpha);
+    pack_p();
+    // Steady state: S of tile it and P V of tile it - 1 in one turn; soft-max of tile it while
+    // P V runs; then O's rescale and the next P.
+    for (int it = ta + 1; it < tb; ++it) {
+      wait_tile(it);
+      turn_begin();
+      FenceRegisters(sc);
+      FenceRegisters(o);
+      FenceRegisters(pa);
+      WgmmaFence();
+      issue_s(it % kStages);
+      issue_pv((it - 1) % kStages);
+      turn_end(it);
+      WgmmaWait<1>();  // S of tile it
+      FenceRegisters(sc);
+      softmax_tile(fast_c, it, alpha);
+      // The soft-max's results, pinned before the wait (nvcc could sink them past it).
+      FenceRegisters(sc);
+      FenceScalars(alpha[0], alpha[1], l[0], l[1]);
+      // The wait for P V of tile it - 1 sits in both arms of the rescale branch, not before it:
+      // ptxas hoists a wait to the top of its basic block, which would put it above the
+      // soft-max that is to overlap that GEMM. (Two spellings, so that the compiler does not
+      // merge the arms' waits back above the branch.)
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+        WgmmaWait<0>();
+        FenceRegisters(o);
+        FenceRegisters(pa);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[n][0] *= alpha[0];
+          o[n][1] *= alpha[0];
+          o[n][2] *= alpha[1];
+          o[n][3] *= alpha[1];
+        }
+      } else {
+        asm volatile("wgmma.wait_group.sync.aligned 0; // no rescale\n" ::: "memory");
+        FenceRegisters(o);
+        FenceRegisters(pa);
+      }
+      pack_p();
+      // Tile it - 1's stage is free once its P V landed. (Released here, not right after the
+      // wait: ptxas schedules an mbarrier arrive early and hoists the wait with it, above the
+      // soft-max that should overlap the GEMM.)
+      MbarArrive(&empty_bar[(it - 1) % kStages]);
+    }
+    // P V of the band's last tile.
+    FenceRegisters(o);
+    FenceRegisters(pa);
+    WgmmaFence();
+    issue_pv((tb - 1) % kStages);
+    WgmmaWait<0>();
+    FenceRegisters(o);
+    FenceRegisters(pa);
+    MbarArrive(&empty_bar[(tb - 1) % kStages]);
+  };
+
+  for (int it = 0; it < ta; ++it) skip_tile(it);
+  if (ta < tb) {
+    if (fast) band(std::true_type{});
+    else band(std::false_type{});
+  }
+  for (int it = max(ta, tb); it < num_tiles; ++it) skip_tile(it);
 
   if (bits) {
     atomicOr(&cta_bad, 1);
     RaiseError(a.error_word, bits);
   }
-  __syncthreads();
-  if (wg == 0) return;
+  NamedBarrier(3, kThreads);  // with the producer's arrival: its cta_bad is visible
   const bool bad = cta_bad != 0;
-  const int cw = wg - 1;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float lh = l[h];
