@@ -314,6 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       // (row = row_base + i * kRowsPerPass: word i * kRowsPerPass / 32, bit row % 32). The
       // consumers read the flags of the stage after its full barrier, and only for such tiles;
       // the stage's previous flags were read before its empty barrier let this tile in.
+      CpAsyncCommit();  // (the copies are in no group yet: wait_group covers committed ones)
       CpAsyncWait<0>();
       uint32_t mine[kFlagWords] = {};
       uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
@@ -339,6 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
       MbarArrive(&full_bar[stage]);
     }
+    CpAsyncCommit();
     CpAsyncWait<0>();
     if (bits) {
       atomicOr(&cta_bad, 1);
@@ -540,10 +542,10 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     FenceRegisters(sc);
     softmax_tile(fast_c, ta, alpha);
     pack_p();
-    // Steady state: S of tile it and P V of tile it - 1 in one turn; soft-max of tile it while
-    // P V runs; then O's rescale and the next P.
+    if (ta + 1 < tb) wait_tile(ta + 1);
+    // Steady state: S of tile it and P V of tile it - 1 in one turn; while P V runs, the
+    // soft-max of tile it and the wait for tile it + 1's data; then O's rescale and the next P.
     for (int it = ta + 1; it < tb; ++it) {
-      wait_tile(it);
       turn_begin();
       FenceRegisters(sc);
       FenceRegisters(o);
@@ -555,17 +557,18 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       WgmmaWait<1>();  // S of tile it
       FenceRegisters(sc);
       softmax_tile(fast_c, it, alpha);
-      // The soft-max's results, pinned before the wait (nvcc could sink them past it).
+      // The soft-max's results, pinned before what follows (nvcc could sink them past it).
       FenceRegisters(sc);
       FenceScalars(alpha[0], alpha[1], l[0], l[1]);
-      // The wait for P V of tile it - 1 sits in both arms of the rescale branch, not before it:
-      // ptxas hoists a wait to the top of its basic block, which would put it above the
-      // soft-max that is to overlap that GEMM. (Two spellings, so that the compiler does not
-      // merge the arms' waits back above the branch.)
+      // The next tile's full barrier sits between the soft-max and the P V wait on purpose: a
+      // basic-block boundary (the branch, the spin loop) keeps ptxas from hoisting the wait to
+      // the top of the soft-max's block, out of the overlap with the GEMM (it does that to a
+      // wgmma wait, which depends on no register, when both share a block).
+      if (it + 1 < tb) wait_tile(it + 1);
+      WgmmaWait<0>();  // P V of tile it - 1
+      FenceRegisters(o);
+      FenceRegisters(pa);
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-        WgmmaWait<0>();
-        FenceRegisters(o);
-        FenceRegisters(pa);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
           o[n][0] *= alpha[0];
@@ -573,16 +576,9 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           o[n][2] *= alpha[1];
           o[n][3] *= alpha[1];
         }
-      } else {
-        asm volatile("wgmma.wait_group.sync.aligned 0; // no rescale\n" ::: "memory");
-        FenceRegisters(o);
-        FenceRegisters(pa);
       }
       pack_p();
-      // Tile it - 1's stage is free once its P V landed. (Released here, not right after the
-      // wait: ptxas schedules an mbarrier arrive early and hoists the wait with it, above the
-      // soft-max that should overlap the GEMM.)
-      MbarArrive(&empty_bar[(it - 1) % kStages]);
+      MbarArrive(&empty_bar[(it - 1) % kStages]);  // tile it - 1's stage: P V landed
     }
     // P V of the band's last tile.
     FenceRegisters(o);
