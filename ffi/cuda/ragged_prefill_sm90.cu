@@ -37,12 +37,15 @@ constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer warpgroup
 constexpr int kRows = 64 * kConsumers;
 constexpr int kKeys = 128;                        // keys per K/V tile
 constexpr int kFlagWords = kKeys / 32;
-// setmaxnreg budgets: the launch gets 168 per thread (65536 / 384, rounded down to 8); the
-// producer gives back 168 - kProducerRegs, each consumer takes kConsumerRegs - 168, and the
-// total must stay within the SM's 64K: kProducerRegs + 2 * kConsumerRegs <= 512.
-constexpr int kProducerRegs = 48;
-constexpr int kConsumerRegs = 232;
-static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 512, "register file");
+// setmaxnreg budgets: the launch gets 168 registers per thread (65536 / 384, rounded down to a
+// multiple of 8), and the CTA's pool is what it was launched with: the producer gives back
+// 168 - kProducerRegs per thread, the consumers take kConsumerRegs - 168 each from that, so
+// kProducerRegs + 2 * kConsumerRegs <= 3 * 168 (else setmaxnreg.inc waits forever).
+constexpr int kLaunchRegs = 168;
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;  // ptxas needs ~208 (zero spills)
+static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * kLaunchRegs,
+              "setmaxnreg budgets exceed the CTA's registers");
 
 // Ring depth: head_dim 128 holds three 64 KiB stages next to Q (32 KiB), head_dim 64 four.
 template <int D> constexpr int Stages() { return D == 128 ? 3 : 4; }
@@ -311,31 +314,33 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       }
       // A tile some row of the CTA reads only in part: this thread's copies landed (visible to
       // it), it zeroes those of its V chunks that hold NaN/inf, and its warp flags their keys
-      // (row = row_base + i * kRowsPerPass: word i * kRowsPerPass / 32, bit row % 32). The
+      // (bit row % 32 of word row / 32, OR-ed over the warp's lanes). The
       // consumers read the flags of the stage after its full barrier, and only for such tiles;
       // the stage's previous flags were read before its empty barrier let this tile in.
       CpAsyncCommit();  // (the copies are in no group yet: wait_group covers committed ones)
       CpAsyncWait<0>();
-      uint32_t mine[kFlagWords] = {};
       uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+      // One 32-key flag word at a time (its rows: row_base + 32 wd + r kRowsPerPass), so that
+      // only 32 / kRowsPerPass chunks are loaded at once (all of them at once spill).
+#pragma unroll 1
+      for (int wd = 0; wd < kFlagWords; ++wd) {
+        uint32_t mine = 0;
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        const int row = row_base + i * kRowsPerPass;
-        uint4* chunk = reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, ch));
-        const uint4 c = *chunk;
-        constexpr uint32_t kExp = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
-        bool bad = false;
-        for (const uint32_t w : {c.x, c.y, c.z, c.w})
-          bad |= (w & kExp) == kExp || ((w >> 16) & kExp) == kExp;
-        if (bad) {
-          *chunk = make_uint4(0u, 0u, 0u, 0u);
-          mine[i * kRowsPerPass / 32] |= 1u << (row % 32);
+        for (int r = 0; r < 32 / kRowsPerPass; ++r) {
+          const int row = row_base + 32 * wd + r * kRowsPerPass;
+          uint4* chunk = reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, ch));
+          const uint4 c = *chunk;
+          constexpr uint32_t kExp = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+          bool bad = false;
+          for (const uint32_t w : {c.x, c.y, c.z, c.w})
+            bad |= (w & kExp) == kExp || ((w >> 16) & kExp) == kExp;
+          if (bad) {
+            *chunk = make_uint4(0u, 0u, 0u, 0u);
+            mine |= 1u << (row % 32);
+          }
         }
-      }
-#pragma unroll
-      for (int i = 0; i < kFlagWords; ++i) {
-        const uint32_t f = __reduce_or_sync(0xffffffffu, mine[i]);
-        if (lane == 0) bad_keys[stage][warp][i] = f;
+        const uint32_t f = __reduce_or_sync(0xffffffffu, mine);
+        if (lane == 0) bad_keys[stage][warp][wd] = f;
       }
       FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
       MbarArrive(&full_bar[stage]);
