@@ -3,28 +3,31 @@
 // Same contract, rows and schedule as the FlashAttention-2 style kernel in ragged_prefill.cu (a
 // CTA owns 128 rows = (token, head) pairs of one sequence and one kv head; the schedule kernel
 // there maps CTAs to sequences), for bf16/f16 queries over caches of the same dtype at head_dim 64
-// and 128 on sm_90a. A CTA has three warpgroups:
-// - the producer (warps 0-3, its registers cut to kProducerRegs by setmaxnreg) streams 128-key
-//   K/V tiles through a kStages-deep shared-memory ring with cp.async (rows are gathered through
-//   the page table, whose entries for a tile each lane of a producer warp loads one tile ahead and
-//   hands to the rows by shuffle), in the 128-byte swizzled layout that wgmma reads; each
-//   thread's copies arrive on the stage's "full" mbarrier when they land
-//   (cp.async.mbarrier.arrive), so the producer never waits for data, only for the stage's
-//   "empty" mbarrier before refilling it. For a tile that some row of the CTA reads only in part,
-//   each producer thread instead waits for its own copies, zeroes the V chunks it copied that hold
-//   NaN/inf, flags their keys (one word per warp and 32 keys), and then arrives;
-// - two consumers (64 rows each, registers raised to kConsumerRegs) compute S = Q K^T with wgmma
-//   from shared memory (Q stays in shared memory, K-major; m64n128k16), mask and soft-max S in
-//   registers (the accumulator layout is the mma.sync one per 8 columns), and O += P V with P
-//   from registers and V read MN-major. Within a warpgroup, the S GEMM of tile j is issued
-//   together with the P V GEMM of tile j - 1 and waited for alone (wgmma.wait_group 1), so the
-//   soft-max of tile j runs while the tensor cores do P V of tile j - 1; O is rescaled after
-//   that GEMM lands (wait_group 0), only where a row's max moved. Across the two warpgroups, the
-//   GEMM issues take turns (named barriers 5 and 6), so one's soft-max overlaps the other's
-//   GEMMs. Each warpgroup runs its GEMMs only over the tiles in its rows' causal / window band
-//   and just takes its turn and releases the stage for the others.
-// Non-finite rule: keys flagged by the producer (above) make the rows that read them output NaN;
-// elsewhere a row whose largest |q.k| is inf outputs NaN and a NaN propagates through exp2.
+// and 128 on sm_90a. A CTA has three warpgroups; setmaxnreg moves registers from the producer
+// (kProducerRegs) to the consumers (kConsumerRegs):
+// - the producer (warps 0-3) streams 128-key K/V tiles through a kStages-deep shared-memory ring
+//   (3 stages at head_dim 128, 4 at 64) with cp.async: rows are gathered through the page table,
+//   whose entries for a tile each lane of a producer warp loads one tile ahead and hands to the
+//   rows by shuffle, into the 128-byte swizzled layout that wgmma reads. Each thread's copies
+//   arrive on the stage's "full" mbarrier when they land (cp.async.mbarrier.arrive), so the
+//   producer never waits for data, only for the stage's "empty" mbarrier before refilling it.
+//   Exception, for a tile that some row of the CTA reads only in part: each producer thread waits
+//   for its own copies, zeroes those of its V chunks that hold NaN/inf, its warp flags their keys
+//   (bad_keys), and then it arrives;
+// - two consumers (64 rows each) compute S = Q K^T with wgmma m64n128k16 from shared memory (Q
+//   stays there, K-major), mask and soft-max S in registers (the accumulator layout is the
+//   mma.sync one per 8 columns), and O += P V with P from registers and V read MN-major.
+//   Within a warpgroup, the S GEMM of tile j is issued together with the P V GEMM of tile j - 1
+//   and waited for alone (wgmma.wait_group 1): the soft-max of tile j (and the wait for tile
+//   j + 1's data) runs while the tensor cores do P V of tile j - 1; then wait_group 0, the rescale
+//   of O (only in warps where a row's max moved), P of tile j, and tile j - 1's stage is
+//   released. Across the two warpgroups, the GEMM issues take turns (named barriers 5 and 6), so
+//   one's soft-max also overlaps the other's GEMMs. A warpgroup runs GEMMs only for the tiles in
+//   its rows' causal / window band [ta, tb); for the others it only waits for the data, takes
+//   its turn and releases the stage.
+// Non-finite rule: keys flagged by the producer make the rows that read them output NaN (a
+// flagged key's V is zero, so rows that do not read it are unaffected); on the fast path (no
+// soft cap) a row whose largest |q.k| is inf outputs NaN, and a NaN logit propagates through exp2.
 #include "kvcm/cuda/attention.cuh"
 #include "kvcm/cuda/mma.cuh"
 #include "kvcm/cuda/wgmma_ops.cuh"
