@@ -32,14 +32,18 @@
 #include "kvcm/cuda/mma.cuh"
 #include "kvcm/cuda/wgmma_ops.cuh"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace kvcm::cuda {
 namespace {
 
 constexpr int kConsumers = 2;                     // consumer warpgroups, 64 rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer warpgroup
 constexpr int kRows = 64 * kConsumers;
-constexpr int kKeys = 128;                        // keys per K/V tile
-constexpr int kFlagWords = kKeys / 32;
+// Keys per K/V tile (kKeys, a template parameter): 128 by default (m64n128k16 S GEMMs; 3 stages
+// at head_dim 128), 64 with KVCM_SM90_PREFILL_KEYS=64 in the environment (m64n64k16 S GEMMs, a
+// deeper ring), a benchmarking knob.
 // setmaxnreg budgets: the launch gets 168 registers per thread (65536 / 384, rounded down to a
 // multiple of 8), and the CTA's pool is what it was launched with: the producer gives back
 // 168 - kProducerRegs per thread, the consumers take kConsumerRegs - 168 each from that, so
@@ -50,14 +54,18 @@ constexpr int kConsumerRegs = 224;  // ptxas needs ~208 (zero spills)
 static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * kLaunchRegs,
               "setmaxnreg budgets exceed the CTA's registers");
 
-// Ring depth: head_dim 128 holds three 64 KiB stages next to Q (32 KiB), head_dim 64 four.
-template <int D> constexpr int Stages() { return D == 128 ? 3 : 4; }
-template <int D> constexpr int TileBytes() { return kKeys * D * 2; }
-// + 1 KiB to align the base to the 128-byte swizzle's 1 KiB period.
-template <int D> constexpr int Sm90SmemBytes() {
-  return 1024 + kRows * D * 2 + Stages<D>() * 2 * TileBytes<D>();
+template <int D, int kKeys> constexpr int TileBytes() { return kKeys * D * 2; }
+// Ring depth: as many K/V stages as fit next to Q (at most 8), with 2 KiB for the static part and
+// the 1 KiB alignment slack: 3 at head_dim 128 with 128-key tiles, 6 with 64-key tiles.
+template <int D, int kKeys> constexpr int Stages() {
+  const int n = (227 * 1024 - 2048 - kRows * D * 2) / (2 * TileBytes<D, kKeys>());
+  return n < 8 ? n : 8;
 }
-static_assert(Sm90SmemBytes<128>() + 1024 <= 227 * 1024, "shared memory (with the static part)");
+// + 1 KiB to align the base to the 128-byte swizzle's 1 KiB period.
+template <int D, int kKeys> constexpr int Sm90SmemBytes() {
+  return 1024 + kRows * D * 2 + Stages<D, kKeys>() * 2 * TileBytes<D, kKeys>();
+}
+static_assert(Stages<128, 128>() == 3 && Stages<128, 64>() == 6 && Stages<64, 128>() == 6);
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows of D 16-bit values,
 // stored as D / 64 column blocks of [rows][128 bytes] with the 128-byte swizzle (chunk ^ row % 8).
@@ -177,14 +185,15 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[NT][4], float (&m)[2], fl
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int kKeys>
 __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kStages = Stages<D>();
+  constexpr int kStages = Stages<D, kKeys>();
+  constexpr int kFlagWords = kKeys / 32;
   constexpr int kChunks = D / 8;                // 16-byte chunks per row
   constexpr int kRowsPerPass = 128 / kChunks;   // producer rows per pass over a tile
   constexpr int kRowsPerThread = kKeys / kRowsPerPass;
-  constexpr int kTileBytes = TileBytes<D>();
+  constexpr int kTileBytes = TileBytes<D, kKeys>();
   constexpr int kKvBlock = kKeys * 128;         // one 64-column block of a K/V tile
   constexpr int kQBlock = kRows * 128;
   static_assert(32 % kRowsPerPass == 0, "a producer thread's rows: row % 32 = row_base + ...");
@@ -665,19 +674,34 @@ bool Sm90aAvailable() {
   return cached[dev] == 1;
 }
 
-template <typename T, int D>
+template <typename T, int D, int kKeys>
 ffi::Error LaunchSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_tiles) {
-  constexpr int smem = Sm90SmemBytes<D>();
+  constexpr int smem = Sm90SmemBytes<D, kKeys>();
   static bool configured = false;  // NOTE: per-template, set on the first launch
   if (!configured) {
-    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D>,
+    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D, kKeys>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return LaunchError("ragged_paged_attention: cudaFuncSetAttribute (sm90)");
     configured = true;
   }
   dim3 grid(unsigned(max_tiles), unsigned(p.a.shape.cache.num_kv_heads));
-  RaggedPrefillSm90Kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
+  RaggedPrefillSm90Kernel<T, D, kKeys><<<grid, kThreads, smem, stream>>>(p);
   return LaunchError("ragged_paged_attention (sm90 prefill kernel)");
+}
+
+// Keys per tile: 128 unless KVCM_SM90_PREFILL_KEYS=64 (read once per process).
+bool Sm90SmallTiles() {
+  static const bool small = [] {
+    const char* v = std::getenv("KVCM_SM90_PREFILL_KEYS");
+    return v != nullptr && std::strcmp(v, "64") == 0;
+  }();
+  return small;
+}
+
+template <typename T, int D>
+ffi::Error LaunchSm90Keys(cudaStream_t stream, const PrefillParams& p, int64_t max_tiles) {
+  if (Sm90SmallTiles()) return LaunchSm90<T, D, 64>(stream, p, max_tiles);
+  return LaunchSm90<T, D, 128>(stream, p, max_tiles);
 }
 
 }  // namespace
@@ -695,11 +719,12 @@ ffi::Error LaunchRaggedPrefillSm90(cudaStream_t stream, const PrefillParams& p,
                                    int64_t max_tiles) {
   const AttentionArgs& a = p.a;
   if (a.shape.q_dtype == DType::kBF16) {
-    if (a.shape.cache.head_dim == 64) return LaunchSm90<__nv_bfloat16, 64>(stream, p, max_tiles);
-    return LaunchSm90<__nv_bfloat16, 128>(stream, p, max_tiles);
+    if (a.shape.cache.head_dim == 64)
+      return LaunchSm90Keys<__nv_bfloat16, 64>(stream, p, max_tiles);
+    return LaunchSm90Keys<__nv_bfloat16, 128>(stream, p, max_tiles);
   }
-  if (a.shape.cache.head_dim == 64) return LaunchSm90<__half, 64>(stream, p, max_tiles);
-  return LaunchSm90<__half, 128>(stream, p, max_tiles);
+  if (a.shape.cache.head_dim == 64) return LaunchSm90Keys<__half, 64>(stream, p, max_tiles);
+  return LaunchSm90Keys<__half, 128>(stream, p, max_tiles);
 }
 
 }  // namespace kvcm::cuda
