@@ -185,6 +185,34 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[NT][4], float (&m)[2], fl
   }
 }
 
+// FindPrefillTile (attention.cuh), searched 32 ways per step (lane i probes entry
+// lo + (hi - lo) (i + 1) / 32 of the non-decreasing tile_offsets, and a ballot splits the span),
+// so that up to 32 sequences cost one round trip of dependent loads instead of log2(batch) + 1 of
+// the binary search (1024: two). Same result: b is the largest index with tile_offsets[b] <= cta
+// (tile_offsets[0] = 0), tile counts down from the sequence's last tile. Every lane of the warp
+// must call it.
+__device__ __forceinline__ bool FindPrefillTileWarp(const PrefillParams& p, int cta, int& b,
+                                                    int& tile) {
+  const int lane = threadIdx.x % 32;
+  int lo = 0, hi = int(p.a.shape.batch);  // the answer is in [lo, hi)
+  int vhi = 0;                             // tile_offsets[hi], once a step has loaded it
+  bool first = true;  // the first step also checks cta < tile_offsets[batch] (lane 31)
+  while (first || hi - lo > 1) {
+    first = false;
+    const int idx = lo + int(int64_t(hi - lo) * (lane + 1) / 32);  // lane 31: hi
+    const int v = p.tile_offsets[idx];
+    const int t = __popc(__ballot_sync(0xffffffffu, v <= cta));  // lanes 0 .. t - 1
+    if (t == 32) return false;  // cta >= tile_offsets[batch]: past the last tile
+    const int new_lo = __shfl_sync(0xffffffffu, idx, max(t - 1, 0));
+    hi = __shfl_sync(0xffffffffu, idx, t);
+    vhi = __shfl_sync(0xffffffffu, v, t);
+    if (t > 0) lo = new_lo;
+  }
+  b = lo;
+  tile = vhi - 1 - cta;  // (tile_offsets[b + 1] - tile_offsets[b]) - 1 - (cta - tile_offsets[b])
+  return true;
+}
+
 template <typename T, int D, int kKeys>
 __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -204,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   const int P = int(s.cache.page_size);
 
   int b, tile;
-  if (!FindPrefillTile(p, int(blockIdx.x), b, tile)) return;
+  if (!FindPrefillTileWarp(p, int(blockIdx.x), b, tile)) return;  // CTA-uniform
   const int q_begin = a.query_start[b];
   const int nq = a.query_start[b + 1] - q_begin;
   const int len = a.seq_lens[b];
