@@ -231,6 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   const int G = int(s.group());
   const int P = int(s.cache.page_size);
 
+  int li = *a.layer;  // (issued before the search's loads, not after them)
   int b, tile;
   if (!FindPrefillTileWarp(p, int(blockIdx.x), b, tile)) return;  // CTA-uniform
   const int q_begin = a.query_start[b];
@@ -257,7 +258,6 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   }
   __syncthreads();
 
-  int li = *a.layer;
   uint32_t bits = 0;
   if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; }
 
