@@ -5,26 +5,28 @@
 // there maps CTAs to sequences), for bf16/f16 queries over caches of the same dtype at head_dim 64
 // and 128 on sm_90a. A CTA has three warpgroups; setmaxnreg moves registers from the producer
 // (kProducerRegs) to the consumers (kConsumerRegs):
-// - the producer (warps 0-3) streams 128-key K/V tiles through a kStages-deep shared-memory ring
-//   (3 stages at head_dim 128, 4 at 64) with cp.async: rows are gathered through the page table,
+// - the producer (warps 0-3) streams 128-key K/V tiles (kKeys; 64 with KVCM_SM90_PREFILL_KEYS=64)
+//   through a kStages-deep shared-memory ring
+//   (3 stages at head_dim 128, 6 at 64) with cp.async: rows are gathered through the page table,
 //   whose entries for a tile each lane of a producer warp loads one tile ahead and hands to the
-//   rows by shuffle, into the 128-byte swizzled layout that wgmma reads. Each thread's copies
-//   arrive on the stage's "full" mbarrier when they land (cp.async.mbarrier.arrive), so the
-//   producer never waits for data, only for the stage's "empty" mbarrier before refilling it.
-//   Exception, for a tile that some row of the CTA reads only in part: each producer thread waits
-//   for its own copies, zeroes those of its V chunks that hold NaN/inf, its warp flags their keys
-//   (bad_keys), and then it arrives;
+//   rows by shuffle, into the 128-byte swizzled layout that wgmma reads. The K and V halves of a
+//   stage have their own "full" and "empty" mbarriers; the producer issues K of tile j, then V of
+//   tile j - 1 (V is used a turn after K), each once its half is empty, and each thread's copies
+//   arrive on the half's full barrier when they land (cp.async.mbarrier.arrive), so the producer
+//   never waits for data. Exception, for a tile that some row of the CTA reads only in part:
+//   each producer thread waits for its own V copies, zeroes those of its chunks that hold
+//   NaN/inf, its warp flags their keys (bad_keys), and then it arrives;
 // - two consumers (64 rows each) compute S = Q K^T with wgmma m64n128k16 from shared memory (Q
 //   stays there, K-major), mask and soft-max S in registers (the accumulator layout is the
 //   mma.sync one per 8 columns), and O += P V with P from registers and V read MN-major.
 //   Within a warpgroup, the S GEMM of tile j is issued together with the P V GEMM of tile j - 1
-//   and waited for alone (wgmma.wait_group 1): the soft-max of tile j (and the wait for tile
-//   j + 1's data) runs while the tensor cores do P V of tile j - 1; then wait_group 0, the rescale
-//   of O (only in warps where a row's max moved), P of tile j, and tile j - 1's stage is
-//   released. Across the two warpgroups, the GEMM issues take turns (named barriers 5 and 6), so
-//   one's soft-max also overlaps the other's GEMMs. A warpgroup runs GEMMs only for the tiles in
-//   its rows' causal / window band [ta, tb); for the others it only waits for the data, takes
-//   its turn and releases the stage.
+//   and waited for alone (wgmma.wait_group 1), which frees tile j's K half; the soft-max of tile
+//   j (and the wait for tile j + 1's K) runs while the tensor cores do P V of tile j - 1; then
+//   wait_group 0, the rescale of O (only in warps where a row's max moved), P of tile j, and
+//   tile j - 1's V half is freed. Across the two warpgroups, the GEMM issues take turns (named
+//   barriers 5 and 6), so one's soft-max also overlaps the other's GEMMs. A warpgroup runs GEMMs
+//   only for the tiles in its rows' causal / window band [ta, tb); for the others it only waits
+//   for the data, takes its turn and frees the halves.
 // Non-finite rule: keys flagged by the producer make the rows that read them output NaN (a
 // flagged key's V is zero, so rows that do not read it are unaffected); on the fast path (no
 // soft cap) a row whose largest |q.k| is inf outputs NaN, and a NaN logit propagates through exp2.
@@ -246,13 +248,18 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
                                              ~uintptr_t(1023));
   uint8_t* qs = smem;                       // [D / 64][kRows][128 B]
   uint8_t* ring = smem + kRows * D * 2;     // kStages x {K, V} [D / 64][kKeys][128 B]
-  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
+  // Per stage, K and V halves each: full (the producer's 128 threads arrive) and empty (the
+  // consumers' 256 threads arrive).
+  __shared__ uint64_t kfull_bar[kStages], vfull_bar[kStages], kempty_bar[kStages],
+      vempty_bar[kStages];
   __shared__ uint32_t bad_keys[kStages][4][kFlagWords];  // per producer warp, 32 keys a word
   __shared__ int cta_bad;
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      MbarInit(&full_bar[i], 128);                 // every producer thread
-      MbarInit(&empty_bar[i], 128 * kConsumers);   // every consumer thread
+      MbarInit(&kfull_bar[i], 128);                 // every producer thread
+      MbarInit(&vfull_bar[i], 128);
+      MbarInit(&kempty_bar[i], 128 * kConsumers);   // every consumer thread
+      MbarInit(&vempty_bar[i], 128 * kConsumers);
     }
     cta_bad = 0;
   }
@@ -307,26 +314,20 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       }
       return int64_t(page) * page_bytes;
     };
-    int64_t next_offset = lane_pages ? tile_page_offset(0) : -1;
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % kStages;
-      const int64_t lane_offset = next_offset;
-      if (lane_pages) next_offset = tile_page_offset(it + 1);
-      if (it >= kStages) MbarWait(&empty_bar[stage], ((it / kStages) - 1) & 1);
-      const uint32_t ks = ring_s + stage * 2 * kTileBytes;
+    // Rows of tile it of one cache (base: K or V) into a stage's half at shared address dst;
+    // lane_offset: the lane's page of the tile (lane pages), else looked up per row.
+    auto issue_tile = [&](int it, const char* base, uint32_t dst, int64_t lane_offset) {
       const int key0 = (t_lo + it) * kKeys;
-      const int page0 = key0 >> p.page_shift;
       auto issue_row = [&](int i, int64_t page_offset) {  // page_offset < 0: nothing to read
         const int row = row_base + i * kRowsPerPass;
         const int pos = key0 + row;
         const bool ok = pos >= key_lo && pos < key_hi && page_offset >= 0;
         const int64_t off =
             ok ? page_offset + int32_t(pos & (P - 1)) * int32_t(token_bytes) + ch * 16 : 0;
-        const uint32_t so = uint32_t(Swizzle128(kKeys, row, ch));
-        CpAsync16(ks + so, kbase + off, ok);
-        CpAsync16(ks + kTileBytes + so, vbase + off, ok);
+        CpAsync16(dst + uint32_t(Swizzle128(kKeys, row, ch)), base + off, ok);
       };
       if (lane_pages) {
+        const int page0 = key0 >> p.page_shift;
 #pragma unroll 4
         for (int i = 0; i < kRowsPerThread; ++i) {
           const int pos = key0 + row_base + i * kRowsPerPass;
@@ -348,15 +349,37 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           issue_row(i, page_offset);
         }
       }
-      if (!partial_tile(key0)) {
-        MbarArriveOnCopies(&full_bar[stage]);
+    };
+    // K of tile it, then V of tile it - 1, each into its half of the tile's stage after that
+    // half's own empty barrier: V is needed a turn after K (P V of a tile goes with S of the
+    // next), and a K half is free again as soon as its S GEMM is done, so both run about two
+    // tiles ahead of their use.
+    int64_t k_offset = lane_pages ? tile_page_offset(0) : -1;  // the lane's page of tile it
+    int64_t v_offset = -1;                                      // ... of tile it - 1
+    for (int it = 0; it <= num_tiles; ++it) {
+      const int64_t next_offset = lane_pages ? tile_page_offset(it + 1) : -1;
+      const int64_t k_tile_offset = k_offset, v_tile_offset = v_offset;
+      v_offset = k_offset;
+      k_offset = next_offset;
+      if (it < num_tiles) {
+        const int stage = it % kStages;
+        if (it >= kStages) MbarWait(&kempty_bar[stage], ((it / kStages) - 1) & 1);
+        issue_tile(it, kbase, ring_s + stage * 2 * kTileBytes, k_tile_offset);
+        MbarArriveOnCopies(&kfull_bar[stage]);
+      }
+      if (it == 0) continue;
+      const int jt = it - 1, stage = jt % kStages;
+      if (jt >= kStages) MbarWait(&vempty_bar[stage], ((jt / kStages) - 1) & 1);
+      issue_tile(jt, vbase, ring_s + stage * 2 * kTileBytes + kTileBytes, v_tile_offset);
+      if (!partial_tile((t_lo + jt) * kKeys)) {
+        MbarArriveOnCopies(&vfull_bar[stage]);
         continue;
       }
       // A tile some row of the CTA reads only in part: this thread's copies landed (visible to
       // it), it zeroes those of its V chunks that hold NaN/inf, and its warp flags their keys
-      // (bit row % 32 of word row / 32, OR-ed over the warp's lanes). The
-      // consumers read the flags of the stage after its full barrier, and only for such tiles;
-      // the stage's previous flags were read before its empty barrier let this tile in.
+      // (bit row % 32 of word row / 32, OR-ed over the warp's lanes). The consumers read a
+      // stage's flags after its V full barrier, and only for such tiles; the stage's previous
+      // flags were read before its V empty barrier let this tile in.
       CpAsyncCommit();  // (the copies are in no group yet: wait_group covers committed ones)
       CpAsyncWait<0>();
       uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
@@ -383,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         if (lane == 0) bad_keys[stage][warp][wd] = f;
       }
       FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
-      MbarArrive(&full_bar[stage]);
+      MbarArrive(&vfull_bar[stage]);
     }
     CpAsyncCommit();
     CpAsyncWait<0>();
@@ -454,15 +477,27 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   auto turn_end = [&](int it) {
     if (cw == 0 || it + 1 < num_tiles) NamedBarrierArrive(5 + (1 - cw), 128 * kConsumers);
   };
-  auto wait_tile = [&](int it) {
-    MbarWait(&full_bar[it % kStages], (it / kStages) & 1);
-    FenceProxyAsync();  // the tile's cp.async (generic proxy) writes, before wgmma reads them
+  // Waits for tile it's K / V half to land; the fence: its cp.async (generic proxy) writes,
+  // before wgmma reads them.
+  auto wait_k = [&](int it) {
+    MbarWait(&kfull_bar[it % kStages], (it / kStages) & 1);
+    FenceProxyAsync();
   };
+  auto wait_v = [&](int it) {
+    MbarWait(&vfull_bar[it % kStages], (it / kStages) & 1);
+    FenceProxyAsync();
+  };
+  // Releases a half only after waiting for it (also for a tile this warpgroup skips): an arrival
+  // for a tile a whole ring ahead would otherwise count toward the phase of the tile before it.
+  auto release_k = [&](int it) { MbarArrive(&kempty_bar[it % kStages]); };
+  auto release_v = [&](int it) { MbarArrive(&vempty_bar[it % kStages]); };
   auto skip_tile = [&](int it) {  // outside this warpgroup's band
-    wait_tile(it);
+    wait_k(it);
+    wait_v(it);
     turn_begin();
     turn_end(it);
-    MbarArrive(&empty_bar[it % kStages]);
+    release_k(it);
+    release_v(it);
   };
   auto issue_s = [&](int stage) {
     const uint8_t* ks = ring + stage * 2 * kTileBytes;
@@ -483,6 +518,40 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       WgmmaRS<T, D>::template run<1>(o, pa[k16], vd, 1);
     }
     WgmmaCommit();
+  };
+  // Rows that read a key the producer flagged in tile it (a V chunk with NaN/inf; partial tiles
+  // only; after the tile's V full barrier) output NaN.
+  auto apply_flags = [&](int it) {
+    const int key0 = (t_lo + it) * kKeys;
+    if (!partial_tile(key0)) return;
+    const int stage = it % kStages;
+    uint32_t flagged[kFlagWords];
+    bool any_flagged = false;
+#pragma unroll
+    for (int i = 0; i < kFlagWords; ++i) {
+      flagged[i] = bad_keys[stage][0][i] | bad_keys[stage][1][i] | bad_keys[stage][2][i] |
+                   bad_keys[stage][3][i];
+      any_flagged |= flagged[i] != 0u;
+    }
+    if (!any_flagged) return;
+    const bool needs_mask =
+        key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
+    uint32_t hit[2] = {0u, 0u};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int hi = qpos[h] - key0 - c0;  // as in softmax_tile
+      const int lo = a.window > 0 ? qpos[h] - a.window - key0 - c0 : -(1 << 30);
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kt = nt * 8 + e;  // + c0: the shift below
+          const bool masked = needs_mask && (kt > hi || kt <= lo);
+          hit[h] |= (flagged[kt / 32] >> (kt % 32 + c0)) & (masked ? 0u : 1u);
+        }
+    }
+    row_nan[0] |= hit[0] != 0u;
+    row_nan[1] |= hit[1] != 0u;
   };
   // Mask, non-finite bookkeeping and soft-max of tile it's S (landed); alpha for O. Selects,
   // not branches, per logit, so that each path is straight-line code.
@@ -538,30 +607,6 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
 #pragma unroll
         for (int j = 0; j < 4; ++j) absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(sc[nt][j]));
     }
-    if (partial_tile(key0)) {  // keys the producer flagged (V chunks with NaN/inf)
-      const int stage = it % kStages;
-      uint32_t flagged[kFlagWords];
-      bool any_flagged = false;
-#pragma unroll
-      for (int i = 0; i < kFlagWords; ++i) {
-        flagged[i] = bad_keys[stage][0][i] | bad_keys[stage][1][i] | bad_keys[stage][2][i] |
-                     bad_keys[stage][3][i];
-        any_flagged |= flagged[i] != 0u;
-      }
-      if (any_flagged) {
-        uint32_t hit[2] = {0u, 0u};
-#pragma unroll
-        for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int kt = nt * 8 + (j & 1);  // + c0: the shift below
-            const uint32_t read = needs_mask && is_masked(nt, j) ? 0u : 1u;
-            hit[j >> 1] |= (flagged[kt / 32] >> (kt % 32 + c0)) & read;
-          }
-        row_nan[0] |= hit[0] != 0u;
-        row_nan[1] |= hit[1] != 0u;
-      }
-    }
     SoftmaxStep<kKeys / 8>(sc, m, l, alpha, kFast ? logit.scale_log2 : 1.f);
   };
   auto pack_p = [&]() {
@@ -577,7 +622,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   auto band = [&](auto fast_c) {
     float alpha[2];
     // First tile of the band: S alone (O is still zero, so its alpha is not needed).
-    wait_tile(ta);
+    wait_k(ta);
     turn_begin();
     FenceRegisters(sc);
     WgmmaFence();
@@ -585,12 +630,15 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     turn_end(ta);
     WgmmaWait<0>();
     FenceRegisters(sc);
+    release_k(ta);
     softmax_tile(fast_c, ta, alpha);
     pack_p();
-    if (ta + 1 < tb) wait_tile(ta + 1);
+    if (ta + 1 < tb) wait_k(ta + 1);
     // Steady state: S of tile it and P V of tile it - 1 in one turn; while P V runs, the
-    // soft-max of tile it and the wait for tile it + 1's data; then O's rescale and the next P.
+    // soft-max of tile it and the wait for tile it + 1's K; then O's rescale and the next P.
     for (int it = ta + 1; it < tb; ++it) {
+      wait_v(it - 1);
+      apply_flags(it - 1);
       turn_begin();
       FenceRegisters(sc);
       FenceRegisters(o);
@@ -601,15 +649,16 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       turn_end(it);
       WgmmaWait<1>();  // S of tile it
       FenceRegisters(sc);
+      release_k(it);
       softmax_tile(fast_c, it, alpha);
       // The soft-max's results, pinned before what follows (nvcc could sink them past it).
       FenceRegisters(sc);
       FenceScalars(alpha[0], alpha[1], l[0], l[1]);
-      // The next tile's full barrier sits between the soft-max and the P V wait on purpose: a
-      // basic-block boundary (the branch, the spin loop) keeps ptxas from hoisting the wait to
-      // the top of the soft-max's block, out of the overlap with the GEMM (it does that to a
+      // The next tile's K full barrier sits between the soft-max and the P V wait on purpose:
+      // a basic-block boundary (the branch, the spin loop) keeps ptxas from hoisting the wait
+      // to the top of the soft-max's block, out of the overlap with the GEMM (it does that to a
       // wgmma wait, which depends on no register, when both share a block).
-      if (it + 1 < tb) wait_tile(it + 1);
+      if (it + 1 < tb) wait_k(it + 1);
       WgmmaWait<0>();  // P V of tile it - 1
       FenceRegisters(o);
       FenceRegisters(pa);
@@ -623,9 +672,11 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         }
       }
       pack_p();
-      MbarArrive(&empty_bar[(it - 1) % kStages]);  // tile it - 1's stage: P V landed
+      release_v(it - 1);
     }
     // P V of the band's last tile.
+    wait_v(tb - 1);
+    apply_flags(tb - 1);
     FenceRegisters(o);
     FenceRegisters(pa);
     WgmmaFence();
@@ -633,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     WgmmaWait<0>();
     FenceRegisters(o);
     FenceRegisters(pa);
-    MbarArrive(&empty_bar[(tb - 1) % kStages]);
+    release_v(tb - 1);
   };
 
   for (int it = 0; it < ta; ++it) skip_tile(it);
