@@ -314,6 +314,36 @@ def long_ragged_batch(rng, seq_lens, num_new, *, page, hkv, group, head_dim, pad
     return q, k, v, table, query_start, num_rows
 
 
+def numpy_ragged_attention(q, k, v, table, seq_lens, query_start, num_rows, *, window=None,
+                           soft_cap=None):
+    """float32 numpy oracle of ragged_paged_attention, one sequence at a time: q [T, H, D],
+    caches [pages, P, Hkv, D], table [B, max_pages]; rows past query_start[B] stay zero."""
+    page, hkv, head_dim = k.shape[1], k.shape[2], k.shape[3]
+    group = q.shape[1] // hkv
+    want = np.zeros((num_rows, q.shape[1], head_dim), np.float32)
+    qf, kf, vf = (to_f32(x) for x in (q, k, v))
+    for b, total in enumerate(seq_lens):
+        n = int(query_start[b + 1] - query_start[b])
+        if n == 0:
+            continue
+        pos = np.arange(total)
+        ks = np.repeat(kf[table[b, pos // page], pos % page], group, axis=1)  # [S, H, D]
+        vs = np.repeat(vf[table[b, pos // page], pos % page], group, axis=1)
+        qs = qf[query_start[b]:query_start[b + 1]]  # [n, H, D]
+        logits = np.einsum("nhd,shd->hns", qs, ks) / np.sqrt(head_dim)
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        qpos = np.arange(total - n, total)[:, None]
+        live = pos[None, :] <= qpos
+        if window is not None:
+            live &= pos[None, :] > qpos - window
+        logits = np.where(live[None], logits, -np.inf)
+        w = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        w /= w.sum(axis=-1, keepdims=True)
+        want[query_start[b]:query_start[b + 1]] = np.einsum("hns,shd->nhd", w, vs)
+    return want
+
+
 @pytest.mark.parametrize("decode_rows", [3, 40])
 def test_ragged_mixed_decode_rows_and_chunk(backend, decode_rows):
     """A mixed step in one ragged call: long single-query (decode) rows beside a prefill chunk,
@@ -362,28 +392,35 @@ def test_ragged_long_prefill_matches_reference(backend, head_dim, group, window,
     attrs = {"sliding_window": window, "soft_cap": soft_cap}
     out = ops.ragged_paged_attention(*backend.put(q, k, v, table, seq_lens, query_start), **attrs)
     # numpy oracle, one sequence at a time (the reference's per-query gather would need ~20 GB)
-    want = np.zeros((num_rows, hkv * group, head_dim), np.float32)
-    qf, kf, vf = (to_f32(x) for x in (q, k, v))
-    for b, (n, total) in enumerate(zip(num_new, seq_lens)):
-        if n == 0:
-            continue
-        pos = np.arange(total)
-        ks = np.repeat(kf[table[b, pos // page], pos % page], group, axis=1)  # [S, H, D]
-        vs = np.repeat(vf[table[b, pos // page], pos % page], group, axis=1)
-        qs = qf[query_start[b]:query_start[b + 1]]  # [n, H, D]
-        logits = np.einsum("nhd,shd->hns", qs, ks) / np.sqrt(head_dim)
-        if soft_cap is not None:
-            logits = soft_cap * np.tanh(logits / soft_cap)
-        qpos = np.arange(total - n, total)[:, None]
-        live = pos[None, :] <= qpos
-        if window is not None:
-            live &= pos[None, :] > qpos - window
-        logits = np.where(live[None], logits, -np.inf)
-        w = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        w /= w.sum(axis=-1, keepdims=True)
-        want[query_start[b]:query_start[b + 1]] = np.einsum("hns,shd->nhd", w, vs)
+    want = numpy_ragged_attention(q, k, v, table, seq_lens, query_start, num_rows,
+                                  window=window, soft_cap=soft_cap)
     assert_zero_rows(out, np.arange(query_start[-1], num_rows), "padding rows", seed)
     assert_close(out, want, dtype, f"long prefill d{head_dim} g{group} w{window}", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+@pytest.mark.parametrize("page", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("head_dim,group,window", [(128, 4, None), (64, 1, 100), (128, 2, 200)])
+def test_ragged_prefill_at_key_tile_edges(backend, page, head_dim, group, window):
+    """Lengths and chunk starts on and around 64- and 128-key tile edges (the sm90 kernel's
+    tiles), with page sizes from 1 (more pages than lanes per tile: per-row table lookups) and 4
+    (one lookup per page of a tile, by shuffle) to 256 (a page holds several tiles); windows
+    whose band starts inside a tile."""
+    seed = 500 + page + head_dim + group + (window or 0)
+    rng = np.random.default_rng(seed)
+    seq_lens = np.array([127, 128, 129, 257, 383, 640, 1], np.int32)
+    num_new = np.array([127, 1, 129, 130, 255, 384, 1])
+    q, k, v, table, query_start, num_rows = long_ragged_batch(
+        rng, seq_lens, num_new, page=page, hkv=2, group=group, head_dim=head_dim, padding=3,
+        spare_pages=2, dtype=jnp.bfloat16)
+    print(f"seed={seed} seq_lens={seq_lens.tolist()} query_start={query_start.tolist()}")
+    out = ops.ragged_paged_attention(*backend.put(q, k, v, table, seq_lens, query_start),
+                                     sliding_window=window)
+    want = numpy_ragged_attention(q, k, v, table, seq_lens, query_start, num_rows, window=window)
+    assert_zero_rows(out, np.arange(query_start[-1], num_rows), "padding rows", seed)
+    assert_close(out, want, jnp.bfloat16, f"tile edges p{page} d{head_dim} g{group} w{window}",
+                 seed)
 
 
 # ---------------------------------------------------------------------------------------------

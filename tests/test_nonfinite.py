@@ -121,6 +121,33 @@ def test_ragged_masked_future_nonfinite_stays_masked(backend, where, dtype, bad)
     assert_close(out[:15], want[:15], dtype, "earlier queries", seed)
 
 
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("p", [127, 128, 250])
+def test_ragged_nonfinite_across_key_tiles(backend, where, p):
+    """A NaN row of kv head 0 at position p inside a 200-token chunk (positions 100..299, head_dim
+    128, bf16: on the GPU the sm90 kernel, whose CTAs hold 32 tokens of G = 4 heads and read
+    128-key tiles). p is the last / first key of a tile or inside one; CTAs whose tile holding p
+    is read only in part by their rows (the producer's scan) must keep the rows before p finite
+    and make those at or after it non-finite; every other CTA reads p whole or not at all."""
+    seed = 7 + p
+    rng, k, v, table, lens = base_batch(seed, [300], head_dim=128)
+    page, off = slot(table, 0, p)
+    (k if where == "k" else v)[page, off, 0, :] = np.nan
+    query_start = np.array([0, 200], np.int32)
+    q = rng.standard_normal((200, HKV * G, 128)).astype(np.float32)
+    args = (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), table, lens,
+            query_start)
+    out = to_f32(ops.ragged_paged_attention(*backend.put(*args)))
+    want = to_f32(reference("ragged_paged_attention", *args))
+    first = p - 100  # the first query (row of the chunk) that reads position p
+    for got, name in ((out, backend.name), (want, "reference")):
+        assert not np.isfinite(got[first:, :G]).any(), f"{name}: readers must be non-finite"
+        assert np.isfinite(got[:first]).all(), f"{name}: earlier queries must stay finite"
+        assert np.isfinite(got[:, G:]).all(), f"{name}: kv head 1 never reads it"
+    assert_close(out[:first], want[:first], jnp.bfloat16, "earlier queries", seed)
+    assert_close(out[:, G:], want[:, G:], jnp.bfloat16, "kv head 1", seed)
+
+
 def test_reference_masked_nan_does_not_poison():
     """The issue's case on the reference alone: NaN V at a masked future position, decode row
     reading only the past (a window) and ragged rows before it."""

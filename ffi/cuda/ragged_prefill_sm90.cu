@@ -3,21 +3,37 @@
 // Same contract, rows and schedule as the FlashAttention-2 style kernel in ragged_prefill.cu (a
 // CTA owns 128 rows = (token, head) pairs of one sequence and one kv head; the schedule kernel
 // there maps CTAs to sequences), for bf16/f16 queries over caches of the same dtype at head_dim 64
-// and 128 on sm_90a. A CTA has three warpgroups:
-// - the producer (warps 0-3) streams 64-key K/V tiles through a kStages-deep shared-memory ring
-//   with cp.async (rows are gathered one by one through the page table), in the 128-byte
-//   swizzled layout that wgmma reads; each thread's copies arrive on the stage's "full" mbarrier
-//   when they land (cp.async.mbarrier.arrive), so the producer never waits for data, only for
-//   the stage's "empty" mbarrier before refilling it;
-// - two consumers (64 rows each) compute S = Q K^T with wgmma from shared memory (Q stays in
-//   shared memory, K-major), mask and soft-max S in registers (the accumulator layout is the
+// and 128 on sm_90a. A CTA has three warpgroups; setmaxnreg moves registers from the producer
+// (kProducerRegs) to the consumers (kConsumerRegs):
+// - the producer (warps 0-3) streams 128-key K/V tiles (kKeys) through a kStages-deep
+//   shared-memory ring (3 stages at head_dim 128, 6 at 64) with cp.async: rows are gathered through the page table,
+//   whose entries for a tile each lane of a producer warp loads one tile ahead and hands to the
+//   rows by shuffle, into the 128-byte swizzled layout that wgmma reads. The K and V halves of a
+//   stage have their own "full" and "empty" mbarriers; the producer issues K of tile j, then V of
+//   tile j - 1 (V is used a turn after K), each once its half is empty, and each thread's copies
+//   arrive on the half's full barrier when they land (cp.async.mbarrier.arrive), so the producer
+//   never waits for data. Exception, for a tile that some row of the CTA reads only in part:
+//   each producer thread waits for its own V copies, zeroes those of its chunks that hold
+//   NaN/inf, its warp flags their keys (bad_keys), and then it arrives;
+// - two consumers (64 rows each) compute S = Q K^T with wgmma m64n128k16 from shared memory (Q
+//   stays there, K-major), mask and soft-max S in registers (the accumulator layout is the
 //   mma.sync one per 8 columns), and O += P V with P from registers and V read MN-major.
-// Non-finite rule: for tiles that some row of the CTA reads only in part, the consumers zero V
-// chunks holding NaN/inf and flag their keys; rows that do read a flagged key output NaN.
+//   Within a warpgroup, the S GEMM of tile j is issued together with the P V GEMM of tile j - 1
+//   and waited for alone (wgmma.wait_group 1), which frees tile j's K half; the soft-max of tile
+//   j (and the wait for tile j + 1's K) runs while the tensor cores do P V of tile j - 1; then
+//   wait_group 0, the rescale of O (only in warps where a row's max moved), P of tile j, and
+//   tile j - 1's V half is freed. Across the two warpgroups, the GEMM issues take turns (named
+//   barriers 5 and 6), so one's soft-max also overlaps the other's GEMMs. A warpgroup runs GEMMs
+//   only for the tiles in its rows' causal / window band [ta, tb); for the others it only waits
+//   for the data, takes its turn and frees the halves.
+// Non-finite rule: keys flagged by the producer make the rows that read them output NaN (a
+// flagged key's V is zero, so rows that do not read it are unaffected); on the fast path (no
+// soft cap) a row whose largest |q.k| is inf outputs NaN, and a NaN logit propagates through exp2.
 #include "kvcm/cuda/attention.cuh"
 #include "kvcm/cuda/mbarrier.cuh"
 #include "kvcm/cuda/mma.cuh"
 #include "kvcm/cuda/wgmma_ops.cuh"
+
 
 namespace kvcm::cuda {
 namespace {
@@ -25,15 +41,32 @@ namespace {
 constexpr int kConsumers = 2;                     // consumer warpgroups, 64 rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer warpgroup
 constexpr int kRows = 64 * kConsumers;
-constexpr int kKeys = 64;                         // keys per K/V tile
-constexpr int kStages = 4;
-constexpr int kFlagWords = kKeys / 32;
+// Keys per K/V tile (kKeys, a template parameter; the launch uses 128: m64n128k16 S GEMMs, 3
+// stages at head_dim 128). 64-key tiles (m64n64k16, 6 stages) compile and were the kernel's
+// former shape; 128 is what was measured on the H200 (2026-12-02: 301 / 412 TFLOP/s at B8 S2048
+// / B1 S16384 causal, against 235 / 322 for the 64-key kernel before the overlap).
+// setmaxnreg budgets: the launch gets 168 registers per thread (65536 / 384, rounded down to a
+// multiple of 8), and the CTA's pool is what it was launched with: the producer gives back
+// 168 - kProducerRegs per thread, the consumers take kConsumerRegs - 168 each from that, so
+// kProducerRegs + 2 * kConsumerRegs <= 3 * 168 (else setmaxnreg.inc waits forever).
+constexpr int kLaunchRegs = 168;
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;  // ptxas needs ~208 (zero spills)
+static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * kLaunchRegs,
+              "setmaxnreg budgets exceed the CTA's registers");
 
-template <int D> constexpr int TileBytes() { return kKeys * D * 2; }
-// + 1 KiB to align the base to the 128-byte swizzle's 1 KiB period.
-template <int D> constexpr int Sm90SmemBytes() {
-  return 1024 + kRows * D * 2 + kStages * 2 * TileBytes<D>();
+template <int D, int kKeys> constexpr int TileBytes() { return kKeys * D * 2; }
+// Ring depth: as many K/V stages as fit next to Q (at most 8), with 2 KiB for the static part and
+// the 1 KiB alignment slack: 3 at head_dim 128 with 128-key tiles, 6 with 64-key tiles.
+template <int D, int kKeys> constexpr int Stages() {
+  const int n = (227 * 1024 - 2048 - kRows * D * 2) / (2 * TileBytes<D, kKeys>());
+  return n < 8 ? n : 8;
 }
+// + 1 KiB to align the base to the 128-byte swizzle's 1 KiB period.
+template <int D, int kKeys> constexpr int Sm90SmemBytes() {
+  return 1024 + kRows * D * 2 + Stages<D, kKeys>() * 2 * TileBytes<D, kKeys>();
+}
+static_assert(Stages<128, 128>() == 3 && Stages<128, 64>() == 6 && Stages<64, 128>() == 6);
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows of D 16-bit values,
 // stored as D / 64 column blocks of [rows][128 bytes] with the 128-byte swizzle (chunk ^ row % 8).
@@ -58,11 +91,23 @@ __device__ __forceinline__ void WgmmaFence() {
 __device__ __forceinline__ void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void WgmmaWaitAll() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most N of this warpgroup's committed wgmma groups are still in flight (groups
+// complete in commit order).
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// Pins accumulator registers at this point of the program: the compiler sees them written here,
-// so no read or write of them moves across an asynchronous wgmma's issue or completion.
+template <int N>
+__device__ __forceinline__ void SetMaxRegs() {
+  if constexpr (N < 168) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+  }
+}
+// Pins registers at this point of the program: the compiler sees them read and written here, so
+// no access to them moves across an asynchronous wgmma's issue (wgmma.fence) or completion
+// (wgmma.wait_group), and registers a wgmma still reads stay live until its wait.
 template <int N>
 __device__ __forceinline__ void FenceRegisters(float (&d)[N][4]) {
 #pragma unroll
@@ -70,23 +115,97 @@ __device__ __forceinline__ void FenceRegisters(float (&d)[N][4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
 }
+template <int N>
+__device__ __forceinline__ void FenceRegisters(uint32_t (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
+}
 
-template <typename T, int D>
+__device__ __forceinline__ void FenceScalars(float& a, float& b, float& c, float& d) {
+  asm volatile("" : "+f"(a), "+f"(b), "+f"(c), "+f"(d)::"memory");
+}
+
+// One online soft-max step over a tile's logits s (log2 domain after the factor `scale`: raw q.k
+// with scale = scale_log2 on the fast path, pre-transformed logits with scale = 1 otherwise;
+// masked entries -inf): s becomes exp2(s * scale - m_new * scale), l is rescaled and summed (per
+// thread; the 4 threads of a row add up at the end), and alpha[h] is the factor O's row half h
+// must be multiplied by (applied by the caller once the P V GEMM in flight has landed).
+template <int NT>
+__device__ __forceinline__ void SoftmaxStep(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                            float (&alpha)[2], float scale) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[h], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new * scale;
+    alpha[h] = FastExp2(m[h] * scale - base);
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][2 * h] = FastExp2(fmaf(s[nt][2 * h], scale, -base));
+      s[nt][2 * h + 1] = FastExp2(fmaf(s[nt][2 * h + 1], scale, -base));
+      sum += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    l[h] = l[h] * alpha[h] + sum;
+    m[h] = m_new;
+  }
+}
+
+// FindPrefillTile (attention.cuh), searched 32 ways per step (lane i probes entry
+// lo + (hi - lo) (i + 1) / 32 of the non-decreasing tile_offsets, and a ballot splits the span),
+// so that up to 32 sequences cost one round trip of dependent loads instead of log2(batch) + 1 of
+// the binary search (1024: two). Same result: b is the largest index with tile_offsets[b] <= cta
+// (tile_offsets[0] = 0), tile counts down from the sequence's last tile. Every lane of the warp
+// must call it.
+__device__ __forceinline__ bool FindPrefillTileWarp(const PrefillParams& p, int cta, int& b,
+                                                    int& tile) {
+  const int lane = threadIdx.x % 32;
+  int lo = 0, hi = int(p.a.shape.batch);  // the answer is in [lo, hi)
+  int vhi = 0;                             // tile_offsets[hi], once a step has loaded it
+  bool first = true;  // the first step also checks cta < tile_offsets[batch] (lane 31)
+  while (first || hi - lo > 1) {
+    first = false;
+    const int idx = lo + int(int64_t(hi - lo) * (lane + 1) / 32);  // lane 31: hi
+    const int v = p.tile_offsets[idx];
+    const int t = __popc(__ballot_sync(0xffffffffu, v <= cta));  // lanes 0 .. t - 1
+    if (t == 32) return false;  // cta >= tile_offsets[batch]: past the last tile
+    const int new_lo = __shfl_sync(0xffffffffu, idx, max(t - 1, 0));
+    hi = __shfl_sync(0xffffffffu, idx, t);
+    vhi = __shfl_sync(0xffffffffu, v, t);
+    if (t > 0) lo = new_lo;
+  }
+  b = lo;
+  tile = vhi - 1 - cta;  // (tile_offsets[b + 1] - tile_offsets[b]) - 1 - (cta - tile_offsets[b])
+  return true;
+}
+
+template <typename T, int D, int kKeys>
 __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kStages = Stages<D, kKeys>();
+  constexpr int kFlagWords = kKeys / 32;
   constexpr int kChunks = D / 8;                // 16-byte chunks per row
   constexpr int kRowsPerPass = 128 / kChunks;   // producer rows per pass over a tile
-  constexpr int kTileBytes = TileBytes<D>();
+  constexpr int kRowsPerThread = kKeys / kRowsPerPass;
+  constexpr int kTileBytes = TileBytes<D, kKeys>();
   constexpr int kKvBlock = kKeys * 128;         // one 64-column block of a K/V tile
   constexpr int kQBlock = kRows * 128;
+  static_assert(32 % kRowsPerPass == 0, "a producer thread's rows: row % 32 = row_base + ...");
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   const int kvh = blockIdx.y;
   const int G = int(s.group());
   const int P = int(s.cache.page_size);
 
+  int li = *a.layer;  // (issued before the search's loads, not after them)
   int b, tile;
-  if (!FindPrefillTile(p, int(blockIdx.x), b, tile)) return;
+  if (!FindPrefillTileWarp(p, int(blockIdx.x), b, tile)) return;  // CTA-uniform
   const int q_begin = a.query_start[b];
   const int nq = a.query_start[b + 1] - q_begin;
   const int len = a.seq_lens[b];
@@ -99,22 +218,25 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
                                              ~uintptr_t(1023));
   uint8_t* qs = smem;                       // [D / 64][kRows][128 B]
   uint8_t* ring = smem + kRows * D * 2;     // kStages x {K, V} [D / 64][kKeys][128 B]
-  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
-  __shared__ uint32_t bad_keys[kStages][4 * kConsumers][kFlagWords];  // per consumer warp
+  // Per stage, K and V halves each: full (the producer's 128 threads arrive) and empty (the
+  // consumers' 256 threads arrive).
+  __shared__ uint64_t kfull_bar[kStages], vfull_bar[kStages], kempty_bar[kStages],
+      vempty_bar[kStages];
+  __shared__ uint32_t bad_keys[kStages][4][kFlagWords];  // per producer warp, 32 keys a word
   __shared__ int cta_bad;
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      MbarInit(&full_bar[i], 128);                 // every producer thread
-      MbarInit(&empty_bar[i], 128 * kConsumers);   // every consumer thread
+      MbarInit(&kfull_bar[i], 128);                 // every producer thread
+      MbarInit(&vfull_bar[i], 128);
+      MbarInit(&kempty_bar[i], 128 * kConsumers);   // every consumer thread
+      MbarInit(&vempty_bar[i], 128 * kConsumers);
     }
     cta_bad = 0;
   }
   __syncthreads();
 
-  int li = *a.layer;
   uint32_t bits = 0;
   if (li < 0 || li >= s.cache.num_layers) { bits |= kBadLayer; li = 0; }
-  const LogitTransform logit = p.logit;
 
   const int last_row = min(row0 + kRows, num_rows) - 1;
   const int q_first = pos0 + row0 / G, q_last = pos0 + last_row / G;
@@ -126,100 +248,120 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     return key0 + kKeys - 1 > q_first || (a.window > 0 && key0 <= q_last - a.window);
   };
 
-  const int wg = threadIdx.x / 128;
+  // The warpgroup index broadcast from lane 0: ptxas then treats the role branches as
+  // warp-uniform; otherwise it serializes every wgmma (C7518, "divergent path").
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   const int wt = threadIdx.x % 128;         // thread within its warpgroup
   const int warp = wt / 32, lane = wt % 32;
-  const int r0 = lane / 4, c0 = (lane % 4) * 2;
-  float o[D / 8][4];
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  bool row_nan[2] = {false, false};
-  float absmax[2] = {0.f, 0.f};  // the largest |q.k| each row read (fast path)
 
   if (wg == 0) {
     // ---- producer ----
+    SetMaxRegs<kProducerRegs>();
     const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * 2;
     const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
     const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
     const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
     const int64_t token_bytes = s.cache.token_stride() * 2;
     const int ch = wt % kChunks, row_base = wt / kChunks;
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % kStages;
-      if (it >= kStages) MbarWait(&empty_bar[stage], ((it / kStages) - 1) & 1);
-      uint8_t* ks = ring + stage * 2 * kTileBytes;
+    const uint32_t ring_s = SmemAddr(ring);
+    // Pages of at least kKeys / 32 tokens (at most 32 per tile): lane j of every producer warp
+    // looks up page j of a tile once, one tile ahead and before the empty-slot wait, as the byte
+    // offset of its first token (-1: a bad page id, or no key of the CTA's range in it), and the
+    // rows take it by shuffle, so no global load or 64-bit multiply sits on a row's path to its
+    // cp.asyncs. Smaller pages are looked up per row.
+    const int tile_pages = max(1, kKeys >> p.page_shift);
+    const bool lane_pages = tile_pages <= 32;
+    const int32_t page_bytes = int32_t(P * token_bytes);  // < 2^31: RaggedPrefillSm90Supports
+    auto tile_page_offset = [&](int it) -> int64_t {
+      const int pg = (((t_lo + it) * kKeys) >> p.page_shift) + lane;
+      if (it >= num_tiles || lane >= tile_pages || (pg << p.page_shift) >= key_hi ||
+          ((pg + 1) << p.page_shift) <= key_lo)
+        return -1;
+      const int page = pages[TableEntry(pg, int(s.max_pages), a.ring)];
+      if (page < 0 || page >= s.cache.num_pages) {
+        bits |= kBadPage;
+        return -1;
+      }
+      return int64_t(page) * page_bytes;
+    };
+    // Rows of tile it of one cache (base: K or V) into a stage's half at shared address dst;
+    // lane_offset: the lane's page of the tile (lane pages), else looked up per row.
+    auto issue_tile = [&](int it, const char* base, uint32_t dst, int64_t lane_offset) {
       const int key0 = (t_lo + it) * kKeys;
-#pragma unroll
-      for (int i = 0; i < kKeys / kRowsPerPass; ++i) {
+      auto issue_row = [&](int i, int64_t page_offset) {  // page_offset < 0: nothing to read
         const int row = row_base + i * kRowsPerPass;
         const int pos = key0 + row;
-        bool valid = pos >= key_lo && pos < key_hi;
-        int64_t off = 0;
-        if (valid) {
-          const int page = pages[TableEntry(pos >> p.page_shift, int(s.max_pages), a.ring)];
-          if (page < 0 || page >= s.cache.num_pages) {
-            bits |= kBadPage;
-            valid = false;
-          } else {
-            off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
-          }
+        const bool ok = pos >= key_lo && pos < key_hi && page_offset >= 0;
+        const int64_t off =
+            ok ? page_offset + int32_t(pos & (P - 1)) * int32_t(token_bytes) + ch * 16 : 0;
+        CpAsync16(dst + uint32_t(Swizzle128(kKeys, row, ch)), base + off, ok);
+      };
+      if (lane_pages) {
+        const int page0 = key0 >> p.page_shift;
+#pragma unroll 4
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          const int pos = key0 + row_base + i * kRowsPerPass;
+          const int src = ((pos >> p.page_shift) - page0) & 31;
+          const int lo = __shfl_sync(0xffffffffu, int32_t(lane_offset), src);
+          const int hi = __shfl_sync(0xffffffffu, int32_t(lane_offset >> 32), src);
+          issue_row(i, int64_t((uint64_t(uint32_t(hi)) << 32) | uint32_t(lo)));
         }
-        const int so = Swizzle128(kKeys, row, ch);
-        CpAsync16(SmemAddr(ks + so), kbase + off, valid);
-        CpAsync16(SmemAddr(ks + kTileBytes + so), vbase + off, valid);
+      } else {
+#pragma unroll 4
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          const int pos = key0 + row_base + i * kRowsPerPass;
+          int64_t page_offset = -1;
+          if (pos >= key_lo && pos < key_hi) {
+            const int page = pages[TableEntry(pos >> p.page_shift, int(s.max_pages), a.ring)];
+            if (page < 0 || page >= s.cache.num_pages) bits |= kBadPage;
+            else page_offset = int64_t(page) * page_bytes;
+          }
+          issue_row(i, page_offset);
+        }
       }
-      MbarArriveOnCopies(&full_bar[stage]);
-    }
-    CpAsyncWait<0>();
-  } else {
-    // ---- consumers ----
-    const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the CTA
-    for (int i = wt; i < 64 * kChunks; i += 128) {
-      const int r = cw * 64 + i / kChunks, ch = i % kChunks;
-      const int row = row0 + r;
-      const bool valid = row < num_rows;
-      const T* src =
-          static_cast<const T*>(a.q) +
-          (valid ? ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D +
-                       ch * 8
-                 : 0);
-      CpAsync16(SmemAddr(qs + Swizzle128(kRows, r, ch)), src, valid);
-    }
-    CpAsyncCommit();
-    CpAsyncWait<0>();
-    FenceProxyAsync();
-    NamedBarrier(1 + cw, 128);
-
-    int qpos[2];
+    };
+    // K of tile it, then V of tile it - 1, each into its half of the tile's stage after that
+    // half's own empty barrier: V is needed a turn after K (P V of a tile goes with S of the
+    // next), and a K half is free again as soon as its S GEMM is done, so both run about two
+    // tiles ahead of their use.
+    int64_t k_offset = lane_pages ? tile_page_offset(0) : -1;  // the lane's page of tile it
+    int64_t v_offset = -1;                                      // ... of tile it - 1
+    for (int it = 0; it <= num_tiles; ++it) {
+      const int64_t next_offset = lane_pages ? tile_page_offset(it + 1) : -1;
+      const int64_t k_tile_offset = k_offset, v_tile_offset = v_offset;
+      v_offset = k_offset;
+      k_offset = next_offset;
+      if (it < num_tiles) {
+        const int stage = it % kStages;
+        if (it >= kStages) MbarWait(&kempty_bar[stage], ((it / kStages) - 1) & 1);
+        issue_tile(it, kbase, ring_s + stage * 2 * kTileBytes, k_tile_offset);
+        MbarArriveOnCopies(&kfull_bar[stage]);
+      }
+      if (it == 0) continue;
+      const int jt = it - 1, stage = jt % kStages;
+      if (jt >= kStages) MbarWait(&vempty_bar[stage], ((jt / kStages) - 1) & 1);
+      issue_tile(jt, vbase, ring_s + stage * 2 * kTileBytes + kTileBytes, v_tile_offset);
+      if (!partial_tile((t_lo + jt) * kKeys)) {
+        MbarArriveOnCopies(&vfull_bar[stage]);
+        continue;
+      }
+      // A tile some row of the CTA reads only in part: this thread's copies landed (visible to
+      // it), it zeroes those of its V chunks that hold NaN/inf, and its warp flags their keys
+      // (bit row % 32 of word row / 32, OR-ed over the warp's lanes). The consumers read a
+      // stage's flags after its V full barrier, and only for such tiles; the stage's previous
+      // flags were read before its V empty barrier let this tile in.
+      CpAsyncCommit();  // (the copies are in no group yet: wait_group covers committed ones)
+      CpAsyncWait<0>();
+      uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+      // One 32-key flag word at a time (its rows: row_base + 32 wd + r kRowsPerPass), so that
+      // only 32 / kRowsPerPass chunks are loaded at once (all of them at once spill).
+#pragma unroll 1
+      for (int wd = 0; wd < kFlagWords; ++wd) {
+        uint32_t mine = 0;
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      qpos[h] = pos0 + min(row0 + cw * 64 + warp * 16 + r0 + 8 * h, num_rows - 1) / G;
-    const int wg_q_lo = pos0 + min(row0 + cw * 64, num_rows - 1) / G;
-    const int wg_q_hi = pos0 + min(row0 + cw * 64 + 63, num_rows - 1) / G;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    const uint8_t* q_wg = qs + cw * 64 * 128;
-    // Without a soft cap (and with a positive scale) the row max commutes with the scale: S stays
-    // raw q.k, the scale folds into exp2's argument, and the non-finite rule needs only the
-    // largest |q.k| a row read (an inf there -> NaN; a NaN propagates through exp2 by itself).
-    const bool fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
-
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % kStages;
-      const int key0 = (t_lo + it) * kKeys;
-      MbarWait(&full_bar[stage], (it / kStages) & 1);
-      uint32_t flagged[kFlagWords] = {};
-      bool any_flagged = false;
-      if (partial_tile(key0)) {  // both warpgroups, in step (named barrier 3 over 256 threads)
-        // The flags of this stage's previous tile have been read by every consumer thread.
-        NamedBarrier(3, 128 * kConsumers);
-        const int ct = threadIdx.x - 128;
-        uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
-        static_assert(kKeys <= 64, "one 64-bit mask of bad keys per thread");
-        uint64_t mine = 0;
-#pragma unroll
-        for (int i = ct; i < kKeys * kChunks; i += 128 * kConsumers) {
-          const int row = i / kChunks;
-          uint4* chunk = reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, i % kChunks));
+        for (int r = 0; r < 32 / kRowsPerPass; ++r) {
+          const int row = row_base + 32 * wd + r * kRowsPerPass;
+          uint4* chunk = reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, ch));
           const uint4 c = *chunk;
           constexpr uint32_t kExp = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
           bool bad = false;
@@ -227,119 +369,307 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
             bad |= (w & kExp) == kExp || ((w >> 16) & kExp) == kExp;
           if (bad) {
             *chunk = make_uint4(0u, 0u, 0u, 0u);
-            mine |= uint64_t(1) << row;
+            mine |= 1u << (row % 32);
           }
         }
-#pragma unroll
-        for (int i = 0; i < kFlagWords; ++i) {
-          const uint32_t f = __reduce_or_sync(0xffffffffu, uint32_t(mine >> (32 * i)));
-          if (lane == 0) bad_keys[stage][ct / 32][i] = f;
-        }
-        FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
-        NamedBarrier(3, 128 * kConsumers);
-#pragma unroll
-        for (int i = 0; i < kFlagWords; ++i) {
-          for (int w = 0; w < 4 * kConsumers; ++w) flagged[i] |= bad_keys[stage][w][i];
-          any_flagged |= flagged[i] != 0u;
-        }
+        const uint32_t f = __reduce_or_sync(0xffffffffu, mine);
+        if (lane == 0) bad_keys[stage][warp][wd] = f;
       }
-      // The whole warpgroup skips tiles outside its rows' causal / window band.
-      const bool skip =
-          key0 > wg_q_hi || (a.window > 0 && key0 + kKeys - 1 <= wg_q_lo - a.window);
-      if (!skip) {
-        const uint8_t* ks = ring + stage * 2 * kTileBytes;
-        const uint8_t* vs = ks + kTileBytes;
-        float sc[kKeys / 8][4];
-#pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-        FenceRegisters(sc);
-        WgmmaFence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const uint64_t qd = SmemDesc(q_wg + (kk / 4) * kQBlock + (kk % 4) * 32, 16, 1024);
-          const uint64_t kd = SmemDesc(ks + (kk / 4) * kKvBlock + (kk % 4) * 32, 16, 1024);
-          WgmmaSS<T, kKeys>::template run<0>(sc, qd, kd, kk > 0);
-        }
-        WgmmaCommit();
-        WgmmaWaitAll();
-        FenceRegisters(sc);
-
-        const bool needs_mask =
-            key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
-        auto is_masked = [&](int kt, int h) {
-          const int key = key0 + kt;
-          return key > qpos[h] || (a.window > 0 && key <= qpos[h] - a.window);
-        };
-        if (fast && !needs_mask) {  // the hot path: one instruction per logit before softmax
-#pragma unroll
-          for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(sc[nt][j]));
-        } else {
-#pragma unroll
-          for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              float x = sc[nt][j];
-              if (needs_mask && is_masked(nt * 8 + c0 + (j & 1), j >> 1)) {
-                x = -INFINITY;
-              } else if (fast) {
-                absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(x));
-              } else {
-                x = logit(x);
-              }
-              sc[nt][j] = x;
-            }
-        }
-        if (any_flagged) {
-#pragma unroll
-          for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int kt = nt * 8 + c0 + (j & 1);
-              if (!(needs_mask && is_masked(kt, j >> 1)) && ((flagged[kt / 32] >> (kt % 32)) & 1u))
-                row_nan[j >> 1] = true;
-            }
-        }
-        if (fast) {
-          ScaledOnlineSoftmax<kKeys / 8, D / 8>(sc, o, m, l, logit.scale_log2);
-        } else {
-          OnlineSoftmax<kKeys / 8, D / 8>(sc, o, m, l);
-        }
-
-        // P as the A operand from registers (the m16n8k16 A fragment of each 16-key step).
-        uint32_t pa[kKeys / 16][4];
-#pragma unroll
-        for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-          pa[k16][0] = Mma<T>::pack(sc[2 * k16][0], sc[2 * k16][1]);
-          pa[k16][1] = Mma<T>::pack(sc[2 * k16][2], sc[2 * k16][3]);
-          pa[k16][2] = Mma<T>::pack(sc[2 * k16 + 1][0], sc[2 * k16 + 1][1]);
-          pa[k16][3] = Mma<T>::pack(sc[2 * k16 + 1][2], sc[2 * k16 + 1][3]);
-        }
-        FenceRegisters(o);
-        WgmmaFence();
-#pragma unroll
-        for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-          // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
-          const uint64_t vd = SmemDesc(vs + k16 * 16 * 128, kKvBlock, 1024);
-          WgmmaRS<T, D>::template run<1>(o, pa[k16], vd, 1);
-        }
-        WgmmaCommit();
-        WgmmaWaitAll();
-        FenceRegisters(o);
-      }
-      MbarArrive(&empty_bar[stage]);
+      FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
+      MbarArrive(&vfull_bar[stage]);
     }
+    CpAsyncCommit();
+    CpAsyncWait<0>();
+    if (bits) {
+      atomicOr(&cta_bad, 1);
+      RaiseError(a.error_word, bits);
+    }
+    NamedBarrierArrive(3, kThreads);  // cta_bad, before the consumers' stores
+    return;
   }
+
+  // ---- consumers ----
+  SetMaxRegs<kConsumerRegs>();
+  const LogitTransform logit = p.logit;
+  const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the CTA
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+  for (int i = wt; i < 64 * kChunks; i += 128) {
+    const int r = cw * 64 + i / kChunks, ch = i % kChunks;
+    const int row = row0 + r;
+    const bool valid = row < num_rows;
+    const T* src =
+        static_cast<const T*>(a.q) +
+        (valid ? ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D +
+                     ch * 8
+               : 0);
+    CpAsync16(SmemAddr(qs + Swizzle128(kRows, r, ch)), src, valid);
+  }
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  FenceProxyAsync();
+  NamedBarrier(1 + cw, 128);
+
+  int qpos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    qpos[h] = pos0 + min(row0 + cw * 64 + warp * 16 + r0 + 8 * h, num_rows - 1) / G;
+  const int wg_q_lo = pos0 + min(row0 + cw * 64, num_rows - 1) / G;
+  const int wg_q_hi = pos0 + min(row0 + cw * 64 + 63, num_rows - 1) / G;
+  // This warpgroup's tiles [ta, tb): those meeting its rows' causal / window band (the keys
+  // [max(0, wg_q_lo - window + 1), wg_q_hi]); t_lo <= ta < tb <= num_tiles.
+  const int wg_key_lo = a.window > 0 ? max(0, wg_q_lo - a.window + 1) : 0;
+  const int ta = wg_key_lo / kKeys - t_lo;
+  const int tb = min(num_tiles, wg_q_hi / kKeys + 1 - t_lo);
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  bool row_nan[2] = {false, false};
+  float absmax[2] = {0.f, 0.f};  // the largest |q.k| each row read (fast path)
+  float sc[kKeys / 8][4];
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+  uint32_t pa[kKeys / 16][4];  // P of the tile whose P V GEMM is next (m16n8k16 A fragments)
+  const uint8_t* q_wg = qs + cw * 64 * 128;
+  // Without a soft cap (and with a positive scale) the row max commutes with the scale: S stays
+  // raw q.k, the scale folds into exp2's argument, and the non-finite rule needs only the
+  // largest |q.k| a row read (an inf there -> NaN; a NaN propagates through exp2 by itself).
+  const bool fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
+
+  // Ping-pong: the warpgroups issue their GEMMs in turns, one turn per tile. Warpgroup cw waits
+  // on named barrier 5 + cw for the other's arrival (after its issues of the previous tile, or
+  // warpgroup 1's first arrival below) and arrives on the other's after its own issues; a tile
+  // outside a warpgroup's band is an empty turn, so both make num_tiles turns (warpgroup 1's
+  // last arrival would have no taker).
+  if (cw == 1 && num_tiles > 0) NamedBarrierArrive(5, 128 * kConsumers);  // warpgroup 0 first
+  auto turn_begin = [&]() { NamedBarrier(5 + cw, 128 * kConsumers); };
+  auto turn_end = [&](int it) {
+    if (cw == 0 || it + 1 < num_tiles) NamedBarrierArrive(5 + (1 - cw), 128 * kConsumers);
+  };
+  // Waits for tile it's K / V half to land; the fence: its cp.async (generic proxy) writes,
+  // before wgmma reads them.
+  auto wait_k = [&](int it) {
+    MbarWait(&kfull_bar[it % kStages], (it / kStages) & 1);
+    FenceProxyAsync();
+  };
+  auto wait_v = [&](int it) {
+    MbarWait(&vfull_bar[it % kStages], (it / kStages) & 1);
+    FenceProxyAsync();
+  };
+  // Releases a half only after waiting for it (also for a tile this warpgroup skips): an arrival
+  // for a tile a whole ring ahead would otherwise count toward the phase of the tile before it.
+  auto release_k = [&](int it) { MbarArrive(&kempty_bar[it % kStages]); };
+  auto release_v = [&](int it) { MbarArrive(&vempty_bar[it % kStages]); };
+  auto skip_tile = [&](int it) {  // outside this warpgroup's band
+    wait_k(it);
+    wait_v(it);
+    turn_begin();
+    turn_end(it);
+    release_k(it);
+    release_v(it);
+  };
+  auto issue_s = [&](int stage) {
+    const uint8_t* ks = ring + stage * 2 * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t qd = SmemDesc(q_wg + (kk / 4) * kQBlock + (kk % 4) * 32, 16, 1024);
+      const uint64_t kd = SmemDesc(ks + (kk / 4) * kKvBlock + (kk % 4) * 32, 16, 1024);
+      WgmmaSS<T, kKeys>::template run<0>(sc, qd, kd, kk > 0);
+    }
+    WgmmaCommit();
+  };
+  auto issue_pv = [&](int stage) {
+    const uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+#pragma unroll
+    for (int k16 = 0; k16 < kKeys / 16; ++k16) {
+      // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
+      const uint64_t vd = SmemDesc(vs + k16 * 16 * 128, kKvBlock, 1024);
+      WgmmaRS<T, D>::template run<1>(o, pa[k16], vd, 1);
+    }
+    WgmmaCommit();
+  };
+  // Rows that read a key the producer flagged in tile it (a V chunk with NaN/inf; partial tiles
+  // only; after the tile's V full barrier) output NaN.
+  auto apply_flags = [&](int it) {
+    const int key0 = (t_lo + it) * kKeys;
+    if (!partial_tile(key0)) return;
+    const int stage = it % kStages;
+    uint32_t flagged[kFlagWords];
+    bool any_flagged = false;
+#pragma unroll
+    for (int i = 0; i < kFlagWords; ++i) {
+      flagged[i] = bad_keys[stage][0][i] | bad_keys[stage][1][i] | bad_keys[stage][2][i] |
+                   bad_keys[stage][3][i];
+      any_flagged |= flagged[i] != 0u;
+    }
+    if (!any_flagged) return;
+    const bool needs_mask =
+        key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
+    uint32_t hit[2] = {0u, 0u};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int hi = qpos[h] - key0 - c0;  // as in softmax_tile
+      const int lo = a.window > 0 ? qpos[h] - a.window - key0 - c0 : -(1 << 30);
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kt = nt * 8 + e;  // + c0: the shift below
+          const bool masked = needs_mask && (kt > hi || kt <= lo);
+          hit[h] |= (flagged[kt / 32] >> (kt % 32 + c0)) & (masked ? 0u : 1u);
+        }
+    }
+    row_nan[0] |= hit[0] != 0u;
+    row_nan[1] |= hit[1] != 0u;
+  };
+  // Mask, non-finite bookkeeping and soft-max of tile it's S (landed); alpha for O. Selects,
+  // not branches, per logit, so that each path is straight-line code.
+  auto softmax_tile = [&](auto fast_c, int it, float (&alpha)[2]) {
+    constexpr bool kFast = decltype(fast_c)::value;
+    const int key0 = (t_lo + it) * kKeys;
+    const bool needs_mask =
+        key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
+    // Key kt (of this thread: kt = nt * 8 + c0 + (j & 1)) is masked for row half h when
+    // nt * 8 + (j & 1) > hi[h] (after the row) or <= lo[h] (before its window).
+    int hi[2], lo[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      hi[h] = qpos[h] - key0 - c0;
+      lo[h] = a.window > 0 ? qpos[h] - a.window - key0 - c0 : -(1 << 30);
+    }
+    auto is_masked = [&](int nt, int j) {
+      const int kt = nt * 8 + (j & 1);
+      return kt > hi[j >> 1] || kt <= lo[j >> 1];
+    };
+    if constexpr (!kFast) {
+      if (logit.soft_cap > 0.f) {
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float x = sc[nt][j];
+            sc[nt][j] = fabsf(x) < INFINITY ? logit.capped(x) : NAN;
+          }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float x = sc[nt][j];
+            sc[nt][j] = fabsf(x) < INFINITY ? x * logit.scale_log2 : NAN;
+          }
+      }
+    }
+    if (needs_mask) {
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const bool masked = is_masked(nt, j);
+          if constexpr (kFast)
+            absmax[j >> 1] = fmaxf(absmax[j >> 1], masked ? 0.f : fabsf(sc[nt][j]));
+          sc[nt][j] = masked ? -INFINITY : sc[nt][j];
+        }
+    } else if constexpr (kFast) {  // the hot path: one instruction per logit before soft-max
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) absmax[j >> 1] = fmaxf(absmax[j >> 1], fabsf(sc[nt][j]));
+    }
+    SoftmaxStep<kKeys / 8>(sc, m, l, alpha, kFast ? logit.scale_log2 : 1.f);
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int k16 = 0; k16 < kKeys / 16; ++k16) {
+      pa[k16][0] = Mma<T>::pack(sc[2 * k16][0], sc[2 * k16][1]);
+      pa[k16][1] = Mma<T>::pack(sc[2 * k16][2], sc[2 * k16][3]);
+      pa[k16][2] = Mma<T>::pack(sc[2 * k16 + 1][0], sc[2 * k16 + 1][1]);
+      pa[k16][3] = Mma<T>::pack(sc[2 * k16 + 1][2], sc[2 * k16 + 1][3]);
+    }
+  };
+  // The band's tiles, one instance per logit path (fast: raw q.k, scale in exp2's argument).
+  auto band = [&](auto fast_c) {
+    float alpha[2];
+    // First tile of the band: S alone (O is still zero, so its alpha is not needed).
+    wait_k(ta);
+    turn_begin();
+    FenceRegisters(sc);
+    WgmmaFence();
+    issue_s(ta % kStages);
+    turn_end(ta);
+    WgmmaWait<0>();
+    FenceRegisters(sc);
+    release_k(ta);
+    softmax_tile(fast_c, ta, alpha);
+    pack_p();
+    if (ta + 1 < tb) wait_k(ta + 1);
+    // Steady state: S of tile it and P V of tile it - 1 in one turn; while P V runs, the
+    // soft-max of tile it and the wait for tile it + 1's K; then O's rescale and the next P.
+    for (int it = ta + 1; it < tb; ++it) {
+      wait_v(it - 1);
+      apply_flags(it - 1);
+      turn_begin();
+      FenceRegisters(sc);
+      FenceRegisters(o);
+      FenceRegisters(pa);
+      WgmmaFence();
+      issue_s(it % kStages);
+      issue_pv((it - 1) % kStages);
+      turn_end(it);
+      WgmmaWait<1>();  // S of tile it
+      FenceRegisters(sc);
+      release_k(it);
+      softmax_tile(fast_c, it, alpha);
+      // The soft-max's results, pinned before what follows (nvcc could sink them past it).
+      FenceRegisters(sc);
+      FenceScalars(alpha[0], alpha[1], l[0], l[1]);
+      // The next tile's K full barrier sits between the soft-max and the P V wait on purpose:
+      // a basic-block boundary (the branch, the spin loop) keeps ptxas from hoisting the wait
+      // to the top of the soft-max's block, out of the overlap with the GEMM (it does that to a
+      // wgmma wait, which depends on no register, when both share a block).
+      if (it + 1 < tb) wait_k(it + 1);
+      WgmmaWait<0>();  // P V of tile it - 1
+      FenceRegisters(o);
+      FenceRegisters(pa);
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[n][0] *= alpha[0];
+          o[n][1] *= alpha[0];
+          o[n][2] *= alpha[1];
+          o[n][3] *= alpha[1];
+        }
+      }
+      pack_p();
+      release_v(it - 1);
+    }
+    // P V of the band's last tile.
+    wait_v(tb - 1);
+    apply_flags(tb - 1);
+    FenceRegisters(o);
+    FenceRegisters(pa);
+    WgmmaFence();
+    issue_pv((tb - 1) % kStages);
+    WgmmaWait<0>();
+    FenceRegisters(o);
+    FenceRegisters(pa);
+    release_v(tb - 1);
+  };
+
+  for (int it = 0; it < ta; ++it) skip_tile(it);
+  if (ta < tb) {
+    if (fast) band(std::true_type{});
+    else band(std::false_type{});
+  }
+  for (int it = max(ta, tb); it < num_tiles; ++it) skip_tile(it);
 
   if (bits) {
     atomicOr(&cta_bad, 1);
     RaiseError(a.error_word, bits);
   }
-  __syncthreads();
-  if (wg == 0) return;
+  NamedBarrier(3, kThreads);  // with the producer's arrival: its cta_bad is visible
   const bool bad = cta_bad != 0;
-  const int cw = wg - 1;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float lh = l[h];
@@ -393,39 +723,44 @@ bool Sm90aAvailable() {
   return cached[dev] == 1;
 }
 
-template <typename T, int D>
+template <typename T, int D, int kKeys>
 ffi::Error LaunchSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_tiles) {
-  constexpr int smem = Sm90SmemBytes<D>();
+  constexpr int smem = Sm90SmemBytes<D, kKeys>();
   static bool configured = false;  // NOTE: per-template, set on the first launch
   if (!configured) {
-    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D>,
+    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D, kKeys>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return LaunchError("ragged_paged_attention: cudaFuncSetAttribute (sm90)");
     configured = true;
   }
   dim3 grid(unsigned(max_tiles), unsigned(p.a.shape.cache.num_kv_heads));
-  RaggedPrefillSm90Kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
+  RaggedPrefillSm90Kernel<T, D, kKeys><<<grid, kThreads, smem, stream>>>(p);
   return LaunchError("ragged_paged_attention (sm90 prefill kernel)");
 }
+
+constexpr int kLaunchKeys = 128;  // keys per K/V tile (see kKeys above)
 
 }  // namespace
 
 bool RaggedPrefillSm90Supports(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t D = s.cache.head_dim;
+  // A page's bytes (per layer) fit 31 bits: the producer's per-row offsets are 32-bit.
+  const bool small_pages = s.cache.page_size * s.cache.token_stride() * 2 < (int64_t(1) << 31);
   return !s.fp8() && s.cache.dtype == s.q_dtype && (D == 64 || D == 128) &&
-         s.cache.page_size >= 1 && Sm90aAvailable();
+         s.cache.page_size >= 1 && small_pages && Sm90aAvailable();
 }
 
 ffi::Error LaunchRaggedPrefillSm90(cudaStream_t stream, const PrefillParams& p,
                                    int64_t max_tiles) {
   const AttentionArgs& a = p.a;
   if (a.shape.q_dtype == DType::kBF16) {
-    if (a.shape.cache.head_dim == 64) return LaunchSm90<__nv_bfloat16, 64>(stream, p, max_tiles);
-    return LaunchSm90<__nv_bfloat16, 128>(stream, p, max_tiles);
+    if (a.shape.cache.head_dim == 64)
+      return LaunchSm90<__nv_bfloat16, 64, kLaunchKeys>(stream, p, max_tiles);
+    return LaunchSm90<__nv_bfloat16, 128, kLaunchKeys>(stream, p, max_tiles);
   }
-  if (a.shape.cache.head_dim == 64) return LaunchSm90<__half, 64>(stream, p, max_tiles);
-  return LaunchSm90<__half, 128>(stream, p, max_tiles);
+  if (a.shape.cache.head_dim == 64) return LaunchSm90<__half, 64, kLaunchKeys>(stream, p, max_tiles);
+  return LaunchSm90<__half, 128, kLaunchKeys>(stream, p, max_tiles);
 }
 
 }  // namespace kvcm::cuda
