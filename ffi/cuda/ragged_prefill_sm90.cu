@@ -127,36 +127,6 @@ __device__ __forceinline__ void FenceScalars(float& a, float& b, float& c, float
   asm volatile("" : "+f"(a), "+f"(b), "+f"(c), "+f"(d)::"memory");
 }
 
-// One online soft-max step over a tile's logits s (log2 domain after the factor `scale`: raw q.k
-// with scale = scale_log2 on the fast path, pre-transformed logits with scale = 1 otherwise;
-// masked entries -inf): s becomes exp2(s * scale - m_new * scale), l is rescaled and summed (per
-// thread; the 4 threads of a row add up at the end), and alpha[h] is the factor O's row half h
-// must be multiplied by (applied by the caller once the P V GEMM in flight has landed).
-template <int NT>
-__device__ __forceinline__ void SoftmaxStep(float (&s)[NT][4], float (&m)[2], float (&l)[2],
-                                            float (&alpha)[2], float scale) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[h], mx);
-    const float base = m_new == -INFINITY ? 0.f : m_new * scale;
-    alpha[h] = FastExp2(m[h] * scale - base);
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      s[nt][2 * h] = FastExp2(fmaf(s[nt][2 * h], scale, -base));
-      s[nt][2 * h + 1] = FastExp2(fmaf(s[nt][2 * h + 1], scale, -base));
-      sum += s[nt][2 * h] + s[nt][2 * h + 1];
-    }
-    l[h] = l[h] * alpha[h] + sum;
-    m[h] = m_new;
-  }
-}
-
 // FindPrefillTile (attention.cuh), searched 32 ways per step (lane i probes entry
 // lo + (hi - lo) (i + 1) / 32 of the non-decreasing tile_offsets, and a ballot splits the span),
 // so that up to 32 sequences cost one round trip of dependent loads instead of log2(batch) + 1 of

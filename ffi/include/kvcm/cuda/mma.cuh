@@ -207,15 +207,14 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[NT][4], float (&o)[NO][
   }
 }
 
-// OnlineSoftmax over raw q.k (no soft cap, scale_log2 > 0, masked entries -inf): m holds raw
-// maxima and the scale enters through exp2(s * scale_log2 - m * scale_log2), one FFMA per logit
-// instead of a multiply beforehand. Same results as OnlineSoftmax on pre-scaled logits up to
-// rounding.
-template <int NT, int NO>
-__device__ __forceinline__ void ScaledOnlineSoftmax(float (&s)[NT][4], float (&o)[NO][4],
-                                                    float (&m)[2], float (&l)[2],
-                                                    float scale_log2) {
-  float alphas[2];
+// One online soft-max step over a tile's logits s (log2 domain after the factor `scale`: raw q.k
+// with scale = scale_log2 on the fast path, pre-transformed logits with scale = 1 otherwise;
+// masked entries -inf): s becomes exp2(s * scale - m_new * scale), l is rescaled and summed (per
+// thread; the 4 threads of a row add up at the end), and alpha[h] is the factor O's row half h
+// must be multiplied by (applied by the caller once the P V GEMM in flight has landed).
+template <int NT>
+__device__ __forceinline__ void SoftmaxStep(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                            float (&alpha)[2], float scale) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
@@ -224,27 +223,17 @@ __device__ __forceinline__ void ScaledOnlineSoftmax(float (&s)[NT][4], float (&o
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[h], mx);
-    const float base = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-    const float alpha = FastExp2(m[h] * scale_log2 - base);
+    const float base = m_new == -INFINITY ? 0.f : m_new * scale;
+    alpha[h] = FastExp2(m[h] * scale - base);
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      s[nt][2 * h] = FastExp2(fmaf(s[nt][2 * h], scale_log2, -base));
-      s[nt][2 * h + 1] = FastExp2(fmaf(s[nt][2 * h + 1], scale_log2, -base));
+      s[nt][2 * h] = FastExp2(fmaf(s[nt][2 * h], scale, -base));
+      s[nt][2 * h + 1] = FastExp2(fmaf(s[nt][2 * h + 1], scale, -base));
       sum += s[nt][2 * h] + s[nt][2 * h + 1];
     }
-    l[h] = l[h] * alpha + sum;
-    alphas[h] = alpha;
+    l[h] = l[h] * alpha[h] + sum;
     m[h] = m_new;
-  }
-  if (__any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
-#pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      o[n][0] *= alphas[0];
-      o[n][1] *= alphas[0];
-      o[n][2] *= alphas[1];
-      o[n][3] *= alphas[1];
-    }
   }
 }
 
