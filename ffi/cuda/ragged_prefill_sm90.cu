@@ -26,6 +26,8 @@
 //   barriers 5 and 6), so one's soft-max also overlaps the other's GEMMs. A warpgroup runs GEMMs
 //   only for the tiles in its rows' causal / window band [ta, tb); for the others it only waits
 //   for the data, takes its turn and frees the halves.
+// scripts/sim_sm90_prefill_protocol.py models this barrier protocol (random ring depths, tile
+// counts and bands; it reports deadlocks, phase aliasing and dangling arrivals): change both.
 // Non-finite rule: keys flagged by the producer make the rows that read them output NaN (a
 // flagged key's V is zero, so rows that do not read it are unaffected); on the fast path (no
 // soft cap) a row whose largest |q.k| is inf outputs NaN, and a NaN logit propagates through exp2.
