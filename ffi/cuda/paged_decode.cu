@@ -5,12 +5,13 @@
 // tiles. The grid is 1-D: CTAs 0 .. full_rows - 1 take rows 0 .. full_rows - 1 whole, the
 // remaining rows are split num_splits ways (CTA full_rows + i: row full_rows + i / num_splits,
 // split i % num_splits), so the split CTAs, short, run last (see DecodeSchedule).
-// One producer warp streams the CTA's tiles, in order, through a CTA-wide ring of {K, V} stages
-// (cp.async, zero-filled outside the row; a stage's "full" mbarrier completes when its copies
-// land, its "empty" one when its consumer has read it). Consumer warp w computes tiles w,
-// w + kWarps, ... with its own online-softmax state, and the warps merge through shared memory at
-// the end. A split CTA writes an unnormalized partial (o, max, sum) and a combine kernel reduces
-// the splits of those rows.
+// Four warps compute the CTA's tiles (warp w: tiles w, w + 4, ...), each with its own
+// online-softmax state, and merge through shared memory at the end. The tiles arrive by cp.async
+// (zero-filled outside the row): with 16-bit caches one more, producer warp streams them in order
+// through a CTA-wide ring (a stage's "full" mbarrier completes when its copies land, its "empty"
+// one when its warp has read it); with fp8 caches each warp streams its own through a private
+// ring (see kRingBytes). A split CTA writes an unnormalized partial (o, max, sum) and a combine
+// kernel reduces the splits of those rows.
 //
 // The MMAs are transposed ("swap AB"): a tile's 16 tokens (or 16 head dims) are the m16 rows of
 // mma.m16n8k16 and the row's G query heads its 8 columns, S^T = K Q^T and O^T += V^T P^T. With
@@ -57,7 +58,6 @@ constexpr int kWarps = 4;  // warps that compute tiles (tile i of a CTA's: warp 
 //   costs its warp more work (the e4m3 conversions); the producer ring with 4 (3 CTAs/SM) or 8
 //   (2 CTAs/SM) consumer warps ran fp8 1.1x-2x slower than this.
 constexpr int kRingBytes = 72 * 1024;
-constexpr int kMaxRingStages = 32;
 constexpr int kFp8WarpStages = 3;
 
 template <int D, bool kFp8>
@@ -72,8 +72,7 @@ constexpr int CtaThreads() {
 template <int D, bool kFp8>
 constexpr int RingStages() {
   if constexpr (kFp8) return kFp8WarpStages;
-  constexpr int n = kRingBytes / (2 * TileBytes<D, kFp8>());
-  return n < kMaxRingStages ? n : kMaxRingStages;
+  return kRingBytes / (2 * TileBytes<D, kFp8>());  // 9 at head_dim 128
 }
 
 // The ring(s); at least the end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G]
@@ -299,7 +298,7 @@ __device__ __forceinline__ void AttendTile(const char* ktile, int tile_pos, int 
       else Mma<M>::mma(sd[nh], ka, qf[kk][nh][0], qf[kk][nh][1]);
     }
   }
-    uint32_t pb[kNH][2];  // P^T as B fragments
+  uint32_t pb[kNH][2];  // P^T as B fragments
 #pragma unroll
   for (int nh = 0; nh < kNH; ++nh) {
 #pragma unroll

@@ -43,10 +43,10 @@ namespace {
 constexpr int kConsumers = 2;                     // consumer warpgroups, 64 rows each
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer warpgroup
 constexpr int kRows = 64 * kConsumers;
-// Keys per K/V tile (kKeys, a template parameter; the launch uses 128: m64n128k16 S GEMMs, 3
-// stages at head_dim 128). 64-key tiles (m64n64k16, 6 stages) compile and were the kernel's
-// former shape; 128 is what was measured on the H200 (2026-12-02: 301 / 412 TFLOP/s at B8 S2048
-// / B1 S16384 causal, against 235 / 322 for the 64-key kernel before the overlap).
+// Keys per K/V tile: m64n128k16 S GEMMs, 3 stages at head_dim 128. Measured on the H200
+// (2026-12-02): 301 / 412 TFLOP/s at B8 S2048 / B1 S16384 causal, against 235 / 322 for the
+// former 64-key tiles without the overlap.
+constexpr int kKeys = 128;
 // setmaxnreg budgets: the launch gets 168 registers per thread (65536 / 384, rounded down to a
 // multiple of 8), and the CTA's pool is what it was launched with: the producer gives back
 // 168 - kProducerRegs per thread, the consumers take kConsumerRegs - 168 each from that, so
@@ -57,18 +57,18 @@ constexpr int kConsumerRegs = 224;  // ptxas needs ~208 (zero spills)
 static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * kLaunchRegs,
               "setmaxnreg budgets exceed the CTA's registers");
 
-template <int D, int kKeys> constexpr int TileBytes() { return kKeys * D * 2; }
+template <int D> constexpr int TileBytes() { return kKeys * D * 2; }
 // Ring depth: as many K/V stages as fit next to Q (at most 8), with 2 KiB for the static part and
-// the 1 KiB alignment slack: 3 at head_dim 128 with 128-key tiles, 6 with 64-key tiles.
-template <int D, int kKeys> constexpr int Stages() {
-  const int n = (227 * 1024 - 2048 - kRows * D * 2) / (2 * TileBytes<D, kKeys>());
+// the 1 KiB alignment slack: 3 at head_dim 128, 6 at head_dim 64.
+template <int D> constexpr int Stages() {
+  const int n = (227 * 1024 - 2048 - kRows * D * 2) / (2 * TileBytes<D>());
   return n < 8 ? n : 8;
 }
 // + 1 KiB to align the base to the 128-byte swizzle's 1 KiB period.
-template <int D, int kKeys> constexpr int Sm90SmemBytes() {
-  return 1024 + kRows * D * 2 + Stages<D, kKeys>() * 2 * TileBytes<D, kKeys>();
+template <int D> constexpr int Sm90SmemBytes() {
+  return 1024 + kRows * D * 2 + Stages<D>() * 2 * TileBytes<D>();
 }
-static_assert(Stages<128, 128>() == 3 && Stages<128, 64>() == 6 && Stages<64, 128>() == 6);
+static_assert(Stages<128>() == 3 && Stages<64>() == 6);
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows of D 16-bit values,
 // stored as D / 64 column blocks of [rows][128 bytes] with the 128-byte swizzle (chunk ^ row % 8).
@@ -157,15 +157,15 @@ __device__ __forceinline__ bool FindPrefillTileWarp(const PrefillParams& p, int 
   return true;
 }
 
-template <typename T, int D, int kKeys>
+template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kStages = Stages<D, kKeys>();
+  constexpr int kStages = Stages<D>();
   constexpr int kFlagWords = kKeys / 32;
   constexpr int kChunks = D / 8;                // 16-byte chunks per row
   constexpr int kRowsPerPass = 128 / kChunks;   // producer rows per pass over a tile
   constexpr int kRowsPerThread = kKeys / kRowsPerPass;
-  constexpr int kTileBytes = TileBytes<D, kKeys>();
+  constexpr int kTileBytes = TileBytes<D>();
   constexpr int kKvBlock = kKeys * 128;         // one 64-column block of a K/V tile
   constexpr int kQBlock = kRows * 128;
   static_assert(32 % kRowsPerPass == 0, "a producer thread's rows: row % 32 = row_base + ...");
@@ -695,22 +695,20 @@ bool Sm90aAvailable() {
   return cached[dev] == 1;
 }
 
-template <typename T, int D, int kKeys>
+template <typename T, int D>
 ffi::Error LaunchSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_tiles) {
-  constexpr int smem = Sm90SmemBytes<D, kKeys>();
+  constexpr int smem = Sm90SmemBytes<D>();
   static bool configured = false;  // NOTE: per-template, set on the first launch
   if (!configured) {
-    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D, kKeys>,
+    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return LaunchError("ragged_paged_attention: cudaFuncSetAttribute (sm90)");
     configured = true;
   }
   dim3 grid(unsigned(max_tiles), unsigned(p.a.shape.cache.num_kv_heads));
-  RaggedPrefillSm90Kernel<T, D, kKeys><<<grid, kThreads, smem, stream>>>(p);
+  RaggedPrefillSm90Kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
   return LaunchError("ragged_paged_attention (sm90 prefill kernel)");
 }
-
-constexpr int kLaunchKeys = 128;  // keys per K/V tile (see kKeys above)
 
 }  // namespace
 
@@ -728,11 +726,11 @@ ffi::Error LaunchRaggedPrefillSm90(cudaStream_t stream, const PrefillParams& p,
   const AttentionArgs& a = p.a;
   if (a.shape.q_dtype == DType::kBF16) {
     if (a.shape.cache.head_dim == 64)
-      return LaunchSm90<__nv_bfloat16, 64, kLaunchKeys>(stream, p, max_tiles);
-    return LaunchSm90<__nv_bfloat16, 128, kLaunchKeys>(stream, p, max_tiles);
+      return LaunchSm90<__nv_bfloat16, 64>(stream, p, max_tiles);
+    return LaunchSm90<__nv_bfloat16, 128>(stream, p, max_tiles);
   }
-  if (a.shape.cache.head_dim == 64) return LaunchSm90<__half, 64, kLaunchKeys>(stream, p, max_tiles);
-  return LaunchSm90<__half, 128, kLaunchKeys>(stream, p, max_tiles);
+  if (a.shape.cache.head_dim == 64) return LaunchSm90<__half, 64>(stream, p, max_tiles);
+  return LaunchSm90<__half, 128>(stream, p, max_tiles);
 }
 
 }  // namespace kvcm::cuda
