@@ -19,7 +19,8 @@
 # benchmark and the profile step measure them side by side with ours.
 # Steps: verify pytest attention profile migration arena run manager decode serve http
 #   (profile: Nsight Compute over benchmarks/decode_profile.py at B256 S1024, ours and, with the
-#   anchors, FlashInfer's; off unless named in --only)
+#   anchors, FlashInfer's; ours with fp8 K/V at B64 S4096, with its per-instruction (SASS) stall
+#   samples as CSV; benchmarks/prefill_profile.py at B8 S2048 causal; off unless named in --only)
 #   (http: benchmarks/serve_http.py --quick; it needs fastapi/uvicorn: with no network, install
 #   them first from a wheel folder, e.g. `pip install --no-index --find-links DIR fastapi uvicorn`).
 # One ~10-minute call fits about: build (~45 s), pytest (~4 min), serve --quick (~3.5 min).
@@ -120,8 +121,15 @@ if [ ${want[profile]} = 1 ]; then
       --launch-count 1 -k regex:BatchPrefill "${ncu_sections[@]}" \
       python3 benchmarks/decode_profile.py --method flashinfer "${anchors[@]}"
   fi
+  step ncu-fp8 ncu_fp8.txt ncu --clock-control none -k regex:PagedDecode --launch-skip 2 \
+    --launch-count 1 --set full --import-source no -o /tmp/ncu_fp8 -f \
+    python3 benchmarks/decode_profile.py --fp8 --batch 64 --context 4096
+  ncu -i /tmp/ncu_fp8.ncu-rep >> "$OUT/ncu_fp8.txt" 2>&1
+  ncu -i /tmp/ncu_fp8.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_fp8_sass.csv" 2>&1
+  step ncu-prefill ncu_prefill.txt ncu --clock-control none -k regex:RaggedPrefill --launch-skip 2 \
+    --launch-count 1 "${ncu_sections[@]}" python3 benchmarks/prefill_profile.py
   grep -hE "^  [A-Z]|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Eligible Warps|Registers Per|Achieved Occupancy" \
-    "$OUT"/ncu_*.txt | head -40
+    "$OUT"/ncu_*.txt | head -60
 fi
 if [ ${want[migration]} = 1 ] && [ -f benchmarks/migration.py ]; then
   step migration migration.log python3 benchmarks/migration.py --json "$OUT/migration.json"
