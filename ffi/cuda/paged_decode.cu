@@ -77,6 +77,7 @@ constexpr int RingStages() {
 
 // The ring(s); at least the end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G]
 // maxima and sums, which reuse them.
+constexpr int kSmemAlign = 128;
 template <int D, bool kFp8>
 constexpr int DecodeSmemBytes() {
   constexpr int ring = (kFp8 ? kWarps : 1) * RingStages<D, kFp8>() * 2 * TileBytes<D, kFp8>();
@@ -423,7 +424,12 @@ __global__ void __launch_bounds__(CtaThreads<kFp8>()) PagedDecodeKernel(const De
   const bool computes = warp < kWarps;  // else the producer warp (16-bit caches)
   const int G = int(s.group());
 
-  extern __shared__ uint4 smem_raw[];
+  // The dynamic base follows the static variables, 16-byte aligned unless declared otherwise
+  // (the fp8 kernel's landed at 16 mod 32). Tiles need 128-byte alignment: a cp.async whose
+  // destination straddles 32-byte units makes the two 16-byte halves of a global sector separate
+  // L2 requests (Nsight Compute, H200, fp8 B64 S4096: twice the sectors of the data, half of them
+  // L2 hits, 3x the shared-store wavefronts), and the swizzles assume 128-byte rows.
+  extern __shared__ __align__(kSmemAlign) uint4 smem_raw[];
   char* smem = reinterpret_cast<char*>(smem_raw);
   // 16-bit caches: full[i]: stage i's copies landed (one arrival per producer lane, on its
   // copies); empty[i]: its warp has read it (one arrival per lane).
