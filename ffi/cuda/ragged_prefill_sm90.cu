@@ -83,6 +83,23 @@ __device__ __forceinline__ uint64_t SmemDesc(const void* p, uint32_t lead_bytes,
          (uint64_t(stride_bytes >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// A descriptor split in its 32-bit halves: lo (start address >> 4 in bits 0-13, leading byte
+// offset >> 4 in 16-29) and hi (stride >> 4, the swizzle mode), so that the descriptor of an
+// operand `units` x 16 bytes further is one 32-bit add to lo (the address field cannot carry:
+// shared memory ends below 2^18 bytes). Built once per operand base; SmemDesc per wgmma cost
+// five uniform instructions each (nvdisasm), ~80 per tile and consumer thread.
+struct SmemDescHalves {
+  uint32_t lo, hi;
+  __device__ __forceinline__ uint64_t at(uint32_t units) const {
+    return (uint64_t(hi) << 32) | (lo + units);
+  }
+};
+__device__ __forceinline__ SmemDescHalves MakeSmemDesc(const void* p, uint32_t lead_bytes,
+                                                       uint32_t stride_bytes) {
+  const uint64_t d = SmemDesc(p, lead_bytes, stride_bytes);
+  return {uint32_t(d), uint32_t(d >> 32)};
+}
+
 // Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to wgmma's async proxy.
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -463,24 +480,27 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     release_k(it);
     release_v(it);
   };
+  // Descriptors of Q and of stage 0's K and V halves; a stage is 2 kTileBytes further.
+  const SmemDescHalves q_desc = MakeSmemDesc(q_wg, 16, 1024);
+  const SmemDescHalves k_desc = MakeSmemDesc(ring, 16, 1024);
+  // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
+  const SmemDescHalves v_desc = MakeSmemDesc(ring + kTileBytes, kKvBlock, 1024);
+  // (offsets in 16-byte units, so that a stage's term and a constant are one three-way add)
   auto issue_s = [&](int stage) {
-    const uint8_t* ks = ring + stage * 2 * kTileBytes;
+    const uint32_t ks = uint32_t(stage) * (2 * kTileBytes / 16);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t qd = SmemDesc(q_wg + (kk / 4) * kQBlock + (kk % 4) * 32, 16, 1024);
-      const uint64_t kd = SmemDesc(ks + (kk / 4) * kKvBlock + (kk % 4) * 32, 16, 1024);
-      WgmmaSS<T, kKeys>::template run<0>(sc, qd, kd, kk > 0);
+      constexpr int kQ = kQBlock / 16, kKv = kKvBlock / 16;
+      const uint32_t qoff = (kk / 4) * kQ + (kk % 4) * 2, koff = (kk / 4) * kKv + (kk % 4) * 2;
+      WgmmaSS<T, kKeys>::template run<0>(sc, q_desc.at(qoff), k_desc.at(ks + koff), kk > 0);
     }
     WgmmaCommit();
   };
   auto issue_pv = [&](int stage) {
-    const uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+    const uint32_t vs = uint32_t(stage) * (2 * kTileBytes / 16);
 #pragma unroll
-    for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-      // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
-      const uint64_t vd = SmemDesc(vs + k16 * 16 * 128, kKvBlock, 1024);
-      WgmmaRS<T, D>::template run<1>(o, pa[k16], vd, 1);
-    }
+    for (int k16 = 0; k16 < kKeys / 16; ++k16)  // 16 keys = 2 KiB
+      WgmmaRS<T, D>::template run<1>(o, pa[k16], v_desc.at(vs + k16 * 128), 1);
     WgmmaCommit();
   };
   // Rows that read a key the producer flagged in tile it (a V chunk with NaN/inf; partial tiles
