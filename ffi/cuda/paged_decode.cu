@@ -77,6 +77,7 @@ constexpr int RingStages() {
 
 // The ring(s); at least the end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G]
 // maxima and sums, which reuse them.
+constexpr int kSmemAlign = 128;
 template <int D, bool kFp8>
 constexpr int DecodeSmemBytes() {
   constexpr int ring = (kFp8 ? kWarps : 1) * RingStages<D, kFp8>() * 2 * TileBytes<D, kFp8>();
@@ -423,7 +424,12 @@ __global__ void __launch_bounds__(CtaThreads<kFp8>()) PagedDecodeKernel(const De
   const bool computes = warp < kWarps;  // else the producer warp (16-bit caches)
   const int G = int(s.group());
 
-  extern __shared__ uint4 smem_raw[];
+  // The dynamic base follows the static variables, 16-byte aligned unless declared otherwise
+  // (the fp8 kernel's landed at 16 mod 32). Tiles need 128-byte alignment: a cp.async whose
+  // destination straddles 32-byte units makes the two 16-byte halves of a global sector separate
+  // L2 requests (Nsight Compute, H200, fp8 B64 S4096: twice the sectors of the data, half of them
+  // L2 hits, 3x the shared-store wavefronts), and the swizzles assume 128-byte rows.
+  extern __shared__ __align__(kSmemAlign) uint4 smem_raw[];
   char* smem = reinterpret_cast<char*>(smem_raw);
   // 16-bit caches: full[i]: stage i's copies landed (one arrival per producer lane, on its
   // copies); empty[i]: its warp has read it (one arrival per lane).
@@ -541,31 +547,34 @@ __global__ void __launch_bounds__(CtaThreads<kFp8>()) PagedDecodeKernel(const De
   } else {
     // ---- every warp streams its own tiles through its own kStages-deep ring ----
     char* wsmem = smem + warp * kStages * 2 * kTileBytes;
-    // Page ids of a warp's tile j, lane-uniform: a 16-token tile spans one page (P >= 16) or two
-    // (P == 8). Fetched one tile ahead so their latency hides behind the compute.
+    // Page ids of a warp's tile j, lane-uniform: a 16-token tile spans one page (P >= 16: page_hi
+    // is not read) or two (P == 8). Fetched one tile ahead so their latency hides behind the
+    // compute. The loads go straight into the loop-carried registers, unconditionally (j past
+    // the warp's last tile reads that tile's entry, unused): a conditional load, or the copy
+    // page_hi = page_lo, made ptxas move the pending load's register at once, which stalled the
+    // warp on the table's latency every tile (ncu, H200, fp8 B64 S4096: a third of the kernel's
+    // stall samples on that move).
     auto fetch_pages = [&](int j, int& page_lo, int& page_hi) {
-      page_lo = page_hi = 0;
-      if (j < my_count) {
-        const int first = (my_lo + warp + j * kWarps) * kTile;  // < len
-        page_lo = pages[TableEntry(first >> p.page_shift, max_pages, a.ring)];
-        page_hi = (src.page_size >= kTile || first + 8 >= len)
-                      ? page_lo
-                      : pages[TableEntry((first + 8) >> p.page_shift, max_pages, a.ring)];
-      }
+      const int first = (my_lo + warp + min(j, my_count - 1) * kWarps) * kTile;  // < len
+      page_lo = pages[TableEntry(first >> p.page_shift, max_pages, a.ring)];
+      if (src.page_size < kTile)
+        page_hi = pages[TableEntry(min(first + 8, len - 1) >> p.page_shift, max_pages, a.ring)];
     };
     auto load = [&](int j, int page_lo, int page_hi) {
       LoadTile<D, kFp8>(wsmem + (j % kStages) * 2 * kTileBytes, src,
                         (my_lo + warp + j * kWarps) * kTile, lo, len, page_lo, page_hi, lane,
                         bits);
     };
-    int page_lo, page_hi;
+    int page_lo = 0, page_hi = 0;
+    if (my_count > 0) fetch_pages(0, page_lo, page_hi);
 #pragma unroll
-    for (int st = 0; st < kStages - 1; ++st) {
-      fetch_pages(st, page_lo, page_hi);
-      if (st < my_count) load(st, page_lo, page_hi);
+    for (int st = 0; st < kStages - 1; ++st) {  // one commit group per tile, empty past the last
+      if (st < my_count) {
+        load(st, page_lo, page_hi);
+        fetch_pages(st + 1, page_lo, page_hi);
+      }
       CpAsyncCommit();
     }
-    fetch_pages(kStages - 1, page_lo, page_hi);
     for (int j = 0; j < my_count; ++j) {
       CpAsyncWait<kStages - 2>();
       __syncwarp();

@@ -119,7 +119,10 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   const int row0 = tile * kRows;
   const int pos0 = len - nq;  // position of the sequence's first query token
 
-  extern __shared__ uint4 smem_raw[];
+  // 128-byte aligned: the base otherwise follows the static variables at 16 mod 32, and then
+  // every cp.async destination straddles 32-byte units, which doubles the L2 sectors of the
+  // gathers (measured on the decode kernel, which had the same defect; see paged_decode.cu).
+  extern __shared__ __align__(128) uint4 smem_raw[];
   M* qs = reinterpret_cast<M*>(smem_raw);  // [kRows][D], swizzled (arrives as T)
   char* kv = reinterpret_cast<char*>(qs + kRows * D);  // kStages x {K, V} [kKv][D] as they arrive
   M* conv = reinterpret_cast<M*>(kv + kStages * 2 * kTileBytes);  // fp8: converted {K, V}

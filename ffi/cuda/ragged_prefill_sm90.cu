@@ -83,6 +83,23 @@ __device__ __forceinline__ uint64_t SmemDesc(const void* p, uint32_t lead_bytes,
          (uint64_t(stride_bytes >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// A descriptor split in its 32-bit halves: lo (start address >> 4 in bits 0-13, leading byte
+// offset >> 4 in 16-29) and hi (stride >> 4, the swizzle mode), so that the descriptor of an
+// operand `units` x 16 bytes further is one 32-bit add to lo (the address field cannot carry:
+// shared memory ends below 2^18 bytes). Built once per operand base; SmemDesc per wgmma cost
+// five uniform instructions each (nvdisasm), ~80 per tile and consumer thread.
+struct SmemDescHalves {
+  uint32_t lo, hi;
+  __device__ __forceinline__ uint64_t at(uint32_t units) const {
+    return (uint64_t(hi) << 32) | (lo + units);
+  }
+};
+__device__ __forceinline__ SmemDescHalves MakeSmemDesc(const void* p, uint32_t lead_bytes,
+                                                       uint32_t stride_bytes) {
+  const uint64_t d = SmemDesc(p, lead_bytes, stride_bytes);
+  return {uint32_t(d), uint32_t(d >> 32)};
+}
+
 // Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to wgmma's async proxy.
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -163,12 +180,21 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   constexpr int kStages = Stages<D>();
   constexpr int kFlagWords = kKeys / 32;
   constexpr int kChunks = D / 8;                // 16-byte chunks per row
-  constexpr int kRowsPerPass = 128 / kChunks;   // producer rows per pass over a tile
+  // A producer thread copies kRowChunks chunks of each of its rows (chunk t + kRowThreads j of
+  // row row_base + kRowsPerPass i, t = its index among the row's kRowThreads threads), so that a
+  // row's address work (page, bounds, 64-bit offset, swizzle) is paid once per kRowChunks
+  // cp.asyncs, and the kRowThreads lanes of a row read adjacent chunks in each instruction
+  // (whole 32-byte sectors). With one chunk per thread and row, the producer spent ~30
+  // instructions per cp.async (nvdisasm), about as many per tile as the consumers.
+  constexpr int kRowChunks = 4;
+  constexpr int kRowThreads = kChunks / kRowChunks;  // threads per row: 4 at D 128, 2 at 64
+  constexpr int kRowsPerPass = 128 / kRowThreads;    // producer rows per pass over a tile
   constexpr int kRowsPerThread = kKeys / kRowsPerPass;
   constexpr int kTileBytes = TileBytes<D>();
   constexpr int kKvBlock = kKeys * 128;         // one 64-column block of a K/V tile
   constexpr int kQBlock = kRows * 128;
-  static_assert(32 % kRowsPerPass == 0, "a producer thread's rows: row % 32 = row_base + ...");
+  static_assert(kRowThreads >= 1 && kRowsPerThread >= 1 && kRowsPerPass % 32 == 0,
+                "a producer thread's rows: row_base + kRowsPerPass i");
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   const int kvh = blockIdx.y;
@@ -234,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
     const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
     const int64_t token_bytes = s.cache.token_stride() * 2;
-    const int ch = wt % kChunks, row_base = wt / kChunks;
+    const int ch0 = wt % kRowThreads, row_base = wt / kRowThreads;
     const uint32_t ring_s = SmemAddr(ring);
     // Pages of at least kKeys / 32 tokens (at most 32 per tile): lane j of every producer warp
     // looks up page j of a tile once, one tile ahead and before the empty-slot wait, as the byte
@@ -265,8 +291,13 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         const int pos = key0 + row;
         const bool ok = pos >= key_lo && pos < key_hi && page_offset >= 0;
         const int64_t off =
-            ok ? page_offset + int32_t(pos & (P - 1)) * int32_t(token_bytes) + ch * 16 : 0;
-        CpAsync16(dst + uint32_t(Swizzle128(kKeys, row, ch)), base + off, ok);
+            ok ? page_offset + int32_t(pos & (P - 1)) * int32_t(token_bytes) + ch0 * 16 : 0;
+#pragma unroll
+        for (int j = 0; j < kRowChunks; ++j) {  // (in bounds also when !ok: chunk < D / 8)
+          const int ch = ch0 + kRowThreads * j;
+          CpAsync16(dst + uint32_t(Swizzle128(kKeys, row, ch)),
+                    base + off + kRowThreads * 16 * j, ok);
+        }
       };
       if (lane_pages) {
         const int page0 = key0 >> p.page_shift;
@@ -325,26 +356,34 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       CpAsyncCommit();  // (the copies are in no group yet: wait_group covers committed ones)
       CpAsyncWait<0>();
       uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
-      // One 32-key flag word at a time (its rows: row_base + 32 wd + r kRowsPerPass), so that
-      // only 32 / kRowsPerPass chunks are loaded at once (all of them at once spill).
-#pragma unroll 1
-      for (int wd = 0; wd < kFlagWords; ++wd) {
-        uint32_t mine = 0;
+      // One row at a time (its kRowChunks chunks), so that few chunks are loaded at once (all of
+      // them at once spill). Row row_base + kRowsPerPass i is bit row % 32 of word row / 32.
+      uint32_t mine[kFlagWords];
 #pragma unroll
-        for (int r = 0; r < 32 / kRowsPerPass; ++r) {
-          const int row = row_base + 32 * wd + r * kRowsPerPass;
-          uint4* chunk = reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, ch));
+      for (int wd = 0; wd < kFlagWords; ++wd) mine[wd] = 0u;
+#pragma unroll 1
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const int row = row_base + i * kRowsPerPass;
+        bool bad_row = false;
+#pragma unroll
+        for (int j = 0; j < kRowChunks; ++j) {
+          uint4* chunk =
+              reinterpret_cast<uint4*>(vs + Swizzle128(kKeys, row, ch0 + kRowThreads * j));
           const uint4 c = *chunk;
           constexpr uint32_t kExp = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
           bool bad = false;
           for (const uint32_t w : {c.x, c.y, c.z, c.w})
             bad |= (w & kExp) == kExp || ((w >> 16) & kExp) == kExp;
-          if (bad) {
-            *chunk = make_uint4(0u, 0u, 0u, 0u);
-            mine |= 1u << (row % 32);
-          }
+          if (bad) *chunk = make_uint4(0u, 0u, 0u, 0u);
+          bad_row |= bad;
         }
-        const uint32_t f = __reduce_or_sync(0xffffffffu, mine);
+        const uint32_t bit = bad_row ? 1u << (row % 32) : 0u;
+#pragma unroll
+        for (int wd = 0; wd < kFlagWords; ++wd) mine[wd] |= row / 32 == wd ? bit : 0u;
+      }
+#pragma unroll
+      for (int wd = 0; wd < kFlagWords; ++wd) {
+        const uint32_t f = __reduce_or_sync(0xffffffffu, mine[wd]);
         if (lane == 0) bad_keys[stage][warp][wd] = f;
       }
       FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
@@ -441,24 +480,27 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     release_k(it);
     release_v(it);
   };
+  // Descriptors of Q and of stage 0's K and V halves; a stage is 2 kTileBytes further.
+  const SmemDescHalves q_desc = MakeSmemDesc(q_wg, 16, 1024);
+  const SmemDescHalves k_desc = MakeSmemDesc(ring, 16, 1024);
+  // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
+  const SmemDescHalves v_desc = MakeSmemDesc(ring + kTileBytes, kKvBlock, 1024);
+  // (offsets in 16-byte units, so that a stage's term and a constant are one three-way add)
   auto issue_s = [&](int stage) {
-    const uint8_t* ks = ring + stage * 2 * kTileBytes;
+    const uint32_t ks = uint32_t(stage) * (2 * kTileBytes / 16);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t qd = SmemDesc(q_wg + (kk / 4) * kQBlock + (kk % 4) * 32, 16, 1024);
-      const uint64_t kd = SmemDesc(ks + (kk / 4) * kKvBlock + (kk % 4) * 32, 16, 1024);
-      WgmmaSS<T, kKeys>::template run<0>(sc, qd, kd, kk > 0);
+      constexpr int kQ = kQBlock / 16, kKv = kKvBlock / 16;
+      const uint32_t qoff = (kk / 4) * kQ + (kk % 4) * 2, koff = (kk / 4) * kKv + (kk % 4) * 2;
+      WgmmaSS<T, kKeys>::template run<0>(sc, q_desc.at(qoff), k_desc.at(ks + koff), kk > 0);
     }
     WgmmaCommit();
   };
   auto issue_pv = [&](int stage) {
-    const uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+    const uint32_t vs = uint32_t(stage) * (2 * kTileBytes / 16);
 #pragma unroll
-    for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-      // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
-      const uint64_t vd = SmemDesc(vs + k16 * 16 * 128, kKvBlock, 1024);
-      WgmmaRS<T, D>::template run<1>(o, pa[k16], vd, 1);
-    }
+    for (int k16 = 0; k16 < kKeys / 16; ++k16)  // 16 keys = 2 KiB
+      WgmmaRS<T, D>::template run<1>(o, pa[k16], v_desc.at(vs + k16 * 128), 1);
     WgmmaCommit();
   };
   // Rows that read a key the producer flagged in tile it (a V chunk with NaN/inf; partial tiles
