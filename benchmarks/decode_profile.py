@@ -29,30 +29,45 @@ import sys  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def shape_parser(batch: int, context: int) -> argparse.ArgumentParser:
+    """The shape options shared with benchmarks/prefill_profile.py (defaults: batch, context)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", choices=("ours", "flashinfer"), default="ours")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--context", type=int, default=context)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page", type=int, default=16)
-    p.add_argument("--fp8", action="store_true", help="float8_e4m3fn K/V")
     p.add_argument("--calls", type=int, default=3)
+    return p
+
+
+def random_paged_kv(args: argparse.Namespace, rng: np.random.Generator
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 K and V ``[pages, page, Hkv, D]`` (page 0 the null page, never in the table) and
+    the page table ``[B, S / page]``: every row at length S, over a random page permutation."""
+    B, S, HKV, D, P = args.batch, args.context, args.kv_heads, args.head_dim, args.page
+    if S % P:
+        sys.exit("--context must be a multiple of --page")
+    pages = B * S // P + 1
+    k = rng.standard_normal((pages, P, HKV, D), np.float32)
+    v = rng.standard_normal((pages, P, HKV, D), np.float32)
+    table = (1 + rng.permutation(pages - 1)).reshape(B, S // P).astype(np.int32)
+    return k, v, table
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = shape_parser(batch=256, context=1024)
+    p.add_argument("--method", choices=("ours", "flashinfer"), default="ours")
+    p.add_argument("--fp8", action="store_true", help="float8_e4m3fn K/V")
     p.add_argument("--anchors", default=None, help="FlashInfer's install folder")
     args = p.parse_args(argv)
 
     B, S, H, HKV, D, P = (args.batch, args.context, args.heads, args.kv_heads, args.head_dim,
                           args.page)
-    if S % P:
-        sys.exit("--context must be a multiple of --page")
-    pages = B * S // P + 1  # page 0 is the null page
     rng = np.random.default_rng(0)
-    k = rng.standard_normal((pages, P, HKV, D), np.float32)
-    v = rng.standard_normal((pages, P, HKV, D), np.float32)
+    k, v, table = random_paged_kv(args, rng)
     q = rng.standard_normal((B, H, D), np.float32)
-    table = (1 + rng.permutation(pages - 1)).reshape(B, S // P).astype(np.int32)
     scale = 1.0 / 128.0
 
     if args.method == "ours":

@@ -18,38 +18,31 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also under python -m
+import decode_profile  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--calls", type=int, default=3)
+    p = decode_profile.shape_parser(batch=8, context=2048)
+    p.description = __doc__.splitlines()[0]
     args = p.parse_args(argv)
-
     B, S, H, HKV, D, P = (args.batch, args.context, args.heads, args.kv_heads, args.head_dim,
                           args.page)
-    if S % P:
-        sys.exit("--context must be a multiple of --page")
     import jax
     import jax.numpy as jnp
 
     import jax_kvcm
 
-    pages = B * S // P + 1  # page 0 is the null page
     rng = np.random.default_rng(0)
-    k = jnp.asarray(rng.standard_normal((pages, P, HKV, D), np.float32), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((pages, P, HKV, D), np.float32), jnp.bfloat16)
+    k, v, table = decode_profile.random_paged_kv(args, rng)
+    k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    table = jnp.asarray(table)
     q = jnp.asarray(rng.standard_normal((B * S, H, D), np.float32), jnp.bfloat16)
-    table = jnp.asarray((1 + rng.permutation(pages - 1)).reshape(B, S // P).astype(np.int32))
     seq_lens = jnp.full((B,), S, jnp.int32)
     query_start = jnp.arange(B + 1, dtype=jnp.int32) * S
     f = jax.jit(jax_kvcm.ragged_paged_attention)

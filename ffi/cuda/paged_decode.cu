@@ -68,6 +68,12 @@ template <bool kFp8>
 constexpr int CtaThreads() {
   return (kWarps + (kFp8 ? 0 : 1)) * 32;
 }
+// Register bound: fp8 at head_dim 64 fits 5 CTAs per SM by shared memory (24 KiB each), which
+// its registers allow only under 102 per thread.
+template <int D, bool kFp8>
+constexpr int MinCtasPerSm() {
+  return kFp8 && D == 64 ? 5 : 1;
+}
 // Stages of the CTA's ring (16-bit caches) or of each warp's (fp8).
 template <int D, bool kFp8>
 constexpr int RingStages() {
@@ -407,7 +413,7 @@ __device__ __forceinline__ void AttendTile(const char* ktile, int tile_pos, int 
 // producer warp around one CTA-wide ring; fp8 caches: kWarps warps with a ring each (see
 // kRingBytes).
 template <typename T, int D, bool kFp8, int kNH>
-__global__ void __launch_bounds__(CtaThreads<kFp8>()) PagedDecodeKernel(const DecodeParams p) {
+__global__ void __launch_bounds__(CtaThreads<kFp8>(), MinCtasPerSm<D, kFp8>()) PagedDecodeKernel(const DecodeParams p) {
   using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
   constexpr int kStages = RingStages<D, kFp8>();
   constexpr int kTileBytes = TileBytes<D, kFp8>();  // bytes of one arriving K (or V) tile
