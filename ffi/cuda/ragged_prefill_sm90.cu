@@ -31,6 +31,8 @@
 // Non-finite rule: keys flagged by the producer make the rows that read them output NaN (a
 // flagged key's V is zero, so rows that do not read it are unaffected); on the fast path (no
 // soft cap) a row whose largest |q.k| is inf outputs NaN, and a NaN logit propagates through exp2.
+#include <type_traits>
+
 #include "kvcm/cuda/attention.cuh"
 #include "kvcm/cuda/mbarrier.cuh"
 #include "kvcm/cuda/mma.cuh"
@@ -127,19 +129,17 @@ __device__ __forceinline__ void SetMaxRegs() {
 // Pins registers at this point of the program: the compiler sees them read and written here, so
 // no access to them moves across an asynchronous wgmma's issue (wgmma.fence) or completion
 // (wgmma.wait_group), and registers a wgmma still reads stay live until its wait.
-template <int N>
-__device__ __forceinline__ void FenceRegisters(float (&d)[N][4]) {
+// R: float (accumulators) or uint32_t (packed operand fragments).
+template <typename R, int N>
+__device__ __forceinline__ void FenceRegisters(R (&d)[N][4]) {
+  static_assert(std::is_same_v<R, float> || std::is_same_v<R, uint32_t>);
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void FenceRegisters(uint32_t (&d)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (std::is_same_v<R, float>) asm volatile("" : "+f"(d[i][j])::"memory");
+      else asm volatile("" : "+r"(d[i][j])::"memory");
+    }
 }
 
 __device__ __forceinline__ void FenceScalars(float& a, float& b, float& c, float& d) {
