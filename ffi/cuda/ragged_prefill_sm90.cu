@@ -6,12 +6,13 @@
 // first) and zeroes this kernel's work counter. For bf16/f16 queries over caches of the same
 // dtype at head_dim 64 and 128 on sm_90a.
 // Persistent, dynamically scheduled: the launch has min(work tile bound, SMs) CTAs (1 CTA/SM);
-// work tile w is row tile w / kv_heads of kv head w % kv_heads (so consecutive work tiles share
-// K/V in L2). CTA c starts with w = c and claims each further one with an atomicAdd on the work
-// counter (w = gridDim.x + old value), one work tile ahead (the producer's thread 0 claims work
-// tile k + 1 when it starts k), until a claim is past tile_offsets[batch]. A CTA has three
-// warpgroups; setmaxnreg moves registers from the producer (kProducerRegs) to the consumers
-// (kConsumerRegs):
+// work tile w is row tile w / kv_heads of kv head w % kv_heads (consecutive work tiles are the
+// kv heads of one row tile: the same page-table entries, Q tokens and key range, and together
+// whole token rows of the cache pages). CTA c starts with w = c and claims each further one with
+// an atomicAdd on the work counter (w = gridDim.x + old value), one work tile ahead (the
+// producer's thread 0 claims work tile k + 1 when it starts k), until a claim is past
+// tile_offsets[batch]. A CTA has three warpgroups; setmaxnreg moves registers from the producer
+// (kProducerRegs) to the consumers (kConsumerRegs):
 // - the producer (warps 0-3) finds each work tile (FindPrefillTileWarp), loads its Q (cp.async,
 //   into the one Q buffer once both consumers freed it: Q full / empty mbarriers, the full one
 //   also publishing the work tile in work_info, or kv head -1 when there is no more work) and
@@ -299,13 +300,14 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     int g = 0;  // key tiles this CTA streamed before the current work tile (the ring position)
     // Work tiles, dynamically scheduled: work tile w is row tile w / H (tile_offsets order: by
     // sequence, a sequence's heaviest causal tile first) of kv head w % H (consecutive claims
-    // share a sequence's K/V in L2). CTA c starts with w = c; every further one is claimed from
-    // the work counter (zeroed by the schedule kernel on the stream) as gridDim.x + the counter's
-    // old value, by thread 0 one work tile ahead: at the start of work tile k it claims k + 1
-    // and stores it (claimed[k & 1]) only after k's search, page lookups, first K tile and Q
-    // were issued, so the atomic's latency hides behind those; the producer warps read it after
-    // named barrier 4 at k's end. Claims are increasing in the counter, so the first claim past
-    // the last work tile ends the CTA (every later one would be past it too).
+    // read the same pages and Q tokens, at other heads' offsets). CTA c starts with w = c; every
+    // further one is claimed from the work counter (zeroed by the schedule kernel on the stream)
+    // as gridDim.x + the counter's old value, by thread 0 one work tile ahead: at the start of
+    // work tile k it claims k + 1 and stores it (claimed[k & 1]) only after k's search, page
+    // lookups, first K tile and Q were issued, so the atomic's latency hides behind those; the
+    // producer warps read it after named barrier 4 at k's end. Claims are increasing in the
+    // counter, so the first claim past the last work tile ends the CTA (every later one would be
+    // past it too).
     int w = int(blockIdx.x);
     for (int k = 0;; ++k) {
       int next_w = 0;
