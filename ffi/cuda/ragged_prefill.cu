@@ -44,7 +44,9 @@ template <int D, bool kFp8> constexpr int SmemBytes() {
 }
 
 // tile_offsets[b] = sum over b' < b of ceil(num_queries(b') * G / rows_per_cta); invalid sequences
-// (bad query_start or seq_lens) get no tiles and raise error bits.
+// (bad query_start or seq_lens) get no tiles and raise error bits. Also zeroes the sm90 kernel's
+// work counter, tile_offsets[batch + 1]: every launch's counter starts at 0, in stream order,
+// without a host sync.
 __global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_per_cta,
                                bool decode_rows_elsewhere) {
   using Scan = cub::BlockScan<int32_t, kScheduleThreads>;
@@ -74,7 +76,10 @@ __global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_
     if (threadIdx.x == 0) carry += total;
     __syncthreads();
   }
-  if (threadIdx.x == 0) tile_offsets[s.batch] = carry;
+  if (threadIdx.x == 0) {
+    tile_offsets[s.batch] = carry;
+    tile_offsets[s.batch + 1] = 0;  // the work counter
+  }
 }
 
 // Zeroes rows outside [query_start[0], query_start[B]) (NaN if query_start itself is invalid).
@@ -381,9 +386,9 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
     configured = true;
   }
   // The decode kernel takes this call's single-query sequences (see the header comment); its
-  // split partials sit in the workspace after the tile offsets. It is launched first: growing the
-  // workspace may reallocate it.
-  const size_t offsets_bytes = (size_t(s.batch + 1) * sizeof(int32_t) + 255) / 256 * 256;
+  // split partials sit in the workspace after the tile offsets and the sm90 kernel's work
+  // counter. It is launched first: growing the workspace may reallocate it.
+  const size_t offsets_bytes = (size_t(s.batch + 2) * sizeof(int32_t) + 255) / 256 * 256;
   const bool decode_rows_elsewhere = PagedDecodeSupports(a);
   if (decode_rows_elsewhere)
     if (auto err = LaunchPagedDecode(stream, a, offsets_bytes); err.failure()) return err;
@@ -395,6 +400,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   p.logit = LogitTransform::Make(a.scale, a.soft_cap);
   p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
   p.tile_offsets = static_cast<const int32_t*>(offsets);
+  p.work_counter = static_cast<int32_t*>(offsets) + s.batch + 1;
 
   FillPaddingKernel<T><<<unsigned(s.num_queries), 128, 0, stream>>>(a);
   constexpr int kRows = RowsPerCta<D>();

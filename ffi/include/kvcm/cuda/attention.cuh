@@ -96,12 +96,15 @@ __device__ __forceinline__ bool IsRaggedDecodeRow(const AttentionArgs& a, int64_
 }
 
 // A ragged prefill launch: the call, its logit transform, log2(page_size), and the schedule
-// kernel's per-sequence tile offsets [B + 1] (a CTA per tile of rows of one sequence).
+// kernel's per-sequence tile offsets [B + 1] (a tile of rows of one sequence per CTA, or per
+// work tile of the persistent sm90 kernel).
 struct PrefillParams {
   AttentionArgs a;
   LogitTransform logit;
   int page_shift;
   const int32_t* tile_offsets;
+  // The sm90 kernel's work counter (zeroed by the schedule kernel, next to tile_offsets).
+  int32_t* work_counter;
 };
 
 // CTA `cta`'s sequence b (the largest b with tile_offsets[b] <= cta) and its row tile, heaviest
