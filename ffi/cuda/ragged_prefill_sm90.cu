@@ -69,8 +69,8 @@ constexpr int kConsumers = 2;                     // consumer warpgroups, 64 row
 constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer warpgroup
 constexpr int kRows = 64 * kConsumers;
 // Keys per K/V tile: m64n128k16 S GEMMs, 3 stages at head_dim 128. Measured on the H200
-// (2026-12-02): 301 / 412 TFLOP/s at B8 S2048 / B1 S16384 causal, against 235 / 322 for the
-// former 64-key tiles without the overlap.
+// (2026-12-02, B8 S2048 / B1 S16384 causal): 235 / 322 TFLOP/s with 64-key tiles and no overlap,
+// 301 / 412 with 128-key tiles, 356 / 495 with the lean producer, 388 / 504 persistent.
 constexpr int kKeys = 128;
 // setmaxnreg budgets: the launch gets 168 registers per thread (65536 / 384, rounded down to a
 // multiple of 8), and the CTA's pool is what it was launched with: the producer gives back
