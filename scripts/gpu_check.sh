@@ -126,10 +126,21 @@ if [ ${want[profile]} = 1 ]; then
     python3 benchmarks/decode_profile.py --fp8 --batch 64 --context 4096
   ncu -i /tmp/ncu_fp8.ncu-rep >> "$OUT/ncu_fp8.txt" 2>&1
   ncu -i /tmp/ncu_fp8.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_fp8_sass.csv" 2>&1
+  # The short-context and batch-1 rows, bf16 and fp8: the decode kernel and, when split, the
+  # combine (--launch-skip 2 skips the first call's kernels either way).
+  for shape in "256 256" "1 131072"; do
+    read -r b ctx <<< "$shape"
+    for kv in bf16 fp8; do
+      flag=; [ $kv = fp8 ] && flag=--fp8
+      step "ncu-$kv-B$b-S$ctx" "ncu_${kv}_B${b}_S${ctx}.txt" ncu --clock-control none \
+        -k regex:'PagedDecode|CombineSplits' --launch-skip 2 --launch-count 2 "${ncu_sections[@]}" \
+        python3 benchmarks/decode_profile.py $flag --batch "$b" --context "$ctx"
+    done
+  done
   step ncu-prefill ncu_prefill.txt ncu --clock-control none -k regex:RaggedPrefill --launch-skip 2 \
     --launch-count 1 "${ncu_sections[@]}" python3 benchmarks/prefill_profile.py
   grep -hE "^  [A-Z]|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Eligible Warps|Registers Per|Achieved Occupancy" \
-    "$OUT"/ncu_*.txt | head -60
+    "$OUT"/ncu_*.txt | head -120
 fi
 if [ ${want[migration]} = 1 ] && [ -f benchmarks/migration.py ]; then
   step migration migration.log python3 benchmarks/migration.py --json "$OUT/migration.json"

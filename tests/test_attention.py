@@ -222,6 +222,22 @@ def test_paged_attention_whole_rows_and_split_tail(backend, dtype):
     _check_paged_attention(backend, WAVE_TAIL_CASE, dtype, seed=21)
 
 
+# Four rows, one of 9,600 tokens beside rows of 0, 1 and 16: PlanDecode splits every row ~50 ways
+# on an H200 (4 rows fill under one wave), so the combine kernel merges more than 32 partials per
+# head (both of warp 0's (max, sum) loads, several o loads per thread), most of the short rows'
+# empty (max -inf, sum 0). GPU only (the CPU handler does not split).
+MANY_SPLITS_CASES = [Case(f"many-splits-p16-d{d}-gqa4", 16, d, 1, 4, batch=4, max_pages=600)
+                     for d in (64, 128, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", MANY_SPLITS_CASES, ids=[c.id for c in MANY_SPLITS_CASES])
+def test_paged_attention_many_splits(backend, case, dtype):
+    _check_paged_attention(backend, case, dtype, seed=22)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", RAGGED_CASES, ids=[c.id for c in RAGGED_CASES])

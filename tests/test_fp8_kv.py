@@ -218,6 +218,19 @@ def test_fp8_decode_many_rows_split(backend, op):
     _check_fp8_decode(backend, MANY_ROWS_SPLIT, op, jnp.bfloat16, seed=13)
 
 
+# Five rows, the longest 9,600 tokens: every row split more than 32 ways (see
+# test_attention.MANY_SPLITS_CASES). GPU only.
+MANY_SPLITS = Case("many-splits-p16-d128-gqa4", 16, 128, 1, 4, batch=5, max_pages=600,
+                   num_tokens=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+def test_fp8_decode_many_splits(backend, op):
+    _check_fp8_decode(backend, MANY_SPLITS, op, jnp.bfloat16, seed=14)
+
+
 def _check_fp8_decode(backend, case, op, dtype, *, seed):
     """The fp8 decode kernel (paged, or ragged decode rows) against the reference on the
     dequantized cache; padded rows stay zero."""

@@ -197,6 +197,13 @@ __device__ __forceinline__ bool FindPrefillTileWarp(const PrefillParams& p, int 
   return true;
 }
 
+// Whether some query in [q_lo, q_hi] does not read every key of the tile from key0 (causal: a
+// key after the first query; window: a key at or before the last query's window start), so the
+// tile needs the mask and the producer's non-finite V scan.
+__device__ __forceinline__ bool PartlyRead(int key0, int q_lo, int q_hi, int window) {
+  return key0 + kKeys - 1 > q_lo || (window > 0 && key0 <= q_hi - window);
+}
+
 // A work tile's rows and key range, from its row tile and its sequence's query count and length:
 // the producer and the consumers compute it alike (the ring position of every key tile depends
 // on num_tiles).
@@ -327,9 +334,6 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       const int len = a.seq_lens[b];
       const WorkRange r = MakeWorkRange(tile, nq, len, G, a.window);
       const int key_lo = r.key_lo, key_hi = r.key_hi, t_lo = r.t_lo, num_tiles = r.num_tiles;
-      auto partial_tile = [&](int key0) {  // some row of the work tile does not read every key
-        return key0 + kKeys - 1 > r.q_first || (a.window > 0 && key0 <= r.q_last - a.window);
-      };
       const T* q_rows =
           static_cast<const T*>(a.q) + (int64_t(q_begin) * s.num_heads + int64_t(kvh) * G) * D;
       // Q's rows into L2 now, 128-byte lines (a hint: Q's copies below wait for the Q buffer,
@@ -468,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         const int jt = it - 1, gv = g + jt, stage = gv % kStages;
         if (gv >= kStages) MbarWait(&vempty_bar[stage], ((gv / kStages) - 1) & 1);
         issue_tile(jt, vbase, ring_s + stage * 2 * kTileBytes + kTileBytes, v_tile_offset);
-        const bool partial = partial_tile((t_lo + jt) * kKeys);
+        const bool partial = PartlyRead((t_lo + jt) * kKeys, r.q_first, r.q_last, a.window);
         const bool last = jt == num_tiles - 1;
         if (!partial && !last) {
           MbarArriveOnCopies(&vfull_bar[stage]);
@@ -564,9 +568,6 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     const WorkRange r = MakeWorkRange(tile, nq, len, G, a.window);
     const int num_rows = r.num_rows, row0 = r.row0, pos0 = r.pos0, t_lo = r.t_lo,
               num_tiles = r.num_tiles;
-    auto partial_tile = [&](int key0) {
-      return key0 + kKeys - 1 > r.q_first || (a.window > 0 && key0 <= r.q_last - a.window);
-    };
 
     int qpos[2];
 #pragma unroll
@@ -657,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     // only; after the tile's V full barrier) output NaN.
     auto apply_flags = [&](int it) {
       const int key0 = (t_lo + it) * kKeys;
-      if (!partial_tile(key0)) return;
+      if (!PartlyRead(key0, r.q_first, r.q_last, a.window)) return;
       const int stage = (g + it) % kStages;
       uint32_t flagged[kFlagWords];
       bool any_flagged = false;
@@ -668,8 +669,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         any_flagged |= flagged[i] != 0u;
       }
       if (!any_flagged) return;
-      const bool needs_mask =
-          key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
+      const bool needs_mask = PartlyRead(key0, wg_q_lo, wg_q_hi, a.window);
       uint32_t hit[2] = {0u, 0u};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -692,8 +692,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     auto softmax_tile = [&](auto fast_c, int it, float (&alpha)[2]) {
       constexpr bool kFast = decltype(fast_c)::value;
       const int key0 = (t_lo + it) * kKeys;
-      const bool needs_mask =
-          key0 + kKeys - 1 > wg_q_lo || (a.window > 0 && key0 <= wg_q_hi - a.window);
+      const bool needs_mask = PartlyRead(key0, wg_q_lo, wg_q_hi, a.window);
       // Key kt (of this thread: kt = nt * 8 + c0 + (j & 1)) is masked for row half h when
       // nt * 8 + (j & 1) > hi[h] (after the row) or <= lo[h] (before its window).
       int hi[2], lo[2];
