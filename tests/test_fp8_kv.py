@@ -204,9 +204,10 @@ def test_fp8_decode_kernel_shapes(backend, case, op, dtype):
     _check_fp8_decode(backend, case, op, dtype, seed=12)
 
 
-# 512 rows of 2,048 tokens, just over one wave of the fp8 kernel's CTAs on an H200 (132 SMs x 3):
-# 396 rows run whole, the other 116 split 3 ways (PlanDecode in ffi/cuda/paged_decode.cu). GPU
-# only: the CPU handler takes ~80 s for it.
+# 512 rows of up to 2,048 tokens. Written for 3 fp8 CTAs per SM (396 slots on an H200: 396 rows
+# whole, 116 split 3 ways); since the kernel fits 4 (528 slots) the 512 rows are one wave of
+# whole rows, so this case no longer splits on an H200 (the split cases above and
+# test_fp8_decode_many_splits cover fp8 splits). GPU only: the CPU handler takes ~80 s for it.
 MANY_ROWS_SPLIT = Case("many-rows-p16-d128-gqa4-split", 16, 128, 8, 4, batch=64, max_pages=128,
                        num_tokens=64)
 

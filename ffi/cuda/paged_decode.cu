@@ -777,7 +777,8 @@ __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(
 // kernel's reads grow with it); a split is kept only when the model says it saves >= 3%. What it
 // picks on an H200 (132 SMs; 3 CTAs/SM for 16-bit caches at head_dim 128, 4 for fp8):
 // - few rows (B8 S32768, B1 S131072): all rows are tail, one full wave, slots / rows splits;
-// - B64 S4096 fp8 (512 rows, 396 slots): 396 whole rows, 116 rows split 3 ways (348 CTAs);
+// - B64 S4096 (512 rows): 16-bit caches (396 slots) 396 whole rows, 116 rows split 3 ways
+//   (348 CTAs); fp8 (528 slots) one wave of whole rows, no split;
 // - B256 S1024 (2,048 rows, 396 slots): 1,980 whole rows, 68 rows split 4 ways;
 // - B256 S256 (17 tiles a row): no split (at most 2 ways, which the combine eats).
 // max_tiles bounds the tiles of the longest row (the table width, or the window).
