@@ -415,7 +415,8 @@ __device__ __forceinline__ void AttendTile(const char* ktile, int tile_pos, int 
 // producer warp around one CTA-wide ring; fp8 caches: kWarps warps with a ring each (see
 // kRingBytes).
 template <typename T, int D, bool kFp8, int kNH>
-__global__ void __launch_bounds__(CtaThreads<kFp8>(), MinCtasPerSm<D, kFp8>()) PagedDecodeKernel(const DecodeParams p) {
+__global__ void __launch_bounds__(CtaThreads<kFp8>(), MinCtasPerSm<D, kFp8>())
+    PagedDecodeKernel(const DecodeParams p) {
   using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
   constexpr int kStages = RingStages<D, kFp8>();
   constexpr int kTileBytes = TileBytes<D, kFp8>();  // bytes of one arriving K (or V) tile
@@ -511,7 +512,8 @@ __global__ void __launch_bounds__(CtaThreads<kFp8>(), MinCtasPerSm<D, kFp8>()) P
 #pragma unroll
     for (int mt = 0; mt < D / 16; ++mt)
 #pragma unroll
-      for (int nh = 0; nh < kNH; ++nh) o[mt][nh][0] = o[mt][nh][1] = o[mt][nh][2] = o[mt][nh][3] = 0.f;
+      for (int nh = 0; nh < kNH; ++nh)
+        o[mt][nh][0] = o[mt][nh][1] = o[mt][nh][2] = o[mt][nh][3] = 0.f;
 #pragma unroll
     for (int nh = 0; nh < kNH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
   }
@@ -866,7 +868,8 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
   if (auto err = LaunchError("paged_attention (decode kernel)"); err.failure()) return err;
   if (splits > 1) {  // the split rows' heads: flat head rows full_rows * G on
     const int64_t G = s.group();
-    CombineSplitsKernel<T, D><<<unsigned((rows - plan.full_rows) * G), kCombineThreads, 0, stream>>>(
+    const unsigned heads_split = unsigned((rows - plan.full_rows) * G);
+    CombineSplitsKernel<T, D><<<heads_split, kCombineThreads, 0, stream>>>(
         a, p.part_o, p.part_ml, int(splits), plan.full_rows * G);
     return LaunchError("paged_attention (combine kernel)");
   }
