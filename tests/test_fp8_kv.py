@@ -207,29 +207,24 @@ def test_fp8_decode_kernel_shapes(backend, case, op, dtype):
 # 512 rows of up to 2,048 tokens. Written for 3 fp8 CTAs per SM (396 slots on an H200: 396 rows
 # whole, 116 split 3 ways); since the kernel fits 4 (528 slots) the 512 rows are one wave of
 # whole rows, so this case no longer splits on an H200 (the split cases above and
-# test_fp8_decode_many_splits cover fp8 splits). GPU only: the CPU handler takes ~80 s for it.
+# MANY_SPLITS below cover fp8 splits). GPU only: the CPU handler takes ~80 s for it.
 MANY_ROWS_SPLIT = Case("many-rows-p16-d128-gqa4-split", 16, 128, 8, 4, batch=64, max_pages=128,
                        num_tokens=64)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
-@pytest.mark.parametrize("op", ["paged", "ragged"])
-def test_fp8_decode_many_rows_split(backend, op):
-    _check_fp8_decode(backend, MANY_ROWS_SPLIT, op, jnp.bfloat16, seed=13)
 
 
 # Five rows, the longest 9,600 tokens: every row split more than 32 ways (see
 # test_attention.MANY_SPLITS_CASES). GPU only.
 MANY_SPLITS = Case("many-splits-p16-d128-gqa4", 16, 128, 1, 4, batch=5, max_pages=600,
                    num_tokens=64)
+LARGE_GRID_SEEDS = {MANY_ROWS_SPLIT: 13, MANY_SPLITS: 14}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["gpu"], indirect=True)
 @pytest.mark.parametrize("op", ["paged", "ragged"])
-def test_fp8_decode_many_splits(backend, op):
-    _check_fp8_decode(backend, MANY_SPLITS, op, jnp.bfloat16, seed=14)
+@pytest.mark.parametrize("case", list(LARGE_GRID_SEEDS), ids=lambda c: c.id)
+def test_fp8_decode_large_grids(backend, case, op):
+    _check_fp8_decode(backend, case, op, jnp.bfloat16, seed=LARGE_GRID_SEEDS[case])
 
 
 def _check_fp8_decode(backend, case, op, dtype, *, seed):
