@@ -24,7 +24,8 @@
 #   (http: benchmarks/serve_http.py --quick; it needs fastapi/uvicorn: with no network, install
 #   them first from a wheel folder, e.g. `pip install --no-index --find-links DIR fastapi uvicorn`).
 # One ~10-minute call fits about: build (~45 s), pytest (~4 min), serve --quick (~3.5 min).
-# Logs and JSON results go to $OUT (default /tmp/kvcm_out).
+# Logs and JSON results go to $OUT (default /tmp/kvcm_out); the profile step's reports go into
+# $OUT/profile.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
 mkdir -p "$OUT"
@@ -141,6 +142,8 @@ if [ ${want[profile]} = 1 ]; then
     --launch-count 1 "${ncu_sections[@]}" python3 benchmarks/prefill_profile.py
   grep -hE "^  [A-Z]|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Eligible Warps|Registers Per|Achieved Occupancy" \
     "$OUT"/ncu_*.txt | head -120
+  # One archive, not ten files: the device tool returns only a few files from $OUT.
+  (cd "$OUT" && tar czf profile.tgz ncu_*.txt ncu_*.csv && rm -f ncu_*.txt ncu_*.csv)
 fi
 if [ ${want[migration]} = 1 ] && [ -f benchmarks/migration.py ]; then
   step migration migration.log python3 benchmarks/migration.py --json "$OUT/migration.json"
