@@ -159,3 +159,51 @@ def test_reference_masked_nan_does_not_poison():
     out = reference("ragged_paged_attention", q, k, v, table, lens,
                     np.array([0, 30], np.int32))
     assert np.isfinite(out[:29]).all() and np.isnan(out[29]).all()
+
+
+@pytest.mark.parametrize("p", [50, 140])
+@pytest.mark.parametrize("kind", ["k-inf", "k-overflow", "q-overflow"])
+def test_ragged_minus_inf_logits_in_wholly_read_key_tiles(backend, kind, p):
+    """A q.k of -inf at one key of a row whose other logits are finite (exp2 alone would weigh it
+    0 and leave the row finite), in key tiles that later CTAs of a 200-token chunk read whole
+    (on the GPU the sm90 kernel's unmasked path, which no other test reaches with a -inf q.k):
+    - k-inf: one +inf element of K at position p (kv head 0), read with random-sign q;
+    - k-overflow: a finite 1e30 there and kv head 0's q scaled by 1e12 (q.k overflows float32);
+    - q-overflow: 1e30 in one q element of query p + 60's first head, K's element there -1e9 at
+      position p (not large) and negative elsewhere: only key p's q.k overflows, to -inf.
+    The reference's NaN rows are exactly the NaN rows and include such rows; every other row is
+    finite and right."""
+    seed = 11 + p
+    rng, k, v, table, lens = base_batch(seed, [300], head_dim=128)
+    q = rng.standard_normal((200, HKV * G, 128)).astype(np.float32)
+    page, off = slot(table, 0, p)
+    readers = np.zeros(q.shape[:2], bool)  # rows reading the poisoned q.k
+    if kind == "q-overflow":
+        k[..., 0, 5] = -np.abs(k[..., 0, 5])  # (NaN slots stay NaN)
+        k[page, off, 0, 5] = -1e9
+        q[p + 60 - 100, 0, 5] = 1e30
+        readers[p + 60 - 100, 0] = True
+        minus_inf = readers
+    else:
+        k[page, off, 0, 5] = np.inf if kind == "k-inf" else 1e30
+        if kind == "k-overflow":
+            q[:, :G] *= 1e12
+        readers[max(0, p - 100):, :G] = True  # queries at positions >= p, kv head 0
+        minus_inf = readers & (q[:, :, 5] < 0)
+    query_start = np.array([0, 200], np.int32)
+    args = (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), table, lens,
+            query_start)
+    out = to_f32(ops.ragged_paged_attention(*backend.put(*args)))
+    want = to_f32(reference("ragged_paged_attention", *args))
+    nan_rows = np.isnan(want).all(axis=-1)
+    assert not (nan_rows & ~readers).any(), f"reference: NaN outside the readers (seed={seed})"
+    assert (nan_rows & minus_inf).sum() >= min(8, minus_inf.sum()), (
+        f"reference: too few rows with a -inf q.k, the case is not exercised (seed={seed})")
+    missed = int((~np.isnan(out[nan_rows]).all(axis=-1)).sum())
+    assert missed == 0, f"{backend.name}: {missed} rows with an inf q.k are not NaN (seed={seed})"
+    assert np.isfinite(out[~nan_rows]).all(), f"{backend.name}: other rows not finite (seed={seed})"
+    if kind == "k-overflow":  # kv head 0's logits are ~1e13 there: only kv head 1 compares well
+        assert_close(out[:, G:], want[:, G:], jnp.bfloat16, "kv head 1", seed)
+    else:
+        assert_close(out[~nan_rows], want[~nan_rows], jnp.bfloat16, "rows without an inf q.k",
+                     seed)
