@@ -12,8 +12,9 @@ two layouts (GPU machine):
   row and the same bytes, but a tile is one contiguous run (4 KiB bf16, 2 KiB fp8), as in a
   ``[pages, Hkv, 16, D]`` (head-major) page.
 
-Both in bf16 and in float8_e4m3fn (scale 1/128 per kv head). Every output is checked against the
-float32 reference (benchmarks/attention.py's) before it is timed. The ratio
+Both in bf16 and in float8_e4m3fn (benchmarks/attention.py's fp8_caches: one power-of-two scale,
+the same for every kv head). Every output is checked against the float32 reference (also
+attention.py's) before it is timed. The ratio
 ``contiguous / interleaved`` < 1 says the interleaved layout's strided runs cost DRAM bandwidth.
 """
 
@@ -33,10 +34,10 @@ import jax.numpy as jnp  # noqa: E402
 
 try:
     from benchmarks import _timing  # python -m benchmarks.decode_layout
-    from benchmarks.attention import check, reference_decode
+    from benchmarks.attention import check, fp8_caches, reference_decode
 except ImportError:
     import _timing  # python benchmarks/decode_layout.py
-    from attention import check, reference_decode
+    from attention import check, fp8_caches, reference_decode
 
 import jax_kvcm  # noqa: E402
 
@@ -48,23 +49,20 @@ def one(b: int, s: int, hkv: int, fp8: bool, seed: int, repeats: int) -> dict:
     """Time ``paged_attention`` at b sequences of length s, hkv kv heads, G query heads each."""
     keys = jax.random.split(jax.random.key(seed), 4)
     pages = b * s // PAGE + 1
-    k = jax.random.normal(keys[0], (pages, PAGE, hkv, D), jnp.float32)
-    v = jax.random.normal(keys[1], (pages, PAGE, hkv, D), jnp.float32)
+    k = jax.random.normal(keys[0], (pages, PAGE, hkv, D), jnp.bfloat16)
+    v = jax.random.normal(keys[1], (pages, PAGE, hkv, D), jnp.bfloat16)
     rng = np.random.default_rng(seed)
     table = jnp.asarray((1 + rng.permutation(pages - 1)).reshape(b, s // PAGE).astype(np.int32))
     lens = jnp.full((b,), s, jnp.int32)
     q_check = jax.random.normal(keys[2], (b, hkv * G, D), jnp.bfloat16)
     q_time = jax.random.normal(keys[3], (b, hkv * G, D), jnp.bfloat16)
-    scale = 1.0 / 128.0
+    k_ref, v_ref = k, v
     if fp8:
-        k, v = (jnp.clip(c / scale, -448, 448).astype(jnp.float8_e4m3fn) for c in (k, v))
-        k_ref, v_ref = (c.astype(jnp.float32) * scale for c in (k, v))
+        k, v, scale, k_ref, v_ref = fp8_caches(k, v)
         sc = jnp.full((hkv,), scale, jnp.float32)
         fn = jax.jit(lambda q, k, v, t, l: jax_kvcm.paged_attention(q, k, v, t, l, k_scale=sc,
                                                                     v_scale=sc))
     else:
-        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-        k_ref, v_ref = k, v
         fn = jax.jit(jax_kvcm.paged_attention)
     ref = reference_decode(q_check, k_ref, v_ref, table, lens)
     del k_ref, v_ref
