@@ -691,6 +691,7 @@ __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(
   constexpr int kCols = D / 4;                       // float4 columns of a head row
   constexpr int kGroups = kCombineThreads / kCols;   // splits summed side by side
   constexpr int kPerThread = (kMaxSplits + kGroups - 1) / kGroups;
+  static_assert(kMaxSplits == 64, "warp 0 holds two splits' (m, l) per lane and writes 64 weights");
   const int64_t row = first_row + blockIdx.x, num_rows = a.shape.batch * a.shape.num_heads;
   const int64_t H = a.shape.num_heads;
   const int b = int(row / H);
