@@ -172,7 +172,9 @@ def test_ragged_minus_inf_logits_in_wholly_read_key_tiles(backend, kind, p):
     - q-overflow: 1e30 in one q element of query p + 60's first head, K's element there -1e9 at
       position p (not large) and negative elsewhere: only key p's q.k overflows, to -inf.
     The reference's NaN rows are exactly the NaN rows and include such rows; every other row is
-    finite and right."""
+    finite and right. At p = 140, k-overflow's rows before p read only finite logits of ~1e13:
+    the sm90 soft-max once made about half of them NaN (its exp2 argument, s * scale minus a
+    rounded m * scale, came out up to half an ulp, ~6e4, above 0)."""
     seed = 11 + p
     rng, k, v, table, lens = base_batch(seed, [300], head_dim=128)
     q = rng.standard_normal((200, HKV * G, 128)).astype(np.float32)

@@ -218,7 +218,11 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[NT][4], float (&m)[2], fl
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[h], mx);
-    const float base = m_new == -INFINITY ? 0.f : m_new * scale;
+    // Rounded up (scale > 0), so that s * scale - base <= 0 for every s <= m_new: the fused
+    // multiply-add below takes the exact s * scale, and with base rounded to nearest its
+    // argument at s = m_new would be up to half an ulp of m_new * scale above 0, which overflows
+    // exp2 once |m_new * scale| >= 2^31 (an inf / inf row that should be finite).
+    const float base = m_new == -INFINITY ? 0.f : __fmul_ru(m_new, scale);
     alpha[h] = FastExp2(m[h] * scale - base);
     float sum = 0.f;
 #pragma unroll
