@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""A/B timing of our ragged prefill across builds of jax_kvcm, alternated in one run.
+
+A kernel change is judged against the build it changes, on the same GPU in the same minutes:
+each build (a ``pip install --target DIR .`` of one source tree) is timed in its own process, in
+turns (A, B, A, B, ...), over benchmarks/attention.py's prefill shapes and inputs, each output
+checked against the float32 reference first. On the GPU machine:
+
+    python3 -m pip install --no-build-isolation --no-deps --target /tmp/site_a .   # build A
+    # (change the kernel)
+    python3 -m pip install --no-build-isolation --no-deps --target /tmp/site_b .   # build B
+    python3 benchmarks/prefill_ab.py /tmp/site_a /tmp/site_b --rounds 2
+
+Prints one line per build and round, then a table of each build's median ms per shape and its
+time over the first build's (< 1: faster). FlashInfer and cuDNN are not timed here:
+benchmarks/attention.py --only prefill gives the side-by-side ratios.
+    JAX_PLATFORMS=cpu python benchmarks/prefill_ab.py SITE --quick     # tiny shapes, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+HERE = Path(__file__).resolve().parent
+
+
+def time_build(quick: bool, repeats: int) -> dict[str, dict]:
+    """In the child process (the build first on sys.path): {shape: {"ms", "check"}}."""
+    sys.path.insert(0, str(HERE))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import _timing
+    import attention as A
+    import jax_kvcm
+    from jax_kvcm.ops import reference
+
+    h, hkv, d, page = A.NUM_HEADS, A.NUM_KV_HEADS, A.HEAD_DIM, A.PAGE
+    out: dict[str, dict] = {}
+    shapes = A.QUICK_PREFILL_SHAPES if quick else A.PREFILL_SHAPES
+    for i, (b, s) in enumerate(shapes):
+        t = b * s
+        pages = s // page
+        keys = jax.random.split(jax.random.key(100 + i), 4)
+        q, q2 = (jax.random.normal(keys[j], (b, s, h, d), A.DTYPE) for j in (0, 3))
+        k, v = (jax.random.normal(keys[j], (b, s, hkv, d), A.DTYPE) for j in (1, 2))
+        rng = np.random.default_rng(100 + i)
+        table = (rng.permutation(b * pages) + 1).reshape(b, pages).astype(np.int32)
+        tok = np.arange(s)
+        slots = jnp.asarray((table[:, tok // page] * page + tok % page).reshape(-1))
+        zeros = jnp.zeros((b * pages + 1, page, hkv, d), A.DTYPE)
+        k_cache, v_cache = jax.jit(reference.write_kv)(
+            zeros, zeros, k.reshape(t, hkv, d), v.reshape(t, hkv, d), slots)
+        n_sub = min(s, 128)
+        pos = np.unique(np.concatenate([[0, s - 1], rng.choice(s, n_sub - 2, replace=False)]))
+        pos = jnp.asarray(pos.astype(np.int32))
+        ref = jax.jit(A.dense_causal_reference)(q, k, v, pos)
+        args = (k_cache, v_cache, jnp.asarray(table), jnp.full((b,), s, jnp.int32),
+                jnp.asarray(np.arange(b + 1, dtype=np.int32) * s))
+        f = jax.jit(jax_kvcm.ragged_paged_attention)
+        A.poison_allocator((t, h, d), A.DTYPE)
+        got = f(q.reshape(t, h, d), *args).reshape(b, s, h, d)[:, pos]
+        c = A.check(got, ref)
+        tm = _timing.time_jax(f, [(q2.reshape(t, h, d), *args), (q.reshape(t, h, d), *args)],
+                              repeats=repeats)
+        out[f"B={b} S={s}"] = {"ms": tm["ms"], "check": c["text"]}
+        del k_cache, v_cache, got
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sites", nargs="*", help="install folders of the builds (the first: baseline)")
+    p.add_argument("--rounds", type=int, default=2, help="turns per build (alternated)")
+    p.add_argument("--repeats", type=int, default=9, help="timing samples per call (median)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per child process")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print("RESULT " + json.dumps(time_build(a.quick, a.repeats)), flush=True)
+        return 0
+    if not a.sites:
+        p.error("sites: give at least one build's install folder")
+    for site in a.sites:
+        if not (Path(site) / "jax_kvcm").is_dir():
+            p.error(f"sites: {site} holds no jax_kvcm/ (build it with pip install --target)")
+    runs: dict[str, list[dict]] = {site: [] for site in a.sites}
+    failed = False
+    for r in range(a.rounds):
+        for site in a.sites:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [site] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+            cmd = [sys.executable, __file__, "--child", "--repeats", str(a.repeats)]
+            try:
+                proc = subprocess.run(cmd + (["--quick"] if a.quick else []), env=env,
+                                      capture_output=True, text=True, timeout=a.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"round {r + 1} {site}: TIMEOUT after {a.timeout:.0f} s", flush=True)
+                failed = True
+                continue
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                print(f"round {r + 1} {site}: FAILED rc={proc.returncode}\n{proc.stderr[-2000:]}",
+                      flush=True)
+                failed = True
+                continue
+            res = json.loads(lines[-1][len("RESULT "):])
+            runs[site].append(res)
+            print(f"round {r + 1} {site}: " + ", ".join(
+                f"{k} {v['ms']:.4f} ms ({v['check']})" for k, v in res.items()), flush=True)
+    base = a.sites[0]
+    shapes = sorted({k for rs in runs.values() for res in rs for k in res},
+                    key=lambda k: (len(k), k))
+    print("\n| build | " + " | ".join(f"{s} ms | / first" for s in shapes) + " |")
+    print("|---|" + "---:|---:|" * len(shapes))
+    med = {site: {s: statistics.median([res[s]["ms"] for res in rs if s in res])
+                  for s in shapes if any(s in res for res in rs)} for site, rs in runs.items()}
+    for site in a.sites:
+        cells = []
+        for s in shapes:
+            ms, ms0 = med[site].get(s), med[base].get(s)
+            cells.append("-" if ms is None else f"{ms:.4f}")
+            cells.append("-" if ms is None or ms0 is None else f"{ms / ms0:.3f}")
+        print(f"| {site} | " + " | ".join(cells) + " |")
+    bad = [f"{site} {s}" for site, rs in runs.items() for res in rs for s, v in res.items()
+           if not v["check"].startswith("ok")]
+    if bad:
+        print("check failed: " + ", ".join(bad))
+    return 1 if failed or bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
