@@ -1,0 +1,75 @@
+#!/bin/bash
+# A kernel change against its base, in one call on the GPU machine: builds a base snapshot (A) and
+# the working tree (B) side by side, runs gpu tests on B, then times both with
+# benchmarks/prefill_ab.py (alternated) and, optionally, B beside FlashInfer / cuDNN.
+#
+# Here, before the call (the tarball is untracked and not ignored, so it travels with the tree):
+#   git archive -o ab_base.tar main          # A: any commit
+# On the GPU machine:
+#   bash scripts/gpu_ab.sh ab_base.tar [--pytest='ARGS'] [--rounds=N] [--attention]
+#     --pytest=ARGS  gpu tests on B (default: test_nonfinite.py and the ragged attention tests);
+#                    --pytest= (empty) skips them
+#     --rounds=N     prefill_ab.py turns per build (default 2)
+#     --quick        prefill_ab.py at its tiny shapes (a smoke test of this script; CPU too)
+#     --attention    then benchmarks/attention.py --only prefill on B, with FlashInfer when its
+#                    wheels are in .anchors/ (carried; benchmarks/_anchors.py)
+# Every step's log is in $OUT (written as it goes, so a call cut short still returns what ran);
+# a table of the steps is printed last.
+set -u
+base_tar=${1:?usage: gpu_ab.sh BASE_TAR [--pytest=ARGS] [--rounds=N] [--attention]}
+shift
+pytest_args="test_nonfinite.py test_attention.py -k 'nonfinite or ragged or prefill'"
+rounds=2
+attention=0
+quick=()
+for arg in "$@"; do
+  case $arg in
+    --pytest=*) pytest_args=${arg#--pytest=} ;;
+    --rounds=*) rounds=${arg#--rounds=} ;;
+    --attention) attention=1 ;;
+    --quick) quick=(--quick) ;;
+    *) echo "unknown argument: $arg"; exit 2 ;;
+  esac
+done
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_ab}
+mkdir -p "$OUT"
+summary=()
+step() {  # name log command...
+  local name=$1 log=$2 t0=$SECONDS rc
+  shift 2
+  "$@" > "$OUT/$log" 2>&1
+  rc=$?
+  summary+=("$(printf '%-12s rc=%-3s %5s s  %s' "$name" "$rc" "$((SECONDS - t0))" "$log")")
+  return $rc
+}
+anchors=()
+if [ $attention = 1 ] && compgen -G ".anchors/*.whl" > /dev/null; then  # FlashInfer, as gpu_check
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/anchors \
+    .anchors/*.whl && anchors=(--anchors /tmp/anchors)
+  if [ ${#anchors[@]} -gt 0 ]; then  # its JIT builds, beside ours
+    PYTHONPATH=/tmp/anchors python3 benchmarks/_anchors.py --anchors /tmp/anchors \
+      > "$OUT/anchors_warm.log" 2>&1 &
+    warm_pid=$!
+  fi
+fi
+rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base_tar" -C /tmp/ab_base || exit 1
+build() { python3 -m pip install --no-build-isolation --no-deps --target "$2" "$1"; }
+step build-a build_a.log build /tmp/ab_base /tmp/site_a || { tail -30 "$OUT/build_a.log"; exit 1; }
+step build-b build_b.log build . /tmp/site_b || { tail -30 "$OUT/build_b.log"; exit 1; }
+if [ -n "$pytest_args" ]; then
+  step pytest-b pytest_b.log bash -c "cd tests && PYTHONPATH=/tmp/site_b python3 -m pytest -q \
+    -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_b.log" | tail -8
+fi
+step prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py /tmp/site_a /tmp/site_b \
+  --rounds "$rounds" "${quick[@]}"
+cat "$OUT/prefill_ab.log"
+if [ $attention = 1 ]; then
+  [ -n "${warm_pid:-}" ] && wait "$warm_pid"
+  step attention attention.log env PYTHONPATH=/tmp/site_b python3 benchmarks/attention.py \
+    --only prefill --no-pallas-sweep "${anchors[@]}"
+  sed -n '/Time ratios/,$p' "$OUT/attention.log"
+fi
+echo
+printf '%s\n' "${summary[@]}"
