@@ -561,28 +561,44 @@ def dense_causal_reference(q, k, v, pos):
     return o.reshape(b, pos.shape[0], h, d)
 
 
+def prefill_case(b: int, s: int, seed: int) -> dict[str, Any]:
+    """The prefill shape's random inputs (bench_prefill's, and benchmarks/prefill_ab.py's): q and a
+    second q for timing [B, S, H, D], k, v [B, S, Hkv, D], a page table of a random permutation
+    of pages 1.. [B, S / PAGE] with the slots of the B * S tokens, seq_lens = S, query_start,
+    and `pos`, the query positions the reference covers (first, last and random, <= 128)."""
+    h, hkv, d = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    pages_per_seq = s // PAGE
+    keys = jax.random.split(jax.random.key(seed), 4)
+    rng = np.random.default_rng(seed)
+    pt_np = (rng.permutation(b * pages_per_seq) + 1).reshape(b, pages_per_seq).astype(np.int32)
+    tok = np.arange(s)
+    n_sub = min(s, 128)
+    pos = np.unique(np.concatenate([[0, s - 1], rng.choice(s, n_sub - 2, replace=False)]))
+    return {"q": jax.random.normal(keys[0], (b, s, h, d), DTYPE),
+            "k": jax.random.normal(keys[1], (b, s, hkv, d), DTYPE),
+            "v": jax.random.normal(keys[2], (b, s, hkv, d), DTYPE),
+            "q2": jax.random.normal(keys[3], (b, s, h, d), DTYPE),
+            "page_table": jnp.asarray(pt_np),
+            "slots": jnp.asarray((pt_np[:, tok // PAGE] * PAGE + tok % PAGE).reshape(-1)
+                                 .astype(np.int32)),
+            "seq_lens": jnp.full((b,), s, jnp.int32),
+            "query_start": jnp.asarray(np.arange(b + 1, dtype=np.int32) * s),
+            "pos": jnp.asarray(pos.astype(np.int32)),
+            "num_pages": b * pages_per_seq + 1}
+
+
 def bench_prefill(b: int, s: int, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     shape = f"B={b} S={s}"
     h, hkv, d = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
     t_tokens = b * s
-    pages_per_seq = s // PAGE
-    num_pages = b * pages_per_seq + 1
     flops = 4 * b * s * s / 2 * h * d
     rows: list[dict[str, Any]] = []
     _log(f"\n[prefill {shape}] {t_tokens} tokens, {flops / 1e12:.3f} TFLOP (causal)")
 
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (b, s, h, d), DTYPE)
-    k = jax.random.normal(keys[1], (b, s, hkv, d), DTYPE)
-    v = jax.random.normal(keys[2], (b, s, hkv, d), DTYPE)
-    q2 = jax.random.normal(keys[3], (b, s, h, d), DTYPE)  # second input set for timing
-    rng = np.random.default_rng(seed)
-    pt_np = (rng.permutation(b * pages_per_seq) + 1).reshape(b, pages_per_seq).astype(np.int32)
-    page_table = jnp.asarray(pt_np)
-    tok = np.arange(s)
-    slots = jnp.asarray((pt_np[:, tok // PAGE] * PAGE + tok % PAGE).reshape(-1).astype(np.int32))
-    seq_lens = jnp.full((b,), s, jnp.int32)
-    query_start = jnp.asarray(np.arange(b + 1, dtype=np.int32) * s)
+    case = prefill_case(b, s, seed)
+    q, k, v, q2 = case["q"], case["k"], case["v"], case["q2"]  # q2: a second input for timing
+    page_table, slots, pos = case["page_table"], case["slots"], case["pos"]
+    seq_lens, query_start, num_pages = case["seq_lens"], case["query_start"], case["num_pages"]
 
     # Fill the cache with write_kv (not timed); cross-check it against the reference write.
     zeros = lambda: jnp.zeros((num_pages, PAGE, hkv, d), DTYPE)  # noqa: E731
@@ -601,9 +617,6 @@ def bench_prefill(b: int, s: int, seed: int, args: argparse.Namespace) -> list[d
     _log(f"  cache filled {write_note}")
 
     # Reference on a sub-sample of query positions (first, last, random) of every sequence.
-    n_sub = min(s, 128)
-    pos = np.unique(np.concatenate([[0, s - 1], rng.choice(s, n_sub - 2, replace=False)]))
-    pos = jnp.asarray(pos.astype(np.int32))
     ref = jax.block_until_ready(jax.jit(dense_causal_reference)(q, k, v, pos))
 
     def sub(out_bshd):

@@ -36,42 +36,29 @@ def time_build(quick: bool, repeats: int) -> dict[str, dict]:
     sys.path.insert(0, str(HERE))
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import _timing
     import attention as A
     import jax_kvcm
     from jax_kvcm.ops import reference
 
-    h, hkv, d, page = A.NUM_HEADS, A.NUM_KV_HEADS, A.HEAD_DIM, A.PAGE
+    h, hkv, d = A.NUM_HEADS, A.NUM_KV_HEADS, A.HEAD_DIM
     out: dict[str, dict] = {}
     shapes = A.QUICK_PREFILL_SHAPES if quick else A.PREFILL_SHAPES
-    for i, (b, s) in enumerate(shapes):
-        t = b * s
-        pages = s // page
-        keys = jax.random.split(jax.random.key(100 + i), 4)
-        q, q2 = (jax.random.normal(keys[j], (b, s, h, d), A.DTYPE) for j in (0, 3))
-        k, v = (jax.random.normal(keys[j], (b, s, hkv, d), A.DTYPE) for j in (1, 2))
-        rng = np.random.default_rng(100 + i)
-        table = (rng.permutation(b * pages) + 1).reshape(b, pages).astype(np.int32)
-        tok = np.arange(s)
-        slots = jnp.asarray((table[:, tok // page] * page + tok % page).reshape(-1))
-        zeros = jnp.zeros((b * pages + 1, page, hkv, d), A.DTYPE)
+    for i, (b, s) in enumerate(shapes):  # attention.py's seeds at its default --seed 0
+        t, c = b * s, A.prefill_case(b, s, 100 + i)
+        zeros = jnp.zeros((c["num_pages"], A.PAGE, hkv, d), A.DTYPE)
         k_cache, v_cache = jax.jit(reference.write_kv)(
-            zeros, zeros, k.reshape(t, hkv, d), v.reshape(t, hkv, d), slots)
-        n_sub = min(s, 128)
-        pos = np.unique(np.concatenate([[0, s - 1], rng.choice(s, n_sub - 2, replace=False)]))
-        pos = jnp.asarray(pos.astype(np.int32))
-        ref = jax.jit(A.dense_causal_reference)(q, k, v, pos)
-        args = (k_cache, v_cache, jnp.asarray(table), jnp.full((b,), s, jnp.int32),
-                jnp.asarray(np.arange(b + 1, dtype=np.int32) * s))
+            zeros, zeros, c["k"].reshape(t, hkv, d), c["v"].reshape(t, hkv, d), c["slots"])
+        ref = jax.jit(A.dense_causal_reference)(c["q"], c["k"], c["v"], c["pos"])
+        args = (k_cache, v_cache, c["page_table"], c["seq_lens"], c["query_start"])
         f = jax.jit(jax_kvcm.ragged_paged_attention)
         A.poison_allocator((t, h, d), A.DTYPE)
-        got = f(q.reshape(t, h, d), *args).reshape(b, s, h, d)[:, pos]
-        c = A.check(got, ref)
-        tm = _timing.time_jax(f, [(q2.reshape(t, h, d), *args), (q.reshape(t, h, d), *args)],
-                              repeats=repeats)
-        out[f"B={b} S={s}"] = {"ms": tm["ms"], "check": c["text"]}
+        got = f(c["q"].reshape(t, h, d), *args).reshape(b, s, h, d)[:, c["pos"]]
+        checked = A.check(got, ref)
+        tm = _timing.time_jax(f, [(c["q2"].reshape(t, h, d), *args),
+                                  (c["q"].reshape(t, h, d), *args)], repeats=repeats)
+        out[f"B={b} S={s}"] = {"ms": tm["ms"], "check": checked["text"]}
         del k_cache, v_cache, got
     return out
 
@@ -118,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} {site}: " + ", ".join(
                 f"{k} {v['ms']:.4f} ms ({v['check']})" for k, v in res.items()), flush=True)
     base = a.sites[0]
-    shapes = sorted({k for rs in runs.values() for res in rs for k in res},
-                    key=lambda k: (len(k), k))
+    shapes = list(dict.fromkeys(k for rs in runs.values() for res in rs for k in res))
     print("\n| build | " + " | ".join(f"{s} ms | / first" for s in shapes) + " |")
     print("|---|" + "---:|---:|" * len(shapes))
     med = {site: {s: statistics.median([res[s]["ms"] for res in rs if s in res])
