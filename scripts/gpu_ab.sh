@@ -43,16 +43,10 @@ step() {  # name log command...
   summary+=("$(printf '%-12s rc=%-3s %5s s  %s' "$name" "$rc" "$((SECONDS - t0))" "$log")")
   return $rc
 }
+# shellcheck source=scripts/_anchors_setup.sh
+source scripts/_anchors_setup.sh
 anchors=()
-if [ $attention = 1 ] && compgen -G ".anchors/*.whl" > /dev/null; then  # FlashInfer, as gpu_check
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/anchors \
-    .anchors/*.whl && anchors=(--anchors /tmp/anchors)
-  if [ ${#anchors[@]} -gt 0 ]; then  # its JIT builds, beside ours
-    PYTHONPATH=/tmp/anchors python3 benchmarks/_anchors.py --anchors /tmp/anchors \
-      > "$OUT/anchors_warm.log" 2>&1 &
-    warm_pid=$!
-  fi
-fi
+[ $attention = 1 ] && anchors_setup 1  # FlashInfer's JIT builds run beside ours
 rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base_tar" -C /tmp/ab_base || exit 1
 build() { python3 -m pip install --no-build-isolation --no-deps --target "$2" "$1"; }
 step build-a build_a.log build /tmp/ab_base /tmp/site_a || { tail -30 "$OUT/build_a.log"; exit 1; }

@@ -66,16 +66,11 @@ if [ $dry_run = 1 ]; then
   exit 0
 fi
 t0=$SECONDS
-anchors=()
-if compgen -G ".anchors/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/anchors .anchors/*.whl \
-    && anchors=(--anchors /tmp/anchors)
-  if [ ${#anchors[@]} -gt 0 ] && { [ ${want[attention]} = 1 ] || [ ${want[profile]} = 1 ]; }; then
-    PYTHONPATH=/tmp/anchors python3 benchmarks/_anchors.py --anchors /tmp/anchors \
-      > "$OUT/anchors_warm.log" 2>&1 &
-    warm_pid=$!
-  fi
-fi
+# shellcheck source=scripts/_anchors_setup.sh
+source scripts/_anchors_setup.sh
+warm=0
+{ [ ${want[attention]} = 1 ] || [ ${want[profile]} = 1 ]; } && warm=1
+anchors_setup $warm
 rm -rf /tmp/site
 python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
