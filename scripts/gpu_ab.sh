@@ -6,11 +6,12 @@
 # Here, before the call (the tarball is untracked and not ignored, so it travels with the tree):
 #   git archive -o ab_base.tar main          # A: any commit
 # On the GPU machine:
-#   bash scripts/gpu_ab.sh ab_base.tar [--pytest='ARGS'] [--rounds=N] [--attention]
+#   bash scripts/gpu_ab.sh ab_base.tar [--pytest='ARGS'] [--rounds=N] [--attention] [--also=TAR]
 #     --pytest=ARGS  gpu tests on B (default: test_nonfinite.py and the ragged attention tests);
 #                    --pytest= (empty) skips them
 #     --rounds=N     prefill_ab.py turns per build (default 2)
 #     --quick        prefill_ab.py at its tiny shapes (a smoke test of this script; CPU too)
+#     --also=TAR     one more snapshot, timed between A and B (repeatable)
 #     --attention    then benchmarks/attention.py --only prefill on B, with FlashInfer when its
 #                    wheels are in .anchors/ (carried; benchmarks/_anchors.py)
 # Every step's log is in $OUT (written as it goes, so a call cut short still returns what ran);
@@ -22,12 +23,14 @@ pytest_args="test_nonfinite.py test_attention.py -k 'nonfinite or ragged or pref
 rounds=2
 attention=0
 quick=()
+also=()
 for arg in "$@"; do
   case $arg in
     --pytest=*) pytest_args=${arg#--pytest=} ;;
     --rounds=*) rounds=${arg#--rounds=} ;;
     --attention) attention=1 ;;
     --quick) quick=(--quick) ;;
+    --also=*) also+=("${arg#--also=}") ;;
     *) echo "unknown argument: $arg"; exit 2 ;;
   esac
 done
@@ -50,13 +53,21 @@ anchors=()
 rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base_tar" -C /tmp/ab_base || exit 1
 build() { python3 -m pip install --no-build-isolation --no-deps --target "$2" "$1"; }
 step build-a build_a.log build /tmp/ab_base /tmp/site_a || { tail -30 "$OUT/build_a.log"; exit 1; }
+sites=(/tmp/site_a)
+for i in "${!also[@]}"; do
+  rm -rf "/tmp/ab_also$i" && mkdir -p "/tmp/ab_also$i" && tar -xf "${also[$i]}" -C "/tmp/ab_also$i" || exit 1
+  step "build-also$i" "build_also$i.log" build "/tmp/ab_also$i" "/tmp/site_also$i" ||
+    { tail -30 "$OUT/build_also$i.log"; exit 1; }
+  sites+=("/tmp/site_also$i")
+done
 step build-b build_b.log build . /tmp/site_b || { tail -30 "$OUT/build_b.log"; exit 1; }
+sites+=(/tmp/site_b)
 if [ -n "$pytest_args" ]; then
   step pytest-b pytest_b.log bash -c "cd tests && PYTHONPATH=/tmp/site_b python3 -m pytest -q \
     -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
   grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_b.log" | tail -8
 fi
-step prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py /tmp/site_a /tmp/site_b \
+step prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py "${sites[@]}" \
   --rounds "$rounds" "${quick[@]}"
 cat "$OUT/prefill_ab.log"
 if [ $attention = 1 ]; then
