@@ -12,6 +12,7 @@
 #     --rounds=N     prefill_ab.py turns per build (default 2)
 #     --quick        prefill_ab.py at its tiny shapes (a smoke test of this script; CPU too)
 #     --also=TAR     one more snapshot, timed between A and B (repeatable)
+#     --test-also    the gpu tests (this tree's tests/) on each --also build too
 #     --attention    then benchmarks/attention.py --only prefill on B, with FlashInfer when its
 #                    wheels are in .anchors/ (carried; benchmarks/_anchors.py)
 # Every step's log is in $OUT (written as it goes, so a call cut short still returns what ran);
@@ -24,6 +25,7 @@ rounds=2
 attention=0
 quick=()
 also=()
+test_also=0
 for arg in "$@"; do
   case $arg in
     --pytest=*) pytest_args=${arg#--pytest=} ;;
@@ -31,6 +33,7 @@ for arg in "$@"; do
     --attention) attention=1 ;;
     --quick) quick=(--quick) ;;
     --also=*) also+=("${arg#--also=}") ;;
+    --test-also) test_also=1 ;;
     *) echo "unknown argument: $arg"; exit 2 ;;
   esac
 done
@@ -62,10 +65,16 @@ for i in "${!also[@]}"; do
 done
 step build-b build_b.log build . /tmp/site_b || { tail -30 "$OUT/build_b.log"; exit 1; }
 sites+=(/tmp/site_b)
-if [ -n "$pytest_args" ]; then
-  step pytest-b pytest_b.log bash -c "cd tests && PYTHONPATH=/tmp/site_b python3 -m pytest -q \
+gpu_tests() {  # name site
+  step "pytest-$1" "pytest_$1.log" bash -c "cd tests && PYTHONPATH=$2 python3 -m pytest -q \
     -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
-  grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_b.log" | tail -8
+  echo "pytest-$1: $(grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_$1.log" | tail -8)"
+}
+if [ -n "$pytest_args" ]; then
+  gpu_tests b /tmp/site_b
+  if [ $test_also = 1 ]; then
+    for i in "${!also[@]}"; do gpu_tests "also$i" "/tmp/site_also$i"; done
+  fi
 fi
 step prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py "${sites[@]}" \
   --rounds "$rounds" "${quick[@]}"
