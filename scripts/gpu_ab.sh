@@ -13,6 +13,8 @@
 #     --quick        prefill_ab.py at its tiny shapes (a smoke test of this script; CPU too)
 #     --also=TAR     one more snapshot, timed between A and B (repeatable)
 #     --test-also    the gpu tests (this tree's tests/) on each --also build too
+#     --profile      Nsight Compute (--set full, per-instruction SASS samples as CSV) of A's and
+#                    B's sm90 prefill kernel at B8 S2048 causal, into $OUT/ncu_prefill.tgz
 #     --attention    then benchmarks/attention.py --only prefill on B, with FlashInfer when its
 #                    wheels are in .anchors/ (carried; benchmarks/_anchors.py)
 # Every step's log is in $OUT (written as it goes, so a call cut short still returns what ran);
@@ -26,6 +28,7 @@ attention=0
 quick=()
 also=()
 test_also=0
+profile=0
 for arg in "$@"; do
   case $arg in
     --pytest=*) pytest_args=${arg#--pytest=} ;;
@@ -34,6 +37,7 @@ for arg in "$@"; do
     --quick) quick=(--quick) ;;
     --also=*) also+=("${arg#--also=}") ;;
     --test-also) test_also=1 ;;
+    --profile) profile=1 ;;
     *) echo "unknown argument: $arg"; exit 2 ;;
   esac
 done
@@ -79,6 +83,20 @@ fi
 step prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py "${sites[@]}" \
   --rounds "$rounds" "${quick[@]}"
 cat "$OUT/prefill_ab.log"
+if [ $profile = 1 ]; then
+  for x in a b; do
+    step "ncu-$x" "ncu_prefill_$x.txt" env PYTHONPATH="/tmp/site_$x" ncu --clock-control none \
+      -k regex:RaggedPrefillSm90 --launch-skip 2 --launch-count 1 --set full --import-source no \
+      -o "/tmp/ncu_prefill_$x" -f python3 benchmarks/prefill_profile.py --batch 8 --context 2048
+    ncu -i "/tmp/ncu_prefill_$x.ncu-rep" >> "$OUT/ncu_prefill_$x.txt" 2>&1
+    ncu -i "/tmp/ncu_prefill_$x.ncu-rep" --page source --print-source sass --csv \
+      > "$OUT/ncu_prefill_${x}_sass.csv" 2>&1
+  done
+  grep -hE "^  [A-Z]|Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT"/ncu_prefill_?.txt |
+    head -40
+  (cd "$OUT" && tar czf ncu_prefill.tgz ncu_prefill_*.txt ncu_prefill_*.csv &&
+    rm -f ncu_prefill_*.txt ncu_prefill_*.csv)
+fi
 if [ $attention = 1 ]; then
   [ -n "${warm_pid:-}" ] && wait "$warm_pid"
   step attention attention.log env PYTHONPATH=/tmp/site_b python3 benchmarks/attention.py \
