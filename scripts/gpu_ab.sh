@@ -94,6 +94,11 @@ if [ $profile = 1 ]; then
   done
   grep -hE "^  [A-Z]|Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT"/ncu_prefill_?.txt |
     head -40
+  for x in a b; do  # where each build's warps wait, by role (benchmarks/sass_regions.py)
+    python3 benchmarks/sass_regions.py "$OUT/ncu_prefill_${x}_sass.csv" --top 12 \
+      > "$OUT/sass_regions_$x.md" 2>&1
+    echo "== $x"; head -40 "$OUT/sass_regions_$x.md"
+  done
   (cd "$OUT" && tar czf ncu_prefill.tgz ncu_prefill_*.txt ncu_prefill_*.csv &&
     rm -f ncu_prefill_*.txt ncu_prefill_*.csv)
 fi

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Where a warp-specialized kernel's warps wait, from Nsight Compute's per-instruction SASS view.
+
+Reads the CSV of ``ncu -i REPORT --page source --print-source sass --csv`` (what
+``scripts/gpu_ab.sh --profile`` writes for the sm90 prefill). The kernel's roles are told apart
+by address: the consumers' code runs from their ``setmaxnreg`` increase (``USETMAXREG.TRY_ALLOC``)
+on, the producer's from its decrease (``USETMAXREG.DEALLOC``) on, whichever comes first in the
+binary; code before both is shared. Prints, per role, the stall samples, their share by kind of
+instruction (barrier waits, wgmma waits, stores, ...), and the instructions with the most samples:
+
+    python benchmarks/sass_regions.py ncu_prefill_b_sass.csv [--top 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# Kinds of instruction, first match wins (SASS mnemonics as nvdisasm prints them).
+KINDS = (
+    ("mbarrier wait", re.compile(r"SYNCS\.PHASECHK|SYNCS\..*TRYWAIT")),
+    ("named barrier", re.compile(r"\bBAR\.(SYNC|ARV|RED)|\bBAR\b")),
+    ("wgmma wait", re.compile(r"WARPGROUP\.DEPBAR")),
+    ("wgmma", re.compile(r"HGMMA|WARPGROUP\.ARRIVE")),
+    ("global store", re.compile(r"\bSTG\b")),
+    ("global load", re.compile(r"\bLDG\b")),
+    ("shared load/store", re.compile(r"\bLDS\b|\bSTS\b|LDSM|STSM")),
+    ("async copy", re.compile(r"LDGSTS|LDGDEPBAR|DEPBAR|ARRIVES")),
+    ("exp2", re.compile(r"MUFU\.EX2")),
+    ("min/max", re.compile(r"FMNMX|IMNMX|VIMNMX")),
+    ("branch", re.compile(r"\bBRA\b|\bBSYNC\b|\bBSSY\b|WARPSYNC")),
+)
+
+
+@dataclass
+class Instruction:
+    address: int
+    source: str
+    samples: int
+
+
+def _column(header: list[str], *needles: str) -> int:
+    for i, name in enumerate(header):
+        if all(n.lower() in name.lower() for n in needles):
+            return i
+    raise KeyError(f"no column with {needles} in {header}")
+
+
+def read_sass_csv(path: Path) -> list[Instruction]:
+    """The instructions of an ncu source-page CSV, in address order."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    start = next(i for i, r in enumerate(rows) if any("Address" in c for c in r))
+    header, body = rows[start], rows[start + 1:]
+    a, s = _column(header, "Address"), _column(header, "Source")
+    n = _column(header, "Warp Stall Sampling", "All")
+    out = []
+    for r in body:
+        if len(r) <= max(a, s, n) or not r[a].strip():
+            continue
+        try:
+            address = int(r[a], 16) if r[a].lower().startswith("0x") else int(r[a])
+        except ValueError:
+            continue
+        samples = int(float(r[n].replace(",", "") or 0))
+        out.append(Instruction(address, r[s].strip(), samples))
+    return sorted(out, key=lambda x: x.address)
+
+
+def role_of(instructions: list[Instruction]) -> list[str]:
+    """'shared', 'consumer' or 'producer' per instruction, split at the setmaxnreg instructions."""
+    marks = {}
+    for x in instructions:
+        if "USETMAXREG.TRY_ALLOC" in x.source or "SETMAXREG.TRY_ALLOC" in x.source:
+            marks.setdefault("consumer", x.address)
+        elif "USETMAXREG.DEALLOC" in x.source or "SETMAXREG.DEALLOC" in x.source:
+            marks.setdefault("producer", x.address)
+    starts = sorted((addr, role) for role, addr in marks.items())
+    roles = []
+    for x in instructions:
+        role = "shared"
+        for addr, r in starts:
+            if x.address >= addr:
+                role = r
+        roles.append(role)
+    return roles
+
+
+def kind_of(source: str) -> str:
+    for name, pattern in KINDS:
+        if pattern.search(source):
+            return name
+    return "other"
+
+
+def summarize(instructions: list[Instruction], top: int = 15) -> str:
+    """The per-role table and top instructions, as text."""
+    roles = role_of(instructions)
+    lines = []
+    total = sum(x.samples for x in instructions) or 1
+    for role in ("consumer", "producer", "shared"):
+        mine = [x for x, r in zip(instructions, roles) if r == role]
+        n = sum(x.samples for x in mine)
+        if not mine:
+            continue
+        lines.append(f"## {role}: {n} samples ({100 * n / total:.1f}% of the kernel's)")
+        by_kind: dict[str, int] = {}
+        for x in mine:
+            by_kind[kind_of(x.source)] = by_kind.get(kind_of(x.source), 0) + x.samples
+        lines.append("| kind | samples | share |")
+        lines.append("|---|---:|---:|")
+        for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {k} | {v} | {100 * v / max(n, 1):.1f}% |")
+        lines.append("")
+        lines.append("| address | samples | share | instruction |")
+        lines.append("|---|---:|---:|---|")
+        for x in sorted(mine, key=lambda x: -x.samples)[:top]:
+            text = x.source.replace("|", "\\|")  # (|R2| in a table cell)
+            lines.append(f"| {x.address:#06x} | {x.samples} | {100 * x.samples / max(n, 1):.1f}% "
+                         f"| `{text}` |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("csv", type=Path, help="ncu --page source --print-source sass --csv output")
+    p.add_argument("--top", type=int, default=15, help="instructions listed per role")
+    a = p.parse_args(argv)
+    instructions = read_sass_csv(a.csv)
+    if not instructions:
+        print(f"{a.csv}: no instructions found", file=sys.stderr)
+        return 1
+    print(summarize(instructions, a.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
