@@ -20,7 +20,7 @@
 # Every step's log is in $OUT (written as it goes, so a call cut short still returns what ran);
 # a table of the steps is printed last.
 set -u
-base_tar=${1:?usage: gpu_ab.sh BASE_TAR [--pytest=ARGS] [--rounds=N] [--attention]}
+base_tar=${1:?usage: gpu_ab.sh BASE_TAR [--pytest=ARGS] [--rounds=N] [--quick] [--also=TAR]... [--test-also] [--profile] [--attention]}
 shift
 pytest_args="test_nonfinite.py test_attention.py -k 'nonfinite or ragged or prefill'"
 rounds=2
@@ -57,18 +57,20 @@ step() {  # name log command...
 source scripts/_anchors_setup.sh
 anchors=()
 [ $attention = 1 ] && anchors_setup 1  # FlashInfer's JIT builds run beside ours
-rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base_tar" -C /tmp/ab_base || exit 1
 build() { python3 -m pip install --no-build-isolation --no-deps --target "$2" "$1"; }
-step build-a build_a.log build /tmp/ab_base /tmp/site_a || { tail -30 "$OUT/build_a.log"; exit 1; }
-sites=(/tmp/site_a)
-for i in "${!also[@]}"; do
-  rm -rf "/tmp/ab_also$i" && mkdir -p "/tmp/ab_also$i" && tar -xf "${also[$i]}" -C "/tmp/ab_also$i" || exit 1
-  step "build-also$i" "build_also$i.log" build "/tmp/ab_also$i" "/tmp/site_also$i" ||
-    { tail -30 "$OUT/build_also$i.log"; exit 1; }
-  sites+=("/tmp/site_also$i")
-done
-step build-b build_b.log build . /tmp/site_b || { tail -30 "$OUT/build_b.log"; exit 1; }
-sites+=(/tmp/site_b)
+snapshot() {  # name source (a folder, or a tarball unpacked into /tmp/ab_NAME): /tmp/site_NAME
+  local src=$2
+  if [ -f "$src" ]; then
+    src=/tmp/ab_$1
+    rm -rf "$src" && mkdir -p "$src" && tar -xf "$2" -C "$src" || exit 1
+  fi
+  step "build-$1" "build_$1.log" build "$src" "/tmp/site_$1" || { tail -30 "$OUT/build_$1.log"; exit 1; }
+  sites+=("/tmp/site_$1")
+}
+sites=()
+snapshot a "$base_tar"
+for i in "${!also[@]}"; do snapshot "also$i" "${also[$i]}"; done
+snapshot b .
 gpu_tests() {  # name site
   step "pytest-$1" "pytest_$1.log" bash -c "cd tests && PYTHONPATH=$2 python3 -m pytest -q \
     -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
