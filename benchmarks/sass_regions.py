@@ -5,7 +5,10 @@ Reads the CSV of ``ncu -i REPORT --page source --print-source sass --csv`` (what
 ``scripts/gpu_ab.sh --profile`` writes for the sm90 prefill). The kernel's roles are told apart
 by address: the consumers' code runs from their ``setmaxnreg`` increase (``USETMAXREG.TRY_ALLOC``)
 on, the producer's from its decrease (``USETMAXREG.DEALLOC``) on, whichever comes first in the
-binary; code before both is shared. Prints, per role, the stall samples, their share by kind of
+binary; code before both is shared. ptxas puts the retry loops of barrier waits out of line, at
+the end of the function, after the producer's code: a wait followed by its retry branch and a
+branch back counts for the role of the instruction it branches back to, when the CSV prints that
+target as an address (``BRA 0x...``). Prints, per role, the stall samples, their share by kind of
 instruction (barrier waits, wgmma waits, stores, ...), and the instructions with the most samples:
 
     python benchmarks/sass_regions.py ncu_prefill_b_sass.csv [--top 15]
@@ -71,22 +74,33 @@ def read_sass_csv(path: Path) -> list[Instruction]:
     return sorted(out, key=lambda x: x.address)
 
 
+BRANCH_BACK = re.compile(r"^\s*BRA\s+`?\(?(0x[0-9a-fA-F]+)")
+
+
 def role_of(instructions: list[Instruction]) -> list[str]:
-    """'shared', 'consumer' or 'producer' per instruction, split at the setmaxnreg instructions."""
+    """'shared', 'consumer' or 'producer' per instruction, split at the setmaxnreg instructions
+    (out-of-line wait retries: the role they branch back to)."""
     marks = {}
     for x in instructions:
-        if "USETMAXREG.TRY_ALLOC" in x.source or "SETMAXREG.TRY_ALLOC" in x.source:
+        if "SETMAXREG.TRY_ALLOC" in x.source:  # (also USETMAXREG)
             marks.setdefault("consumer", x.address)
-        elif "USETMAXREG.DEALLOC" in x.source or "SETMAXREG.DEALLOC" in x.source:
+        elif "SETMAXREG.DEALLOC" in x.source:
             marks.setdefault("producer", x.address)
     starts = sorted((addr, role) for role, addr in marks.items())
-    roles = []
-    for x in instructions:
+
+    def by_address(address: int) -> str:
         role = "shared"
         for addr, r in starts:
-            if x.address >= addr:
+            if address >= addr:
                 role = r
-        roles.append(role)
+        return role
+
+    roles = [by_address(x.address) for x in instructions]
+    for i in range(len(instructions) - 2):
+        wait, retry, back = instructions[i:i + 3]
+        target = BRANCH_BACK.match(back.source)
+        if kind_of(wait.source) == "mbarrier wait" and "BRA" in retry.source and target:
+            roles[i] = roles[i + 1] = roles[i + 2] = by_address(int(target.group(1), 16))
     return roles
 
 
@@ -110,7 +124,8 @@ def summarize(instructions: list[Instruction], top: int = 15) -> str:
         lines.append(f"## {role}: {n} samples ({100 * n / total:.1f}% of the kernel's)")
         by_kind: dict[str, int] = {}
         for x in mine:
-            by_kind[kind_of(x.source)] = by_kind.get(kind_of(x.source), 0) + x.samples
+            kind = kind_of(x.source)
+            by_kind[kind] = by_kind.get(kind, 0) + x.samples
         lines.append("| kind | samples | share |")
         lines.append("|---|---:|---:|")
         for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):

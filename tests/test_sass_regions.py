@@ -1,5 +1,6 @@
 """benchmarks/sass_regions.py on a small CSV in Nsight Compute's source-page layout: the roles
-split at the setmaxnreg instructions, samples summed per role and kind, top instructions ranked."""
+split at the setmaxnreg instructions (out-of-line wait retries counted where they branch back to),
+samples summed per role and kind, top instructions ranked."""
 
 from __future__ import annotations
 
@@ -44,6 +45,17 @@ def test_roles_kinds_and_ranking(tmp_path):
     consumer = text.split("## producer")[0]
     assert consumer.index("0x0020") < consumer.index("0x0040")
     assert "0x0050 |" not in consumer.split("| address |")[1]
+
+
+def test_out_of_line_wait_retry_counts_for_the_role_it_returns_to(tmp_path):
+    # A consumer wait's retry loop placed after the producer's code, branching back to 0x0020.
+    tail = ('"0x00a0","SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR15], R190 ;","25","25"\n'
+            '"0x00b0","@!P1 BRA 0xa0 ;","3","3"\n'
+            '"0x00c0","BRA 0x20 ;","0","0"\n')
+    path = tmp_path / "sass.csv"
+    path.write_text(CSV + tail)
+    roles = sass_regions.role_of(sass_regions.read_sass_csv(path))
+    assert roles == ["shared"] + ["consumer"] * 6 + ["producer"] * 3 + ["consumer"] * 3
 
 
 def test_main_reports_an_empty_csv(tmp_path, capsys):
