@@ -44,13 +44,13 @@ done
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_ab}
 mkdir -p "$OUT"
-summary=()
-step() {  # name log command...
+rm -f "$OUT/steps.txt"
+step() {  # name log command... (a line per step in $OUT/steps.txt, so that steps run side by side)
   local name=$1 log=$2 t0=$SECONDS rc
   shift 2
   "$@" > "$OUT/$log" 2>&1
   rc=$?
-  summary+=("$(printf '%-12s rc=%-3s %5s s  %s' "$name" "$rc" "$((SECONDS - t0))" "$log")")
+  printf '%-12s rc=%-3s %5s s  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$log" >> "$OUT/steps.txt"
   return $rc
 }
 # shellcheck source=scripts/_anchors_setup.sh
@@ -58,29 +58,43 @@ source scripts/_anchors_setup.sh
 anchors=()
 [ $attention = 1 ] && anchors_setup 1  # FlashInfer's JIT builds run beside ours
 build() { python3 -m pip install --no-build-isolation --no-deps --target "$2" "$1"; }
-snapshot() {  # name source (a folder, or a tarball unpacked into /tmp/ab_NAME): /tmp/site_NAME
+names=()
+sources=()
+snapshot() {  # name source (a folder, or a tarball unpacked into /tmp/ab_NAME)
   local src=$2
   if [ -f "$src" ]; then
     src=/tmp/ab_$1
     rm -rf "$src" && mkdir -p "$src" && tar -xf "$2" -C "$src" || exit 1
   fi
-  step "build-$1" "build_$1.log" build "$src" "/tmp/site_$1" || { tail -30 "$OUT/build_$1.log"; exit 1; }
-  sites+=("/tmp/site_$1")
+  names+=("$1")
+  sources+=("$src")
 }
-sites=()
 snapshot a "$base_tar"
 for i in "${!also[@]}"; do snapshot "also$i" "${also[$i]}"; done
 snapshot b .
-gpu_tests() {  # name site
-  step "pytest-$1" "pytest_$1.log" bash -c "cd tests && PYTHONPATH=$2 python3 -m pytest -q \
-    -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
+# The builds run side by side: one translation unit (the sm90 prefill) bounds each build's time.
+pids=()
+for i in "${!names[@]}"; do
+  step "build-${names[$i]}" "build_${names[$i]}.log" build "${sources[$i]}" "/tmp/site_${names[$i]}" &
+  pids+=($!)
+done
+sites=()
+for i in "${!names[@]}"; do
+  wait "${pids[$i]}" || { tail -30 "$OUT/build_${names[$i]}.log"; cat "$OUT/steps.txt"; exit 1; }
+  sites+=("/tmp/site_${names[$i]}")
+done
+gpu_tests() {  # name site (side by side: no preallocation, so that the processes share the GPU)
+  step "pytest-$1" "pytest_$1.log" env XLA_PYTHON_CLIENT_PREALLOCATE=false bash -c "cd tests &&
+    PYTHONPATH=$2 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
   echo "pytest-$1: $(grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_$1.log" | tail -8)"
 }
 if [ -n "$pytest_args" ]; then
-  gpu_tests b /tmp/site_b
+  gpu_tests b /tmp/site_b &
+  pids=($!)
   if [ $test_also = 1 ]; then
-    for i in "${!also[@]}"; do gpu_tests "also$i" "/tmp/site_also$i"; done
+    for i in "${!also[@]}"; do gpu_tests "also$i" "/tmp/site_also$i" & pids+=($!); done
   fi
+  wait "${pids[@]}"
 fi
 step prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py "${sites[@]}" \
   --rounds "$rounds" "${quick[@]}"
@@ -111,4 +125,4 @@ if [ $attention = 1 ]; then
   sed -n '/Time ratios/,$p' "$OUT/attention.log"
 fi
 echo
-printf '%s\n' "${summary[@]}"
+cat "$OUT/steps.txt"
