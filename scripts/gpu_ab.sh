@@ -14,7 +14,8 @@
 #     --also=TAR     one more snapshot, timed between A and B (repeatable)
 #     --test-also    the gpu tests (this tree's tests/) on each --also build too
 #     --profile      Nsight Compute (--set full, per-instruction SASS samples as CSV) of A's and
-#                    B's sm90 prefill kernel at B8 S2048 causal, into $OUT/ncu_prefill.tgz
+#                    B's sm90 prefill kernel at B8 S2048 causal, into $OUT/ncu_prefill.tgz, and
+#                    the time of each kernel of the prefill's calls (its prepasses too)
 #     --attention    then benchmarks/attention.py --only prefill on B, with FlashInfer when its
 #                    wheels are in .anchors/ (carried; benchmarks/_anchors.py)
 # Every step's log is in $OUT (written as it goes, so a call cut short still returns what ran);
@@ -107,6 +108,13 @@ if [ $profile = 1 ]; then
     ncu -i "/tmp/ncu_prefill_$x.ncu-rep" >> "$OUT/ncu_prefill_$x.txt" 2>&1
     ncu -i "/tmp/ncu_prefill_$x.ncu-rep" --page source --print-source sass --csv \
       > "$OUT/ncu_prefill_${x}_sass.csv" 2>&1
+  done
+  for x in a b; do  # each kernel of the prefill's calls 2-4, with its time (the prepasses too)
+    step "ncu-times-$x" "ncu_times_$x.txt" env PYTHONPATH="/tmp/site_$x" ncu --clock-control none \
+      -k regex:'FillPadding|Schedule|KeyTileMax|RaggedPrefill' --metrics gpu__time_duration.sum \
+      python3 benchmarks/prefill_profile.py --batch 8 --context 2048 --calls 4
+    echo "== $x kernel times"
+    grep -E "Kernel|gpu__time_duration" "$OUT/ncu_times_$x.txt" | tail -16
   done
   grep -hE "^  [A-Z]|Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT"/ncu_prefill_?.txt |
     head -40
