@@ -439,6 +439,34 @@ def test_ragged_prefill_at_key_tile_edges(backend, page, head_dim, group, window
                  seed)
 
 
+@pytest.mark.parametrize("lead,trail", [(0, 700), (333, 0), (301, 455)])
+def test_ragged_padding_rows_before_and_after_the_queries_are_zero(backend, lead, trail):
+    """Rows before query_start[0] and from query_start[B] on are padding: exactly zero, however
+    many (more than the CUDA fill kernel has CTAs: 2 per SM), with the real rows in between
+    matching the oracle. The output buffer is poisoned (NaN) by an earlier call first."""
+    seed = 600 + lead + trail
+    rng = np.random.default_rng(seed)
+    seq_lens = np.array([130, 1, 77], np.int32)
+    num_new = np.array([130, 1, 20])
+    q, k, v, table, query_start, num_rows = long_ragged_batch(
+        rng, seq_lens, num_new, page=16, hkv=2, group=4, head_dim=128, padding=0,
+        spare_pages=1, dtype=jnp.bfloat16)
+    want = numpy_ragged_attention(q, k, v, table, seq_lens, query_start, num_rows)
+    h, d = q.shape[1:]
+    q = np.concatenate([rng.standard_normal((lead, h, d)).astype(q.dtype), q,
+                        rng.standard_normal((trail, h, d)).astype(q.dtype)])
+    query_start = query_start + lead
+    print(f"seed={seed} lead={lead} trail={trail} query_start={query_start.tolist()}")
+    dev = backend.put(q, k, v, table, seq_lens, query_start)
+    attend = jax.jit(ops.ragged_paged_attention)
+    for _ in range(2):  # NaN in the buffers the allocator hands out next
+        jax.block_until_ready(jnp.full(q.shape, jnp.nan, q.dtype, device=backend.device))
+    out = np.asarray(attend(*dev))
+    pad = np.r_[np.arange(lead), np.arange(lead + num_rows, len(q))]
+    assert_zero_rows(out, pad, "padding rows", seed)
+    assert_close(out[lead:lead + num_rows], want, jnp.bfloat16, "rows between the padding", seed)
+
+
 # ---------------------------------------------------------------------------------------------
 # lax.scan over layers: write_kv then attention in the body, traced layer index.
 

@@ -18,6 +18,8 @@
 // decode rows at context 1,024 took 5x the decode kernel's time inside a mixed call).
 // Non-finite values: tiles that the CTA's rows read only in part are sanitized
 // (SanitizeTileRows) so that NaN/inf in V at a position a row does not read never reaches it.
+#include <algorithm>
+
 #include <cub/block/block_scan.cuh>
 
 #include "kvcm/cuda/attention.cuh"
@@ -83,17 +85,24 @@ __global__ void ScheduleKernel(AttentionArgs a, int32_t* tile_offsets, int rows_
 }
 
 // Zeroes rows outside [query_start[0], query_start[B]) (NaN if query_start itself is invalid).
+// CTAs take the padding rows in turn: a CTA per row of q (most of them real rows, with nothing
+// to do) cost 12 us at T = 16384 on the H200, 2% of a B8 S2048 prefill.
 template <typename T>
 __global__ void FillPaddingKernel(AttentionArgs a) {
   const AttentionShape& s = a.shape;
-  const int64_t row = blockIdx.x;
-  const int32_t first = a.query_start[0], last = a.query_start[s.batch];
+  const int64_t first = a.query_start[0], last = a.query_start[s.batch];
   const bool broken = first < 0 || last > s.num_queries || first > last;
-  if (!broken && row >= first && row < last) return;
-  if (broken && threadIdx.x == 0) RaiseError(a.error_word, kBadQueryStart);
-  T* out = static_cast<T*>(a.out) + row * s.num_heads * s.cache.head_dim;
+  if (broken && blockIdx.x == 0 && threadIdx.x == 0) RaiseError(a.error_word, kBadQueryStart);
+  // Padding rows: [0, first) then [last, T); all T rows when broken.
+  const int64_t head = broken ? s.num_queries : first;
+  const int64_t count = broken ? s.num_queries : first + (s.num_queries - last);
   const T v = DTypeTraits<T>::from_float(broken ? NAN : 0.f);
-  for (int64_t i = threadIdx.x; i < s.num_heads * s.cache.head_dim; i += blockDim.x) out[i] = v;
+  const int64_t row_elems = s.num_heads * s.cache.head_dim;
+  for (int64_t i = blockIdx.x; i < count; i += gridDim.x) {
+    const int64_t row = i < head ? i : last + (i - head);
+    T* out = static_cast<T*>(a.out) + row * row_elems;
+    for (int64_t j = threadIdx.x; j < row_elems; j += blockDim.x) out[j] = v;
+  }
 }
 
 // T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T.
@@ -402,7 +411,8 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   p.tile_offsets = static_cast<const int32_t*>(offsets);
   p.work_counter = static_cast<int32_t*>(offsets) + s.batch + 1;
 
-  FillPaddingKernel<T><<<unsigned(s.num_queries), 128, 0, stream>>>(a);
+  const int64_t fill_ctas = std::max<int64_t>(1, std::min<int64_t>(s.num_queries, 2 * NumSMs()));
+  FillPaddingKernel<T><<<unsigned(fill_ctas), 128, 0, stream>>>(a);
   constexpr int kRows = RowsPerCta<D>();
   ScheduleKernel<<<1, kScheduleThreads, 0, stream>>>(a, static_cast<int32_t*>(offsets), kRows,
                                                      decode_rows_elsewhere);
