@@ -68,15 +68,17 @@ def time_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmu
 
 
 def time_torch(fn: Callable[[], Any], *, warmup_ms: int = 25, rep_ms: int = 100,
-               repeats: int = 7) -> dict[str, Any]:
-    """Median per-call time of a CUDA torch callable in ms."""
+               repeats: int = 7, loop: bool = False) -> dict[str, Any]:
+    """Median per-call time of a CUDA torch callable in ms: triton's do_bench (one call between
+    L2 flushes) where importable, else (or with ``loop``) calls back to back between two CUDA
+    events, as ``time_jax`` times JAX calls."""
     import torch
 
     try:
         from triton.testing import do_bench
     except Exception:  # noqa: BLE001 - triton missing or broken: fall back to events
         do_bench = None
-    if do_bench is not None:
+    if do_bench is not None and not loop:
         ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
         return {"ms": float(ms), "method": "triton.testing.do_bench median"}
 

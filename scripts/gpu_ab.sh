@@ -97,8 +97,24 @@ if [ -n "$pytest_args" ]; then
   fi
   wait "${pids[@]}"
 fi
+# The GPU's SM clock and power while the builds take turns (read only; settings untouched).
+smi() { nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 200; }
+smi_summary() {  # log: SM clock (MHz) and power (W) over the samples under load (> 200 W)
+  python3 - "$1" <<'PY'
+import statistics, sys
+rows = [tuple(map(float, l.split(","))) for l in open(sys.argv[1]) if l.count(",") == 1]
+load = [r for r in rows if r[1] > 200]
+print(f"SM clock under load: min {min(r[0] for r in load):.0f}, median "
+      f"{statistics.median(r[0] for r in load):.0f} MHz; power mean "
+      f"{statistics.mean(r[1] for r in load):.0f}, max {max(r[1] for r in load):.0f} W "
+      f"({len(load)} of {len(rows)} samples)" if load else f"no samples under load ({len(rows)})")
+PY
+}
+command -v nvidia-smi > /dev/null && { smi > "$OUT/smi_prefill_ab.csv" 2>&1 & smi_pid=$!; }
 step prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py "${sites[@]}" \
   --rounds "$rounds" "${quick[@]}"
+[ -n "${smi_pid:-}" ] && kill "$smi_pid" && echo "prefill-ab: $(smi_summary "$OUT/smi_prefill_ab.csv")" \
+  >> "$OUT/prefill_ab.log"
 cat "$OUT/prefill_ab.log"
 if [ $profile = 1 ]; then
   for x in a b; do
@@ -116,6 +132,12 @@ if [ $profile = 1 ]; then
     echo "== $x kernel times"
     grep -E "Kernel|gpu__time_duration" "$OUT/ncu_times_$x.txt" | tail -16
   done
+  if command -v nsys > /dev/null; then  # B's kernels over 8 calls back to back: the gaps
+    step nsys-b nsys_b.txt env PYTHONPATH=/tmp/site_b nsys profile -t cuda -f true \
+      -o /tmp/nsys_b python3 benchmarks/prefill_profile.py --batch 8 --context 2048 --calls 9
+    nsys stats -q -r cuda_gpu_trace -f csv /tmp/nsys_b.nsys-rep > "$OUT/nsys_b_trace.csv" 2>&1
+    python3 benchmarks/kernel_gaps.py "$OUT/nsys_b_trace.csv" | tee "$OUT/kernel_gaps_b.md"
+  fi
   grep -hE "^  [A-Z]|Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT"/ncu_prefill_?.txt |
     head -40
   for x in a b; do  # where each build's warps wait, by role (benchmarks/sass_regions.py)
