@@ -9,7 +9,9 @@ can profile one warm launch of the prefill kernel:
         python3 benchmarks/prefill_profile.py --batch 8 --context 2048
 
 Shapes: ``q [B * S, H, D]``, ``[pages, page, Hkv, D]`` caches, bf16. It checks nothing and times
-nothing: benchmarks/attention.py does both.
+nothing: benchmarks/attention.py does both. With ``--trace DIR`` the calls after the first run
+under ``jax.profiler``, and it prints the device ops and the gaps between them (where a call's
+wall time goes outside the prefill kernel; Nsight Systems is not on the GPU machine).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import decode_profile  # noqa: E402
 def main(argv: list[str] | None = None) -> None:
     p = decode_profile.shape_parser(batch=8, context=2048)
     p.description = __doc__.splitlines()[0]
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="run the calls under jax.profiler into DIR and print the compiled "
+                        "program's instructions and the device ops with the gaps between them")
     args = p.parse_args(argv)
     B, S, H, HKV, D, P = (args.batch, args.context, args.heads, args.kv_heads, args.head_dim,
                           args.page)
@@ -47,9 +52,40 @@ def main(argv: list[str] | None = None) -> None:
     query_start = jnp.arange(B + 1, dtype=jnp.int32) * S
     f = jax.jit(jax_kvcm.ragged_paged_attention)
     f(q, k, v, table, seq_lens, query_start).block_until_ready()  # compiled, warm
-    outs = [f(q, k, v, table, seq_lens, query_start) for _ in range(args.calls - 1)]
-    jax.block_until_ready(outs)  # back to back, as a serving step's layers run (nsys: the gaps)
+
+    def back_to_back():  # as a serving step's layers run
+        outs = [f(q, k, v, table, seq_lens, query_start) for _ in range(args.calls - 1)]
+        jax.block_until_ready(outs)
+
+    if args.trace is None:
+        back_to_back()
+    else:
+        trace_gaps(f, (q, k, v, table, seq_lens, query_start), back_to_back, args.trace)
     print(f"ours: {args.calls} prefill calls at B={B} S={S} H={H} Hkv={HKV} D={D} page={P}")
+
+
+def trace_gaps(f, call_args, run, trace_dir: str) -> None:
+    """The compiled program's ENTRY instructions (a copy or transpose XLA put around the custom
+    call would show here), then ``run()`` under jax.profiler and its device ops in time order
+    with the idle gap before each (benchmarks/kernel_gaps.py), the last two calls' worth."""
+    import jax
+
+    import _profile
+    import kernel_gaps
+
+    hlo = f.lower(*call_args).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):].split("\n}")[0].splitlines()[1:]
+    print("compiled ENTRY instructions:")
+    for line in entry:
+        print("  " + line.strip()[:160])
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        run()
+    trace = _profile.load_trace(trace_dir)
+    ops = [(o.ts, o.dur, o.name) for o in trace.ops]
+    print(f"{len(trace.executions)} executions, {len(ops)} device ops")
+    if ops:
+        per_call = max(1, len(ops) // max(1, len(trace.executions)))
+        print(kernel_gaps.report(ops, last=2 * per_call + 1))
 
 
 if __name__ == "__main__":

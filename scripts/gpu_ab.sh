@@ -14,12 +14,14 @@
 #     --also=TAR     one more snapshot, timed between A and B (repeatable)
 #     --test-also    the gpu tests (this tree's tests/) on each --also build too
 #     --profile      Nsight Compute (--set full, per-instruction SASS samples as CSV) of A's and
-#                    B's sm90 prefill kernel at B8 S2048 causal, into $OUT/ncu_prefill.tgz, and
-#                    the time of each kernel of the prefill's calls (its prepasses too)
+#                    B's sm90 prefill kernel at B8 S2048 causal (in logs.tgz), the time of each
+#                    kernel of a call (ncu, one at a time), and B's calls back to back under
+#                    jax.profiler (each kernel's time in a loop, the gaps between them)
 #     --attention    then benchmarks/attention.py --only prefill on B, with FlashInfer when its
 #                    wheels are in .anchors/ (carried; benchmarks/_anchors.py)
-# Every step's log is in $OUT (written as it goes, so a call cut short still returns what ran);
-# a table of the steps is printed last.
+# Every step's log is in $OUT (written as it goes); at exit they go into $OUT/logs.tgz, and the
+# report (tests, times, clock and power, profiles, ratios) and a table of the steps are printed
+# last and kept in $OUT/report.md and $OUT/steps.txt.
 set -u
 base_tar=${1:?usage: gpu_ab.sh BASE_TAR [--pytest=ARGS] [--rounds=N] [--quick] [--also=TAR]... [--test-also] [--profile] [--attention]}
 shift
@@ -54,6 +56,18 @@ step() {  # name log command... (a line per step in $OUT/steps.txt, so that step
   printf '%-12s rc=%-3s %5s s  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$log" >> "$OUT/steps.txt"
   return $rc
 }
+report() { tee -a "$OUT/report.md"; }  # stdin: lines for the report, printed now and at exit
+# At exit: the report and the steps again, last (what a cut-off output keeps), and every log in
+# one archive (the device tool brings back at most 8 files).
+finish() {
+  echo
+  echo "==== report"
+  cat "$OUT/report.md" "$OUT/steps.txt" 2> /dev/null
+  (cd "$OUT" && ls | grep -vxE "report.md|steps.txt|logs.tgz" > /tmp/gpu_ab_logs.txt &&
+    tar czf logs.tgz -T /tmp/gpu_ab_logs.txt && xargs rm -f < /tmp/gpu_ab_logs.txt)
+}
+trap finish EXIT
+rm -f "$OUT/report.md"
 # shellcheck source=scripts/_anchors_setup.sh
 source scripts/_anchors_setup.sh
 anchors=()
@@ -81,13 +95,14 @@ for i in "${!names[@]}"; do
 done
 sites=()
 for i in "${!names[@]}"; do
-  wait "${pids[$i]}" || { tail -30 "$OUT/build_${names[$i]}.log"; cat "$OUT/steps.txt"; exit 1; }
+  wait "${pids[$i]}" || { tail -30 "$OUT/build_${names[$i]}.log"; exit 1; }
   sites+=("/tmp/site_${names[$i]}")
 done
 gpu_tests() {  # name site (side by side: no preallocation, so that the processes share the GPU)
   step "pytest-$1" "pytest_$1.log" env XLA_PYTHON_CLIENT_PREALLOCATE=false bash -c "cd tests &&
     PYTHONPATH=$2 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
-  echo "pytest-$1: $(grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_$1.log" | tail -8)"
+  grep -E "FAILED|ERROR|passed|failed|deselected|no tests" "$OUT/pytest_$1.log" | tail -8 |
+    sed "s/^/pytest-$1: /" | report
 }
 if [ -n "$pytest_args" ]; then
   gpu_tests b /tmp/site_b &
@@ -97,9 +112,8 @@ if [ -n "$pytest_args" ]; then
   fi
   wait "${pids[@]}"
 fi
-# The GPU's SM clock and power while the builds take turns (read only; settings untouched).
-smi() { nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 200; }
-smi_summary() {  # log: SM clock (MHz) and power (W) over the samples under load (> 200 W)
+# The GPU's SM clock and power while a step runs (read only; settings untouched).
+smi_summary() {  # csv of clocks.sm, power.draw: over the samples under load (> 200 W)
   python3 - "$1" <<'PY'
 import statistics, sys
 rows = [tuple(map(float, l.split(","))) for l in open(sys.argv[1]) if l.count(",") == 1]
@@ -110,12 +124,21 @@ print(f"SM clock under load: min {min(r[0] for r in load):.0f}, median "
       f"({len(load)} of {len(rows)} samples)" if load else f"no samples under load ({len(rows)})")
 PY
 }
-command -v nvidia-smi > /dev/null && { smi > "$OUT/smi_prefill_ab.csv" 2>&1 & smi_pid=$!; }
-step prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py "${sites[@]}" \
+watched() {  # name log command...: step, with the clock and power it ran at in the report
+  local smi_pid=
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 200 \
+      > "$OUT/smi_$1.csv" 2>&1 &
+    smi_pid=$!
+  fi
+  step "$@"
+  local rc=$?
+  [ -n "$smi_pid" ] && kill "$smi_pid" && echo "$1: $(smi_summary "$OUT/smi_$1.csv")" | report
+  return $rc
+}
+watched prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py "${sites[@]}" \
   --rounds "$rounds" "${quick[@]}"
-[ -n "${smi_pid:-}" ] && kill "$smi_pid" && echo "prefill-ab: $(smi_summary "$OUT/smi_prefill_ab.csv")" \
-  >> "$OUT/prefill_ab.log"
-cat "$OUT/prefill_ab.log"
+grep -v "^round" "$OUT/prefill_ab.log" | report
 if [ $profile = 1 ]; then
   for x in a b; do
     step "ncu-$x" "ncu_prefill_$x.txt" env PYTHONPATH="/tmp/site_$x" ncu --clock-control none \
@@ -125,34 +148,31 @@ if [ $profile = 1 ]; then
     ncu -i "/tmp/ncu_prefill_$x.ncu-rep" --page source --print-source sass --csv \
       > "$OUT/ncu_prefill_${x}_sass.csv" 2>&1
   done
-  for x in a b; do  # each kernel of the prefill's calls 2-4, with its time (the prepasses too)
+  for x in a b; do  # every kernel of the last calls (XLA's too), with its time, one at a time
     step "ncu-times-$x" "ncu_times_$x.txt" env PYTHONPATH="/tmp/site_$x" ncu --clock-control none \
-      -k regex:'FillPadding|Schedule|KeyTileMax|RaggedPrefill' --metrics gpu__time_duration.sum \
+      --metrics gpu__time_duration.sum \
       python3 benchmarks/prefill_profile.py --batch 8 --context 2048 --calls 4
-    echo "== $x kernel times"
-    grep -E "Kernel|gpu__time_duration" "$OUT/ncu_times_$x.txt" | tail -16
+    echo "== $x: kernel times (ncu)" | report
+    grep -E "\(.*\)x\(|gpu__time_duration" "$OUT/ncu_times_$x.txt" | tail -12 |
+      sed -E 's/ \(([0-9]+, ){2}[0-9]+\)x\(([0-9]+, ){2}[0-9]+\), Context.*//' | report
   done
-  if command -v nsys > /dev/null; then  # B's kernels over 8 calls back to back: the gaps
-    step nsys-b nsys_b.txt env PYTHONPATH=/tmp/site_b nsys profile -t cuda -f true \
-      -o /tmp/nsys_b python3 benchmarks/prefill_profile.py --batch 8 --context 2048 --calls 9
-    nsys stats -q -r cuda_gpu_trace -f csv /tmp/nsys_b.nsys-rep > "$OUT/nsys_b_trace.csv" 2>&1
-    python3 benchmarks/kernel_gaps.py "$OUT/nsys_b_trace.csv" | tee "$OUT/kernel_gaps_b.md"
-  fi
+  # B's calls back to back under jax.profiler: the kernels' times in a loop (against ncu's, one
+  # at a time) and the gaps between them (Nsight Systems is not on the GPU machine).
+  step trace-b trace_b.log env PYTHONPATH=/tmp/site_b python3 benchmarks/prefill_profile.py \
+    --batch 8 --context 2048 --calls 9 --trace /tmp/trace_b
+  { echo "== b: back to back (jax.profiler)"; sed -n '/^compiled ENTRY/,$p' "$OUT/trace_b.log"; } |
+    report
   grep -hE "^  [A-Z]|Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT"/ncu_prefill_?.txt |
     head -40
   for x in a b; do  # where each build's warps wait, by role (benchmarks/sass_regions.py)
     python3 benchmarks/sass_regions.py "$OUT/ncu_prefill_${x}_sass.csv" --top 12 \
       > "$OUT/sass_regions_$x.md" 2>&1
-    echo "== $x"; head -40 "$OUT/sass_regions_$x.md"
+    { echo "== $x: stall samples by role"; head -40 "$OUT/sass_regions_$x.md"; } | report
   done
-  (cd "$OUT" && tar czf ncu_prefill.tgz ncu_prefill_*.txt ncu_prefill_*.csv &&
-    rm -f ncu_prefill_*.txt ncu_prefill_*.csv)
 fi
 if [ $attention = 1 ]; then
   [ -n "${warm_pid:-}" ] && wait "$warm_pid"
-  step attention attention.log env PYTHONPATH=/tmp/site_b python3 benchmarks/attention.py \
+  watched attention attention.log env PYTHONPATH=/tmp/site_b python3 benchmarks/attention.py \
     --only prefill --no-pallas-sweep "${anchors[@]}"
-  sed -n '/Time ratios/,$p' "$OUT/attention.log"
+  sed -n '/^### Ragged prefill/,$p' "$OUT/attention.log" | report
 fi
-echo
-cat "$OUT/steps.txt"
