@@ -269,9 +269,10 @@ def _device_index(process_name: str) -> int:
     return int(m.group(1)) if m else 1 << 30
 
 
-def load_trace(trace_dir: str) -> Trace:
+def load_trace(trace_dir: str, kernel_names: bool = False) -> Trace:
     """The device ops and program executions of the perfetto trace ``jax.profiler`` wrote under
-    ``trace_dir`` (``jax.profiler.trace(dir, create_perfetto_trace=True)``)."""
+    ``trace_dir`` (``jax.profiler.trace(dir, create_perfetto_trace=True)``); ``kernel_names``:
+    a GPU op named by its kernel, not its HLO instruction."""
     with gzip.open(_trace_file(trace_dir)) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -294,7 +295,8 @@ def load_trace(trace_dir: str) -> Trace:
         op_events = [e for e in dev if line(e) == "XLA Ops"] or [
             e for e in dev if line(e) not in ("XLA Modules", "Steps", "Source code")
             and not str(line(e)).startswith("XLA TraceMe") and "Memcpy" not in str(line(e))]
-        ops = [Op(_op_name(e), float(e["ts"]), float(e.get("dur", 0))) for e in op_events]
+        ops = [Op(e["name"] if kernel_names else _op_name(e), float(e["ts"]),
+                  float(e.get("dur", 0))) for e in op_events]
         execs = [Execution(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
                            []) for e in dev if line(e) == "XLA Modules"]
         if not execs:

@@ -71,7 +71,8 @@ rm -f "$OUT/report.md"
 # shellcheck source=scripts/_anchors_setup.sh
 source scripts/_anchors_setup.sh
 anchors=()
-[ $attention = 1 ] && anchors_setup 1  # FlashInfer's JIT builds run beside ours
+# FlashInfer's JIT builds run beside ours
+[ $attention = 1 ] || [ $profile = 1 ] && anchors_setup 1
 build() { python3 -m pip install --no-build-isolation --no-deps --target "$2" "$1"; }
 names=()
 sources=()
@@ -148,20 +149,30 @@ if [ $profile = 1 ]; then
     ncu -i "/tmp/ncu_prefill_$x.ncu-rep" --page source --print-source sass --csv \
       > "$OUT/ncu_prefill_${x}_sass.csv" 2>&1
   done
-  for x in a b; do  # every kernel of the last calls (XLA's too), with its time, one at a time
-    step "ncu-times-$x" "ncu_times_$x.txt" env PYTHONPATH="/tmp/site_$x" ncu --clock-control none \
-      --metrics gpu__time_duration.sum \
-      python3 benchmarks/prefill_profile.py --batch 8 --context 2048 --calls 4
-    echo "== $x: kernel times (ncu)" | report
-    grep -E "\(.*\)x\(|gpu__time_duration" "$OUT/ncu_times_$x.txt" | tail -12 |
+  # Every kernel of a call (XLA's too), one at a time (ncu): A's, B's, FA3's and cuDNN's.
+  [ -n "${warm_pid:-}" ] && wait "$warm_pid"
+  ncu_times() {  # name site method
+    step "ncu-times-$1" "ncu_times_$1.txt" env PYTHONPATH="$2" ncu --clock-control none \
+      --metrics gpu__time_duration.sum python3 benchmarks/prefill_profile.py --batch 8 \
+      --context 2048 --calls 4 --method "$3" "${anchors[@]}"
+    echo "== $1: kernel times (ncu, us)" | report
+    grep -E "\(.*\)x\(|gpu__time_duration" "$OUT/ncu_times_$1.txt" | tail -12 |
       sed -E 's/ \(([0-9]+, ){2}[0-9]+\)x\(([0-9]+, ){2}[0-9]+\), Context.*//' | report
+  }
+  ncu_times a /tmp/site_a ours
+  ncu_times b /tmp/site_b ours
+  [ ${#anchors[@]} -gt 0 ] && ncu_times fa3 "/tmp/site_b:/tmp/anchors" flashinfer
+  ncu_times cudnn /tmp/site_b cudnn
+  # B's and cuDNN's calls back to back under jax.profiler: each kernel's time in a loop (against
+  # ncu's, one at a time) and the gaps between them (Nsight Systems is not on the GPU machine).
+  for m in ours cudnn; do
+    step "trace-$m" "trace_$m.log" env PYTHONPATH=/tmp/site_b python3 \
+      benchmarks/prefill_profile.py --batch 8 --context 2048 --calls 9 --method $m \
+      --trace "/tmp/trace_$m"
+    { echo "== $m (B's build): back to back (jax.profiler)"
+      sed -n '/^compiled ENTRY/,$p' "$OUT/trace_$m.log" | grep -v " parameter(" | tail -40
+    } | report
   done
-  # B's calls back to back under jax.profiler: the kernels' times in a loop (against ncu's, one
-  # at a time) and the gaps between them (Nsight Systems is not on the GPU machine).
-  step trace-b trace_b.log env PYTHONPATH=/tmp/site_b python3 benchmarks/prefill_profile.py \
-    --batch 8 --context 2048 --calls 9 --trace /tmp/trace_b
-  { echo "== b: back to back (jax.profiler)"; sed -n '/^compiled ENTRY/,$p' "$OUT/trace_b.log"; } |
-    report
   grep -hE "^  [A-Z]|Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT"/ncu_prefill_?.txt |
     head -40
   for x in a b; do  # where each build's warps wait, by role (benchmarks/sass_regions.py)

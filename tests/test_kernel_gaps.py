@@ -33,3 +33,35 @@ def test_a_csv_without_the_trace_columns_is_refused():
         assert "cuda_gpu_trace" in str(e)
     else:
         raise AssertionError("accepted a CSV without Start / Duration columns")
+
+
+def test_a_jax_profiler_gpu_trace_by_kernel_name(tmp_path):
+    """prefill_profile.py --trace: the device ops of a perfetto trace in jax 0.11's GPU layout
+    (kernels on a "Stream #N(Compute...)" line, their HLO instruction in ``hlo_op``), named by
+    kernel with ``kernel_names``, then the gaps between them."""
+    import gzip
+    import json
+
+    import _profile
+
+    pid, tid = 7, 14
+
+    def k(name, ts, dur):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur,
+                "args": {"hlo_module": "jit_ragged", "hlo_op": "ffi_call.1"}}
+
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+               "args": {"name": "Stream #14(Compute,Memset)"}},
+              k("FillPaddingKernel", 0, 2), k("ScheduleKernel", 3, 3),
+              k("RaggedPrefillSm90Kernel", 7, 650), k("FillPaddingKernel", 700, 2)]
+    with gzip.open(tmp_path / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert {o.name for o in _profile.load_trace(str(tmp_path)).ops} == {"ffi_call.1"}
+    ops = [(o.ts, o.dur, o.name)
+           for o in _profile.load_trace(str(tmp_path), kernel_names=True).ops]
+    assert [n for _, _, n in ops] == ["FillPaddingKernel", "ScheduleKernel",
+                                      "RaggedPrefillSm90Kernel", "FillPaddingKernel"]
+    text = kernel_gaps.report(ops, last=4)
+    assert "| RaggedPrefillSm90Kernel | 650.0 | 1.0 |" in text
+    assert "| FillPaddingKernel | 2.0 | 43.0 |" in text  # 700 - 657: idle between calls
