@@ -45,6 +45,10 @@ Prefill (ragged, causal, all tokens new: query_start = [0, S, 2S, ...], seq_lens
   ours        jax_kvcm.ragged_paged_attention over a cache filled by write_kv (write not timed)
   cudnn       jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
               on dense [B, S, H|Hkv, D]
+  Every method is checked first, then all are timed in turns, --rounds times (default 3; the
+  median), so that the GPU's drift during a run (FA3 moved 9% from one run to the next) falls on
+  all alike. FlashInfer is timed by do_bench (one call between L2 flushes) and, in the note, back
+  to back in a loop of calls, the way ours and cuDNN are timed (time_jax).
 
 Mixed (one ragged call): 256 decode rows at context 1024 and one 2048-token chunk after 2048
 cached tokens; ours vs FlashInfer's paged prefill (FA3, FA2) on the same batch.
@@ -65,6 +69,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -206,11 +211,12 @@ def fp8_caches(k_cache: jax.Array, v_cache: jax.Array) -> tuple[Any, ...]:
 
 
 def torch_rows(section: str, shape: str, specs: list[tuple[str, Any, Any]], ref: jax.Array,
-               amount: dict[str, Any], reshape: Any = None,
-               back_to_back: bool = False) -> list[dict[str, Any]]:
+               amount: dict[str, Any], reshape: Any = None, back_to_back: bool = False,
+               turns: list | None = None) -> list[dict[str, Any]]:
     """Rows for torch-side anchors: each spec is (method, make(for_check: bool) -> fn, ref or
     None for the default); fn() returns the output; checked, then timed with CUDA events
-    (``time_torch``; with ``back_to_back`` also in a loop of calls, into the note)."""
+    (``time_torch``; with ``back_to_back`` also in a loop of calls, into the note). With
+    ``turns`` the timers go there instead, for :func:`time_in_turns`."""
     torch = _torch()
     rows: list[dict[str, Any]] = []
     for method, make, ref_override in specs:
@@ -227,12 +233,16 @@ def torch_rows(section: str, shape: str, specs: list[tuple[str, Any, Any]], ref:
                 got = reshape(got)
             c = check(got, ref if ref_override is None else ref_override)
             r.update(check=c["text"], rel_l2=c["rel_l2"])
-            t = _timing.time_torch(make(False))
-            r.update(ms=t["ms"], timing=t)
+            fn = make(False)
+            timers = {"ms": lambda fn=fn: _timing.time_torch(fn)}
             if back_to_back:  # ours is timed so (time_jax): the same for the anchor, in the note
-                t_loop = _timing.time_torch(make(False), loop=True)
-                r.update(ms_loop=t_loop["ms"], note=f"back to back: {t_loop['ms']:.4f} ms")
-            _log(f"  {method}: {r['ms']:.4f} ms, check {r['check']} {r['note']}")
+                timers["ms_loop"] = lambda fn=fn: _timing.time_torch(fn, loop=True)
+            if turns is not None:
+                turns.append((r, timers))
+                _log(f"  {method}: check {r['check']}")
+            else:
+                time_in_turns([(r, timers)], 1)
+                _log(f"  {method}: {r['ms']:.4f} ms, check {r['check']} {r['note']}")
         except Exception as e:  # noqa: BLE001
             msg = _err(e)
             r["error"] = msg if "not installed" not in msg else msg.split(": ", 1)[-1]
@@ -240,6 +250,33 @@ def torch_rows(section: str, shape: str, specs: list[tuple[str, Any, Any]], ref:
         rows.append(r)
         free()
     return rows
+
+
+def time_in_turns(turns: list[tuple[dict[str, Any], dict[str, Any]]], rounds: int) -> None:
+    """Times every (row, {key: timer}) in turns, ``rounds`` times over, so that a drift of the
+    GPU's speed during the run falls on every method alike: row[key] is the median of the
+    rounds' times (each a ``_timing`` median), the rounds' times in row[key + "_rounds"]; a
+    back-to-back time ("ms_loop") also goes into the note."""
+    for _ in range(rounds):
+        for r, timers in turns:
+            if r.get("error"):
+                continue
+            for key, timer in timers.items():
+                try:
+                    t = timer()
+                except Exception as e:  # noqa: BLE001
+                    r["error"] = _err(e)
+                    break
+                r.setdefault(key + "_rounds", []).append(t["ms"])
+                if key == "ms":
+                    r["timing"] = t
+    for r, timers in turns:
+        for key in timers:
+            if r.get(key + "_rounds"):
+                r[key] = statistics.median(r[key + "_rounds"])
+        if r.get("ms_loop") is not None:
+            note = f"back to back: {r['ms_loop']:.4f} ms"
+            r["note"] = f"{r['note']}; {note}" if r.get("note") else note
 
 
 def bench_decode(b: int, s: int, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -627,17 +664,14 @@ def bench_prefill(b: int, s: int, seed: int, args: argparse.Namespace) -> list[d
     def sub(out_bshd):
         return out_bshd[:, pos]
 
+    turns: list = []  # every method checked first, then all timed in turns (time_in_turns)
+
     def add(method, fn, arg_sets, c, note=""):
         r = row("prefill", shape, method, flops=flops, note=note,
                 check=None if c is None else c["text"], rel_l2=None if c is None else c["rel_l2"])
-        try:
-            t = _timing.time_jax(fn, arg_sets, repeats=args.repeats)
-            r.update(ms=t["ms"], timing=t)
-        except Exception as e:  # noqa: BLE001
-            r["error"] = _err(e)
         rows.append(r)
-        _log(f"  {method}: {r['ms'] if r['ms'] is None else round(r['ms'], 4)} ms, "
-             f"check {r['check']} {r['error'] or ''}")
+        turns.append((r, {"ms": lambda: _timing.time_jax(fn, arg_sets, repeats=args.repeats)}))
+        _log(f"  {method}: check {r['check']}")
 
     # ours
     ours = jax.jit(jax_kvcm.ragged_paged_attention)
@@ -663,15 +697,12 @@ def bench_prefill(b: int, s: int, seed: int, args: argparse.Namespace) -> list[d
             _torch(), qs[chk], kt, vt, ptt, [s] * b, [s] * b, backend=be,
             sm_scale=1.0 / math.sqrt(d)))(backend), None) for backend in ("fa3", "fa2")]
         rows += torch_rows("prefill", shape, specs, ref, {"flops": flops},
-                           reshape=lambda x: x.reshape(b, s, h, d)[:, pos_np], back_to_back=True)
-        del kt, vt, ptt, qs
+                           reshape=lambda x: x.reshape(b, s, h, d)[:, pos_np], back_to_back=True,
+                           turns=turns)
     else:
         for m in ("flashinfer-fa3", "flashinfer-fa2"):
             rows.append(row("prefill", shape, m, flops=flops,
                             error=f"skipped: {_timing.import_torch(need_cuda=True)[1]}"))
-    del k_cache, v_cache
-    free()
-
     # cuDNN flash attention on dense [B, S, H, D]; GQA first, repeated kv heads if refused.
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn"))
@@ -690,7 +721,12 @@ def bench_prefill(b: int, s: int, seed: int, args: argparse.Namespace) -> list[d
     except Exception as e:  # noqa: BLE001
         rows.append(row("prefill", shape, "cudnn", flops=flops, error=_err(e)))
         _log(f"  cudnn: ERROR {_err(e)}")
-    del q, q2, k, v, kk, vv, ref
+    time_in_turns(turns, args.rounds)
+    for r, _ in turns:
+        _log(f"  {r['method']}: {r['ms'] if r['ms'] is None else round(r['ms'], 4)} ms "
+             f"(rounds {[round(x, 4) for x in r.get('ms_rounds', [])]}) {r['note']} "
+             f"{r['error'] or ''}")
+    del turns, k_cache, v_cache, q, q2, k, v, kk, vv, ref
     free()
     return rows
 
@@ -918,6 +954,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pallas", action="store_true",
                    help="also time jax's Pallas paged attention (slow to compile)")
     p.add_argument("--repeats", type=int, default=7, help="timing samples per method (median)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="prefill: time every method this many times, in turns (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-pallas", action="store_true", help="(the default; kept for scripts)")
     p.add_argument("--no-pallas-sweep", action="store_true",
@@ -926,6 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = min(args.repeats, 3)
+        args.rounds = min(args.rounds, 1)
 
     t_start = time.perf_counter()
     anchor_env = _anchors.prepare(args.anchors)  # before torch / flashinfer are imported
