@@ -9,9 +9,12 @@ binary; code before both is shared. ptxas puts the retry loops of barrier waits 
 the end of the function, after the producer's code: a wait followed by its retry branch and a
 branch back counts for the role of the instruction it branches back to, when the CSV prints that
 target as an address (``BRA 0x...``). Prints, per role, the stall samples, their share by kind of
-instruction (barrier waits, wgmma waits, stores, ...), and the instructions with the most samples:
+instruction (barrier waits, wgmma waits, stores, ...), and the instructions with the most samples;
+with ``--units``, each role's samples by the unit of work its instructions run once for (from the
+CSV's "Instructions Executed": per key tile, per work tile, ...):
 
-    python benchmarks/sass_regions.py ncu_prefill_b_sass.csv [--top 15]
+    python benchmarks/sass_regions.py ncu_prefill_b_sass.csv [--top 15] \
+        [--units 'work tile=4096' 'key tile=34816' ...]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Instruction:
     address: int
     source: str
     samples: int
+    executed: int = 0  # times a warp ran it ("Instructions Executed"; 0 when the CSV lacks it)
 
 
 def _column(header: list[str], *needles: str) -> int:
@@ -61,6 +65,7 @@ def read_sass_csv(path: Path) -> list[Instruction]:
     header, body = rows[start], rows[start + 1:]
     a, s = _column(header, "Address"), _column(header, "Source")
     n = _column(header, "Warp Stall Sampling", "All")
+    e = header.index("Instructions Executed") if "Instructions Executed" in header else None
     out = []
     for r in body:
         if len(r) <= max(a, s, n) or not r[a].strip():
@@ -70,7 +75,8 @@ def read_sass_csv(path: Path) -> list[Instruction]:
         except ValueError:
             continue
         samples = int(float(r[n].replace(",", "") or 0))
-        out.append(Instruction(address, r[s].strip(), samples))
+        executed = int(float(r[e].replace(",", "") or 0)) if e is not None and len(r) > e else 0
+        out.append(Instruction(address, r[s].strip(), samples, executed))
     return sorted(out, key=lambda x: x.address)
 
 
@@ -141,16 +147,62 @@ def summarize(instructions: list[Instruction], top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def by_unit(instructions: list[Instruction], units: dict[str, int], warps: dict[str, int],
+            top: int = 8) -> str:
+    """Each role's samples by what its instructions run once for: an instruction its warps ran
+    ``units[u] * warps * k`` times (k = 1, 2, 4: unrolled; an exact match first) runs once per
+    unit u; the rest is "other".
+    ``warps[role]`` is the role's warps per unit of work (the consumers' 8 run every work tile;
+    the producer's 4 warps). Prints the share per unit and the top instructions of each."""
+    roles = role_of(instructions)
+    lines = []
+    for role, per in warps.items():
+        mine = [x for x, r in zip(instructions, roles) if r == role]
+        n = sum(x.samples for x in mine) or 1
+        classes: dict[str, list[Instruction]] = {}
+        for x in mine:
+            unit = next((u for k in (1, 2, 4) for u, count in units.items()  # x1 first
+                         if x.executed and x.executed == count * per * k), "other")
+            classes.setdefault(unit, []).append(x)
+        lines.append(f"## {role}: samples by what an instruction runs once for "
+                     f"({per} warps per unit)")
+        lines.append("| once per | samples | share |")
+        lines.append("|---|---:|---:|")
+        for unit, xs in sorted(classes.items(), key=lambda kv: -sum(x.samples for x in kv[1])):
+            m = sum(x.samples for x in xs)
+            lines.append(f"| {unit} | {m} | {100 * m / n:.1f}% |")
+        for unit, xs in classes.items():
+            if unit == "other":
+                continue
+            lines.append(f"\ntop of '{unit}':")
+            for x in sorted(xs, key=lambda x: -x.samples)[:top]:
+                lines.append(f"  {x.address:#08x} {x.samples:6d} {100 * x.samples / n:4.1f}%  "
+                             f"{kind_of(x.source):14s} {x.source[:70]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", type=Path, help="ncu --page source --print-source sass --csv output")
     p.add_argument("--top", type=int, default=15, help="instructions listed per role")
+    p.add_argument("--units", nargs="*", default=[], metavar="NAME=COUNT",
+                   help="units of work and their counts in the profiled launch (the sm90 prefill "
+                        "at B8 S2048: 'work tile=4096' 'key tile=34816' 'later key tile=30720' "
+                        "'work tile past its first key tile=3840'): each role's samples by the "
+                        "unit its instructions run once for (Instructions Executed)")
+    p.add_argument("--warps", nargs="*", default=["consumer=8", "producer=4"],
+                   metavar="ROLE=N", help="warps of each role that run every unit")
     a = p.parse_args(argv)
     instructions = read_sass_csv(a.csv)
     if not instructions:
         print(f"{a.csv}: no instructions found", file=sys.stderr)
         return 1
     print(summarize(instructions, a.top))
+    if a.units:
+        units = {k: int(v) for k, v in (u.rsplit("=", 1) for u in a.units)}
+        warps = {k: int(v) for k, v in (w.rsplit("=", 1) for w in a.warps)}
+        print(by_unit(instructions, units, warps))
     return 0
 
 

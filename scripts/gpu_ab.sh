@@ -175,10 +175,16 @@ if [ $profile = 1 ]; then
   done
   grep -hE "^  [A-Z]|Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT"/ncu_prefill_?.txt |
     head -40
-  for x in a b; do  # where each build's warps wait, by role (benchmarks/sass_regions.py)
+  # Where each build's warps wait, by role, and by the unit of work an instruction runs once for
+  # (benchmarks/sass_regions.py). B8 S2048 causal at G = 4 on 132 CTAs: 4,096 work tiles (256 of
+  # them one key tile long), 34,816 key tiles; "inner": neither a work tile's first nor its last.
+  units=('work tile=4096' 'work tile or its end claim=4228' 'work tile past its first key tile=3840'
+         'key tile=34816' 'key tile past a work tile first=30720' 'inner key tile=26880')
+  for x in a b; do
     python3 benchmarks/sass_regions.py "$OUT/ncu_prefill_${x}_sass.csv" --top 12 \
-      > "$OUT/sass_regions_$x.md" 2>&1
-    { echo "== $x: stall samples by role"; head -40 "$OUT/sass_regions_$x.md"; } | report
+      --units "${units[@]}" > "$OUT/sass_regions_$x.md" 2>&1
+    { echo "== $x: stall samples by role"; head -40 "$OUT/sass_regions_$x.md"
+      sed -n '/samples by what/,/^$/p' "$OUT/sass_regions_$x.md"; } | report
   done
 fi
 if [ $attention = 1 ]; then

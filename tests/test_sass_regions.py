@@ -62,3 +62,32 @@ def test_main_reports_an_empty_csv(tmp_path, capsys):
     path = tmp_path / "empty.csv"
     path.write_text('"# Address","Source","Warp Stall Sampling (All Samples)"\n')
     assert sass_regions.main([str(path)]) == 1
+
+
+def test_samples_by_the_unit_of_work_an_instruction_runs_once_for(tmp_path):
+    """--units: "Instructions Executed" / the role's warps per unit names what an instruction runs
+    once for (x1, x2, x4 unrolled); 3 work tiles and 12 key tiles, 8 consumer and 4 producer
+    warps."""
+    csv_text = '''"# Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"
+"0x0000","USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0 ;","0","24"
+"0x0010","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;","30","24"
+"0x0020","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR52], RZ, !UPT ;","50","96"
+"0x0030","STG.E desc[UR40][R154.64], R89 ;","10","48"
+"0x0040","FMNMX R1, R2, R1, !PT ;","5","7"
+"0x0050","USETMAXREG.DEALLOC.CTAPOOL 0x38 ;","0","12"
+"0x0060","LDGSTS.E.BYPASS.128 [R5], desc[UR6][R8.64] ;","40","192"
+'''
+    path = tmp_path / "sass.csv"
+    path.write_text(csv_text)
+    xs = sass_regions.read_sass_csv(path)
+    assert [x.executed for x in xs] == [24, 24, 96, 48, 7, 12, 192]
+    text = sass_regions.by_unit(xs, {"work tile": 3, "key tile": 12},
+                                {"consumer": 8, "producer": 4})
+    consumer, producer = text.split("## producer")
+    # consumers (95 samples): 24 = 3 x 8 and 48 = 3 x 8 x 2 per work tile (40); 96 = 12 x 8 per
+    # key tile (50); 7 matches nothing (5)
+    assert "| work tile | 40 | 42.1% |" in consumer
+    assert "| key tile | 50 | 52.6% |" in consumer
+    assert "| other | 5 | 5.3% |" in consumer
+    # producer: 192 = 12 x 4 x 4 (unrolled 4x) per key tile
+    assert "| key tile | 40 | 100.0% |" in producer
