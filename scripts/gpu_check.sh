@@ -25,10 +25,16 @@
 #   them first from a wheel folder, e.g. `pip install --no-index --find-links DIR fastapi uvicorn`).
 # One ~10-minute call fits about: build (~45 s), pytest (~4 min), serve --quick (~3.5 min).
 # Logs and JSON results go to $OUT (default /tmp/kvcm_out); the profile step's reports go into
-# $OUT/profile.tgz.
+# $OUT/profile.tgz, and at exit every other file into $OUT/logs.tgz (the device tool brings
+# back at most 8 files; the tables printed last are the summary).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
 mkdir -p "$OUT"
+bundle_logs() {
+  (cd "$OUT" && ls | grep -vxE "profile.tgz|logs.tgz" > /tmp/gpu_check_logs.txt &&
+    tar czf logs.tgz -T /tmp/gpu_check_logs.txt && xargs rm -f < /tmp/gpu_check_logs.txt)
+}
+trap bundle_logs EXIT
 export PYTHONUNBUFFERED=1
 declare -A want=([verify]=1 [pytest]=1 [attention]=1 [profile]=0 [migration]=1 [arena]=1 [run]=1
                  [manager]=1 [decode]=1 [serve]=1 [http]=0)
