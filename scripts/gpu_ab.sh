@@ -63,9 +63,10 @@ finish() {
   echo
   echo "==== report"
   cat "$OUT/report.md" "$OUT/steps.txt" 2> /dev/null
-  (cd "$OUT" && ls | grep -vxE "report.md|steps.txt|logs.tgz" > /tmp/gpu_ab_logs.txt &&
-    tar czf logs.tgz -T /tmp/gpu_ab_logs.txt && xargs rm -f < /tmp/gpu_ab_logs.txt)
+  bundle_logs report.md steps.txt
 }
+# shellcheck source=scripts/_bundle_logs.sh
+source "$(dirname "$0")/_bundle_logs.sh"
 trap finish EXIT
 rm -f "$OUT/report.md"
 # shellcheck source=scripts/_anchors_setup.sh

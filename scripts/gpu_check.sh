@@ -30,11 +30,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcm_out}
 mkdir -p "$OUT"
-bundle_logs() {
-  (cd "$OUT" && ls | grep -vxE "profile.tgz|logs.tgz" > /tmp/gpu_check_logs.txt &&
-    tar czf logs.tgz -T /tmp/gpu_check_logs.txt && xargs rm -f < /tmp/gpu_check_logs.txt)
-}
-trap bundle_logs EXIT
+# shellcheck source=scripts/_bundle_logs.sh
+source "$(dirname "$0")/_bundle_logs.sh"
+trap 'bundle_logs profile.tgz' EXIT
 export PYTHONUNBUFFERED=1
 declare -A want=([verify]=1 [pytest]=1 [attention]=1 [profile]=0 [migration]=1 [arena]=1 [run]=1
                  [manager]=1 [decode]=1 [serve]=1 [http]=0)
