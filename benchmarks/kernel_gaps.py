@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Kernels of a trace in launch order, with each one's time and the idle gap before it: where a
-call's time goes outside its main kernel (GPU machine, after ``nsys``):
+call's time goes outside its main kernel. ``benchmarks/prefill_profile.py --trace`` feeds
+:func:`report` a ``jax.profiler`` trace (the GPU machine has no Nsight Systems); where ``nsys``
+exists, its CSV works from the command line:
 
     nsys profile -t cuda -o /tmp/t python3 benchmarks/prefill_profile.py --calls 9
     nsys stats -q -r cuda_gpu_trace -f csv /tmp/t.nsys-rep > trace.csv
@@ -48,10 +50,10 @@ def short(name: str) -> str:
 def report(trace: list[tuple[float, float, str]], last: int) -> str:
     lines = ["| kernel | us | gap before, us |", "|---|---:|---:|"]
     gaps = [0.0] + [max(0.0, s - (ps + pd)) for (ps, pd, _), (s, _, _) in zip(trace, trace[1:])]
-    for (s, d, n), g in list(zip(trace, gaps))[-last:]:
+    for (_, d, n), g in list(zip(trace, gaps))[-last:]:
         lines.append(f"| {short(n)} | {d:.1f} | {g:.1f} |")
     per = defaultdict(list)
-    for (s, d, n), g in zip(trace, gaps):
+    for (_, d, n), g in zip(trace, gaps):
         per[short(n)].append((d, g))
     lines += ["", "| kernel | count | mean us | mean gap before, us |", "|---|---:|---:|---:|"]
     for n, v in per.items():

@@ -168,8 +168,8 @@ def by_unit(instructions: list[Instruction], units: dict[str, int], warps: dict[
                      f"({per} warps per unit)")
         lines.append("| once per | samples | share |")
         lines.append("|---|---:|---:|")
-        for unit, xs in sorted(classes.items(), key=lambda kv: -sum(x.samples for x in kv[1])):
-            m = sum(x.samples for x in xs)
+        sums = {unit: sum(x.samples for x in xs) for unit, xs in classes.items()}
+        for unit, m in sorted(sums.items(), key=lambda kv: -kv[1]):
             lines.append(f"| {unit} | {m} | {100 * m / n:.1f}% |")
         for unit, xs in classes.items():
             if unit == "other":
@@ -188,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15, help="instructions listed per role")
     p.add_argument("--units", nargs="*", default=[], metavar="NAME=COUNT",
                    help="units of work and their counts in the profiled launch (the sm90 prefill "
-                        "at B8 S2048: 'work tile=4096' 'key tile=34816' 'later key tile=30720' "
-                        "'work tile past its first key tile=3840'): each role's samples by the "
-                        "unit its instructions run once for (Instructions Executed)")
+                        "at B8 S2048: scripts/gpu_ab.sh --profile names six, e.g. 'work "
+                        "tile=4096' 'key tile=34816'): each role's samples by the unit its "
+                        "instructions run once for (Instructions Executed)")
     p.add_argument("--warps", nargs="*", default=["consumer=8", "producer=4"],
                    metavar="ROLE=N", help="warps of each role that run every unit")
     a = p.parse_args(argv)
