@@ -17,22 +17,24 @@ def wrapper(kind: str, n: int, ctype: str, ptx: str) -> str:
     if kind == "SS":
         a_ops, a_args, a_decl = f"%{regs}", f'"l"(desc_a)', "uint64_t desc_a"
         b_idx, tail = regs + 1, f"p, 1, 1, 0, %{regs + 3};"
-        ins = f'"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB)'
+        ins = f'"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "r"(issue)'
         scale_idx = regs + 2
     else:
         a_ops = "{" + ", ".join(f"%{regs + i}" for i in range(4)) + "}"
         a_decl = "const uint32_t (&a)[4]"
         b_idx, tail = regs + 4, f"p, 1, 1, %{regs + 6};"
-        ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB)'
+        ins = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), '
+               '"n"(kTransB), "r"(issue)')
         scale_idx = regs + 5
     return f'''template <>
 struct Wgmma{kind}<{ctype}, {n}> {{
   template <int kTransB>
   static __device__ __forceinline__ void run(float (&d)[{regs // 4}][4], {a_decl}, uint64_t desc_b,
-                                             int scale_d) {{
+                                             int scale_d, int issue = 1) {{
     asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{scale_idx}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{acc}}}, {a_ops}, %{b_idx}, {tail}\\n}}\\n"
+        "{{\\n.reg .pred p, q;\\nsetp.ne.b32 p, %{scale_idx}, 0;\\n"
+        "setp.ne.b32 q, %{scale_idx + 2}, 0;\\n"
+        "@q wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{acc}}}, {a_ops}, %{b_idx}, {tail}\\n}}\\n"
         : {outs}
         : {ins});
   }}
@@ -45,7 +47,9 @@ def main() -> None:
            "// wgmma.mma_async m64nNk16, f32 accumulators d[N / 8][4] (the mma.sync m16n8 layout per",
            "// n-tile of 8 columns, per warp of the warpgroup); SS: A and B from shared-memory",
            "// descriptors; RS: A from registers (the m16n8k16 A fragment per warp). kTransB = 1",
-           "// reads B MN-major (16-bit types only). scale_d = 0: D = A.B, else D += A.B.",
+           "// reads B MN-major (16-bit types only). scale_d = 0: D = A.B, else D += A.B. issue = 0",
+           "// skips the instruction (a guard predicate, warp-uniform: no branch, so ptxas injects no",
+           "// warpgroup.arrive before it).",
            "#pragma once", "", "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "",
            "#include <cstdint>", "", "namespace kvcm::cuda {", "",
            "template <typename T, int N> struct WgmmaSS;",

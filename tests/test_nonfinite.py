@@ -122,13 +122,15 @@ def test_ragged_masked_future_nonfinite_stays_masked(backend, where, dtype, bad)
 
 
 @pytest.mark.parametrize("where", ["k", "v"])
-@pytest.mark.parametrize("p", [127, 128, 250])
+@pytest.mark.parametrize("p", [127, 128, 132, 250])
 def test_ragged_nonfinite_across_key_tiles(backend, where, p):
     """A NaN row of kv head 0 at position p inside a 200-token chunk (positions 100..299, head_dim
     128, bf16: on the GPU the sm90 kernel, whose CTAs hold 32 tokens of G = 4 heads and read
     128-key tiles). p is the last / first key of a tile or inside one; CTAs whose tile holding p
     is read only in part by their rows (the producer's scan) must keep the rows before p finite
-    and make those at or after it non-finite; every other CTA reads p whole or not at all."""
+    and make those at or after it non-finite; every other CTA reads p whole or not at all.
+    p = 132 is the key right after the first work tile's last row (131), in that row's 16-key
+    step, which the work tile's last P V GEMM reads with P = 0."""
     seed = 7 + p
     rng, k, v, table, lens = base_batch(seed, [300], head_dim=128)
     page, off = slot(table, 0, p)

@@ -28,7 +28,8 @@
 //   arrive on the half's full barrier when they land (cp.async.mbarrier.arrive), so the producer
 //   never waits for data. Exceptions: for a tile that some row of the work tile reads only in
 //   part, each producer thread waits for its own V copies, zeroes those of its chunks that hold
-//   NaN/inf in keys that not every row reads, its warp flags their keys (bad_keys), and then it
+//   NaN/inf in keys that not every row reads (up to the 16-key step of the work tile's last
+//   row: the consumers' last P V GEMM stops there), its warp flags their keys (bad_keys), then it
 //   arrives; the work tile's last V half likewise carries whether its layer or any of its page
 //   ids was bad (stage_bad: the whole work tile then outputs NaN; the producer raises the error
 //   bits);
@@ -501,9 +502,11 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           for (int i = 0; i < kRowsPerThread; ++i) {
             const int row = row_base + i * kRowsPerPass;
             // A key that every row of the work tile reads is left as it is: a NaN / inf there
-            // reaches all of them through the GEMM, as in a wholly read tile.
+            // reaches all of them through the GEMM, as in a wholly read tile. So is one past the
+            // 16-key step of the last row: no P V GEMM reads it (consumers' issue_pv).
             const int key = key0 + row;
             if (key <= r.q_first && !(a.window > 0 && key <= r.q_last - a.window)) continue;
+            if ((key >> 4) > (r.q_last >> 4)) continue;
             bool bad_row = false;
 #pragma unroll
             for (int j = 0; j < kRowChunks; ++j) {
@@ -653,11 +656,13 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       }
       WgmmaCommit();
     };
-    auto issue_pv = [&](int stage) {
+    // P V over the tile's first n16 16-key steps (the band's last tile: only up to the step of
+    // this warpgroup's last row; the keys after it are masked, P = 0 there).
+    auto issue_pv = [&](int stage, int n16) {
       const uint32_t vs = uint32_t(stage) * (2 * kTileBytes / 16);
 #pragma unroll
       for (int k16 = 0; k16 < kKeys / 16; ++k16)  // 16 keys = 2 KiB
-        WgmmaRS<T, D>::template run<1>(o, pa[k16], v_desc.at(vs + k16 * 128), 1);
+        WgmmaRS<T, D>::template run<1>(o, pa[k16], v_desc.at(vs + k16 * 128), 1, k16 < n16);
       WgmmaCommit();
     };
     // Rows that read a key the producer flagged in tile it (a V chunk with NaN/inf; partial tiles
@@ -785,7 +790,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         FenceRegisters(pa);
         WgmmaFence();
         issue_s((g + it) % kStages);
-        issue_pv((g + it - 1) % kStages);
+        issue_pv((g + it - 1) % kStages, kKeys / 16);
         turn_end(it);
         WgmmaWait<1>();  // S of tile it
         FenceRegisters(sc);
@@ -821,7 +826,8 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       FenceRegisters(o);
       FenceRegisters(pa);
       WgmmaFence();
-      issue_pv((g + tb - 1) % kStages);
+      issue_pv((g + tb - 1) % kStages,
+               min(kKeys / 16, ((wg_q_hi - (t_lo + tb - 1) * kKeys) >> 4) + 1));
       WgmmaWait<0>();
       FenceRegisters(o);
       FenceRegisters(pa);
