@@ -130,7 +130,8 @@ def test_ragged_nonfinite_across_key_tiles(backend, where, p):
     is read only in part by their rows (the producer's scan) must keep the rows before p finite
     and make those at or after it non-finite; every other CTA reads p whole or not at all.
     p = 132 is the key right after the first work tile's last row (131), in that row's 16-key
-    step, which the work tile's last P V GEMM reads with P = 0."""
+    step, which the work tile's last P V GEMM multiplies by P = 0: the kernel's copy of it must
+    be the zero fill, not the NaN."""
     seed = 7 + p
     rng, k, v, table, lens = base_batch(seed, [300], head_dim=128)
     page, off = slot(table, 0, p)

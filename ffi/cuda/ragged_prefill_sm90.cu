@@ -28,11 +28,10 @@
 //   arrive on the half's full barrier when they land (cp.async.mbarrier.arrive), so the producer
 //   never waits for data. Exceptions: for a tile that some row of the work tile reads only in
 //   part, each producer thread waits for its own V copies, zeroes those of its chunks that hold
-//   NaN/inf in keys that not every row reads (up to the 16-key step of the work tile's last
-//   row: the consumers' last P V GEMM stops there), its warp flags their keys (bad_keys), then it
-//   arrives; the work tile's last V half likewise carries whether its layer or any of its page
-//   ids was bad (stage_bad: the whole work tile then outputs NaN; the producer raises the error
-//   bits);
+//   NaN/inf in keys that some but not all rows read (the keys after the last row are zero-filled
+//   copies), its warp flags their keys (bad_keys), then it arrives; the work tile's last V half
+//   likewise carries whether its layer or any of its page ids was bad (stage_bad: the whole work
+//   tile then outputs NaN; the producer raises the error bits);
 // - two consumers (64 rows each) wait for Q, read work_info, compute S = Q K^T with wgmma
 //   m64n128k16 from shared memory (Q stays there, K-major), mask and soft-max S in registers
 //   (the accumulator layout is the mma.sync one per 8 columns), and O += P V with P from
@@ -502,11 +501,11 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           for (int i = 0; i < kRowsPerThread; ++i) {
             const int row = row_base + i * kRowsPerPass;
             // A key that every row of the work tile reads is left as it is: a NaN / inf there
-            // reaches all of them through the GEMM, as in a wholly read tile. So is one past the
-            // 16-key step of the last row: no P V GEMM reads it (consumers' issue_pv).
+            // reaches all of them through the GEMM, as in a wholly read tile. So is one after the
+            // last row: its copies were zero-fills (issue_row's ok is false past key_hi).
             const int key = key0 + row;
             if (key <= r.q_first && !(a.window > 0 && key <= r.q_last - a.window)) continue;
-            if ((key >> 4) > (r.q_last >> 4)) continue;
+            if (key > r.q_last) continue;
             bool bad_row = false;
 #pragma unroll
             for (int j = 0; j < kRowChunks; ++j) {
