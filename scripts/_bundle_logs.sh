@@ -3,8 +3,9 @@
 #   bundle_logs KEEP...   moves every file in $OUT but logs.tgz and the KEEP names into
 #                         $OUT/logs.tgz
 bundle_logs() {
-  local keep
+  local keep files
   keep=$(printf '%s|' logs.tgz "$@")
-  (cd "$OUT" && ls | grep -vxE "${keep%|}" > /tmp/bundle_logs.txt &&
-    tar czf logs.tgz -T /tmp/bundle_logs.txt && xargs rm -f < /tmp/bundle_logs.txt)
+  mapfile -t files < <(cd "$OUT" && ls | grep -vxE "${keep%|}")
+  [ ${#files[@]} -gt 0 ] || return 0
+  (cd "$OUT" && tar czf logs.tgz -- "${files[@]}" && rm -f -- "${files[@]}")
 }
