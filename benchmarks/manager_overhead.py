@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcm._manager import KVCacheConfig, KVCacheManager, LayerGroupConfig
+from jax_kvcm.manager import KVCacheConfig, KVCacheManager, LayerGroupConfig
 
 TPP = 16
 CONTEXT = 1024

@@ -35,20 +35,19 @@ def _find_installed_extension() -> None:
 
 _find_installed_extension()
 
-from jax_kvcm._arena import ArenaConfig
 from jax_kvcm._codec import (ColdPageCodec, ConcatCodec, Int8Codec,
                              create_default_cold_page_codec, make_cold_page_codec)
 from jax_kvcm._ffi import cuda_extension_available
-from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
-                               Sequence, SequencePhase, SequenceView, StepInFlightError,
-                               SuspendResult)
+from jax_kvcm._disk_tier import CorruptPageError, UnreadablePageError
 from jax_kvcm._step_batch import StepBatch
-from jax_kvcm._storage import CorruptPageError, UnreadablePageError
 from jax_kvcm._types import CacheLevel
+from jax_kvcm.manager import (ArenaHot, KVCacheConfig, KVCacheManager, LayerGroupConfig,
+                              OutOfPagesError, PagedHot, Sequence, SequencePhase, SequenceView,
+                              StepInFlightError, SuspendResult)
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
 
 __all__ = [
-    "ArenaConfig",
+    "ArenaHot",
     "CacheLevel",
     "ColdPageCodec",
     "ConcatCodec",
@@ -58,6 +57,7 @@ __all__ = [
     "KVCacheManager",
     "LayerGroupConfig",
     "OutOfPagesError",
+    "PagedHot",
     "Sequence",
     "SequencePhase",
     "SequenceView",

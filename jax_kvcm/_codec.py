@@ -88,6 +88,7 @@ class HotPoolGroupDesc:
     num_kv_heads: int
     head_dim: int
     dtype: Any
+    slot_major: bool = False
 
     @property
     def pool_shape(self) -> tuple[int, int, int, int, int]:

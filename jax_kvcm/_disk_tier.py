@@ -42,7 +42,8 @@ import numpy as np
 from jax_kvcm._slots import SlotAllocator, SlotPool, as_slot_array
 from jax_kvcm._types import check_count
 
-__all__ = ["DISK_FILE_SUFFIX", "DiskFullError", "DiskIOError", "DiskPool"]
+__all__ = ["DISK_FILE_SUFFIX", "CorruptPageError", "DiskFullError", "DiskIOError", "DiskPool",
+           "UnreadablePageError"]
 
 DISK_FILE_SUFFIX = ".kvcm"
 
@@ -252,3 +253,27 @@ class DiskPool(SlotPool):
                 bad = int(arr[~np.array([self._allocator.is_allocated(int(s)) for s in arr])][0])
                 raise ValueError(f"slots: slot {bad} is not allocated in this pool")
         return arr
+
+
+class CorruptPageError(Exception):
+    """Disk pages failed their checksum: they are missing, never served. Nothing was changed;
+    ``slots`` are the bad source slots (the caller drops or invalidates them)."""
+
+    def __init__(self, layer_group: int, slots: np.ndarray) -> None:
+        super().__init__(f"layer group {layer_group}: disk pages {slots.tolist()} failed their "
+                         "checksum")
+        self.layer_group = layer_group
+        self.slots = slots
+
+
+class UnreadablePageError(CorruptPageError, DiskIOError):
+    """A disk read failed (EIO, a short read): its pages count as corrupt (a miss; ``slots``
+    are every source slot of the failed read) and it is also the :class:`DiskIOError` (errno
+    preserved). Nothing was changed."""
+
+    def __init__(self, layer_group: int, slots: np.ndarray, cause: OSError) -> None:
+        super().__init__(layer_group, slots)
+        self.errno = cause.errno
+        self.filename = cause.filename
+        self.strerror = (f"layer group {layer_group}: disk pages {slots.tolist()} unreadable "
+                         f"({cause.strerror or cause})")

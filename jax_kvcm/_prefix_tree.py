@@ -101,6 +101,9 @@ class PrefixTree:
         self.lru: list[OrderedDict[int, BlockNode]] = [OrderedDict() for _ in CacheLevel]
         self._num_whole = [0] * len(CacheLevel)
         self._partial = np.zeros((len(CacheLevel), num_groups), np.int64)
+        #: ``watch(node, old_level, old_slots)`` after a node is inserted (old_level None), moved
+        #: or removed (``node.alive`` False); None: nobody watches (an arena's slot index does).
+        self.watch: Callable[[BlockNode, CacheLevel | None, np.ndarray | None], None] | None = None
 
     def cached_pages(self, level: CacheLevel) -> np.ndarray:
         """Pages of cached nodes at ``level`` per layer group (a new array)."""
@@ -155,6 +158,8 @@ class PrefixTree:
         node.refcount = 1
         self.nodes[key] = node
         (parent.children if parent is not None else self.roots)[key] = node
+        if self.watch is not None:
+            self.watch(node, None, None)
         return node
 
     def incref(self, node: BlockNode) -> None:
@@ -173,11 +178,14 @@ class PrefixTree:
         """Records a migration of ``node`` (``slots``: its pages at ``level``, or NO_PAGE)."""
         if node.refcount == 0:
             self._uncache(node)
+        old_level, old_slots = node.level, node.slots
         node.level = level
         node.slots = slots
         node.whole = bool((slots >= 0).all())
         if node.refcount == 0:
             self._cache(node)
+        if self.watch is not None:
+            self.watch(node, old_level, old_slots)
 
     def set_page(self, node: BlockNode, group: int, slot: int) -> None:
         """Gives a referenced ``node`` another page of one layer group (or NO_PAGE), at its
@@ -218,4 +226,6 @@ class PrefixTree:
             del self.nodes[n.key]
             self._uncache(n)
             n.alive = False
+            if self.watch is not None:
+                self.watch(n, n.level, n.slots)
         return removed

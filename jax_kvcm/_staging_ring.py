@@ -48,8 +48,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
 
+from jax_kvcm._fence import ArrayFence, Fence
 from jax_kvcm._types import check_count
 
 __all__ = [
@@ -82,46 +82,6 @@ def staging_ring_capacity(max_cold_page_bytes: int) -> int:
     if page > MAX_STAGING_RING_BYTES // 3:
         raise OverflowError(f"staging ring of 3 * {page} bytes does not fit in int64")
     return max(MIN_STAGING_RING_BYTES, 3 * page)
-
-
-@runtime_checkable
-class Fence(Protocol):
-    """Completion of the asynchronous work that last touched some bytes."""
-
-    def is_ready(self) -> bool: ...
-
-    def wait(self) -> None: ...
-
-
-class ArrayFence:
-    """A :class:`Fence` over a ``jax.Array``: ready when the array is (its producer finished).
-
-    NOTE: the array must never be donated. A donated (deleted) array cannot be queried, so use a
-    small output of the migration's jitted function that nothing consumes with donation (e.g. a
-    scalar token), not the hot pools it writes in place. Querying a deleted array raises
-    ``RuntimeError``.
-    """
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: Any) -> None:
-        self.array = array
-
-    def _check_alive(self) -> None:
-        if self.array.is_deleted():
-            raise RuntimeError("the fence's jax.Array was deleted (donated?); fence on an output "
-                               "that is never donated")
-
-    def is_ready(self) -> bool:
-        self._check_alive()
-        return bool(self.array.is_ready())
-
-    def wait(self) -> None:
-        self._check_alive()
-        self.array.block_until_ready()
-
-    def __repr__(self) -> str:
-        return f"ArrayFence({type(self.array).__name__} at {id(self.array):#x})"
 
 
 def _align_up(x: int, alignment: int) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_kvcm
-from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
+from jax_kvcm.manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig, OutOfPagesError,
                                SequenceState, StepInFlightError, SuspendResult)
 from jax_kvcm._step_batch import StepBatch
 from jax_kvcm._types import CacheLevel
@@ -32,13 +32,13 @@ TPP = 4
 
 def tiny_config(*, device_pages=12, host_pages=0, disk_dir=None, disk_pages=0, groups=1,
                 prefix=True, max_batch=4, max_tokens=32, max_seq_len=64, windows=None,
-                same_layout=False, tpp=TPP, **extra) -> KVCacheConfig:
+                same_layout=False, tpp=TPP, head_dim=8, **extra) -> KVCacheConfig:
     """``windows``: a sliding window (or None) per layer group; ``same_layout``: every group
     1 layer x 1 kv head (then their cold pages are equal and share one cold pool)."""
     windows = windows or (None,) * groups
     groups = len(windows)
     lgs = tuple(LayerGroupConfig(num_layers=1 + (g % 2) * (not same_layout),
-                                 num_kv_heads=1 + (g % 2) * (not same_layout), head_dim=8,
+                                 num_kv_heads=1 + (g % 2) * (not same_layout), head_dim=head_dim,
                                  dtype=jnp.float32, sliding_window=w)
                 for g, w in enumerate(windows))
     # Cold pages of the default codec are a little larger than hot ones: size by hot bytes + 25%.
@@ -137,9 +137,8 @@ class Harness:
     def check_values(self) -> int:
         mgr = self.mgr
         tpp = mgr.config.tokens_per_page
-        pools = [(np.asarray(k), np.asarray(v)) for k, v in mgr.storage.pools]
         checked = 0
-        for seq in list(mgr._seqs.values()):
+        for seq in list(mgr._rows.seqs.values()):
             if seq.state is not SequenceState.ACTIVE:
                 continue
             n = seq.num_tokens
@@ -156,10 +155,7 @@ class Harness:
                 slots = pages[pos // tpp] * tpp + pos % tpp
                 want = expected_values(prefix_hashes(toks)[pos], pos, lg.num_layers,
                                        lg.num_kv_heads, lg.head_dim)
-                k, v = pools[g]
-                for kv, arr in enumerate((k, v)):
-                    flat = arr.reshape(arr.shape[0], -1, arr.shape[-2], arr.shape[-1])
-                    got = flat[:, slots]
+                for kv, got in enumerate(read_tokens(mgr, g, slots)):
                     assert np.array_equal(got, want[:, kv]), (
                         f"{seq!r} group {g} {'KV'[kv]}: cached values differ at positions "
                         f"{np.flatnonzero((got != want[:, kv]).any(axis=(0, 2, 3))).tolist()}")
@@ -169,6 +165,25 @@ class Harness:
     def check(self) -> None:
         self.mgr.check_invariants()
         self.check_values()
+
+
+def read_tokens(mgr: KVCacheManager, g: int, slots: np.ndarray) -> tuple[np.ndarray, ...]:
+    """K and V ``[L, n, Hkv, D]`` of layer group ``g`` at flat token ``slots``, read back from
+    the device pools (paged arrays, or an arena's reservation page by page)."""
+    tier = mgr.storage.hot_tier(g)
+    lg, tpp = mgr.config.layer_groups[g], mgr.config.tokens_per_page
+    if tier.kind == "paged":
+        out = []
+        for arr in tier.pools(mgr.storage.hot_group_of[g]):
+            arr = np.asarray(arr)
+            out.append(arr.reshape(arr.shape[0], -1, arr.shape[-2], arr.shape[-1])[:, slots])
+        return tuple(out)
+    dtype = np.dtype(lg.pool_dtype)
+    shape = (lg.num_layers, tpp, lg.num_kv_heads, lg.head_dim)
+    pages = {int(p): [b.view(dtype).reshape(shape) for b in tier.memory.read_page(int(p))]
+             for p in np.unique(slots // tpp)}
+    return tuple(np.stack([pages[int(t) // tpp][kv][:, int(t) % tpp] for t in slots], axis=1)
+                 for kv in range(2))
 
 
 class NotReadyFence:
@@ -210,6 +225,7 @@ def stepped(pools):
 
 
 def make(cfg, **kw) -> Harness:
+    kw.setdefault("record_events", True)  # some tests read mgr.events
     return Harness(KVCacheManager(cfg, device=jax.devices("cpu")[0], **kw))
 
 
@@ -429,16 +445,16 @@ def test_freed_pages_wait_for_the_last_step_fence():
     a = h.add(list(range(16)))
     h.run([(a, 16)])
     mgr = h.mgr
-    fence = mgr._fence
-    mgr._fence = NotReadyFence()  # the step that last read a's pages has "not finished"
-    mgr._ready_upto = 0
+    fence = mgr._ledger._fence
+    mgr._ledger._fence = NotReadyFence()  # the step that last read a's pages has "not finished"
+    mgr._ledger._ready_upto = 0
     mgr.close(a)
     assert mgr.stats()["pages"]["device"]["pending"] == 4
     b = h.add([1, 2, 3])
-    mgr._reclaim()
+    mgr._planner.reclaim()
     assert mgr.stats()["pages"]["device"]["pending"] == 4  # not ready: not reclaimed
     h.run([(b, 3)])  # nothing else is free: blocks on the fence, then reuses
-    assert mgr._stats.num_fence_waits == 1 and mgr._fence is not fence
+    assert mgr._stats.num_fence_waits == 1 and mgr._ledger._fence is not fence
     h.check()
 
 
@@ -457,8 +473,8 @@ def test_allocation_evicts_cached_pages_rather_than_wait_for_a_running_step():
     h.run([(a, 14)], as_ids=[False])               # ids unknown: a's 4 pages stay private
     dev = mgr.stats()["pages"]["device"]
     assert (dev["cached"], dev["referenced"], dev["free"]) == (4, 4, dev["capacity"] - 8)
-    fence = mgr._fence = NotReadyFence()           # the step that read a's pages still runs
-    mgr._ready_upto = 0
+    fence = mgr._ledger._fence = NotReadyFence()           # the step that read a's pages still runs
+    mgr._ledger._ready_upto = 0
     mgr.close(a)
     assert mgr.stats()["pages"]["device"]["pending"] == 4
     b = h.add(list(range(200, 216 + 4 * (dev["capacity"] - 8))))
@@ -470,7 +486,7 @@ def test_allocation_evicts_cached_pages_rather_than_wait_for_a_running_step():
     mgr.complete_step(h.write(batch, spans))
     h.check()
     mgr.close(b)
-    mgr._reclaim(block=True)                       # the old step completes: pages come back
+    mgr._planner.reclaim(block=True)                       # the old step completes: pages come back
     assert mgr.stats()["pages"]["device"]["pending"] == 0
     d = h.add(list(range(100, 116)) + [0])
     assert d.num_reused_tokens == 16
@@ -488,7 +504,7 @@ def test_fence_donated_into_a_migration_still_tells():
     mgr = h.mgr
     donated = jnp.zeros(1)
     donated.delete()
-    mgr._fence, mgr._ready_upto = donated, 0
+    mgr._ledger._fence, mgr._ledger._ready_upto = donated, 0
     mgr.close(a)
     assert mgr.stats()["pages"]["device"]["pending"] == 4
     b = h.add([1, 2, 3])
@@ -505,9 +521,9 @@ def test_close_during_step_waits_for_that_step(diskdir):
     with pytest.raises(StepInFlightError):
         mgr.suspend(a)
     mgr.close(a)
-    assert mgr._pending[0][0] is None
+    assert mgr._ledger.pending[0].step is None
     mgr.complete_step(caches)
-    assert mgr._pending[0][0] == mgr._step_index
+    assert mgr._ledger.pending[0].step == mgr._ledger.step_index
     mgr.check_invariants()
 
 
@@ -557,7 +573,7 @@ def test_suspend_without_room_must_recompute(diskdir):
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_disk_hops_are_split_to_fit_the_staging_ring(diskdir, chunk):
     h = make(tiny_config(device_pages=10, disk_dir=diskdir, disk_pages=10))
-    h.mgr._disk_chunk = chunk
+    h.mgr._planner.disk_chunk = chunk
     a = h.add(list(range(30)))
     h.run([(a, 30)])
     migrations = h.mgr.storage.stats()["num_migrations"]
@@ -572,7 +588,7 @@ def test_disk_hops_are_split_to_fit_the_staging_ring(diskdir, chunk):
 def test_corrupt_disk_page_on_resume_leaves_it_suspended(diskdir):
     from jax_kvcm._storage import CorruptPageError
     h = make(tiny_config(device_pages=10, disk_dir=diskdir, disk_pages=10, prefix=False))
-    h.mgr._disk_chunk = 1  # the bad page is the last chunk: earlier chunks must be rolled back
+    h.mgr._planner.disk_chunk = 1  # the bad page is the last chunk: earlier chunks must be rolled back
     a = h.add(list(range(12)))
     h.run([(a, 12)])
     assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
@@ -689,7 +705,7 @@ def test_io_error_while_onboarding_gives_back_every_reference(diskdir):
         h.add(list(range(9)))
     h.mgr.storage._fault_hook = None
     assert [(n.level, n.slots.tolist(), n.refcount) for n in hit] == before
-    assert len(h.mgr._seqs) == 0
+    assert len(h.mgr._rows.seqs) == 0
     h.check()
     c = h.add(list(range(9)))
     assert c.num_reused_tokens == 8
@@ -860,8 +876,8 @@ def test_window_release_waits_for_the_step_that_last_read_it():
     h.run([(a, 8)])
     mgr = h.mgr
     for _ in range(12):  # every 4 steps a page leaves the window and a new one is needed
-        fence = mgr._fence = NotReadyFence()  # the last step has "not finished"
-        mgr._ready_upto = 0  # no step is known complete
+        fence = mgr._ledger._fence = NotReadyFence()  # the last step has "not finished"
+        mgr._ledger._ready_upto = 0  # no step is known complete
         h.run([(a, 1)])
         h.check()
         if a.num_tokens % 4 == 1:  # this step needed the page the previous crossing released
@@ -893,8 +909,8 @@ def test_window_prefix_reuse_shares_and_bounds_pages():
     h.run([(c, 2)])
     h.check()
     # Drop the wlru pages (pressure) and ask again: the match is cut where pages are missing.
-    h.mgr._drop_window_pages(1, 10)
-    h.mgr._reclaim(block=True)
+    h.mgr._planner.drop_window_pages(1, 10)
+    h.mgr._planner.reclaim(block=True)
     h.check()
     d = h.add(prompt + [70])
     n = d.num_reused_tokens
@@ -920,7 +936,7 @@ def test_window_duplicate_page_donates_a_released_window_page():
         h.run([(a, 1)])
     h.check()
     node = a._nodes[1]
-    h.mgr._drop_window_pages(1, 10)
+    h.mgr._planner.drop_window_pages(1, 10)
     assert node.slots[1] == -1
     h.check()
     c, d = h.add(prompt[:8] + [3]), h.add(prompt[:8] + [3])

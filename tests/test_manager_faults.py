@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from faults import FOREVER, failing_step, install_faulty_disks
-from jax_kvcm._manager import SequenceState, SuspendResult
-from jax_kvcm._manager import ManagerEvent
+from jax_kvcm.manager import SequenceState, SuspendResult
+from jax_kvcm.manager import ManagerEvent
 from jax_kvcm._storage import CorruptPageError, StorageEvent, UnreadablePageError
 from jax_kvcm._types import CacheLevel
 from test_manager import make, on_disk_prefix, stepped, tiny_config

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kvcm._manager import (KVCacheConfig, LayerGroupConfig, SequencePhase, SequenceState,
+from jax_kvcm.manager import (KVCacheConfig, LayerGroupConfig, SequencePhase, SequenceState,
                                StepInFlightError)
 from test_manager import TPP, NotReadyFence, make, stepped, tiny_config
 from test_window_ring import read_back, ring_config
@@ -24,7 +24,7 @@ def test_phases_follow_the_fence():
     batch, spans = h.prepare([(a, 9)], as_ids=[True])
     assert a.phase is SequencePhase.EXECUTING and b.phase is SequencePhase.ADMITTED
     m.complete_step(h.write(batch, spans))
-    fence = m._fence = NotReadyFence()  # the step that last read a's pages has "not finished"
+    fence = m._ledger._fence = NotReadyFence()  # the step that last read a's pages has "not finished"
     m.close(a)
     assert a.phase is SequencePhase.FINISHING
     view = m.state(a)
@@ -55,7 +55,7 @@ def test_state_shows_the_ring_and_pending_retirements():
     for _ in range(9):
         batch, spans = h.prepare([(a, 1)], as_ids=[False])
         m.complete_step(h.write(batch, spans))
-        fence = m._fence = NotReadyFence()
+        fence = m._ledger._fence = NotReadyFence()
         v = m.state(a)
         first = (a.num_tokens + 1 - 6) // TPP
         assert v.retained == ((0, a.num_pages), (first, a.num_pages))
@@ -75,10 +75,10 @@ def test_free_page_count():
     a = h.add(list(range(1, 10)))
     h.run([(a, 9)], as_ids=[True])
     assert m.free_page_count() == (12 - 3, 9 - 3)  # the fence of a finished step has passed
-    m._fence = NotReadyFence()
+    m._ledger._fence = NotReadyFence()
     m.close(a)  # committed pages stay cached; the private tail waits for the fence
     assert m.free_page_count() == (12 - 3, 9 - 3)
-    m._fence.block_until_ready()
+    m._ledger._fence.block_until_ready()
     assert m.free_page_count() == (12 - 2, 9 - 2)
 
 
@@ -90,12 +90,12 @@ def test_pages_freed_before_the_latest_step_come_back_while_it_runs():
     m = h.mgr
     a, b = h.add(list(range(1, 10))), h.add(list(range(20, 25)))
     h.run([(a, 9), (b, 5)], as_ids=[True, True])
-    older = m._fence = NotReadyFence()  # step 1 "still runs"
+    older = m._ledger._fence = NotReadyFence()  # step 1 "still runs"
     m.close(a)                           # its private tail page waits for step 1
     free = m.free_page_count()
     batch, spans = h.prepare([(b, 1)], as_ids=[False])
     m.complete_step(h.write(batch, spans))
-    latest = m._fence = NotReadyFence()  # step 2 handed back and "running"
+    latest = m._ledger._fence = NotReadyFence()  # step 2 handed back and "running"
     assert m.free_page_count() == free   # step 1 not finished: the page is still pending
     older.block_until_ready()            # step 1 finished; step 2 still runs
     assert m.free_page_count() == (free[0] + 1,)
@@ -114,9 +114,9 @@ def test_older_step_fences_stay_bounded_without_pending_frees():
     for _ in range(20):
         batch, spans = h.prepare([(a, 1)], as_ids=[False])
         m.complete_step(h.write(batch, spans))
-        m._fence = NotReadyFence()
-        fences.append(m._fence)
-    assert len(m._older_fences) <= 4
+        m._ledger._fence = NotReadyFence()
+        fences.append(m._ledger._fence)
+    assert len(m._ledger._older) <= 4
     m.close(a)  # its pages wait for the latest step ("running")
     free = m.free_page_count()
     pending = m.stats()["pages"]["device"]["pending"]
@@ -195,7 +195,7 @@ def test_shutdown_waits_closes_and_removes_files(tmp_path):
     with pytest.raises(StepInFlightError):
         m.shutdown()
     m.complete_step(stepped(m.storage.pools))
-    m._fence = fence = NotReadyFence()
+    m._ledger._fence = fence = NotReadyFence()
     m.close(a)
     assert not any(p.closed for p in m.storage.disk_pools + m.storage.host_pools)
     m.shutdown()
@@ -248,7 +248,7 @@ def test_typical_batch_sizing_triples_capacity():
                          layer_groups=(LayerGroupConfig(4, **lg),), device_bytes=budget)
     equal = _mixed(device_bytes=budget)
     sized = _mixed(device_bytes=budget, typical_batch=(32768,) * 8, max_window_chunk=256)
-    from jax_kvcm._manager import KVCacheManager
+    from jax_kvcm.manager import KVCacheManager
     import jax
     n = {}
     for name, cfg in (("full", full), ("equal", equal), ("sized", sized)):

@@ -35,7 +35,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from faults import FOREVER, failing_step, install_faulty_disks, install_gated_offloads
-from jax_kvcm._manager import OutOfPagesError, SequenceState, SuspendResult
+from jax_kvcm import ArenaHot
+from jax_kvcm.manager import OutOfPagesError, SequenceState, SuspendResult
 from jax_kvcm._storage import CorruptPageError
 from test_manager import Harness, _state, make, tiny_config
 from test_window_ring import read_back
@@ -47,7 +48,8 @@ COUNTS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, "reco
           "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0,
           "aborted": 0, "lost": 0, "observer_errors": 0, "disk_read_errors": 0,
           "disk_write_errors": 0, "unreadable_resume": 0, "ring": 0, "compacted": 0,
-          "ring_checked": 0, "offloaded_ahead": 0, "ahead_done": 0, "ahead_failed": 0}
+          "ring_checked": 0, "offloaded_ahead": 0, "ahead_done": 0, "ahead_failed": 0,
+          "arena": 0}
 PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
 
 
@@ -59,6 +61,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.disks: list = []
         self.observer = None
         self.gates = None
+        self.arena = False
 
     @initialize(tiers=st.sampled_from(["none", "host", "disk", "host+disk"]),
                 groups=st.sampled_from(["1", "1", "2", "w", "1+w", "1+w shared", "w+w"]),
@@ -67,17 +70,28 @@ class ManagerMachine(RuleBasedStateMachine):
                 faults=st.sampled_from([(0, 0), (1, 1), (FOREVER, 0), (1, 0), (0, FOREVER)]),
                 tpp=st.sampled_from([4, 4, 2, 8]),
                 ring=st.booleans(), chunk=st.sampled_from([None, 1, 3, 6]),
-                ahead=st.sampled_from([0, 0, 5, 12]))
-    def setup(self, tiers, groups, window, hash_kind, faults, tpp, ring, chunk, ahead):
+                ahead=st.sampled_from([0, 0, 5, 12]),
+                hot=st.sampled_from(["paged", "paged", "arena"]))
+    def setup(self, tiers, groups, window, hash_kind, faults, tpp, ring, chunk, ahead, hot):
         # "w": a sliding-window group; "shared": same layouts, so one cold pool for both.
         windows = {"1": (None,), "2": (None, None), "w": (window,), "1+w": (None, window),
                    "1+w shared": (None, window), "w+w": (window, window + 2)}[groups]
+        arena = {}
+        if hot == "arena":
+            # NOTE: full-attention groups in an arena (2 KiB pages of one pool: 2 per 4 KiB
+            # memfd chunk; groups of one layout), window groups paged; no write-back ahead.
+            arena = dict(hot=ArenaHot(super_page_bytes=4096, backend="cpu"),
+                         head_dim=2048 // (4 * tpp))
+            ahead = 0
+            self.arena = True
+            COUNTS["arena"] += 1
         cfg = tiny_config(device_pages=12, host_pages=4 if "host" in tiers else 0,
                           disk_dir=self.dir if "disk" in tiers else None,
                           disk_pages=6 if "disk" in tiers else 0, windows=windows,
-                          same_layout="shared" in groups, max_batch=4, max_tokens=32,
-                          max_seq_len=48, tpp=tpp, ring_tables=ring, max_window_chunk=chunk,
-                          offload_ahead_pages=ahead if "host" in tiers else 0)
+                          same_layout="shared" in groups or hot == "arena", max_batch=4,
+                          max_tokens=32, max_seq_len=48, tpp=tpp, ring_tables=ring,
+                          max_window_chunk=chunk,
+                          offload_ahead_pages=ahead if "host" in tiers else 0, **arena)
         COUNTS["windowed"] += "w" in groups
         COUNTS["ring"] += ring and "w" in groups
         kw = {"_hash_fn": (lambda b: b"k")} if hash_kind == "const" else {}
@@ -89,13 +103,13 @@ class ManagerMachine(RuleBasedStateMachine):
         COUNTS["examples"] += 1
 
     def seqs(self, state):
-        return [s for s in self.h.mgr._seqs.values() if s.state is state]
+        return [s for s in self.h.mgr._rows.seqs.values() if s.state is state]
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), min_size=1,
                                                              max_size=10),
           salt=st.sampled_from([None, None, "a"]))
     def add(self, prefix, suffix, salt):
-        if len(self.h.mgr._seqs) >= 8:
+        if len(self.h.mgr._rows.seqs) >= 8:
             return
         s = self.h.add(prefix + suffix, salt=salt)
         toks = self.h.tokens[s.seq_id]
@@ -107,7 +121,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """Up to 4 ACTIVE sequences and their new token counts (adds one when none is active)."""
         active = self.seqs(SequenceState.ACTIVE)
         if not active:
-            if len(self.h.mgr._seqs) >= 8:
+            if len(self.h.mgr._rows.seqs) >= 8:
                 return
             self.add(data.draw(st.sampled_from(PREFIXES)),
                      data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=10)), None)
@@ -211,7 +225,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """Moves every sequence to a new row (a random arrangement of rows 0..n-1, or spread
         over up to twice as many); their pages, rings and what later steps read must follow."""
         mgr = self.h.mgr
-        seqs = list(mgr._seqs.values())
+        seqs = list(mgr._rows.seqs.values())
         if not seqs:
             return
         rows = [s.row for s in seqs]
@@ -234,7 +248,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.h is not None)
     @rule(data=st.data())
     def close(self, data):
-        seqs = list(self.h.mgr._seqs.values())
+        seqs = list(self.h.mgr._rows.seqs.values())
         if not seqs:
             return
         self.h.mgr.close(data.draw(st.sampled_from(seqs)))
@@ -267,7 +281,7 @@ class ManagerMachine(RuleBasedStateMachine):
         lost = mgr.abort_step()
         COUNTS["aborted"] += 1
         COUNTS["lost"] += len(lost)
-        if not consumed:
+        if not consumed or self.arena:  # NOTE: an arena's memory outlives its arrays
             assert lost == []
             for s, _ in work:
                 n, pages = before[s.seq_id]
@@ -275,7 +289,7 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             assert all(s.state is SequenceState.CLOSED for s in lost)
             assert not any(s.state is SequenceState.ACTIVE and s.num_pages
-                           for s in mgr._seqs.values())
+                           for s in mgr._rows.seqs.values())
 
     @precondition(lambda self: self.h is not None and self.gates is not None)
     @rule(data=st.data())
@@ -349,7 +363,7 @@ def test_machine_covered_every_path():
     for key in ("steps", "oop", "suspended", "recompute", "resumed", "reused", "windowed",
                 "window_released", "aborted", "lost", "observer_errors", "disk_read_errors",
                 "disk_write_errors", "ring", "compacted", "ring_checked", "offloaded_ahead",
-                "ahead_done", "ahead_failed"):
+                "ahead_done", "ahead_failed", "arena"):
         assert COUNTS[key] > 0, COUNTS
     assert COUNTS["rules"] >= 20 * COUNTS["examples"], COUNTS
     assert COUNTS["steps"] >= 5 * COUNTS["examples"], COUNTS

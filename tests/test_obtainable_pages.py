@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_kvcm import CacheLevel
-from jax_kvcm._manager import KVCacheConfig, KVCacheManager, LayerGroupConfig
+from jax_kvcm.manager import KVCacheConfig, KVCacheManager, LayerGroupConfig
 
 
 def _oracle(mgr, level):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from faults import GatedOffloads, InjectedFault, fail_at, install_gated_offloads
-from jax_kvcm._manager import SuspendResult
+from jax_kvcm.manager import SuspendResult
 from jax_kvcm._storage import SideStreamFence
 from test_manager import Harness, make, tiny_config
 from jax_kvcm._types import CacheLevel
@@ -43,9 +43,9 @@ def fill(h: Harness, n: int, base: int = 0) -> list[list[int]]:
 
 def in_flight_slots(mgr) -> np.ndarray:
     """Device slots of every offload in flight."""
-    if not mgr._offloads:
+    if not mgr._ahead.offloads:
         return np.zeros(0, np.int32)
-    s = np.concatenate([r.src.reshape(-1) for r in mgr._offloads])
+    s = np.concatenate([r.src.reshape(-1) for r in mgr._ahead.offloads])
     return s[s >= 0]
 
 
@@ -92,7 +92,7 @@ def test_reserve_is_kept_and_in_flight_slots_are_never_handed_out():
     gates.open_all()
     free_before = mgr.stats()["pages"]["device"]["free"]
     mgr.free_page_count()
-    assert not mgr._offloads and mgr.stats()["pages"]["device"]["free"] > free_before
+    assert not mgr._ahead.offloads and mgr.stats()["pages"]["device"]["free"] > free_before
     h.check()
 
 
@@ -141,7 +141,7 @@ def test_suspend_resume_with_an_offload_in_flight():
     a = h.add(list(range(1, 14)))
     h.run([(a, 13)], as_ids=[True])
     fill(h, 3, base=200)
-    assert h.mgr._offloads
+    assert h.mgr._ahead.offloads
     assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
     h.check()
     assert h.mgr.resume(a)
@@ -179,12 +179,12 @@ def test_close_and_shutdown_with_an_offload_in_flight():
     fill(h, 3)
     s = h.add([7] * 6)
     h.run([(s, 6)])
-    assert h.mgr._offloads
+    assert h.mgr._ahead.offloads
     h.mgr.close(s)
     h.check()
     h.mgr.shutdown()  # waits for the copies (the gates), then frees everything
     assert all(f.state == "open" for f in gates.fences) and gates.num_waits >= 1
-    assert not h.mgr._offloads and not h.mgr.storage._ahead_fences
+    assert not h.mgr._ahead.offloads and not h.mgr.storage._ahead_fences
 
 
 def test_a_failed_copy_loses_nothing():
@@ -192,7 +192,7 @@ def test_a_failed_copy_loses_nothing():
     gates = install_gated_offloads(h.mgr)
     prompts = fill(h, 3)
     mgr = h.mgr
-    rec = mgr._offloads[0]
+    rec = mgr._ahead.offloads[0]
     nodes, src, dst = list(rec.nodes), rec.src.copy(), rec.dst.copy()
     before = mgr.stats()
     gates.fences[0].fail()
@@ -230,7 +230,7 @@ def test_a_failed_submission_changes_nothing():
             fill(h, 2, base=500)
         st = mgr.stats()
     assert st["num_offloads_ahead"] == offloads and st["num_offload_ahead_failures"] >= 1
-    assert st["storage"]["num_offloads_ahead"] == offloads and not mgr._offloads
+    assert st["storage"]["num_offloads_ahead"] == offloads and not mgr._ahead.offloads
     h.check()  # ledgers == recomputation from the allocators, every value in place
     fill(h, 1, base=800)  # and it works again afterwards
     assert mgr.stats()["num_offloads_ahead"] > offloads
@@ -243,7 +243,7 @@ def test_side_stream_fence_needs_the_cuda_extension_only_when_used():
     h = ahead()
     assert h.mgr.storage.side_stream is False
     fill(h, 3)
-    assert all(not isinstance(r.fence, SideStreamFence) for r in h.mgr._offloads)
+    assert all(not isinstance(r.fence, SideStreamFence) for r in h.mgr._ahead.offloads)
     assert InjectedFault  # the seam's error type (used by the gates)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from jax_kvcm import _ffi
-from jax_kvcm._manager import KVCacheManager
+from jax_kvcm.manager import KVCacheManager
 from jax_kvcm._storage import LayerGroupSpec, SideStreamFence, StorageConfig, StorageManager
 from jax_kvcm._types import CacheLevel
 

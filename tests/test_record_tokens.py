@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig,
+from jax_kvcm.manager import (KVCacheConfig, KVCacheManager, LayerGroupConfig,
                                StepInFlightError)
 from test_manager import stepped
 

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import jax_kvcm
-from jax_kvcm._manager import KVCacheConfig, KVCacheManager, LayerGroupConfig
+from jax_kvcm.manager import KVCacheConfig, KVCacheManager, LayerGroupConfig
 from jax_kvcm._window_group import ring_width
 from test_manager import (TPP, Harness, dense_attention, expected_values, make, prefix_hashes,
-                          stepped, tiny_config)
+                          read_tokens, stepped, tiny_config)
 
 HAS_RING_OPS = "ring_table" in inspect.signature(jax_kvcm.paged_attention).parameters
 needs_ring_ops = pytest.mark.skipif(not HAS_RING_OPS,
@@ -32,20 +32,12 @@ def ring_config(windows, *, chunk=None, **kw) -> KVCacheConfig:
     return tiny_config(windows=windows, ring_tables=True, max_window_chunk=chunk, **kw)
 
 
-def ring_gather(pool: np.ndarray, row: np.ndarray, positions: np.ndarray,
-                page_size: int) -> np.ndarray:
-    """``pool [L, S, P, H, D]``; the entries of ``positions`` read through the ring ``row``."""
-    pages = row[(positions // page_size) % row.shape[0]]
-    return pool[:, pages, positions % page_size]
-
-
 def read_back(h: Harness, batch, spans) -> int:
     """Every window position of every row of ``batch`` (its last query's window; every position
     of full groups) read back through ``batch.page_table`` as a ring must equal what the fake
     model wrote. Returns the number of positions checked."""
     mgr = h.mgr
     widths = mgr.config.table_widths
-    pools = [(np.asarray(k), np.asarray(v)) for k, v in mgr.storage.pools]
     G = len(mgr.config.layer_groups)
     checked = 0
     for b, (sid, start, n) in enumerate(spans):
@@ -60,8 +52,9 @@ def read_back(h: Harness, batch, spans) -> int:
             pos = np.arange(lo, length)
             want = expected_values(prefix_hashes(toks)[pos], pos, lg.num_layers,
                                    lg.num_kv_heads, lg.head_dim)
-            for kv in range(2):
-                got = ring_gather(pools[g][kv], row, pos, mgr.config.tokens_per_page)
+            tpp = mgr.config.tokens_per_page
+            slots = row[(pos // tpp) % row.shape[0]] * tpp + pos % tpp
+            for kv, got in enumerate(read_tokens(mgr, g, slots)):
                 assert np.array_equal(got, want[:, kv]), (
                     f"row {b} group {g} {'KV'[kv]}: positions "
                     f"{pos[(got != want[:, kv]).any(axis=(0, 2, 3))].tolist()} differ")

@@ -73,9 +73,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcm import (CacheLevel, ConcatCodec, Int8Codec, KVCacheConfig, KVCacheManager,
-                      LayerGroupConfig, OutOfPagesError, SuspendResult)
-from jax_kvcm._manager import SequenceState  # NOTE: not exported by jax_kvcm (yet)
+from jax_kvcm import (ArenaHot, CacheLevel, ConcatCodec, Int8Codec, KVCacheConfig, KVCacheManager,
+                      LayerGroupConfig, OutOfPagesError, PagedHot, SuspendResult)
+from jax_kvcm.manager import SequenceState  # NOTE: not exported by jax_kvcm (yet)
 from jax_kvcm._storage import CorruptPageError  # NOTE: not exported by jax_kvcm (yet)
 
 try:
@@ -156,9 +156,8 @@ class ServeConfig:
     # fewer buckets, fewer compiled programs (benchmarks/serve.py uses one of each).
     batch_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
-    # The manager's hot backend: "paged", or "arena" with ``arena`` an ArenaConfig (then
-    # device_pages is unused: the budget is arena.budget_bytes; CUDA VMM on a GPU, memfd on CPU,
-    # where the steps take the pools by address: jax_kvcm/_arena_ops.py).
+    # The manager's hot tier: "paged", or "arena" (``arena``: its ArenaHot options, default
+    # ArenaHot()); device_pages is the page budget either way.
     hot_backend: str = "paged"
     arena: Any = None
     # K/V pools: "auto" in the model's dtype; "fp8" in float8_e4m3fn with the params'
@@ -353,6 +352,15 @@ class _Dispatched:
 # ---------------------------------------------------------------------------------------------
 
 
+
+def hot_tier(backend: str, arena: Any = None) -> PagedHot | ArenaHot:
+    """The manager's hot tier for ``--hot-backend`` (``arena``: ArenaHot options, or None)."""
+    if backend == "paged":
+        return PagedHot()
+    if backend == "arena":
+        return arena if arena is not None else ArenaHot()
+    raise ValueError(f"hot_backend must be 'paged' or 'arena', got {backend!r}")
+
 class Server:
     """Continuous-batching generation over one :class:`KVCacheManager` (see the module doc)."""
 
@@ -380,9 +388,9 @@ class Server:
         self.kv_config = KVCacheConfig(
             tokens_per_page=serve.page_size, layer_groups=groups,
             ring_tables=any(g.sliding_window is not None for g in groups),
-            device_pages=None if serve.hot_backend == "arena" else serve.device_pages,
+            device_pages=serve.device_pages,
             host_bytes=serve.host_bytes, disk_dir=serve.disk_dir, disk_bytes=serve.disk_bytes,
-            hot_backend=serve.hot_backend, arena=serve.arena,
+            hot=hot_tier(serve.hot_backend, serve.arena),
             enable_prefix_reuse=serve.enable_prefix_reuse, max_batch=serve.max_batch,
             max_tokens_per_step=serve.max_tokens_per_step, max_seq_len=serve.max_seq_len,
             batch_buckets=serve.batch_buckets, token_buckets=serve.token_buckets,
