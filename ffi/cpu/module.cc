@@ -16,8 +16,8 @@ XLA_FFI_Error* KvcmArenaRaggedPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
 }
 
 // Cold-tier pieces, each in its own file.
-void BindHostMemory(nb::module_& m);        // host_memory.cc
-void BindDiskFile(nb::module_& m);          // disk_file.cc
+void BindHostMemory(nb::module_& m);        // ffi/runtime/host_memory.cc
+void BindDiskFile(nb::module_& m);          // ffi/runtime/disk_file.cc
 void BindArena(nb::module_& m);             // arena_cpu.cc (the contiguous arena's memory)
 void AddCodecRegistrations(nb::dict& d);    // codec_cpu.cc
 

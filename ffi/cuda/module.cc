@@ -12,7 +12,7 @@ XLA_FFI_Error* KvcmRaggedPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
 }
 
 // Cold-tier pieces, each in its own file.
-void BindPinnedMemory(nb::module_& m);        // pinned_memory.cc
+void BindPinnedMemory(nb::module_& m);        // ffi/runtime/pinned_memory.cc
 void BindArenaVmm(nb::module_& m);            // arena_vmm.cc (the contiguous arena's memory)
 void AddCodecRegistrationsCuda(nb::dict& d);  // codec.cu (declared with C++ linkage there)
 void BindOffloadTickets(nb::module_& m);      // codec.cu (the side-stream mover's tickets)
