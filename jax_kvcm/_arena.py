@@ -321,8 +321,8 @@ class Arena:
         if not isinstance(layout, ArenaLayout):
             raise TypeError(f"layout must be an ArenaLayout, got {type(layout).__name__}")
         native, self.backend = _native_backend(backend)
-        gran = native.arena_granularity() if self.backend == "cpu" else \
-            native.vmm_granularity(device)
+        gran = native.reservation_granularity() if self.backend == "cpu" else \
+            native.reservation_granularity(device)
         sp = config.super_page_bytes
         if sp % gran:
             raise ValueError(f"ArenaConfig.super_page_bytes ({sp}) must be a multiple of the "
@@ -361,9 +361,9 @@ class Arena:
         self._protected_chunks = int(config.protected_span_fraction * self.budget_chunks)
         try:
             if self.backend == "cpu":
-                self._res = native.ArenaReservation(reservation, sp)
+                self._res = native.Reservation(reservation, sp)
             else:
-                self._res = native.VmmReservation(reservation, sp, device)
+                self._res = native.Reservation(reservation, sp, device)
         except MemoryError as e:
             raise ValueError(f"ArenaConfig.max_sequences x ArenaConfig.max_pages_per_sequence: "
                              f"cannot reserve {reservation} bytes: {e}") from e

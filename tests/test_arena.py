@@ -15,7 +15,7 @@ from jax_kvcm import _ffi
 from jax_kvcm._arena import (Arena, ArenaConfig, ArenaHostStore, ArenaIndexRing, ArenaLayout,
                              ArenaSuspend)
 
-GRAN = _ffi._kvcm_cpu.arena_granularity()
+GRAN = _ffi._kvcm_cpu.reservation_granularity()
 LAYOUT = ArenaLayout(num_layers=2, tokens_per_page=4, num_kv_heads=2, head_dim=16)  # 512 B slots
 PPC = GRAN // LAYOUT.slot_bytes  # pages per chunk with one-granule super-pages
 
@@ -61,7 +61,7 @@ def pages(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_reservation_maps_shares_and_counts():
-    r = _ffi._kvcm_cpu.ArenaReservation(8 * GRAN, GRAN)
+    r = _ffi._kvcm_cpu.Reservation(8 * GRAN, GRAN)
     view = r.view()
     h = r.create_physical()
     r.map(0, h)
@@ -96,12 +96,12 @@ def test_reservation_maps_shares_and_counts():
 
 def test_reservation_bad_arguments():
     with pytest.raises(ValueError, match="super_page_bytes must be a positive multiple"):
-        _ffi._kvcm_cpu.ArenaReservation(8 * GRAN, GRAN // 2)
+        _ffi._kvcm_cpu.Reservation(8 * GRAN, GRAN // 2)
     with pytest.raises(ValueError, match="nbytes must be a positive multiple"):
-        _ffi._kvcm_cpu.ArenaReservation(GRAN + 1, GRAN)
+        _ffi._kvcm_cpu.Reservation(GRAN + 1, GRAN)
     with pytest.raises(MemoryError, match="address space"):
-        _ffi._kvcm_cpu.ArenaReservation(1 << 62, GRAN)
-    r = _ffi._kvcm_cpu.ArenaReservation(4 * GRAN, GRAN)
+        _ffi._kvcm_cpu.Reservation(1 << 62, GRAN)
+    r = _ffi._kvcm_cpu.Reservation(4 * GRAN, GRAN)
     with pytest.raises(ValueError, match="offset must be a multiple"):
         r.map(GRAN + 8, r.create_physical())
     with pytest.raises(ValueError, match="not a live physical handle"):

@@ -195,7 +195,7 @@ def test_alias_on_gpu_shares_physical_pages_through_the_ops():
 
 def test_vmm_errors_name_the_field():
     require_gpu()
-    gran = _ffi._kvcm_cuda.vmm_granularity()
+    gran = _ffi._kvcm_cuda.reservation_granularity()
     assert gran > 0 and SP % gran == 0
     if gran > 4096:
         with pytest.raises(ValueError, match="ArenaConfig.super_page_bytes"):

@@ -23,7 +23,7 @@ from jax_kvcm._manager import SequenceState
 from jax_kvcm._types import CacheLevel
 from jax_kvcm.ops import reference
 
-GRAN = _ffi._kvcm_cpu.arena_granularity()
+GRAN = _ffi._kvcm_cpu.reservation_granularity()
 L, H, D, TPP = 2, 2, 16, 4           # 512-byte slots
 PPC = GRAN // (TPP * H * D * 4)      # pages per chunk with one-granule super-pages
 CT = PPC * TPP                       # tokens per chunk
