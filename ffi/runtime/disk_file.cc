@@ -427,8 +427,8 @@ void BindDiskFile(nb::module_& m) {
            nb::arg("num_slots"), nb::arg("slot_bytes"), nb::arg("io_threads") = 0,
            "Creates ``path`` exclusively (mode 0600), unlinks it (the descriptor keeps it) "
            "and preallocates num_slots * slot_bytes bytes. OSError (errno preserved, e.g. "
-           "ENOSPC, EEXIST) on failure; a half-created file is removed. ``io_threads``: threads per write/read call (0: min(8, hardware "
-           "threads)).")
+           "ENOSPC, EEXIST) on failure; a half-created file is removed. ``io_threads``: "
+           "threads per write/read call (0: min(8, hardware threads)).")
       .def_prop_ro("path", &DiskFile::path)
       .def_prop_ro("num_slots", &DiskFile::num_slots)
       .def_prop_ro("slot_bytes", &DiskFile::slot_bytes)
