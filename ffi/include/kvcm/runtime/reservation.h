@@ -40,8 +40,9 @@ class ReservationBackend {
   // Frees the reservation after every super-page was unmapped and released; idempotent (a
   // backend's destructor frees it too, for a Reservation whose constructor failed).
   virtual void Free() noexcept = 0;
-  // A zero-filled physical super-page for handle `id` (ids are dense; a freed id comes back);
-  // returns the backend's own handle for it. OutOfMemory when it cannot.
+  // A physical super-page for handle `id` (ids are dense; a freed id comes back); returns the
+  // backend's own handle for it. OutOfMemory when it cannot. NOTE: memfd pages read zero,
+  // cuMemCreate memory is not cleared.
   virtual uint64_t CreatePhysical(int64_t id) = 0;
   virtual void ReleasePhysical(uint64_t physical) = 0;
   virtual void Map(size_t offset, uint64_t physical) = 0;
