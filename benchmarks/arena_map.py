@@ -16,6 +16,7 @@ For each super-page size (2, 4, 8, 16 MiB; --cpu: 4 KiB to 2 MiB) one reservatio
   unmap      cuMemUnmap (CPU: mmap PROT_NONE over it)
   release    cuMemRelease (CPU: fallocate PUNCH_HOLE)
   remap      unmap + map of an already created handle (what adoption saves per super-page)
+  remap_many the same through one map_many + one unmap_many call for all of them
 
 plus, at the arena level (jax_kvcm._arena.Arena, 8B-shaped layout: 32 layers x {K, V}, 16
 tokens x 8 kv heads x 128 dims bf16 per slot, i.e. 64 super-pages per chunk):
@@ -60,14 +61,13 @@ def _median_us(fn, n: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def native_rows(native, cpu: bool, sizes: list[int], pages: int, repeats: int) -> list[dict]:
+def native_rows(native, sizes: list[int], pages: int, repeats: int) -> list[dict]:
     rows = []
     for sp in sizes:
-        res = (native.ArenaReservation(pages * sp, sp) if cpu
-               else native.VmmReservation(pages * sp, sp))
+        res = native.Reservation(pages * sp, sp)
         offs = [i * sp for i in range(pages)]
         handles: list[int] = []
-        t = {"create": [], "map": [], "unmap": [], "release": [], "remap": []}
+        t = {"create": [], "map": [], "unmap": [], "release": [], "remap": [], "remap_many": []}
         for _ in range(repeats):
             t0 = time.perf_counter()
             handles = [res.create_physical() for _ in offs]
@@ -83,11 +83,15 @@ def native_rows(native, cpu: bool, sizes: list[int], pages: int, repeats: int) -
             for off in offs:
                 res.unmap(off)
             t4 = time.perf_counter()
+            res.map_many(offs, handles)
+            res.unmap_many(offs)
+            t5 = time.perf_counter()
             for h in handles:
                 res.release_physical(h)
-            t5 = time.perf_counter()
+            t6 = time.perf_counter()
             for name, dt in (("create", t1 - t0), ("map", t2 - t1), ("unmap", t3 - t2),
-                             ("remap", t4 - t3), ("release", t5 - t4)):
+                             ("remap", t4 - t3), ("remap_many", t5 - t4),
+                             ("release", t6 - t5)):
                 t[name].append(dt * 1e6 / pages)
         rows.append({"super_page_bytes": sp, "pages": pages,
                      **{f"{k}_us": round(statistics.median(v), 3) for k, v in t.items()},
@@ -257,15 +261,16 @@ def timing_result(args: argparse.Namespace) -> dict | None:
         sizes = [2 << 20, 4 << 20, 8 << 20, 16 << 20]
     pages = args.pages or (16 if args.quick else 256)
     result = {"backend": "cpu" if args.cpu else "cuda",
-              "native": native_rows(native, args.cpu, sizes, pages, args.repeats),
+              "native": native_rows(native, sizes, pages, args.repeats),
               "arena": arena_rows(args.cpu, args.repeats, args.quick)}
     print(f"backend {result['backend']}: microseconds per super-page (median of "
           f"{args.repeats} batches of {pages})")
-    print("| super-page | create | map | unmap | release | unmap+map |")
-    print("|---|---|---|---|---|---|")
+    print("| super-page | create | map | unmap | release | unmap+map | batched unmap+map |")
+    print("|---|---|---|---|---|---|---|")
     for r in result["native"]:
         print(f"| {r['super_page_bytes'] >> 10} KiB | {r['create_us']} | {r['map_us']} | "
-              f"{r['unmap_us']} | {r['release_us']} | {r['remap_us']} |")
+              f"{r['unmap_us']} | {r['release_us']} | {r['remap_us']} | "
+              f"{r['remap_many_us']} |")
     for r in result["arena"]:
         print(f"arena ({r['layout']}, {r['super_pages_per_chunk']} super-pages per chunk): "
               f"grow one chunk {r['grow_chunk_us']} us; adoption cycle {r['adopt_us']} us per "

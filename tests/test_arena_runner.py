@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _mapped_reservation(nbytes: int):
-    res = _ffi._kvcm_cpu.ArenaReservation(nbytes, GRAN)
+    res = _ffi._kvcm_cpu.Reservation(nbytes, GRAN)
     for off in range(0, nbytes, GRAN):
         res.map(off, res.create_physical())
     return res

@@ -16,9 +16,9 @@ XLA_FFI_Error* KvcmArenaRaggedPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
 }
 
 // Cold-tier pieces, each in its own file.
-void BindHostMemory(nb::module_& m);        // host_memory.cc
-void BindDiskFile(nb::module_& m);          // disk_file.cc
-void BindArena(nb::module_& m);             // arena_cpu.cc (the contiguous arena's memory)
+void BindHostMemory(nb::module_& m);        // ffi/runtime/host_memory.cc
+void BindDiskFile(nb::module_& m);          // ffi/runtime/disk_file.cc
+void BindMemfdReservation(nb::module_& m);  // ffi/runtime/memfd_binding.cc (the arena's memory)
 void AddCodecRegistrations(nb::dict& d);    // codec_cpu.cc
 
 template <typename Fn>
@@ -41,5 +41,5 @@ NB_MODULE(_kvcm_cpu, m) {
   }, "Handler capsules by FFI target name.");
   BindHostMemory(m);
   BindDiskFile(m);
-  BindArena(m);
+  BindMemfdReservation(m);
 }

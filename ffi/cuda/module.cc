@@ -12,8 +12,8 @@ XLA_FFI_Error* KvcmRaggedPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
 }
 
 // Cold-tier pieces, each in its own file.
-void BindPinnedMemory(nb::module_& m);        // pinned_memory.cc
-void BindArenaVmm(nb::module_& m);            // arena_vmm.cc (the contiguous arena's memory)
+void BindPinnedMemory(nb::module_& m);        // ffi/runtime/pinned_memory.cc
+void BindVmmReservation(nb::module_& m);      // ffi/runtime/vmm_binding.cc (the arena's memory)
 void AddCodecRegistrationsCuda(nb::dict& d);  // codec.cu (declared with C++ linkage there)
 void BindOffloadTickets(nb::module_& m);      // codec.cu (the side-stream mover's tickets)
 
@@ -33,6 +33,6 @@ NB_MODULE(_kvcm_cuda, m) {
     return d;
   }, "Handler capsules by FFI target name.");
   BindPinnedMemory(m);
-  BindArenaVmm(m);
+  BindVmmReservation(m);
   BindOffloadTickets(m);
 }

@@ -1,6 +1,7 @@
 // The open CPU arena reservations, for the ops that take an arena pool by address
 // (ffi/cpu/arena_ops_cpu.cc): they refuse an address outside an open reservation, or a row on an
-// unmapped super-page, with an error instead of a fault. Defined in ffi/cpu/arena_cpu.cc.
+// unmapped super-page, with an error instead of a fault. Fed by the reservation's memfd backend
+// (ffi/runtime/memfd_backend.cc).
 #pragma once
 
 #include <cstddef>

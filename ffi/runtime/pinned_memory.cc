@@ -26,16 +26,15 @@
 #include <utility>
 #include <vector>
 
+#include "byte_view.h"
+#include "system.h"
+
 namespace nb = nanobind;
+using kvcm::runtime::SystemPageSize;
 
 namespace {
 
 constexpr size_t kMaxRegisterBytes = size_t{1} << 31;  // 2 GiB per cudaHostRegister region
-
-size_t SystemPageSize() {
-  long page = sysconf(_SC_PAGESIZE);
-  return page > 0 ? static_cast<size_t>(page) : 4096;
-}
 
 std::string CudaText(const char* call, cudaError_t err) {
   return std::string(call) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
@@ -164,8 +163,6 @@ class PinnedHostBuffer {
   std::vector<std::pair<void*, size_t>> regions_;  // registered path only
 };
 
-using ByteView = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
 }  // namespace
 
 void BindPinnedMemory(nb::module_& m) {
@@ -187,8 +184,7 @@ void BindPinnedMemory(nb::module_& m) {
           "view",
           [](nb::handle self) {
             PinnedHostBuffer& b = nb::cast<PinnedHostBuffer&>(self);
-            size_t shape[1] = {b.nbytes()};
-            return ByteView(b.data(), 1, shape, self);  // references ``self``
+            return kvcm::runtime::ByteViewOf(self, b.data(), b.nbytes());
           },
           "A writable uint8 numpy array over all bytes, without copying; keeps the buffer alive.")
       .def("__repr__", [](const PinnedHostBuffer& b) {

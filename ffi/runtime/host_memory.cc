@@ -20,14 +20,13 @@
 #include <new>
 #include <string>
 
+#include "byte_view.h"
+#include "system.h"
+
 namespace nb = nanobind;
+using kvcm::runtime::SystemPageSize;
 
 namespace {
-
-size_t SystemPageSize() {
-  long page = sysconf(_SC_PAGESIZE);
-  return page > 0 ? static_cast<size_t>(page) : 4096;
-}
 
 class HostBuffer {
  public:
@@ -80,8 +79,6 @@ class HostBuffer {
   size_t length_ = 0;
 };
 
-using ByteView = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
 }  // namespace
 
 void BindHostMemory(nb::module_& m) {
@@ -101,9 +98,7 @@ void BindHostMemory(nb::module_& m) {
           "view",
           [](nb::handle self) {
             HostBuffer& b = nb::cast<HostBuffer&>(self);
-            size_t shape[1] = {b.nbytes()};
-            // NOTE: the array references ``self``, so the buffer outlives every view.
-            return ByteView(b.data(), 1, shape, self);
+            return kvcm::runtime::ByteViewOf(self, b.data(), b.nbytes());
           },
           "A writable uint8 numpy array over all bytes, without copying; keeps the buffer alive.")
       .def("__repr__", [](const HostBuffer& b) {

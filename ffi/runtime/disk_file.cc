@@ -53,16 +53,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#if defined(__x86_64__)
-#include <nmmintrin.h>
-#define KVCM_CRC32C_X86 1
-#elif defined(__aarch64__) && defined(__linux__)
-#include <arm_acle.h>
-#include <asm/hwcap.h>
-#include <sys/auxv.h>
-#define KVCM_CRC32C_ARM 1
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -72,177 +62,24 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "crc32c.h"
+#include "disk_io.h"
+
 namespace nb = nanobind;
+using kvcm::runtime::Crc32c;
+using kvcm::runtime::Crc32cSoftware;
+using kvcm::runtime::DefaultIoThreads;
+using kvcm::runtime::FaultPlan;
+using kvcm::runtime::ForEachPiece;
+using kvcm::runtime::kNoPiece;
+using kvcm::runtime::Outcome;
+using kvcm::runtime::Piece;
+using kvcm::runtime::Pieces;
+using kvcm::runtime::TransferAll;
 
 namespace {
-
-// ------------------------------------------------------------------------------------------------
-// CRC32C (Castagnoli, reflected polynomial 0x82F63B78, init and final xor ~0): check value
-// crc32c("123456789") == 0xE3069283. Hardware instructions when the CPU has them (SSE4.2 on x86,
-// the CRC extension on ARMv8), else slicing-by-8 tables. The hardware path runs three independent
-// streams over thirds of a large buffer and combines them (GF(2) polynomial arithmetic, as zlib's
-// crc32_combine), which hides the instruction's latency.
-
-constexpr uint32_t kCrc32cPoly = 0x82F63B78u;
-
-struct Crc32cTables {
-  uint32_t slice[8][256];
-  uint32_t x2n[32];  // x^(2^k) mod P
-};
-
-uint32_t MultModP(uint32_t a, uint32_t b) {  // a(x) * b(x) mod P(x), reflected
-  uint32_t m = 1u << 31, p = 0;
-  for (;;) {
-    if (a & m) {
-      p ^= b;
-      if ((a & (m - 1)) == 0) break;
-    }
-    m >>= 1;
-    b = (b & 1) ? (b >> 1) ^ kCrc32cPoly : b >> 1;
-  }
-  return p;
-}
-
-const Crc32cTables& Tables() {
-  static const Crc32cTables tables = [] {
-    Crc32cTables t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kCrc32cPoly : c >> 1;
-      t.slice[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; ++i) {
-      for (int s = 1; s < 8; ++s) {
-        uint32_t prev = t.slice[s - 1][i];
-        t.slice[s][i] = (prev >> 8) ^ t.slice[0][prev & 0xff];
-      }
-    }
-    uint32_t p = 1u << 30;  // x^1
-    t.x2n[0] = p;
-    for (int k = 1; k < 32; ++k) t.x2n[k] = p = MultModP(p, p);
-    return t;
-  }();
-  return tables;
-}
-
-// x^(8 * nbytes) mod P: the operator that shifts a CRC over nbytes zero bytes.
-uint32_t ShiftOperator(uint64_t nbytes) {
-  const Crc32cTables& t = Tables();
-  uint32_t p = 1u << 31;  // x^0
-  unsigned k = 3;         // 8 * nbytes = nbytes * 2^3
-  while (nbytes) {
-    if (nbytes & 1) p = MultModP(t.x2n[k & 31], p);
-    nbytes >>= 1;
-    ++k;
-  }
-  return p;
-}
-
-// Raw (unconditioned) update: the caller applies the ~ before and after.
-uint32_t Crc32cSoftwareRaw(uint32_t crc, const uint8_t* p, size_t n) {
-  const Crc32cTables& t = Tables();
-  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
-    crc = (crc >> 8) ^ t.slice[0][(crc ^ *p++) & 0xff];
-    --n;
-  }
-  while (n >= 8) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);  // little-endian hosts only (x86, aarch64 Linux)
-    v ^= crc;
-    crc = t.slice[7][v & 0xff] ^ t.slice[6][(v >> 8) & 0xff] ^ t.slice[5][(v >> 16) & 0xff] ^
-          t.slice[4][(v >> 24) & 0xff] ^ t.slice[3][(v >> 32) & 0xff] ^
-          t.slice[2][(v >> 40) & 0xff] ^ t.slice[1][(v >> 48) & 0xff] ^ t.slice[0][v >> 56];
-    p += 8;
-    n -= 8;
-  }
-  while (n--) crc = (crc >> 8) ^ t.slice[0][(crc ^ *p++) & 0xff];
-  return crc;
-}
-
-// The hardware step: one 8-byte word (crc64 keeps the 32-bit CRC in its low half).
-#if defined(KVCM_CRC32C_X86)
-#define KVCM_HW_TARGET __attribute__((target("sse4.2")))
-KVCM_HW_TARGET inline uint32_t HwWord(uint32_t c, uint64_t v) {
-  return static_cast<uint32_t>(_mm_crc32_u64(c, v));
-}
-KVCM_HW_TARGET inline uint32_t HwByte(uint32_t c, uint8_t v) { return _mm_crc32_u8(c, v); }
-bool HaveHwCrc() {
-  __builtin_cpu_init();  // NOTE: needed when called from a static initializer
-  return __builtin_cpu_supports("sse4.2");
-}
-constexpr const char* kHwName = "sse4.2";
-#elif defined(KVCM_CRC32C_ARM)
-#define KVCM_HW_TARGET __attribute__((target("+crc")))
-KVCM_HW_TARGET inline uint32_t HwWord(uint32_t c, uint64_t v) { return __crc32cd(c, v); }
-KVCM_HW_TARGET inline uint32_t HwByte(uint32_t c, uint8_t v) { return __crc32cb(c, v); }
-bool HaveHwCrc() { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
-constexpr const char* kHwName = "armv8-crc";
-#endif
-
-#if defined(KVCM_HW_TARGET)
-KVCM_HW_TARGET uint32_t Crc32cHwRaw(uint32_t crc, const uint8_t* p, size_t n) {
-  for (; n >= 8; p += 8, n -= 8) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);  // unaligned loads are fine on x86-64 and aarch64
-    crc = HwWord(crc, v);
-  }
-  for (; n; --n) crc = HwByte(crc, *p++);
-  return crc;
-}
-
-// Three independent streams in one loop, so the instruction's latency is hidden.
-KVCM_HW_TARGET void Crc32cHwRaw3(uint32_t* a, uint32_t* b, uint32_t* c, const uint8_t* pa,
-                                 const uint8_t* pb, const uint8_t* pc, size_t words) {
-  uint32_t x = *a, y = *b, z = *c;
-  for (size_t i = 0; i < words; ++i) {
-    uint64_t u, v, w;
-    std::memcpy(&u, pa + 8 * i, 8);
-    std::memcpy(&v, pb + 8 * i, 8);
-    std::memcpy(&w, pc + 8 * i, 8);
-    x = HwWord(x, u);
-    y = HwWord(y, v);
-    z = HwWord(z, w);
-  }
-  *a = x;
-  *b = y;
-  *c = z;
-}
-
-// Conditioned CRC with the hardware instruction; large buffers run as three streams over thirds
-// A, B, C. The raw register update is linear: R(s, X || Y) = shift(R(s, X), |Y|) ^ R(0, Y), so
-// crc = ~(shift(shift(R(~0, A), |B|) ^ R(0, B), |C|) ^ R(0, C)).
-uint32_t Crc32cHardware(const void* data, size_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  constexpr size_t kStreamMin = 3 * 4096;
-  if (n < kStreamMin) return ~Crc32cHwRaw(~0u, p, n);
-  const size_t third = (n / 3) & ~size_t{7};
-  const size_t last = n - 2 * third;
-  uint32_t a = ~0u, b = 0, c = 0;
-  Crc32cHwRaw3(&a, &b, &c, p, p + third, p + 2 * third, third / 8);
-  c = Crc32cHwRaw(c, p + 3 * third, last - third);
-  const uint32_t ab = MultModP(ShiftOperator(third), a) ^ b;
-  return ~(MultModP(ShiftOperator(last), ab) ^ c);
-}
-#else
-bool HaveHwCrc() { return false; }
-constexpr const char* kHwName = "software";
-uint32_t Crc32cHardware(const void* data, size_t n) {
-  return ~Crc32cSoftwareRaw(~0u, static_cast<const uint8_t*>(data), n);
-}
-#endif
-
-const bool kUseHwCrc = HaveHwCrc();
-
-uint32_t Crc32cSoftware(const void* data, size_t n) {
-  return ~Crc32cSoftwareRaw(~0u, static_cast<const uint8_t*>(data), n);
-}
-
-uint32_t Crc32c(const void* data, size_t n) {
-  return kUseHwCrc ? Crc32cHardware(data, n) : Crc32cSoftware(data, n);
-}
 
 // ------------------------------------------------------------------------------------------------
 // Errors.
@@ -256,95 +93,11 @@ uint32_t Crc32c(const void* data, size_t n) {
   throw nb::python_error();
 }
 
-// ------------------------------------------------------------------------------------------------
-// Fault injection (tests only): one-shot faults on the (after_ios + 1)-th following I/O syscall of
-// the matching direction. Syscalls are numbered in piece order whatever the number of threads (see
-// PlanFaults).
-
-enum FaultKind : int { kEnospc = 0, kShortWrite, kShortRead, kEioRead, kNumFaultKinds };
-constexpr const char* kFaultNames[kNumFaultKinds] = {"enospc", "short_write", "short_read",
-                                                     "eio_read"};
-constexpr bool kFaultIsWrite[kNumFaultKinds] = {true, true, false, false};
-constexpr int kNoFault = -1;
-
-// The most one pread/pwrite asks for: Linux transfers at most 0x7ffff000 bytes per call (with 4 KiB
-// pages; 0x7fff0000 with 64 KiB pages), so a request of this size is never cut by that limit and
-// the number of syscalls of a piece is known before it runs.
-constexpr size_t kMaxSyscallBytes = 0x7fff0000;
-constexpr size_t kNoPiece = SIZE_MAX;
-
 // Defaults of the I/O engine (see the module notes).
-constexpr int64_t kMaxDefaultIoThreads = 8;
 constexpr int64_t kDefaultPieceBytes = 4 << 20;
 constexpr int64_t kDefaultMinThreadBytes = 1 << 20;
 
 using BoolArray = nb::ndarray<nb::numpy, bool, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-struct Piece {
-  size_t first;  // index into slots (and host pages)
-  size_t count;  // pages in the piece
-};
-
-// The injected fault one call meets: the (syscall + 1)-th syscall of piece `piece` gets `kind`.
-// The call runs pieces [0, num_pieces) only: as when pieces ran one after the other, nothing after
-// the failing piece is started.
-struct FaultPlan {
-  size_t num_pieces = 0;
-  size_t piece = kNoPiece;
-  size_t syscall = 0;
-  int kind = kNoFault;
-};
-
-// What a call did: the smallest failing piece (kNoPiece when none), its errno, and how many
-// threads ran pieces (the caller included).
-struct Outcome {
-  size_t piece = kNoPiece;
-  int err = 0;
-  size_t workers = 0;
-};
-
-int64_t DefaultIoThreads() {
-  const int64_t hw = static_cast<int64_t>(std::thread::hardware_concurrency());
-  return std::max<int64_t>(1, std::min(kMaxDefaultIoThreads, hw));
-}
-
-// Runs body(p) for p in [0, num) on `workers` threads (the caller is one of them; fewer when
-// threads cannot be created), handing indices out in increasing order. body returns 0 or an errno.
-// Once a piece has failed, pieces above the smallest failing one are not started; pieces below it
-// were all handed out before it and run to the end. Every thread is joined before this returns.
-template <class Body>
-Outcome ForEachPiece(size_t num, size_t workers, const Body& body) {
-  std::vector<int> errs(num, 0);
-  std::atomic<size_t> next{0};
-  std::atomic<size_t> first_failed{kNoPiece};
-  auto work = [&]() noexcept {
-    for (;;) {
-      const size_t p = next.fetch_add(1);
-      if (p >= num || p > first_failed.load()) return;
-      const int err = body(p);
-      if (err != 0) {
-        errs[p] = err;
-        size_t seen = first_failed.load();
-        while (p < seen && !first_failed.compare_exchange_weak(seen, p)) {
-        }
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  try {
-    threads.reserve(workers > 1 ? workers - 1 : 0);
-    for (size_t w = 1; w < workers; ++w) threads.emplace_back(work);
-  } catch (...) {
-    // NOTE: no thread (or no memory) for more workers: the ones started and the caller finish
-  }
-  work();
-  for (std::thread& t : threads) t.join();
-  Outcome out;
-  out.piece = first_failed.load();
-  if (out.piece != kNoPiece) out.err = errs[out.piece];
-  out.workers = threads.size() + 1;
-  return out;
-}
 
 class DiskFile {
  public:
@@ -366,7 +119,6 @@ class DiskFile {
     set_io_threads(io_threads);
     num_slots_ = num_slots;
     slot_bytes_ = slot_bytes;
-    for (auto& f : faults_) f = kNoFault;
     table_.reset(new std::atomic<uint64_t>[static_cast<size_t>(num_slots)]);
     for (int64_t s = 0; s < num_slots; ++s) table_[s].store(0, std::memory_order_relaxed);
 
@@ -459,26 +211,8 @@ class DiskFile {
     if (err != 0 && err != ENOENT) RaiseOSError(err, "removing the file", path_);
   }
 
-  void InjectFault(const std::string& kind, int64_t after_ios) {
-    if (after_ios < 0) {
-      throw nb::value_error(("after_ios must be >= 0, got " + std::to_string(after_ios)).c_str());
-    }
-    for (int k = 0; k < kNumFaultKinds; ++k) {
-      if (kind == kFaultNames[k]) {
-        std::lock_guard<std::mutex> lock(fault_mutex_);
-        faults_[k] = after_ios;
-        return;
-      }
-    }
-    throw nb::value_error(("unknown fault kind " + kind +
-                           " (expected one of: enospc, short_write, short_read, eio_read)")
-                              .c_str());
-  }
-
-  void ClearFaults() {
-    std::lock_guard<std::mutex> lock(fault_mutex_);
-    for (auto& f : faults_) f = kNoFault;
-  }
+  void InjectFault(const std::string& kind, int64_t after_ios) { faults_.Inject(kind, after_ios); }
+  void ClearFaults() { faults_.Clear(); }
 
  private:
   std::atomic<uint64_t>& Entry(int64_t slot) { return table_[static_cast<size_t>(slot)]; }
@@ -509,7 +243,7 @@ class DiskFile {
       std::shared_lock<std::shared_mutex> lock(io_mutex_);
       closed = closed_;
       if (!closed) {
-        const FaultPlan plan = PlanFaults(is_write, pieces);
+        const FaultPlan plan = faults_.Plan(is_write, pieces, sb);
         size_t workers = Workers(pieces, plan.num_pieces);
         // NOTE: a slot written twice (a host page read into twice) in one call keeps the later
         // page, as documented: such calls run their pieces in order.
@@ -546,9 +280,9 @@ class DiskFile {
       // neither old nor new, and it must read as missing.
       for (size_t k = 0; k < piece.count; ++k) Entry(slots[piece.first + k]).store(0);
     }
-    const int err = TransferAll(is_write, host, piece.count * sb,
+    const int err = TransferAll(fd_, is_write, host, piece.count * sb,
                                 static_cast<off_t>(slots[piece.first] * slot_bytes_),
-                                fault_syscall, fault_kind);
+                                fault_syscall, fault_kind, num_io_calls_);
     if (err != 0) return err;
     for (size_t k = 0; k < piece.count; ++k) {
       const size_t i = piece.first + k;
@@ -628,24 +362,6 @@ class DiskFile {
     return static_cast<size_t>(std::max<int64_t>(1, piece_bytes_.load() / slot_bytes_));
   }
 
-  // Runs of pages adjacent both on disk (slots) and in host memory (pages), cut into pieces of at
-  // most max_pages pages.
-  static std::vector<Piece> Pieces(const std::vector<int64_t>& slots,
-                                   const std::vector<int64_t>& pages, size_t max_pages) {
-    std::vector<Piece> pieces;
-    size_t i = 0;
-    while (i < slots.size()) {
-      size_t j = i + 1;
-      while (j < slots.size() && j - i < max_pages && slots[j] == slots[j - 1] + 1 &&
-             pages[j] == pages[j - 1] + 1) {
-        ++j;
-      }
-      pieces.push_back({i, j - i});
-      i = j;
-    }
-    return pieces;
-  }
-
   static bool HasDuplicates(std::vector<int64_t> slots) {
     std::sort(slots.begin(), slots.end());
     return std::adjacent_find(slots.begin(), slots.end()) != slots.end();
@@ -668,95 +384,6 @@ class DiskFile {
     if (piece.count == 1) return text + " " + std::to_string(slots[piece.first]);
     return text + "s " + std::to_string(slots[piece.first]) + ".." +
            std::to_string(slots[piece.first + piece.count - 1]);
-  }
-
-  // The fault that fires on this syscall of the given direction, or kNoFault (fault_mutex_ held).
-  int TakeFaultLocked(bool is_write) {
-    int fired = kNoFault;
-    for (int k = 0; k < kNumFaultKinds; ++k) {
-      if (kFaultIsWrite[k] != is_write || faults_[k] == kNoFault) continue;
-      if (faults_[k] == 0) {
-        if (fired == kNoFault) {
-          fired = k;
-          faults_[k] = kNoFault;
-        }
-      } else {
-        --faults_[k];
-      }
-    }
-    return fired;
-  }
-
-  // Consumes the pending faults of the direction for the call's syscalls, numbered in piece order
-  // (ceil(bytes / kMaxSyscallBytes) per piece), as if the pieces ran one after the other; stops at
-  // the first that fires. So which piece fails, and what the call leaves behind, does not depend
-  // on the number of threads.
-  FaultPlan PlanFaults(bool is_write, const std::vector<Piece>& pieces) {
-    FaultPlan plan;
-    plan.num_pieces = pieces.size();
-    std::lock_guard<std::mutex> lock(fault_mutex_);
-    bool pending = false;
-    for (int k = 0; k < kNumFaultKinds; ++k) {
-      pending |= kFaultIsWrite[k] == is_write && faults_[k] != kNoFault;
-    }
-    if (!pending) return plan;
-    for (size_t p = 0; p < pieces.size(); ++p) {
-      const size_t len = pieces[p].count * static_cast<size_t>(slot_bytes_);
-      const size_t syscalls = (len + kMaxSyscallBytes - 1) / kMaxSyscallBytes;
-      for (size_t j = 0; j < syscalls; ++j) {
-        const int kind = TakeFaultLocked(is_write);
-        if (kind != kNoFault) {
-          plan.num_pieces = p + 1;
-          plan.piece = p;
-          plan.syscall = j;
-          plan.kind = kind;
-          return plan;
-        }
-      }
-    }
-    return plan;
-  }
-
-  // pwrite (is_write) or pread until done, at most kMaxSyscallBytes per syscall; the fault `kind`
-  // replaces syscall number `fault_syscall` (kNoPiece: none). Returns 0 or an errno (EIO for a
-  // transfer that made no progress: a short write, or end of file inside the preallocated file).
-  int TransferAll(bool is_write, uint8_t* buf, size_t len, off_t off, size_t fault_syscall,
-                  int kind) noexcept {
-    const int error_fault = is_write ? kEnospc : kEioRead;
-    const int error_errno = is_write ? ENOSPC : EIO;
-    const int short_fault = is_write ? kShortWrite : kShortRead;
-    auto io = [&](size_t n) {
-      return is_write ? ::pwrite(fd_, buf, n, off) : ::pread(fd_, buf, n, off);
-    };
-    bool zero_next = false;
-    for (size_t syscall = 0; len > 0;) {
-      num_io_calls_.fetch_add(1);
-      const size_t want = std::min(len, kMaxSyscallBytes);
-      ssize_t n;
-      if (zero_next) {  // the syscall after a short transfer: no progress (not a counted one)
-        n = 0;
-      } else {
-        const int fault = syscall++ == fault_syscall ? kind : kNoFault;
-        if (fault == error_fault) {
-          n = -1;
-          errno = error_errno;
-        } else if (fault == short_fault) {
-          n = want / 2 ? io(want / 2) : 0;
-          zero_next = true;
-        } else {
-          n = io(want);
-        }
-      }
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return errno;
-      }
-      if (n == 0) return EIO;
-      buf += n;
-      len -= static_cast<size_t>(n);
-      off += n;
-    }
-    return 0;
   }
 
   // Closes once (and unlinks the name when the early unlink failed); returns the unlink errno
@@ -787,8 +414,7 @@ class DiskFile {
   std::atomic<int64_t> piece_bytes_{kDefaultPieceBytes};
   std::atomic<int64_t> min_thread_bytes_{kDefaultMinThreadBytes};
   std::atomic<int64_t> last_workers_{0};
-  std::mutex fault_mutex_;
-  int64_t faults_[kNumFaultKinds];
+  kvcm::runtime::FaultInjector faults_;
 };
 
 }  // namespace
@@ -801,8 +427,8 @@ void BindDiskFile(nb::module_& m) {
            nb::arg("num_slots"), nb::arg("slot_bytes"), nb::arg("io_threads") = 0,
            "Creates ``path`` exclusively (mode 0600), unlinks it (the descriptor keeps it) "
            "and preallocates num_slots * slot_bytes bytes. OSError (errno preserved, e.g. "
-           "ENOSPC, EEXIST) on failure; a half-created file is removed. ``io_threads``: threads per write/read call (0: min(8, hardware "
-           "threads)).")
+           "ENOSPC, EEXIST) on failure; a half-created file is removed. ``io_threads``: "
+           "threads per write/read call (0: min(8, hardware threads)).")
       .def_prop_ro("path", &DiskFile::path)
       .def_prop_ro("num_slots", &DiskFile::num_slots)
       .def_prop_ro("slot_bytes", &DiskFile::slot_bytes)
@@ -864,5 +490,5 @@ void BindDiskFile(nb::module_& m) {
       nb::arg("data"), nb::arg("software") = false,
       "Test hook: CRC32C of ``data`` as the disk tier computes it (or with the table-driven "
       "path).");
-  m.attr("_CRC32C_IMPL") = kUseHwCrc ? kHwName : "software";
+  m.attr("_CRC32C_IMPL") = kvcm::runtime::Crc32cImplementation();
 }
