@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvcm._arena import Arena, ArenaConfig, ArenaLayout, ArenaSequence
-from jax_kvcm._arena_ops import ArenaPool
+from jax_kvcm._arena_pool import ArenaPool
 from jax_kvcm._arena_storage import ArenaColdStore
 from jax_kvcm._manager import (KVCacheConfig, KVCacheManager, ManagerEvent, OutOfPagesError,
                                Sequence,
@@ -206,8 +206,9 @@ class ArenaKVCacheManager(KVCacheManager):
             return None
         k, v = self._pools[0]
         # NOTE: two tokens (a step donates both pools; one array donated twice is an error).
-        return [tuple(ArenaPool(jax.device_put(np.int32(0), a.sharding), a.unsafe_buffer_pointer(),
-                                a.shape, a.dtype) for a in (k, v))]
+        return [tuple(ArenaPool.by_address(jax.device_put(np.int32(0), a.sharding),
+                                           a.unsafe_buffer_pointer(), a.shape, a.dtype,
+                                           slot_major=False) for a in (k, v))]
 
     def _row_pages(self, row: int, first: int, last: int) -> np.ndarray:
         seq = self._aseq[int(self._seq_id[row])]

@@ -532,7 +532,8 @@ def test_bad_config_and_misuse_name_the_field():
         with pytest.raises(TypeError, match="must be an ArenaPool"):
             mgr.complete_step([(jnp.zeros(kc.shape, kc.dtype), jnp.zeros(vc.shape, vc.dtype))])
         with pytest.raises(ValueError, match="not this arena's pool"):
-            mgr.complete_step([(kc, ArenaPool(vc.token, vc.address + 4096, vc.shape, vc.dtype))])
+            mgr.complete_step([(kc, ArenaPool.by_address(vc.token, vc.address + 4096, vc.shape,
+                                                              vc.dtype, slot_major=False))])
         mgr.abort_step()
         with pytest.raises(TypeError, match="compact"):
             mgr.compact([0])
