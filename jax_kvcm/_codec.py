@@ -12,6 +12,10 @@ Codecs are native: the two here, :class:`ConcatCodec` (lossless, the default) an
 
 Hot pools of a layer group: ``k_pool``, ``v_pool`` of shape ``[L, S, P, H, D]`` (num_layers,
 num_slots, page_size, num_kv_heads, head_dim); hot page ``s`` is slot ``s`` along axis 1 of both.
+A slot-major hot pool group (``HotPoolGroupDesc.slot_major``, the arena) passes two ArenaPools
+(:class:`~jax_kvcm._arena_pool.ArenaPool`) of that logical shape instead (physically ``[S, L, P,
+H, D]``, or by address on CPU); the cold page of a page is byte-identical in both layouts, so a
+page encoded from one layout decodes into the other.
 Index pairs: int32 ``[n, 2]`` of ``(dst, src)`` (array of structures). Encode: ``dst`` is a cold
 slot, ``src`` a hot slot; cold page ``c`` is written at ``dst_address + c * cold_page_bytes(lg)``.
 Decode: ``dst`` is a hot slot, ``src`` a cold slot; the pools are written in place (the outputs
@@ -28,7 +32,6 @@ indices) skips the bad pairs and reports them when created with ``check_indices=
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import operator
 from collections.abc import Sequence
@@ -39,7 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcm import _env, _ffi
+from jax_kvcm import _arena_pool, _env
+from jax_kvcm._codec_registry import index_registry as _index_registry
+from jax_kvcm._codec_registry import on_accelerator as _on_accelerator
 
 __all__ = [
     "ColdPageCodec",
@@ -75,9 +80,11 @@ class PageIndexLocation(enum.IntEnum):
 class HotPoolGroupDesc:
     """The hot layout of one hot pool group, as :meth:`ColdPageCodec.configure` receives it.
 
-    Every layer group in ``layer_groups`` has one K and one V pool of shape
-    ``[num_layers, num_slots, page_size, num_kv_heads, head_dim]`` and ``dtype``. Not validated
-    here: :meth:`ColdPageCodec.configure` refuses (returns False for) a bad description.
+    Every layer group in ``layer_groups`` has one K and one V pool of logical shape
+    ``[num_layers, num_slots, page_size, num_kv_heads, head_dim]`` and ``dtype``; with
+    ``slot_major`` they are ArenaPools (:class:`~jax_kvcm._arena_pool.ArenaPool`; physically
+    ``[num_slots, num_layers, ...]``), else arrays of that shape. Not validated here:
+    :meth:`ColdPageCodec.configure` refuses (returns False for) a bad description.
     """
 
     index: int
@@ -221,7 +228,9 @@ class ColdPageCodec:
 
         Args:
           lg: a configured layer group (usually a batching representative).
-          k_pool, v_pool: the group's hot pools ``[L, S, P, H, D]`` (read only).
+          k_pool, v_pool: the group's hot pools ``[L, S, P, H, D]`` (read only): arrays, or
+            ArenaPools for a slot-major group (by-address ones are read after their last
+            writes).
           index_pairs: int32 ``[n, 2]`` of ``(dst cold slot, src hot slot)``.
           dst_address: static int, the cold tier's base (device-accessible on GPU), a multiple
             of 16.
@@ -237,16 +246,20 @@ class ColdPageCodec:
           ``side_stream`` on CUDA: that the copies are issued). The custom call has a side
           effect, so XLA never drops it.
         """
-        self._check_call(lg, k_pool, v_pool, index_pairs)
+        form = self._check_call(lg, k_pool, v_pool, index_pairs)
         attrs = self._attrs(dst_address, "dst_address", num_cold_slots)
         if side_stream:
             if not self.supports_side_stream:
                 raise ValueError(f"side_stream: the {self.name} codec has no side-stream mover "
                                  "(the concat codec has)")
             attrs["options"] = np.int32(self._options | _OPT_SIDE_STREAM)
+        if form == "address":
+            return _arena_pool.encode_by_address(self._encode_target, k_pool, v_pool, index_pairs,
+                                                 attrs)
         call = jax.ffi.ffi_call(self._encode_target, jax.ShapeDtypeStruct((1,), jnp.int32),
                                 has_side_effect=True)
-        return call(k_pool, v_pool, index_pairs, **attrs)
+        kp, vp = _arena_pool.physical_pair(k_pool, v_pool, form)
+        return call(kp, vp, index_pairs, slot_major=np.bool_(form == "array"), **attrs)
 
     def decode(self, lg: int, k_pool: jax.Array, v_pool: jax.Array, index_pairs: jax.Array,
                src_address: int, *,
@@ -258,15 +271,21 @@ class ColdPageCodec:
         Returns:
           ``(k_pool, v_pool)`` aliased to the inputs: under ``jax.jit(..., donate_argnums=(0,
           1))`` the pools are written in place; slots not named in ``index_pairs`` keep their
-          contents.
+          contents. ArenaPools come back as ArenaPools (by-address ones written in place, their
+          tokens advanced).
         """
-        self._check_call(lg, k_pool, v_pool, index_pairs)
+        form = self._check_call(lg, k_pool, v_pool, index_pairs)
         attrs = self._attrs(src_address, "src_address", num_cold_slots)
-        out = (jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
-               jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
+        if form == "address":
+            return _arena_pool.decode_by_address(self._decode_target, k_pool, v_pool, index_pairs,
+                                                 attrs)
+        kp, vp = _arena_pool.physical_pair(k_pool, v_pool, form)
+        out = (jax.ShapeDtypeStruct(kp.shape, kp.dtype), jax.ShapeDtypeStruct(vp.shape, vp.dtype))
         call = jax.ffi.ffi_call(self._decode_target, out, input_output_aliases={0: 0, 1: 1},
                                 has_side_effect=True)
-        k_out, v_out = call(k_pool, v_pool, index_pairs, **attrs)
+        k_out, v_out = call(kp, vp, index_pairs, slot_major=np.bool_(form == "array"), **attrs)
+        if form == "array":
+            return k_pool.with_data(k_out), v_pool.with_data(v_out)
         return k_out, v_out
 
     # -- host index pairs (HOST location on CUDA) ------------------------------------------------
@@ -346,6 +365,8 @@ class ColdPageCodec:
                                f"{getattr(desc, field)!r}"
             if _as_int(desc.num_slots) > 2**31 - 1:
                 return {}, f"descs[{position}].num_slots must fit int32"
+            if not isinstance(desc.slot_major, (bool, np.bool_)):
+                return {}, f"descs[{position}].slot_major must be a bool, got {desc.slot_major!r}"
             try:
                 dtype = jnp.dtype(desc.dtype)
             except TypeError:
@@ -376,12 +397,20 @@ class ColdPageCodec:
                 groups[lg] = _Configured(desc, dtype, nbytes, representative)
         return groups, None
 
-    def _check_call(self, lg: Any, k_pool: Any, v_pool: Any, index_pairs: Any) -> _Configured:
+    def _check_call(self, lg: Any, k_pool: Any, v_pool: Any, index_pairs: Any) -> str | None:
+        """Checks a call's operands; returns how it takes the pools (``pool_pair_form``)."""
+        form = _arena_pool.pool_pair_form(k_pool, v_pool, ("k_pool", "v_pool"))
         if not self._groups:
             raise RuntimeError(f"{type(self).__name__} is not configured")
         g = self._lookup(lg)
         if g is None:
             raise ValueError(f"layer group {lg!r} is not configured in this codec")
+        slot_major = form is not None and k_pool.slot_major
+        if slot_major != g.desc.slot_major:
+            want_layout = "slot-major" if g.desc.slot_major else "layer-major"
+            raise TypeError(f"k_pool, v_pool: layer group {lg}'s hot pools are {want_layout} "
+                            "(HotPoolGroupDesc.slot_major), got "
+                            f"{'slot' if slot_major else 'layer'}-major pools")
         want = g.desc.pool_shape
         for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
             if tuple(pool.shape) != want:
@@ -395,7 +424,7 @@ class ColdPageCodec:
         if len(shape) != 2 or shape[1] != 2 or dtype is None or jnp.dtype(dtype) != jnp.int32:
             raise ValueError(f"index_pairs must be int32 [n, 2] (dst, src) pairs, got "
                              f"{dtype}{list(shape)}")
-        return g
+        return form
 
     def _attrs(self, address: Any, name: str, num_cold_slots: Any) -> dict[str, Any]:
         if isinstance(address, jax.core.Tracer):
@@ -563,70 +592,3 @@ def _as_int(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
-
-
-def _on_accelerator(array: Any) -> bool:
-    if isinstance(array, jax.core.Tracer):
-        raise TypeError("register/unregister_host_index_pairs need a concrete jax.Array, "
-                        "not a traced value")
-    return any(d.platform != "cpu" for d in array.devices())
-
-
-class _IndexRegistry:
-    """The CUDA extension's host index registry (C entry points in ffi/cuda/codec.cu).
-
-    register/unregister use the module's bindings when ``module.cc`` provides them, else the
-    exported C symbols through ctypes (they are exported with default visibility either way).
-    """
-
-    def __init__(self, module: Any) -> None:
-        lib = ctypes.CDLL(module.__file__)  # NOTE: the already loaded library, not a second copy
-        for fn, args, res in (
-                (lib.kvcm_register_host_index_pairs,
-                 [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64], ctypes.c_int),
-                (lib.kvcm_register_host_index_pairs_ticket,
-                 [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int),
-                (lib.kvcm_unregister_host_index_pairs, [ctypes.c_size_t], ctypes.c_int),
-                (lib.kvcm_lookup_host_index_pairs,
-                 [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64),
-                (lib.kvcm_num_host_index_registrations, [], ctypes.c_int64),
-                (lib.kvcm_concat_mover_calls, [ctypes.c_int], ctypes.c_int64)):
-            fn.argtypes, fn.restype = args, res
-        self._lib = lib
-        self.register_ticket = lib.kvcm_register_host_index_pairs_ticket
-        bound = hasattr(module, "register_host_index_pairs")
-        self.register = (module.register_host_index_pairs if bound
-                         else lib.kvcm_register_host_index_pairs)
-        self.unregister = (module.unregister_host_index_pairs if bound
-                           else lib.kvcm_unregister_host_index_pairs)
-
-    def lookup(self, device_ptr: int) -> np.ndarray | None:
-        """A copy of the pairs registered for ``device_ptr``, or None."""
-        n = self._lib.kvcm_lookup_host_index_pairs(device_ptr, None, 0)
-        if n < 0:
-            return None
-        out = np.empty((n, 2), np.int32)
-        self._lib.kvcm_lookup_host_index_pairs(device_ptr, out.ctypes.data, n)
-        return out
-
-    def count(self) -> int:
-        """Number of registered device buffers."""
-        return int(self._lib.kvcm_num_host_index_registrations())
-
-    def concat_mover_calls(self) -> tuple[int, int]:
-        """(copy-kernel calls, memcpy calls) of the CUDA concat codec since load."""
-        return (int(self._lib.kvcm_concat_mover_calls(0)),
-                int(self._lib.kvcm_concat_mover_calls(1)))
-
-
-_registry: _IndexRegistry | None = None
-
-
-def _index_registry() -> _IndexRegistry:
-    global _registry
-    if _registry is None:
-        if _ffi._kvcm_cuda is None:
-            raise RuntimeError("host index pairs for a GPU array need the jax_kvcm CUDA "
-                               f"extension: {_ffi.CUDA_IMPORT_ERROR}")
-        _registry = _IndexRegistry(_ffi._kvcm_cuda)
-    return _registry

@@ -180,8 +180,9 @@ def test_arena_pool_misuse_is_an_error_not_a_fault():
                   backend="cpu")
     k, v = arena.pool_arrays()
     tok = jnp.zeros((), jnp.int32)
-    kp = ArenaPool(tok, arena.base_address, k.shape, k.dtype)
-    vp = ArenaPool(tok + 0, arena.base_address + k.nbytes, k.shape, k.dtype)
+    kp = ArenaPool.by_address(tok, arena.base_address, k.shape, k.dtype, slot_major=False)
+    vp = ArenaPool.by_address(tok + 0, arena.base_address + k.nbytes, k.shape, k.dtype,
+                               slot_major=False)
     rows = jnp.ones((1, H, D), jnp.float32)
     with pytest.raises(TypeError, match="both be ArenaPools"):
         jax_kvcm.write_kv(kp, v, rows, rows, jnp.zeros((1,), jnp.int32), layer=0)

@@ -684,7 +684,8 @@ def test_int8_codec_refuses_fp8_pools():
     with pytest.raises(Exception, match="float8_e4m3fn"):
         jax.block_until_ready(call(k, k, jnp.zeros((1, 2), jnp.int32),
                                    address=np.uint64(buf.ctypes.data + (-buf.ctypes.data) % 16),
-                                   num_cold_slots=np.int64(1), options=np.int32(0)))
+                                   num_cold_slots=np.int64(1), options=np.int32(0),
+                                   slot_major=np.bool_(False)))
 
 
 @pytest.mark.parametrize("name", ["concat", "int8"])

@@ -88,7 +88,7 @@ class RowAttender {
 
  private:
   int64_t Offset(int64_t page, int64_t slot, int64_t kvh) const {
-    return page * s_.cache.page_stride() + slot * s_.cache.token_stride() + kvh * s_.cache.head_dim;
+    return page * s_.cache.page_stride + slot * s_.cache.token_stride() + kvh * s_.cache.head_dim;
   }
   const AttentionShape& s_;
   const KV* k_;
@@ -150,8 +150,8 @@ void RunAttention(const AttentionShape& s, const ffi::AnyBuffer& q, const ffi::A
                   const ffi::AnyBuffer& v_cache, const float* k_scale, const float* v_scale,
                   const int32_t* page_table, const int32_t* seq_lens, const int32_t* query_start,
                   int32_t layer, AttentionParams p, ffi::AnyBuffer out) {
-  const KV* k = static_cast<const KV*>(k_cache.untyped_data()) + layer * s.cache.layer_stride();
-  const KV* v = static_cast<const KV*>(v_cache.untyped_data()) + layer * s.cache.layer_stride();
+  const KV* k = static_cast<const KV*>(k_cache.untyped_data()) + layer * s.cache.layer_stride;
+  const KV* v = static_cast<const KV*>(v_cache.untyped_data()) + layer * s.cache.layer_stride;
   const T* qd = static_cast<const T*>(q.untyped_data());
   T* od = static_cast<T*>(out.untyped_data());
   const int64_t row = s.num_heads * s.cache.head_dim;
@@ -181,8 +181,9 @@ ffi::Error AttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
                         ffi::AnyBuffer page_table, ffi::AnyBuffer seq_lens,
                         const ffi::AnyBuffer* query_start, ffi::AnyBuffer layer,
                         ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
-                        float scale, int32_t window, float soft_cap, bool ring) {
-  auto shape = ParseAttention(q, k_cache, v_cache, page_table, seq_lens, query_start, layer, out);
+                        float scale, int32_t window, float soft_cap, bool ring, bool slot_major) {
+  auto shape = ParseAttention(q, k_cache, v_cache, page_table, seq_lens, query_start, layer, out,
+                              slot_major);
   if (shape.has_error()) return shape.error();
   if (auto err = CheckScales(shape->cache, k_scale, v_scale); err.failure()) return err;
   const auto* pt = static_cast<const int32_t*>(page_table.untyped_data());
@@ -216,10 +217,10 @@ ffi::Error PagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::
                                  ffi::AnyBuffer layer, ffi::AnyBuffer k_scale,
                                  ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> out,
                                  float scale, int32_t sliding_window, float soft_cap,
-                                 bool ring_table, bool check_indices) {
+                                 bool ring_table, bool check_indices, bool slot_major) {
   (void)check_indices;  // the CPU handler always checks
   return AttentionCpu(q, k_cache, v_cache, page_table, seq_lens, nullptr, layer, k_scale, v_scale,
-                      *out, scale, sliding_window, soft_cap, ring_table);
+                      *out, scale, sliding_window, soft_cap, ring_table, slot_major);
 }
 
 ffi::Error RaggedPagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
@@ -228,10 +229,10 @@ ffi::Error RaggedPagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                        ffi::AnyBuffer layer, ffi::AnyBuffer k_scale,
                                        ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> out,
                                        float scale, int32_t sliding_window, float soft_cap,
-                                       bool ring_table, bool check_indices) {
+                                       bool ring_table, bool check_indices, bool slot_major) {
   (void)check_indices;  // the CPU handler always checks
   return AttentionCpu(q, k_cache, v_cache, page_table, seq_lens, &query_start, layer, k_scale,
-                      v_scale, *out, scale, sliding_window, soft_cap, ring_table);
+                      v_scale, *out, scale, sliding_window, soft_cap, ring_table, slot_major);
 }
 
 }  // namespace
@@ -242,19 +243,20 @@ namespace xffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCpu, kvcm::PagedAttentionCpuImpl,
                               kvcm::BindAttentionAttrs(xffi::Ffi::Bind()
                                   .Arg<xffi::AnyBuffer>()  // q [B, H, D]
-                                  .Arg<xffi::AnyBuffer>()  // k_cache
+                                  .Arg<xffi::AnyBuffer>()  // k_cache (layout: slot_major)
                                   .Arg<xffi::AnyBuffer>()  // v_cache
                                   .Arg<xffi::AnyBuffer>()  // page_table [B, P]
                                   .Arg<xffi::AnyBuffer>()  // seq_lens [B]
                                   .Arg<xffi::AnyBuffer>()  // layer []
                                   .Arg<xffi::AnyBuffer>()  // k_scale [L, Hkv] f32 (fp8) or []
                                   .Arg<xffi::AnyBuffer>()  // v_scale
-                                  .Ret<xffi::AnyBuffer>()));  // out [B, H, D]
+                                  .Ret<xffi::AnyBuffer>())  // out [B, H, D]
+                                  .Attr<bool>("slot_major"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCpu, kvcm::RaggedPagedAttentionCpuImpl,
                               kvcm::BindAttentionAttrs(xffi::Ffi::Bind()
                                   .Arg<xffi::AnyBuffer>()  // q [T, H, D]
-                                  .Arg<xffi::AnyBuffer>()  // k_cache
+                                  .Arg<xffi::AnyBuffer>()  // k_cache (layout: slot_major)
                                   .Arg<xffi::AnyBuffer>()  // v_cache
                                   .Arg<xffi::AnyBuffer>()  // page_table [B, P]
                                   .Arg<xffi::AnyBuffer>()  // seq_lens [B]
@@ -262,4 +264,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCpu, kvcm::RaggedPagedAtte
                                   .Arg<xffi::AnyBuffer>()  // layer []
                                   .Arg<xffi::AnyBuffer>()  // k_scale [L, Hkv] f32 (fp8) or []
                                   .Arg<xffi::AnyBuffer>()  // v_scale
-                                  .Ret<xffi::AnyBuffer>()));  // out [T, H, D]
+                                  .Ret<xffi::AnyBuffer>())  // out [T, H, D]
+                                  .Attr<bool>("slot_major"));

@@ -3,6 +3,9 @@
 // The cold tier is addressed by the static attribute `address` (on CPU builds the host address);
 // layouts and quantization are spelled out in kvcm/codec.h. Every pair is validated before
 // anything is written: a refused call leaves the hot pools and the cold tier untouched.
+// The hot pools are layer-major arrays, slot-major arrays (the slot_major attribute), or a CPU
+// arena's pools by address (the kvcm_arena_* handlers at the end, kvcm/arena_pools.h); the cold
+// bytes are the same in every case.
 #include <nanobind/nanobind.h>
 
 #include <cmath>
@@ -12,6 +15,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "kvcm/arena_pools.h"
 #include "kvcm/codec.h"
 #include "kvcm/host_dtype.h"
 
@@ -31,14 +35,13 @@ ffi::Error ConcatCopy(bool encode, char* k_pool, char* v_pool, const ffi::AnyBuf
   const auto* pairs = static_cast<const int32_t*>(index_pairs.untyped_data());
   if (auto err = CheckIndexPairs(pairs, c, encode); err.failure()) return err;
   const int64_t piece = c.hot.piece_bytes();
-  const int64_t layer_bytes = c.hot.num_slots * piece;
   for (int64_t i = 0; i < c.num_pairs; ++i) {
     const int64_t hot = encode ? pairs[2 * i + 1] : pairs[2 * i];
     const int64_t cold = encode ? pairs[2 * i] : pairs[2 * i + 1];
     char* page = ColdPage(address, cold, c.cold_page_bytes);
     for (int64_t l = 0; l < c.hot.num_layers; ++l) {
-      char* k = k_pool + l * layer_bytes + hot * piece;
-      char* v = v_pool + l * layer_bytes + hot * piece;
+      char* k = k_pool + c.hot.piece_offset(l, hot) * c.hot.itemsize;
+      char* v = v_pool + c.hot.piece_offset(l, hot) * c.hot.itemsize;
       char* ck = page + (2 * l) * piece;
       char* cv = page + (2 * l + 1) * piece;
       if (encode) {
@@ -51,36 +54,6 @@ ffi::Error ConcatCopy(bool encode, char* k_pool, char* v_pool, const ffi::AnyBuf
     }
   }
   return ffi::Error::Success();
-}
-
-ffi::Error ConcatEncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                               ffi::AnyBuffer index_pairs, uint64_t address,
-                               int64_t num_cold_slots, int32_t options, ffi::Result<ffi::AnyBuffer> token) {
-  (void)options;
-  auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
-                             num_cold_slots);
-  if (call.has_error()) return call.error();
-  if (auto err = ConcatCopy(true, static_cast<char*>(k_pool.untyped_data()),
-                            static_cast<char*>(v_pool.untyped_data()), index_pairs, *call, address);
-      err.failure())
-    return err;
-  std::memset(token->untyped_data(), 0, token->size_bytes());
-  return ffi::Error::Success();
-}
-
-ffi::Error ConcatDecodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                               ffi::AnyBuffer index_pairs, uint64_t address,
-                               int64_t num_cold_slots, int32_t options,
-                               ffi::Result<ffi::AnyBuffer> k_out,
-                               ffi::Result<ffi::AnyBuffer> v_out) {
-  (void)options;
-  auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
-                             num_cold_slots);
-  if (call.has_error()) return call.error();
-  // NOTE: the outputs alias the pools (input_output_aliases {0: 0, 1: 1}): they hold the pool
-  // contents already; only the decoded slots are written.
-  return ConcatCopy(false, static_cast<char*>(k_out->untyped_data()),
-                    static_cast<char*>(v_out->untyped_data()), index_pairs, *call, address);
 }
 
 // ---- int8 --------------------------------------------------------------------------------------
@@ -199,32 +172,97 @@ ffi::Error Int8Dispatch(bool encode, char* k_pool, char* v_pool,
   return ffi::Error::Success();
 }
 
-ffi::Error Int8EncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                             ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                             int32_t options, ffi::Result<ffi::AnyBuffer> token) {
+// ---- handlers ----------------------------------------------------------------------------------
+
+ffi::Error RunCodec(CodecKind kind, bool encode, char* k_pool, char* v_pool,
+                    const ffi::AnyBuffer& index_pairs, const CodecCall& c, uint64_t address) {
+  return kind == CodecKind::kConcat ? ConcatCopy(encode, k_pool, v_pool, index_pairs, c, address)
+                                    : Int8Dispatch(encode, k_pool, v_pool, index_pairs, c, address);
+}
+
+template <CodecKind kKind>
+ffi::Error EncodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::AnyBuffer index_pairs,
+                         uint64_t address, int64_t num_cold_slots, int32_t options,
+                         bool slot_major, ffi::Result<ffi::AnyBuffer> token) {
   (void)options;
-  auto call = ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address,
-                             num_cold_slots);
+  auto call = ParseCodecCall(kKind, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                             slot_major);
   if (call.has_error()) return call.error();
-  if (auto err = Int8Dispatch(true, static_cast<char*>(k_pool.untyped_data()),
-                              static_cast<char*>(v_pool.untyped_data()), index_pairs, *call,
-                              address);
+  if (auto err = RunCodec(kKind, true, static_cast<char*>(k_pool.untyped_data()),
+                          static_cast<char*>(v_pool.untyped_data()), index_pairs, *call, address);
       err.failure())
     return err;
   std::memset(token->untyped_data(), 0, token->size_bytes());
   return ffi::Error::Success();
 }
 
-ffi::Error Int8DecodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                             ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                             int32_t options, ffi::Result<ffi::AnyBuffer> k_out,
-                             ffi::Result<ffi::AnyBuffer> v_out) {
+template <CodecKind kKind>
+ffi::Error DecodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::AnyBuffer index_pairs,
+                         uint64_t address, int64_t num_cold_slots, int32_t options,
+                         bool slot_major, ffi::Result<ffi::AnyBuffer> k_out,
+                         ffi::Result<ffi::AnyBuffer> v_out) {
   (void)options;
-  auto call = ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address,
-                             num_cold_slots);
+  auto call = ParseCodecCall(kKind, k_pool, v_pool, index_pairs, address, num_cold_slots,
+                             slot_major);
   if (call.has_error()) return call.error();
-  return Int8Dispatch(false, static_cast<char*>(k_out->untyped_data()),
-                      static_cast<char*>(v_out->untyped_data()), index_pairs, *call, address);
+  // NOTE: the outputs alias the pools (input_output_aliases {0: 0, 1: 1}): they hold the pool
+  // contents already; only the decoded slots are written.
+  return RunCodec(kKind, false, static_cast<char*>(k_out->untyped_data()),
+                  static_cast<char*>(v_out->untyped_data()), index_pairs, *call, address);
+}
+
+// A CPU arena's pools by address: the pairs and the mapping of every hot page they name are
+// checked before anything moves.
+ffi::Error ArenaCodec(CodecKind kind, bool encode, const ffi::AnyBuffer& index_pairs,
+                      const ffi::AnyBuffer& after_k, const ffi::AnyBuffer& after_v,
+                      uint64_t address, int64_t num_cold_slots, ffi::Span<const int64_t> pool) {
+  ArenaPools p;
+  if (auto err = p.Init(pool); err.failure()) return err;
+  for (auto [t, name] : {std::pair{&after_k, "after_k"}, {&after_v, "after_v"}})
+    if (auto err = CheckToken(*t, name); err.failure()) return err;
+  auto call = ParseCodecCall(kind, p.k(), p.v(), index_pairs, address, num_cold_slots,
+                             p.slot_major());
+  if (call.has_error()) return call.error();
+  const auto* pairs = static_cast<const int32_t*>(index_pairs.untyped_data());
+  if (auto err = CheckIndexPairs(pairs, *call, encode); err.failure()) return err;
+  for (int64_t i = 0; i < call->num_pairs; ++i)
+    if (auto err = p.CheckPageMapped(pairs[2 * i + (encode ? 1 : 0)], "index_pairs");
+        err.failure())
+      return err;
+  return RunCodec(kind, encode, static_cast<char*>(p.k().untyped_data()),
+                  static_cast<char*>(p.v().untyped_data()), index_pairs, *call, address);
+}
+
+template <CodecKind kKind>
+ffi::Error ArenaEncodeCpuImpl(ffi::AnyBuffer index_pairs, ffi::AnyBuffer after_k,
+                              ffi::AnyBuffer after_v, uint64_t address, int64_t num_cold_slots,
+                              int32_t options, ffi::Span<const int64_t> pool,
+                              ffi::Result<ffi::AnyBuffer> token) {
+  (void)options;
+  if (auto err = ArenaCodec(kKind, true, index_pairs, after_k, after_v, address, num_cold_slots,
+                            pool);
+      err.failure())
+    return err;
+  std::memset(token->untyped_data(), 0, token->size_bytes());
+  return ffi::Error::Success();
+}
+
+template <CodecKind kKind>
+ffi::Error ArenaDecodeCpuImpl(ffi::AnyBuffer index_pairs, ffi::AnyBuffer after_k,
+                              ffi::AnyBuffer after_v, uint64_t address, int64_t num_cold_slots,
+                              int32_t options, ffi::Span<const int64_t> pool,
+                              ffi::Result<ffi::AnyBuffer> token_k,
+                              ffi::Result<ffi::AnyBuffer> token_v) {
+  (void)options;
+  for (auto [t, name] : {std::pair{&*token_k, "token_k"}, {&*token_v, "token_v"}})
+    if (auto err = CheckToken(*t, name); err.failure()) return err;
+  if (auto err = ArenaCodec(kKind, false, index_pairs, after_k, after_v, address, num_cold_slots,
+                            pool);
+      err.failure())
+    return err;
+  AdvanceToken(after_k, *token_k);
+  AdvanceToken(after_v, *token_v);
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -232,14 +270,18 @@ ffi::Error Int8DecodeCpuImpl(ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
 
 namespace xffi = xla::ffi;
 
+#define KVCM_CODEC_ATTRS                                          \
+  .Attr<uint64_t>("address")        /* cold tier base */          \
+      .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */       \
+      .Attr<int32_t>("options")         /* ignored on CPU */
+
 #define KVCM_ENCODE_BINDING                                       \
   xffi::Ffi::Bind()                                               \
       .Arg<xffi::AnyBuffer>()           /* k_pool [L,S,P,H,D] */  \
       .Arg<xffi::AnyBuffer>()           /* v_pool */              \
       .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */   \
-      .Attr<uint64_t>("address")        /* cold tier base */      \
-      .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */       \
-      .Attr<int32_t>("options")         /* ignored on CPU */      \
+      KVCM_CODEC_ATTRS                                            \
+      .Attr<bool>("slot_major")         /* pools [S,L,P,H,D] */   \
       .Ret<xffi::AnyBuffer>()           /* token int32 [1] */
 
 #define KVCM_DECODE_BINDING                                       \
@@ -247,16 +289,40 @@ namespace xffi = xla::ffi;
       .Arg<xffi::AnyBuffer>()           /* k_pool [L,S,P,H,D] */  \
       .Arg<xffi::AnyBuffer>()           /* v_pool */              \
       .Arg<xffi::AnyBuffer>()           /* index_pairs [n,2] */   \
-      .Attr<uint64_t>("address")        /* cold tier base */      \
-      .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */       \
-      .Attr<int32_t>("options")         /* ignored on CPU */      \
+      KVCM_CODEC_ATTRS                                            \
+      .Attr<bool>("slot_major")         /* pools [S,L,P,H,D] */   \
       .Ret<xffi::AnyBuffer>()           /* k_pool (aliased) */    \
       .Ret<xffi::AnyBuffer>()           /* v_pool (aliased) */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatEncodeCpu, kvcm::ConcatEncodeCpuImpl, KVCM_ENCODE_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatDecodeCpu, kvcm::ConcatDecodeCpuImpl, KVCM_DECODE_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8EncodeCpu, kvcm::Int8EncodeCpuImpl, KVCM_ENCODE_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8DecodeCpu, kvcm::Int8DecodeCpuImpl, KVCM_DECODE_BINDING);
+#define KVCM_ARENA_CODEC_ARGS                                             \
+  xffi::Ffi::Bind()                                                       \
+      .Arg<xffi::AnyBuffer>()                 /* index_pairs [n,2] */     \
+      .Arg<xffi::AnyBuffer>()                 /* after_k [] int32 */      \
+      .Arg<xffi::AnyBuffer>()                 /* after_v [] int32 */      \
+      KVCM_CODEC_ATTRS                                                    \
+      .Attr<xffi::Span<const int64_t>>("pool")  /* kvcm/arena_pools.h */
+
+using kvcm::CodecKind;
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatEncodeCpu, kvcm::EncodeCpuImpl<CodecKind::kConcat>,
+                              KVCM_ENCODE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmConcatDecodeCpu, kvcm::DecodeCpuImpl<CodecKind::kConcat>,
+                              KVCM_DECODE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8EncodeCpu, kvcm::EncodeCpuImpl<CodecKind::kInt8>,
+                              KVCM_ENCODE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmInt8DecodeCpu, kvcm::DecodeCpuImpl<CodecKind::kInt8>,
+                              KVCM_DECODE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaConcatEncodeCpu,
+                              kvcm::ArenaEncodeCpuImpl<CodecKind::kConcat>,
+                              KVCM_ARENA_CODEC_ARGS.Ret<xffi::AnyBuffer>());  // token int32 [1]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaConcatDecodeCpu,
+                              kvcm::ArenaDecodeCpuImpl<CodecKind::kConcat>,
+                              KVCM_ARENA_CODEC_ARGS.Ret<xffi::AnyBuffer>()   // token_k = after_k + 1
+                                  .Ret<xffi::AnyBuffer>());                  // token_v = after_v + 1
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaInt8EncodeCpu, kvcm::ArenaEncodeCpuImpl<CodecKind::kInt8>,
+                              KVCM_ARENA_CODEC_ARGS.Ret<xffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmArenaInt8DecodeCpu, kvcm::ArenaDecodeCpuImpl<CodecKind::kInt8>,
+                              KVCM_ARENA_CODEC_ARGS.Ret<xffi::AnyBuffer>()
+                                  .Ret<xffi::AnyBuffer>());
 
 // Called by _kvcm_cpu's registrations() (module.cc).
 void AddCodecRegistrations(nb::dict& d) {
@@ -264,4 +330,10 @@ void AddCodecRegistrations(nb::dict& d) {
   d["kvcm_concat_decode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmConcatDecodeCpu));
   d["kvcm_int8_encode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmInt8EncodeCpu));
   d["kvcm_int8_decode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmInt8DecodeCpu));
+  d["kvcm_arena_concat_encode_pages"] =
+      nb::capsule(reinterpret_cast<void*>(KvcmArenaConcatEncodeCpu));
+  d["kvcm_arena_concat_decode_pages"] =
+      nb::capsule(reinterpret_cast<void*>(KvcmArenaConcatDecodeCpu));
+  d["kvcm_arena_int8_encode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmArenaInt8EncodeCpu));
+  d["kvcm_arena_int8_decode_pages"] = nb::capsule(reinterpret_cast<void*>(KvcmArenaInt8DecodeCpu));
 }

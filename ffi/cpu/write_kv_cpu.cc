@@ -17,18 +17,18 @@ void QuantizeRow(const T* src, fp8e4m3_t* dst, const float* scales, int64_t num_
       dst[h * head_dim + d] = SaturateToFp8(ToFloat(src[h * head_dim + d]) / scales[h]);
 }
 
+// kc, vc: the layer's first element.
 template <typename T>
 void WriteFp8(const CacheShape& c, const char* ks, const char* vs, const int32_t* slots,
               int64_t num_tokens, const float* k_scale, const float* v_scale, char* kc, char* vc) {
   const int64_t row = c.token_stride();
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slots[t] < 0) continue;  // padding
-    QuantizeRow(reinterpret_cast<const T*>(ks) + t * row,
-                reinterpret_cast<fp8e4m3_t*>(kc) + int64_t(slots[t]) * row, k_scale,
-                c.num_kv_heads, c.head_dim);
-    QuantizeRow(reinterpret_cast<const T*>(vs) + t * row,
-                reinterpret_cast<fp8e4m3_t*>(vc) + int64_t(slots[t]) * row, v_scale,
-                c.num_kv_heads, c.head_dim);
+    const int64_t at = c.SlotOffset(slots[t]);
+    QuantizeRow(reinterpret_cast<const T*>(ks) + t * row, reinterpret_cast<fp8e4m3_t*>(kc) + at,
+                k_scale, c.num_kv_heads, c.head_dim);
+    QuantizeRow(reinterpret_cast<const T*>(vs) + t * row, reinterpret_cast<fp8e4m3_t*>(vc) + at,
+                v_scale, c.num_kv_heads, c.head_dim);
   }
 }
 
@@ -38,9 +38,9 @@ ffi::Error WriteKvCpuImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::A
                           ffi::AnyBuffer v, ffi::AnyBuffer slot_mapping,
                           ffi::AnyBuffer layer, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                          bool check_indices) {
+                          bool check_indices, bool slot_major) {
   (void)check_indices;  // the CPU handler always checks
-  auto cache = ParseWriteKv(k_cache, v_cache, k, v, slot_mapping, layer);
+  auto cache = ParseWriteKv(k_cache, v_cache, k, v, slot_mapping, layer, slot_major);
   if (cache.has_error()) return cache.error();
   const CacheShape& c = *cache;
   if (auto err = CheckScales(c, k_scale, v_scale); err.failure()) return err;
@@ -57,8 +57,8 @@ ffi::Error WriteKvCpuImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::A
                      " is outside the cache (" + std::to_string(c.num_slots()) + " slots)");
   const size_t elem = ffi::ByteWidth(k_cache.element_type());
   const size_t row_bytes = size_t(c.token_stride()) * elem;
-  auto* kc = static_cast<char*>(k_out->untyped_data()) + size_t(layer_index) * c.layer_stride() * elem;
-  auto* vc = static_cast<char*>(v_out->untyped_data()) + size_t(layer_index) * c.layer_stride() * elem;
+  auto* kc = static_cast<char*>(k_out->untyped_data()) + size_t(layer_index * c.layer_stride) * elem;
+  auto* vc = static_cast<char*>(v_out->untyped_data()) + size_t(layer_index * c.layer_stride) * elem;
   const auto* ks = static_cast<const char*>(k.untyped_data());
   const auto* vs = static_cast<const char*>(v.untyped_data());
   if (c.dtype == DType::kF8E4M3) {
@@ -74,8 +74,9 @@ ffi::Error WriteKvCpuImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::A
   }
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slots[t] < 0) continue;  // padding
-    std::memcpy(kc + size_t(slots[t]) * row_bytes, ks + size_t(t) * row_bytes, row_bytes);
-    std::memcpy(vc + size_t(slots[t]) * row_bytes, vs + size_t(t) * row_bytes, row_bytes);
+    const size_t at = size_t(c.SlotOffset(slots[t])) * elem;
+    std::memcpy(kc + at, ks + size_t(t) * row_bytes, row_bytes);
+    std::memcpy(vc + at, vs + size_t(t) * row_bytes, row_bytes);
   }
   return ffi::Error::Success();
 }
@@ -84,7 +85,7 @@ ffi::Error WriteKvCpuImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmWriteKvCpu, kvcm::WriteKvCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // k_cache
+                                  .Arg<xla::ffi::AnyBuffer>()  // k_cache (layout: slot_major)
                                   .Arg<xla::ffi::AnyBuffer>()  // v_cache
                                   .Arg<xla::ffi::AnyBuffer>()  // k
                                   .Arg<xla::ffi::AnyBuffer>()  // v
@@ -94,4 +95,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmWriteKvCpu, kvcm::WriteKvCpuImpl,
                                   .Arg<xla::ffi::AnyBuffer>()  // v_scale
                                   .Ret<xla::ffi::AnyBuffer>()  // k_cache (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()  // v_cache (aliased)
-                                  .Attr<bool>("check_indices"));
+                                  .Attr<bool>("check_indices")
+                                  .Attr<bool>("slot_major"));

@@ -9,8 +9,9 @@ ffi::ErrorOr<AttentionArgs> MakeArgs(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                      ffi::AnyBuffer seq_lens, const ffi::AnyBuffer* query_start,
                                      ffi::AnyBuffer layer, ffi::AnyBuffer k_scale,
                                      ffi::AnyBuffer v_scale, ffi::AnyBuffer out, float scale,
-                                     int32_t window, float soft_cap, bool ring) {
-  auto shape = ParseAttention(q, k_cache, v_cache, page_table, seq_lens, query_start, layer, out);
+                                     int32_t window, float soft_cap, bool ring, bool slot_major) {
+  auto shape = ParseAttention(q, k_cache, v_cache, page_table, seq_lens, query_start, layer, out,
+                              slot_major);
   if (shape.has_error()) return ffi::Unexpected<ffi::Error>(shape.error());
   if (auto err = CheckScales(shape->cache, k_scale, v_scale); err.failure())
     return ffi::Unexpected<ffi::Error>(err);
@@ -57,9 +58,9 @@ ffi::Error PagedAttentionCudaImpl(cudaStream_t stream,
                                   ffi::AnyBuffer layer, ffi::AnyBuffer k_scale,
                                   ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> out,
                                   float scale, int32_t sliding_window, float soft_cap,
-                                  bool ring_table, bool check_indices) {
+                                  bool ring_table, bool check_indices, bool slot_major) {
   auto a = MakeArgs(q, k_cache, v_cache, page_table, seq_lens, nullptr, layer, k_scale, v_scale,
-                    *out, scale, sliding_window, soft_cap, ring_table);
+                    *out, scale, sliding_window, soft_cap, ring_table, slot_major);
   if (a.has_error()) return a.error();
   return Run(stream, *a, "paged_attention", check_indices);
 }
@@ -71,9 +72,9 @@ ffi::Error RaggedPagedAttentionCudaImpl(cudaStream_t stream,
                                         ffi::AnyBuffer layer, ffi::AnyBuffer k_scale,
                                         ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> out,
                                         float scale, int32_t sliding_window, float soft_cap,
-                                        bool ring_table, bool check_indices) {
+                                        bool ring_table, bool check_indices, bool slot_major) {
   auto a = MakeArgs(q, k_cache, v_cache, page_table, seq_lens, &query_start, layer, k_scale,
-                    v_scale, *out, scale, sliding_window, soft_cap, ring_table);
+                    v_scale, *out, scale, sliding_window, soft_cap, ring_table, slot_major);
   if (a.has_error()) return a.error();
   return Run(stream, *a, "ragged_paged_attention", check_indices);
 }
@@ -87,7 +88,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCuda, kvcm::cuda::PagedAttention
                               xffi::Ffi::Bind()
                                   .Ctx<xffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xffi::AnyBuffer>()  // q [B, H, D]
-                                  .Arg<xffi::AnyBuffer>()  // k_cache
+                                  .Arg<xffi::AnyBuffer>()  // k_cache (layout: slot_major)
                                   .Arg<xffi::AnyBuffer>()  // v_cache
                                   .Arg<xffi::AnyBuffer>()  // page_table [B, P]
                                   .Arg<xffi::AnyBuffer>()  // seq_lens [B]
@@ -99,14 +100,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCuda, kvcm::cuda::PagedAttention
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<bool>("ring_table")
-                                  .Attr<bool>("check_indices"));
+                                  .Attr<bool>("check_indices")
+                                  .Attr<bool>("slot_major"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCuda,
                               kvcm::cuda::RaggedPagedAttentionCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<xffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xffi::AnyBuffer>()  // q [T, H, D]
-                                  .Arg<xffi::AnyBuffer>()  // k_cache
+                                  .Arg<xffi::AnyBuffer>()  // k_cache (layout: slot_major)
                                   .Arg<xffi::AnyBuffer>()  // v_cache
                                   .Arg<xffi::AnyBuffer>()  // page_table [B, P]
                                   .Arg<xffi::AnyBuffer>()  // seq_lens [B]
@@ -119,4 +121,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCuda,
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<bool>("ring_table")
-                                  .Attr<bool>("check_indices"));
+                                  .Attr<bool>("check_indices")
+                                  .Attr<bool>("slot_major"));

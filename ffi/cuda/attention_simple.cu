@@ -62,8 +62,8 @@ __global__ void SimpleAttentionKernel(AttentionArgs a) {
   }
   const int64_t kvh = h / s.group();
   const T* q = static_cast<const T*>(a.q) + (row * s.num_heads + h) * D;
-  const KV* kc = static_cast<const KV*>(a.k_cache) + li * s.cache.layer_stride() + kvh * D;
-  const KV* vc = static_cast<const KV*>(a.v_cache) + li * s.cache.layer_stride() + kvh * D;
+  const KV* kc = static_cast<const KV*>(a.k_cache) + li * s.cache.layer_stride + kvh * D;
+  const KV* vc = static_cast<const KV*>(a.v_cache) + li * s.cache.layer_stride + kvh * D;
   const float ksc = a.k_scale ? a.k_scale[li * s.cache.num_kv_heads + kvh] : 1.f;
   const float vsc = a.v_scale ? a.v_scale[li * s.cache.num_kv_heads + kvh] : 1.f;
   const int32_t* pages = a.page_table + b * s.max_pages;
@@ -82,7 +82,7 @@ __global__ void SimpleAttentionKernel(AttentionArgs a) {
       if (lane == 0) RaiseError(a.error_word, kBadPage);
       return write_fill(NAN);
     }
-    const int64_t off = (int64_t(page) * P + j % P) * s.cache.token_stride();
+    const int64_t off = page * s.cache.page_stride + (j % P) * s.cache.token_stride();
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {

@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kCopyThreads)
   const int64_t hot = kEncode ? pr.y : pr.x;
   const int64_t cold = kEncode ? pr.x : pr.y;
   const int64_t j = blockIdx.y, piece = s.piece_bytes();
-  char* hot_ptr = ((j & 1) ? v_pool : k_pool) + ((j >> 1) * s.num_slots + hot) * piece;
+  char* hot_ptr = ((j & 1) ? v_pool : k_pool) + s.piece_offset(j >> 1, hot) * s.itemsize;
   char* cold_ptr = cold_base + cold * cold_page_bytes + j * piece;
   const char* src = kEncode ? hot_ptr : cold_ptr;
   char* dst = kEncode ? cold_ptr : hot_ptr;
@@ -218,7 +218,6 @@ ffi::Error ConcatKernelLaunch(bool encode, cudaStream_t stream, const CodecCall&
 ffi::Error BuildCopyList(CopyList& list, const int32_t* pairs, const CodecCall& c, bool encode,
                          uint64_t address, char* k_base, char* v_base, const char* op) {
   const int64_t piece = c.hot.piece_bytes();
-  const int64_t layer_bytes = c.hot.num_slots * piece;
   const size_t count = size_t(c.num_pairs) * size_t(2 * c.hot.num_layers);
   try {
     list.dsts.resize(count);
@@ -234,7 +233,8 @@ ffi::Error BuildCopyList(CopyList& list, const int32_t* pairs, const CodecCall& 
     const uint64_t page = address + uint64_t(cold) * uint64_t(c.cold_page_bytes);
     for (int64_t l = 0; l < c.hot.num_layers; ++l) {
       for (int kv = 0; kv < 2; ++kv, ++j) {
-        const auto hot_ptr = CUdeviceptr((kv ? v_base : k_base) + l * layer_bytes + hot * piece);
+        const auto hot_ptr =
+            CUdeviceptr((kv ? v_base : k_base) + c.hot.piece_offset(l, hot) * c.hot.itemsize);
         const auto cold_ptr = CUdeviceptr(page + uint64_t((2 * l + kv) * piece));
         list.dsts[j] = encode ? cold_ptr : hot_ptr;
         list.srcs[j] = encode ? hot_ptr : cold_ptr;
@@ -251,11 +251,11 @@ ffi::Error IssueOnSideStream(CopyList& list, cudaStream_t stream, int64_t ticket
 
 ffi::Error ConcatCuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
                       const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
-                      uint64_t address, int64_t num_cold_slots, int32_t options, char* k_base,
-                      char* v_base) {
+                      uint64_t address, int64_t num_cold_slots, int32_t options, bool slot_major,
+                      char* k_base, char* v_base) {
   const char* op = encode ? "concat encode_pages" : "concat decode_pages";
   auto call = ParseCodecCall(CodecKind::kConcat, k_pool, v_pool, index_pairs, address,
-                             num_cold_slots);
+                             num_cold_slots, slot_major);
   if (call.has_error()) return call.error();
   const CodecCall& c = *call;
   if (c.num_pairs == 0) return ffi::Error::Success();
@@ -624,13 +624,13 @@ ffi::Error Int8Launch(bool encode, cudaStream_t stream, const CodecCall& c, char
 
 ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
                     const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
-                    uint64_t address, int64_t num_cold_slots, int32_t options, char* k_base,
-                    char* v_base) {
+                    uint64_t address, int64_t num_cold_slots, int32_t options, bool slot_major,
+                    char* k_base, char* v_base) {
   const bool checked = (options & kOptCheckIndices) != 0;
   if (options & kOptSideStream)
     return Invalid("int8 codec: the side_stream option is for the concat codec only");
-  auto call =
-      ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address, num_cold_slots);
+  auto call = ParseCodecCall(CodecKind::kInt8, k_pool, v_pool, index_pairs, address,
+                             num_cold_slots, slot_major);
   if (call.has_error()) return call.error();
   const CodecCall& c = *call;
   if (c.num_pairs == 0) return ffi::Error::Success();
@@ -657,14 +657,14 @@ ffi::Error Int8Cuda(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_po
 using CodecCudaFn = ffi::Error (*)(bool encode, cudaStream_t stream, const ffi::AnyBuffer& k_pool,
                                    const ffi::AnyBuffer& v_pool, const ffi::AnyBuffer& index_pairs,
                                    uint64_t address, int64_t num_cold_slots, int32_t options,
-                                   char* k_base, char* v_base);
+                                   bool slot_major, char* k_base, char* v_base);
 
 template <CodecCudaFn kCodec>
 ffi::Error EncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                           ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                          int32_t options, ffi::Result<ffi::AnyBuffer> token) {
+                          int32_t options, bool slot_major, ffi::Result<ffi::AnyBuffer> token) {
   if (auto err = kCodec(true, stream, k_pool, v_pool, index_pairs, address, num_cold_slots, options,
-                        static_cast<char*>(k_pool.untyped_data()),
+                        slot_major, static_cast<char*>(k_pool.untyped_data()),
                         static_cast<char*>(v_pool.untyped_data()));
       err.failure())
     return err;
@@ -675,11 +675,11 @@ ffi::Error EncodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBu
 template <CodecCudaFn kCodec>
 ffi::Error DecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                           ffi::AnyBuffer index_pairs, uint64_t address, int64_t num_cold_slots,
-                          int32_t options, ffi::Result<ffi::AnyBuffer> k_out,
+                          int32_t options, bool slot_major, ffi::Result<ffi::AnyBuffer> k_out,
                           ffi::Result<ffi::AnyBuffer> v_out) {
   // NOTE: k_out / v_out alias the pools (input_output_aliases {0: 0, 1: 1}).
   return kCodec(false, stream, k_pool, v_pool, index_pairs, address, num_cold_slots, options,
-                static_cast<char*>(k_out->untyped_data()),
+                slot_major, static_cast<char*>(k_out->untyped_data()),
                 static_cast<char*>(v_out->untyped_data()));
 }
 
@@ -854,6 +854,7 @@ namespace xffi = xla::ffi;
       .Attr<uint64_t>("address")        /* cold tier base */       \
       .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */        \
       .Attr<int32_t>("options")         /* CodecOptionBits */      \
+      .Attr<bool>("slot_major")         /* pools [S,L,P,H,D] */    \
       .Ret<xffi::AnyBuffer>()           /* token int32 [1] */
 
 #define KVCM_DECODE_BINDING                                        \
@@ -865,6 +866,7 @@ namespace xffi = xla::ffi;
       .Attr<uint64_t>("address")        /* cold tier base */       \
       .Attr<int64_t>("num_cold_slots")  /* -1: unchecked */        \
       .Attr<int32_t>("options")         /* CodecOptionBits */      \
+      .Attr<bool>("slot_major")         /* pools [S,L,P,H,D] */    \
       .Ret<xffi::AnyBuffer>()           /* k_pool (aliased) */     \
       .Ret<xffi::AnyBuffer>()           /* v_pool (aliased) */
 

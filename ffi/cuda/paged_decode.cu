@@ -171,6 +171,7 @@ struct DecodeParams {
   AttentionArgs a;
   LogitTransform logit;
   int page_shift;
+  int page_rows;      // CacheShape::page_rows
   int full_rows;      // rows [0, full_rows) run whole, one CTA each
   int num_splits;     // CTAs per row for rows >= full_rows
   float* part_o;   // [num_splits, B, H, D] (num_splits > 1)
@@ -206,6 +207,7 @@ struct RowSource {
   int64_t token_bytes;  // bytes from one token of a page to the next
   int64_t num_pages;
   int page_size, page_shift;
+  int page_rows;  // token rows from one page to the next (CacheShape::page_rows)
 };
 
 // One warp's cp.asyncs of the {K, V} tile of tokens [first, first + kTile) into ks (V at ks +
@@ -230,7 +232,8 @@ __device__ __forceinline__ void LoadTile(char* ks, const RowSource& src, int fir
     constexpr int kRowStep = 32 / kLoadChunks;
     const int ch = lane % kLoadChunks, row0 = lane / kLoadChunks;
     const int64_t off0 =
-        (int64_t(page_lo) * P + ((first + row0) & (P - 1))) * src.token_bytes + ch * 16;
+        (int64_t(page_lo) * src.page_rows + ((first + row0) & (P - 1))) * src.token_bytes +
+        ch * 16;
 #pragma unroll
     for (int k = 0; k < kTile / kRowStep; ++k) {
       const int row = row0 + k * kRowStep;
@@ -254,7 +257,7 @@ __device__ __forceinline__ void LoadTile(char* ks, const RowSource& src, int fir
         bits |= kBadPage;
         valid = false;
       } else {
-        off = (int64_t(page) * P + (pos & (P - 1))) * src.token_bytes + ch * 16;
+        off = (int64_t(page) * src.page_rows + (pos & (P - 1))) * src.token_bytes + ch * 16;
       }
     }
     const int so = kFp8 ? Fp8TileOffset<D>(row, ch) : SwizzledOffset<kChunks>(row, ch) * 2;
@@ -482,11 +485,11 @@ __global__ void __launch_bounds__(CtaThreads<kFp8>(), MinCtasPerSm<D, kFp8>())
   const int my_count = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
 
   constexpr int kElemBytes = kFp8 ? 1 : 2;
-  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
+  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride + int64_t(kvh) * D) * kElemBytes;
   const RowSource src{static_cast<const char*>(a.k_cache) + layer_off,
                       static_cast<const char*>(a.v_cache) + layer_off,
                       s.cache.token_stride() * kElemBytes, s.cache.num_pages,
-                      int(s.cache.page_size), p.page_shift};
+                      int(s.cache.page_size), p.page_shift, p.page_rows};
   const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
   const int max_pages = int(s.max_pages);
 
@@ -851,6 +854,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
   p.a = a;
   p.logit = LogitTransform::Make(a.scale, a.soft_cap);
   p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
+  p.page_rows = int(s.cache.page_rows());
   p.full_rows = int(plan.full_rows);
   p.num_splits = int(splits);
   p.part_o = nullptr;
@@ -885,7 +889,7 @@ bool PagedDecodeSupports(const AttentionArgs& a) {
   const bool half_q = s.q_dtype == DType::kBF16 || s.q_dtype == DType::kF16;
   return half_q && (s.cache.dtype == s.q_dtype || s.fp8()) && (D == 64 || D == 128 || D == 256) &&
          P >= 8 && (P & (P - 1)) == 0 && s.group() <= 16 && s.batch <= 65535 &&
-         s.cache.num_kv_heads <= 65535;
+         s.cache.num_kv_heads <= 65535 && s.cache.page_rows() < (int64_t(1) << 31);
 }
 
 ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {

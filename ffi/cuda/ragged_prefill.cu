@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
   const int t_lo = key_lo / kKv, t_hi = (key_hi + kKv - 1) / kKv;
 
   constexpr int kElemBytes = kFp8 ? 1 : 2;
-  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride() + int64_t(kvh) * D) * kElemBytes;
+  const int64_t layer_off = (int64_t(li) * s.cache.layer_stride + int64_t(kvh) * D) * kElemBytes;
   const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
   const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
   const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kWarps * 32) RaggedPrefillKernel(const Prefill
           bits |= kBadPage;
           valid = false;
         } else {
-          off = (int64_t(page) * P + (pos & (P - 1))) * token_bytes + ch * 16;
+          off = (int64_t(page) * p.page_rows + (pos & (P - 1))) * token_bytes + ch * 16;
         }
       }
       // fp8 tiles arrive unswizzled (converted below); 16-bit tiles swizzled for ldmatrix.
@@ -408,6 +408,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   p.a = a;
   p.logit = LogitTransform::Make(a.scale, a.soft_cap);
   p.page_shift = __builtin_ctzll(uint64_t(s.cache.page_size));
+  p.page_rows = int(s.cache.page_rows());
   p.tile_offsets = static_cast<const int32_t*>(offsets);
   p.work_counter = static_cast<int32_t*>(offsets) + s.batch + 1;
 
@@ -436,7 +437,8 @@ bool RaggedPrefillSupports(const AttentionArgs& a) {
   const bool half_q = s.q_dtype == DType::kBF16 || s.q_dtype == DType::kF16;
   return half_q && (s.cache.dtype == s.q_dtype || s.fp8()) &&
          (D == 64 || D == 128 || D == 256) && P > 0 && (P & (P - 1)) == 0 &&
-         s.cache.num_kv_heads <= 65535 && s.num_queries * s.group() < (int64_t(1) << 30);
+         s.cache.num_kv_heads <= 65535 && s.num_queries * s.group() < (int64_t(1) << 30) &&
+         s.cache.page_rows() < (int64_t(1) << 31);
 }
 
 ffi::Error LaunchRaggedPrefill(cudaStream_t stream, const AttentionArgs& a) {

@@ -304,7 +304,8 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     const uint32_t ring_s = SmemAddr(ring);
     const int tile_pages = max(1, kKeys >> p.page_shift);
     const bool lane_pages = tile_pages <= 32;
-    const int32_t page_bytes = int32_t(P * token_bytes);  // < 2^31: RaggedPrefillSm90Supports
+    // Bytes from one page to the next (the layout's stride); < 2^31: RaggedPrefillSm90Supports.
+    const int32_t page_bytes = int32_t(s.cache.page_stride * 2);
     int g = 0;  // key tiles this CTA streamed before the current work tile (the ring position)
     // Work tiles, dynamically scheduled: work tile w is row tile w / H (tile_offsets order: by
     // sequence, a sequence's heaviest causal tile first) of kv head w % H (consecutive claims
@@ -379,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       const bool bad_layer = li < 0 || li >= s.cache.num_layers;
       uint32_t bits = bad_layer ? kBadLayer : 0u;
       const int64_t layer_off =
-          (int64_t(bad_layer ? 0 : li) * s.cache.layer_stride() + int64_t(kvh) * D) * 2;
+          (int64_t(bad_layer ? 0 : li) * s.cache.layer_stride + int64_t(kvh) * D) * 2;
       const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
       const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
       const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
@@ -923,8 +924,10 @@ ffi::Error LaunchSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_t
 bool RaggedPrefillSm90Supports(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   const int64_t D = s.cache.head_dim;
-  // A page's bytes (per layer) fit 31 bits: the producer's per-row offsets are 32-bit.
-  const bool small_pages = s.cache.page_size * s.cache.token_stride() * 2 < (int64_t(1) << 31);
+  // A page's bytes (per layer) and the page stride fit 31 bits: the producer's per-row offsets
+  // and its page stride are 32-bit.
+  const bool small_pages = s.cache.page_size * s.cache.token_stride() * 2 < (int64_t(1) << 31) &&
+                           s.cache.page_stride * 2 < (int64_t(1) << 31);
   // Work tile ids (and the claims past the last one: at most one per CTA more) fit an int: the
   // bound on row tiles, as in the launch, times the kv heads.
   const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;

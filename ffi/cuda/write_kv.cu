@@ -6,29 +6,40 @@
 namespace kvcm::cuda {
 namespace {
 
+// The element offset of token `warp`'s row in the cache, or -1 when it writes nothing (padding,
+// or a bad layer / slot: error bits raised by lane 0).
+__device__ __forceinline__ int64_t DestRow(const CacheShape& c, const int32_t* slot_mapping,
+                                           const int32_t* layer, int64_t warp, int lane,
+                                           uint32_t* error_word) {
+  const int32_t li = *layer;
+  if (li < 0 || li >= c.num_layers) {
+    if (lane == 0) RaiseError(error_word, kBadLayer);
+    return -1;
+  }
+  const int32_t slot = slot_mapping[warp];
+  if (slot < 0) return -1;  // padding
+  if (slot >= c.num_slots()) {
+    if (lane == 0) RaiseError(error_word, kBadSlot);
+    return -1;
+  }
+  const int32_t page = slot / int32_t(c.page_size), offset = slot - page * int32_t(c.page_size);
+  return li * c.layer_stride + page * c.page_stride + offset * c.token_stride();
+}
+
 // validate_only: check the indices and raise error bits, write nothing (checked mode, pass 1).
 __global__ void WriteKvKernel(char* __restrict__ k_cache, char* __restrict__ v_cache,
                               const char* __restrict__ k, const char* __restrict__ v,
                               const int32_t* __restrict__ slot_mapping,
                               const int32_t* __restrict__ layer, int64_t num_tokens,
-                              int64_t num_layers, int64_t num_slots, int64_t row_bytes,
-                              int64_t layer_bytes, uint32_t* error_word, bool validate_only) {
+                              CacheShape c, int64_t elem_bytes, uint32_t* error_word,
+                              bool validate_only) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= num_tokens) return;
-  const int32_t li = *layer;
-  if (li < 0 || li >= num_layers) {
-    if (lane == 0) RaiseError(error_word, kBadLayer);
-    return;
-  }
-  const int32_t slot = slot_mapping[warp];
-  if (slot < 0) return;  // padding
-  if (slot >= num_slots) {
-    if (lane == 0) RaiseError(error_word, kBadSlot);
-    return;
-  }
-  if (validate_only) return;
-  const int64_t dst = li * layer_bytes + int64_t(slot) * row_bytes;
+  const int64_t row = DestRow(c, slot_mapping, layer, warp, lane, error_word);
+  if (row < 0 || validate_only) return;
+  const int64_t row_bytes = c.token_stride() * elem_bytes;
+  const int64_t dst = row * elem_bytes;
   const int64_t src = warp * row_bytes;
   if (row_bytes % 16 == 0) {
     for (int64_t i = lane * 16; i < row_bytes; i += 32 * 16) {
@@ -51,30 +62,18 @@ __global__ void WriteKvFp8Kernel(__nv_fp8_e4m3* __restrict__ k_cache,
                                  const int32_t* __restrict__ layer,
                                  const float* __restrict__ k_scale,
                                  const float* __restrict__ v_scale, int64_t num_tokens,
-                                 int64_t num_layers, int64_t num_slots, int64_t num_kv_heads,
-                                 int64_t head_dim, int64_t layer_elems, uint32_t* error_word,
-                                 bool validate_only) {
+                                 CacheShape c, uint32_t* error_word, bool validate_only) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= num_tokens) return;
+  const int64_t dst = DestRow(c, slot_mapping, layer, warp, lane, error_word);
+  if (dst < 0 || validate_only) return;
+  const int64_t row = c.token_stride();
   const int32_t li = *layer;
-  if (li < 0 || li >= num_layers) {
-    if (lane == 0) RaiseError(error_word, kBadLayer);
-    return;
-  }
-  const int32_t slot = slot_mapping[warp];
-  if (slot < 0) return;  // padding
-  if (slot >= num_slots) {
-    if (lane == 0) RaiseError(error_word, kBadSlot);
-    return;
-  }
-  if (validate_only) return;
-  const int64_t row = num_kv_heads * head_dim;
-  const int64_t dst = li * layer_elems + int64_t(slot) * row;
-  const float* ks = k_scale + li * num_kv_heads;
-  const float* vs = v_scale + li * num_kv_heads;
+  const float* ks = k_scale + li * c.num_kv_heads;
+  const float* vs = v_scale + li * c.num_kv_heads;
   for (int64_t e = lane; e < row; e += 32) {
-    const int64_t h = e / head_dim;
+    const int64_t h = e / c.head_dim;
     k_cache[dst + e] = DTypeTraits<__nv_fp8_e4m3>::from_float(
         DTypeTraits<T>::to_float(k[warp * row + e]) / ks[h]);
     v_cache[dst + e] = DTypeTraits<__nv_fp8_e4m3>::from_float(
@@ -86,15 +85,14 @@ ffi::Error WriteKvCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::Any
                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer slot_mapping,
                            ffi::AnyBuffer layer, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                           bool check_indices) {
-  auto cache = ParseWriteKv(k_cache, v_cache, k, v, slot_mapping, layer);
+                           bool check_indices, bool slot_major) {
+  auto cache = ParseWriteKv(k_cache, v_cache, k, v, slot_mapping, layer, slot_major);
   if (cache.has_error()) return cache.error();
   const CacheShape& c = *cache;
   if (auto err = CheckScales(c, k_scale, v_scale); err.failure()) return err;
   const int64_t num_tokens = k.dimensions()[0];
   if (num_tokens == 0) return ffi::Error::Success();
   const int64_t elem = ffi::ByteWidth(k_cache.element_type());
-  const int64_t row_bytes = c.token_stride() * elem;
   const bool checked = check_indices;
   uint32_t* error_word = DeviceErrorWord();
   const int threads = 256;
@@ -108,8 +106,8 @@ ffi::Error WriteKvCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::Any
         static_cast<const int32_t*>(slot_mapping.untyped_data()),
         static_cast<const int32_t*>(layer.untyped_data()),
         static_cast<const float*>(k_scale.untyped_data()),
-        static_cast<const float*>(v_scale.untyped_data()), num_tokens, c.num_layers,
-        c.num_slots(), c.num_kv_heads, c.head_dim, c.layer_stride(), error_word, validate_only);
+        static_cast<const float*>(v_scale.untyped_data()), num_tokens, c, error_word,
+        validate_only);
   };
   auto launch = [&](bool validate_only) {
     if (c.dtype == DType::kF8E4M3) {
@@ -123,8 +121,8 @@ ffi::Error WriteKvCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::Any
         static_cast<char*>(k_out->untyped_data()), static_cast<char*>(v_out->untyped_data()),
         static_cast<const char*>(k.untyped_data()), static_cast<const char*>(v.untyped_data()),
         static_cast<const int32_t*>(slot_mapping.untyped_data()),
-        static_cast<const int32_t*>(layer.untyped_data()), num_tokens, c.num_layers,
-        c.num_slots(), row_bytes, c.layer_stride() * elem, error_word, validate_only);
+        static_cast<const int32_t*>(layer.untyped_data()), num_tokens, c, elem, error_word,
+        validate_only);
   };
   if (checked) {  // validate first so that a refused call writes nothing
     launch(true);
@@ -143,7 +141,7 @@ namespace xffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmWriteKvCuda, kvcm::cuda::WriteKvCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<xffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xffi::AnyBuffer>()  // k_cache
+                                  .Arg<xffi::AnyBuffer>()  // k_cache (layout: slot_major)
                                   .Arg<xffi::AnyBuffer>()  // v_cache
                                   .Arg<xffi::AnyBuffer>()  // k
                                   .Arg<xffi::AnyBuffer>()  // v
@@ -153,4 +151,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmWriteKvCuda, kvcm::cuda::WriteKvCudaImpl,
                                   .Arg<xffi::AnyBuffer>()  // v_scale
                                   .Ret<xffi::AnyBuffer>()  // k_cache (aliased)
                                   .Ret<xffi::AnyBuffer>()  // v_cache (aliased)
-                                  .Attr<bool>("check_indices"));
+                                  .Attr<bool>("check_indices")
+                                  .Attr<bool>("slot_major"));

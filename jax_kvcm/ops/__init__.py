@@ -19,10 +19,14 @@ positions before its window) never affects that query, even where a kernel share
 between queries (the CUDA prefill kernel zeroes non-finite V rows of such tiles in shared memory
 and sets the rows that do read them to NaN).
 
-CPU arena pools: every op also takes the two :class:`~jax_kvcm._arena_ops.ArenaPool`s of a CPU
-arena in place of the cache arrays (the pools by address: same checks, same CPU code, on the
-arena's memory; ``write_kv`` returns them with their ordering tokens advanced). See
-``jax_kvcm/_arena_ops.py`` for why the CPU arena cannot be a donated array.
+Arena pools: every op also takes two ArenaPools (:class:`~jax_kvcm._arena_pool.ArenaPool`) in
+place of the cache arrays (both or neither), with exactly the semantics of a layer-major cache of
+their logical shape ``[L, S, P, Hkv, D]``. ``over_array`` pools (slot-major ``[S, L, P, Hkv,
+D]`` arrays) go to the same custom calls with the attribute ``slot_major=True``; ``write_kv``
+returns pools around its aliased outputs. ``by_address`` pools (the CPU arena) go to the ``kvcm_arena_*`` handlers:
+same checks, same CPU code, on the reservation itself; ``write_kv`` returns them with their
+ordering tokens advanced. See ``jax_kvcm/_arena_pool.py`` for why the CPU arena cannot be a
+donated array.
 
 Index checking: ``check_indices=True`` (FFI attribute) makes the CUDA handlers synchronize after
 their kernels and raise an error naming the bad argument (the CPU handler always checks). Left
@@ -37,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_kvcm import _arena_ops
+from jax_kvcm import _arena_pool
 from jax_kvcm import _ffi  # noqa: F401  (registers the handlers)
 from jax_kvcm.ops import _checks
 
@@ -63,20 +67,24 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 
     Returns:
       ``(k_cache, v_cache)``, aliased to the inputs: under ``jax.jit(..., donate_argnums=...)``
-      the write happens in place and nothing is copied (for ArenaPools: the same pools, tokens
-      advanced; the write is always in place).
+      the write happens in place and nothing is copied (ArenaPools: over_array pools around the
+      aliased outputs; by_address pools with their tokens advanced, always written in place).
     """
+    form = _arena_pool.pool_pair_form(k_cache, v_cache)
     cache_shape = _checks.check_write(k_cache, v_cache, k, v, slot_mapping)
     layer_arr = _checks.layer_operand(layer, cache_shape)
     ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
-    pool = _arena_ops.pool_attr(k_cache, v_cache)
-    if pool is not None:
-        return _arena_ops.write_kv(k_cache, v_cache, (k, v, slot_mapping, layer_arr, ks, vs), pool)
-    out_types = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    if form == "address":
+        return _arena_pool.write_kv_by_address(k_cache, v_cache,
+                                               (k, v, slot_mapping, layer_arr, ks, vs))
+    kc, vc = _arena_pool.physical_pair(k_cache, v_cache, form)
+    out_types = (jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype))
     call = jax.ffi.ffi_call("kvcm_write_kv", out_types, input_output_aliases={0: 0, 1: 1})
-    k_out, v_out = call(k_cache, v_cache, k, v, slot_mapping, layer_arr, ks, vs,
-                        check_indices=np.bool_(_checks.resolve_check_indices(check_indices)))
+    k_out, v_out = call(kc, vc, k, v, slot_mapping, layer_arr, ks, vs,
+                        check_indices=np.bool_(_checks.resolve_check_indices(check_indices)),
+                        slot_major=np.bool_(form == "array"))
+    if form == "array":
+        return k_cache.with_data(k_out), v_cache.with_data(v_out)
     return k_out, v_out
 
 
@@ -109,17 +117,19 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_t
     Returns:
       ``[B, H, D]`` in q's dtype (float32 accumulation).
     """
+    form = _arena_pool.pool_pair_form(k_cache, v_cache)
     cache_shape = _checks.check_attention(q, k_cache, v_cache, page_table, seq_lens, None)
     layer_arr = _checks.layer_operand(layer, cache_shape)
     ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
     attrs = _attention_attrs(scale, sliding_window, soft_cap, cache_shape, ring_table,
                              check_indices)
-    pool = _arena_ops.pool_attr(k_cache, v_cache)
-    if pool is not None:
-        return _arena_ops.attention("paged_attention", q, k_cache, v_cache,
-                                    (page_table, seq_lens, layer_arr, ks, vs), pool, attrs)
+    if form == "address":
+        return _arena_pool.attention_by_address("kvcm_paged_attention", q, k_cache, v_cache,
+                                                (page_table, seq_lens, layer_arr, ks, vs), attrs)
     call = jax.ffi.ffi_call("kvcm_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_cache, v_cache, page_table, seq_lens, layer_arr, ks, vs, **attrs)
+    kc, vc = _arena_pool.physical_pair(k_cache, v_cache, form)
+    return call(q, kc, vc, page_table, seq_lens, layer_arr, ks, vs,
+                slot_major=np.bool_(form == "array"), **attrs)
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -143,19 +153,20 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Returns:
       ``[T, H, D]`` in q's dtype.
     """
+    form = _arena_pool.pool_pair_form(k_cache, v_cache)
     cache_shape = _checks.check_attention(q, k_cache, v_cache, page_table, seq_lens, query_start)
     layer_arr = _checks.layer_operand(layer, cache_shape)
     ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
     attrs = _attention_attrs(scale, sliding_window, soft_cap, cache_shape, ring_table,
                              check_indices)
-    pool = _arena_ops.pool_attr(k_cache, v_cache)
-    if pool is not None:
-        return _arena_ops.attention("ragged_paged_attention", q, k_cache, v_cache,
-                                    (page_table, seq_lens, query_start, layer_arr, ks, vs), pool,
-                                    attrs)
+    if form == "address":
+        return _arena_pool.attention_by_address(
+            "kvcm_ragged_paged_attention", q, k_cache, v_cache,
+            (page_table, seq_lens, query_start, layer_arr, ks, vs), attrs)
     call = jax.ffi.ffi_call("kvcm_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_cache, v_cache, page_table, seq_lens, query_start, layer_arr, ks, vs,
-                **attrs)
+    kc, vc = _arena_pool.physical_pair(k_cache, v_cache, form)
+    return call(q, kc, vc, page_table, seq_lens, query_start, layer_arr, ks, vs,
+                slot_major=np.bool_(form == "array"), **attrs)
 
 
 def _attention_attrs(scale: Any, sliding_window: Any, soft_cap: Any,

@@ -2,6 +2,9 @@
 
 Same signatures and conventions as :mod:`jax_kvcm.ops` (fp8 caches, ring tables and the
 non-finite rule included); computation in float32. ``check_indices`` is accepted and ignored.
+A pair of ``over_array`` ArenaPools (:class:`~jax_kvcm._arena_pool.ArenaPool`) is read as the
+layer-major cache it stands for (its physical slot-major array transposed); ``write_kv`` returns
+such pools.
 """
 
 from __future__ import annotations
@@ -12,10 +15,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_kvcm._arena_pool import ArenaPool, pool_pair_form
+
 __all__ = ["dequantize", "paged_attention", "quantize", "ragged_paged_attention", "write_kv"]
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
+
+
+_SWAP_SLOTS_AND_LAYERS = (1, 0, 2, 3, 4)
+
+
+def _layer_major(k_cache: Any, v_cache: Any) -> tuple[Any, Any]:
+    """The caches as layer-major arrays (over_array ArenaPools transposed)."""
+    form = pool_pair_form(k_cache, v_cache)
+    if form == "address":
+        raise TypeError("the reference ops take over_array ArenaPools, not by_address ones")
+    if form == "array":
+        return (jnp.transpose(k_cache.data, _SWAP_SLOTS_AND_LAYERS),
+                jnp.transpose(v_cache.data, _SWAP_SLOTS_AND_LAYERS))
+    return k_cache, v_cache
 
 
 def _layer_view(cache: jax.Array, layer: Any) -> jax.Array:
@@ -44,6 +63,11 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layer=None, k_scale=None, 
              check_indices=None):
     """Reference of :func:`jax_kvcm.ops.write_kv` (functional scatter; negative slots dropped)."""
     del check_indices
+    if isinstance(k_cache, ArenaPool):
+        k_out, v_out = write_kv(*_layer_major(k_cache, v_cache), k, v, slot_mapping, layer=layer,
+                                k_scale=k_scale, v_scale=v_scale)
+        return (k_cache.with_data(jnp.transpose(k_out, _SWAP_SLOTS_AND_LAYERS)),
+                v_cache.with_data(jnp.transpose(v_out, _SWAP_SLOTS_AND_LAYERS)))
     if jnp.dtype(k_cache.dtype) == FP8:
         k = quantize(k, _layer_scale(k_scale, layer))
         v = quantize(v, _layer_scale(v_scale, layer))
@@ -113,6 +137,7 @@ def _gather(cache, page_table_row, kv_len, scale, ring_table):
 
 def _prepare(q, k_cache, v_cache, layer, scale, k_scale, v_scale, ring_table):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    k_cache, v_cache = _layer_major(k_cache, v_cache)
     kc, vc = _layer_view(k_cache, layer), _layer_view(v_cache, layer)
     fp8 = jnp.dtype(k_cache.dtype) == FP8
     ks = _layer_scale(k_scale, layer) if fp8 else None

@@ -2,8 +2,11 @@
 //
 // Hot side (one layer group's hot pool group):
 //   k_pool, v_pool   [L, S, P, H, D]   (num_layers, num_slots, page_size, num_kv_heads, head_dim)
-//   hot page s       = slot s along axis 1 of both pools: 2 * L pieces of P * H * D elements.
-//   piece (l, kv, s) = pool_kv[l, s], contiguous, at element offset (l * S + s) * P * H * D.
+//                    or, slot-major (the slot_major attribute; the arena), [S, L, P, H, D]
+//   hot page s       = slot s of both pools: 2 * L pieces of P * H * D elements.
+//   piece (l, kv, s) = pool_kv[l, s] (slot-major: pool_kv[s, l]), contiguous, at element offset
+//                      (l * S + s) * P * H * D (slot-major: (s * L + l) * P * H * D).
+//   The cold page of a hot page is the same bytes in both layouts.
 //
 // Index pairs: int32 [n, 2], array of structures (dst, src), one 8-byte load per pair on the GPU.
 //   encode: dst = cold slot, src = hot slot.     decode: dst = hot slot, src = cold slot.
@@ -70,12 +73,13 @@ struct HotPoolShape {
   int64_t head_dim = 0;
   int64_t itemsize = 0;
   DType dtype = DType::kF32;
+  PoolStrides strides;  // of the layout, in elements
 
   KVCM_HD int64_t piece_elems() const { return page_size * num_kv_heads * head_dim; }
   KVCM_HD int64_t piece_bytes() const { return piece_elems() * itemsize; }
   // Element offset of piece (l, s) inside one pool.
   KVCM_HD int64_t piece_offset(int64_t layer, int64_t slot) const {
-    return (layer * num_slots + slot) * piece_elems();
+    return layer * strides.layer + slot * strides.page;
   }
   KVCM_HD int64_t head_block_elems() const { return page_size * head_dim; }
 };
@@ -131,15 +135,17 @@ struct CodecCall {
 };
 
 // Shape, dtype and attribute checks of encode_pages / decode_pages (both codecs, both platforms).
+// slot_major: the pools are [num_slots, num_layers, page_size, num_kv_heads, head_dim].
 inline ffi::ErrorOr<CodecCall> ParseCodecCall(CodecKind kind, const ffi::AnyBuffer& k_pool,
                                               const ffi::AnyBuffer& v_pool,
                                               const ffi::AnyBuffer& index_pairs, uint64_t address,
-                                              int64_t num_cold_slots) {
+                                              int64_t num_cold_slots, bool slot_major) {
   auto kd = k_pool.dimensions();
   auto vd = v_pool.dimensions();
   if (kd.size() != 5)
-    return Fail("k_pool must have rank 5 [num_layers, num_slots, page_size, num_kv_heads, "
-                "head_dim], got shape " + DimsToString(kd));
+    return Fail(std::string("k_pool must have rank 5 ") +
+                (slot_major ? "[num_slots, num_layers" : "[num_layers, num_slots") +
+                ", page_size, num_kv_heads, head_dim], got shape " + DimsToString(kd));
   bool same = vd.size() == kd.size();
   for (size_t i = 0; same && i < kd.size(); ++i) same = kd[i] == vd[i];
   if (!same)
@@ -153,8 +159,8 @@ inline ffi::ErrorOr<CodecCall> ParseCodecCall(CodecKind kind, const ffi::AnyBuff
   if (v_pool.element_type() != k_pool.element_type())
     return Fail("v_pool dtype must equal k_pool dtype");
   CodecCall c;
-  c.hot.num_layers = kd[0];
-  c.hot.num_slots = kd[1];
+  c.hot.num_layers = kd[slot_major ? 1 : 0];
+  c.hot.num_slots = kd[slot_major ? 0 : 1];
   c.hot.page_size = kd[2];
   c.hot.num_kv_heads = kd[3];
   c.hot.head_dim = kd[4];
@@ -162,11 +168,14 @@ inline ffi::ErrorOr<CodecCall> ParseCodecCall(CodecKind kind, const ffi::AnyBuff
   c.hot.dtype = *dt;
   for (int64_t d : kd)
     if (d < 1) return Fail("k_pool has an empty dimension: " + DimsToString(kd));
+  c.hot.strides =
+      PoolStrides::Of(slot_major, c.hot.num_layers, c.hot.num_slots, c.hot.piece_elems());
   // NOTE: at most 2^40 bytes per hot page (the concat cold page, the larger of the two formats)
   // keeps every offset product below far from int64 overflow.
-  const double approx = 2.0 * double(kd[0]) * double(kd[2]) * double(kd[3]) * double(kd[4]) *
-                        double(c.hot.itemsize);
-  if (approx > double(int64_t(1) << 40) || kd[1] > int64_t(std::numeric_limits<int32_t>::max()))
+  const double approx = 2.0 * double(c.hot.num_layers) * double(kd[2]) * double(kd[3]) *
+                        double(kd[4]) * double(c.hot.itemsize);
+  if (approx > double(int64_t(1) << 40) ||
+      c.hot.num_slots > int64_t(std::numeric_limits<int32_t>::max()))
     return Fail("k_pool shape " + DimsToString(kd) + " is too large for a cold page");
   auto pd = index_pairs.dimensions();
   if (index_pairs.element_type() != ffi::DataType::S32 || pd.size() != 2 || pd[1] != 2)

@@ -2,6 +2,8 @@
 //
 // Page-table convention (spelled out once, used by every op):
 //   cache     [num_pages, page_size, num_kv_heads, head_dim]            (or [num_layers, ...] first)
+//             or, with the slot_major attribute (the arena), [num_pages, num_layers, page_size,
+//             num_kv_heads, head_dim]: the same logical cache, one page of all layers contiguous.
 //   flat slot = page * page_size + offset;  token i of sequence b lives in page
 //               page_table[b, i / page_size] at offset i % page_size.
 //   page 0 is the null page: page-table padding points there and is never read for valid tokens.
@@ -75,7 +77,23 @@ inline ffi::Unexpected<ffi::Error> Fail(const std::string& msg) {
   return ffi::Unexpected<ffi::Error>(Invalid(msg));
 }
 
-// Geometry of a K/V cache pair. Strides are in elements.
+// The element strides of a pool of num_pages pages of page_elems elements per layer:
+//   layer-major [L, S, ...]: page = page_elems,     layer = S * page_elems
+//   slot-major  [S, L, ...]: page = L * page_elems, layer = page_elems
+struct PoolStrides {
+  int64_t page = 0;
+  int64_t layer = 0;
+  KVCM_HD static PoolStrides Of(bool slot_major, int64_t num_layers, int64_t num_pages,
+                                int64_t page_elems) {
+    return slot_major ? PoolStrides{num_layers * page_elems, page_elems}
+                      : PoolStrides{page_elems, num_pages * page_elems};
+  }
+};
+
+// Geometry of a K/V cache pair. Strides are in elements; page_stride and layer_stride follow the
+// layout (PoolStrides), so element (layer l, page p, offset o, kv head h, d) is at
+//   l * layer_stride + p * page_stride + o * token_stride() + h * head_dim + d
+// in either layout (int64 arithmetic).
 struct CacheShape {
   int64_t num_layers = 1;  // 1 when the cache has no layer axis
   int64_t num_pages = 0;
@@ -83,17 +101,28 @@ struct CacheShape {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   DType dtype = DType::kF32;
+  int64_t page_stride = 0;
+  int64_t layer_stride = 0;
 
   KVCM_HD int64_t token_stride() const { return num_kv_heads * head_dim; }
-  KVCM_HD int64_t page_stride() const { return page_size * token_stride(); }
-  KVCM_HD int64_t layer_stride() const { return num_pages * page_stride(); }
   KVCM_HD int64_t num_slots() const { return num_pages * page_size; }
+  // Token rows from one page to the next: page_size (layer-major), num_layers * page_size
+  // (slot-major). The kernels address row `page * page_rows() + offset` of a layer.
+  KVCM_HD int64_t page_rows() const { return page_stride / token_stride(); }
+  // Element offset of flat slot page * page_size + offset within its layer.
+  KVCM_HD int64_t SlotOffset(int64_t slot) const {
+    return (slot / page_size) * page_stride + (slot % page_size) * token_stride();
+  }
 };
 
+// slot_major: the caches are [num_pages, num_layers, page_size, num_kv_heads, head_dim] (rank 5).
 inline ffi::ErrorOr<CacheShape> ParseCaches(const ffi::AnyBuffer& k_cache,
-                                            const ffi::AnyBuffer& v_cache) {
+                                            const ffi::AnyBuffer& v_cache, bool slot_major) {
   auto kd = k_cache.dimensions();
   auto vd = v_cache.dimensions();
+  if (slot_major && kd.size() != 5)
+    return Fail("k_cache must have rank 5 [num_pages, num_layers, page_size, num_kv_heads, "
+                "head_dim] (slot_major), got shape " + DimsToString(kd));
   if (kd.size() != 4 && kd.size() != 5)
     return Fail("k_cache must have rank 4 [num_pages, page_size, num_kv_heads, head_dim] or 5 "
                    "[num_layers, ...], got shape " + DimsToString(kd));
@@ -110,8 +139,8 @@ inline ffi::ErrorOr<CacheShape> ParseCaches(const ffi::AnyBuffer& k_cache,
     return Fail("v_cache dtype must equal k_cache dtype");
   CacheShape c;
   size_t o = kd.size() == 5 ? 1 : 0;
-  c.num_layers = o ? kd[0] : 1;
-  c.num_pages = kd[o];
+  c.num_layers = o ? kd[slot_major ? 1 : 0] : 1;
+  c.num_pages = kd[slot_major ? 0 : o];
   c.page_size = kd[o + 1];
   c.num_kv_heads = kd[o + 2];
   c.head_dim = kd[o + 3];
@@ -119,6 +148,10 @@ inline ffi::ErrorOr<CacheShape> ParseCaches(const ffi::AnyBuffer& k_cache,
   if (c.num_layers < 1 || c.num_pages < 1 || c.page_size < 1 || c.num_kv_heads < 1 ||
       c.head_dim < 1)
     return Fail("k_cache has an empty dimension: " + DimsToString(kd));
+  const PoolStrides strides =
+      PoolStrides::Of(slot_major, c.num_layers, c.num_pages, c.page_size * c.token_stride());
+  c.page_stride = strides.page;
+  c.layer_stride = strides.layer;
   return c;
 }
 
@@ -163,8 +196,8 @@ inline ffi::ErrorOr<AttentionShape> ParseAttention(const ffi::AnyBuffer& q,
                                                    const ffi::AnyBuffer& seq_lens,
                                                    const ffi::AnyBuffer* query_start,
                                                    const ffi::AnyBuffer& layer,
-                                                   const ffi::AnyBuffer& out) {
-  auto cache = ParseCaches(k_cache, v_cache);
+                                                   const ffi::AnyBuffer& out, bool slot_major) {
+  auto cache = ParseCaches(k_cache, v_cache, slot_major);
   if (cache.has_error()) return ffi::Unexpected<ffi::Error>(cache.error());
   AttentionShape s;
   s.cache = *cache;
@@ -218,8 +251,8 @@ inline ffi::ErrorOr<CacheShape> ParseWriteKv(const ffi::AnyBuffer& k_cache,
                                              const ffi::AnyBuffer& v_cache, const ffi::AnyBuffer& k,
                                              const ffi::AnyBuffer& v,
                                              const ffi::AnyBuffer& slot_mapping,
-                                             const ffi::AnyBuffer& layer) {
-  auto cache = ParseCaches(k_cache, v_cache);
+                                             const ffi::AnyBuffer& layer, bool slot_major) {
+  auto cache = ParseCaches(k_cache, v_cache, slot_major);
   if (cache.has_error()) return ffi::Unexpected<ffi::Error>(cache.error());
   const CacheShape& c = *cache;
   auto kd = k.dimensions();

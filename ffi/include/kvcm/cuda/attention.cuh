@@ -11,7 +11,7 @@ namespace kvcm::cuda {
 
 struct AttentionArgs {
   const void* q = nullptr;        // [num_queries, num_heads, head_dim]
-  const void* k_cache = nullptr;  // [L?, num_pages, page_size, num_kv_heads, head_dim]
+  const void* k_cache = nullptr;  // [L?, num_pages, ...] or slot-major [num_pages, L, ...]
   const void* v_cache = nullptr;
   void* out = nullptr;            // like q
   const int32_t* page_table = nullptr;   // [batch, max_pages]
@@ -95,13 +95,15 @@ __device__ __forceinline__ bool IsRaggedDecodeRow(const AttentionArgs& a, int64_
   return q1 - q0 == 1 && q0 >= 0 && q1 <= a.shape.num_queries && a.seq_lens[b] >= 1;
 }
 
-// A ragged prefill launch: the call, its logit transform, log2(page_size), and the schedule
-// kernel's per-sequence tile offsets [B + 1] (a tile of rows of one sequence per CTA, or per
+// A ragged prefill launch: the call, its logit transform, log2(page_size), the token rows from
+// one page to the next (CacheShape::page_rows), and the schedule kernel's per-sequence tile
+// offsets [B + 1] (a tile of rows of one sequence per CTA, or per
 // work tile of the persistent sm90 kernel).
 struct PrefillParams {
   AttentionArgs a;
   LogitTransform logit;
   int page_shift;
+  int page_rows;
   const int32_t* tile_offsets;
   // The sm90 kernel's work counter (zeroed by the schedule kernel, next to tile_offsets).
   int32_t* work_counter;
