@@ -1,5 +1,6 @@
-"""A minimal paged driver for the Llama model (tests and smoke runs; the serving loop proper runs on
-``KVCacheManager``).
+"""A minimal paged driver for the example Llama model, a test oracle: its own free list and prefix
+sharing, no ``KVCacheManager`` (the serving loop proper, ``examples/llama/serve.py``, runs on the
+manager). tests/test_llama_model.py checks the model against HF transformers through it.
 
 It owns its pages with a simple free list (page 0 is the null page and never handed out), shares
 full prompt pages between sequences with equal prefixes (hash chain over page-sized token blocks,
@@ -26,10 +27,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    from . import model as llama
-except ImportError:  # pragma: no cover  (run from examples/llama)
-    import model as llama  # type: ignore[no-redef]
+from examples.llama import model as llama
 
 __all__ = ["PagedRunner", "RunnerStats"]
 
