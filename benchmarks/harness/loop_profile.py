@@ -1,4 +1,4 @@
-"""Where the serving loop's time goes (issue 9, items 3 and 5), for ``benchmarks/serve.py``.
+"""Where the serving loop's time goes (issue 9, items 3 and 5), for ``benchmarks/bench_serve.py``.
 
 - :func:`loop_stats`: from the loop's own timings (``ServeConfig.record_steps``: one
   ``StepRecord`` per dispatched step), per step kind (decode-only, mixed, prefill-only) the
@@ -12,9 +12,9 @@
   started in steady state, where the next request is about to finish (so the window holds
   decode-only steps and the mixed steps that prefill the requests admitted in its place).
 - :func:`step_breakdown`: the trace's device time per step kind by category
-  (``benchmarks/_profile.py``: weight GEMMs, paged / ragged attention, K/V writes, sampling,
-  norms/RoPE/other), the device idle inside a step, other programs (migrations) between steps,
-  and the device idle before a step (host gaps: what the overlapped loop should hide).
+  (``benchmarks/harness/device_profile.py``: weight GEMMs, paged / ragged attention, K/V writes,
+  sampling, norms/RoPE/other), the device idle inside a step, other programs (migrations) between
+  steps, and the device idle before a step (host gaps: what the overlapped loop should hide).
 
 Phases: ramp-up runs until the first decode-only step at the run's full batch (``min(concurrency,
 requests)`` rows: every admitted prompt prefilled); the tail starts at the first step planned
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from benchmarks import _profile
+from benchmarks.harness import device_profile
 
 KINDS = ("decode", "mixed", "prefill")
 PHASES = ("ramp-up", "steady", "tail")
@@ -252,15 +252,15 @@ def step_breakdown(window: ProfileWindow, records: Sequence[Any], capture: Progr
                    params: Any) -> dict[str, Any]:
     """Device milliseconds per step kind and category over the traced window (see the module
     doc), plus ``other_top``: the largest ops in "norms/RoPE/other" (names, ms per step)."""
-    trace = _profile.load_trace(window.out_dir)
+    trace = device_profile.load_trace(window.out_dir)
     by_index = {r.index: r for r in records}
     recs = [by_index[i] for i in window.indices if i in by_index]
-    cats = {key: _profile.hlo_categories(capture.hlo(key), params) for key in capture.args}
+    cats = {key: device_profile.hlo_categories(capture.hlo(key), params) for key in capture.args}
     known = set().union(*cats.values()) if cats else set()
 
     named = any("model_step" in x.name for x in trace.executions)
 
-    def is_step(x: _profile.Execution) -> bool:
+    def is_step(x: device_profile.Execution) -> bool:
         if named:                        # GPU: the "XLA Modules" line names the program
             return "model_step" in x.name
         names = [o.name for o in x.ops]  # CPU (or unnamed modules): the step's instructions
@@ -280,7 +280,7 @@ def step_breakdown(window: ProfileWindow, records: Sequence[Any], capture: Progr
     prev_end = None
     for rec, x in pairs:
         key = (rec.program, rec.batch_bucket, rec.token_bucket)
-        c = _profile.attribute(x.ops, cats.get(key, {}), trace.on_device, unknown)
+        c = device_profile.attribute(x.ops, cats.get(key, {}), trace.on_device, unknown)
         busy = sum(o.dur for o in x.ops if o.ts < x.end)
         c["idle inside the step"] += max(0.0, (x.end - x.start) - busy)
         if prev_end is not None:
@@ -304,7 +304,7 @@ def step_breakdown(window: ProfileWindow, records: Sequence[Any], capture: Progr
             continue
         c, k = rows[kind], counts[kind]
         gaps = max(1, c.pop("_gaps", 0))
-        row = {cat: c[cat] / 1e3 / k for cat in _profile.CATEGORIES}
+        row = {cat: c[cat] / 1e3 / k for cat in device_profile.CATEGORIES}
         row["idle inside the step"] = c["idle inside the step"] / 1e3 / k
         row["other programs"] = c["other programs"] / 1e3 / gaps
         row["idle before the step (host gap)"] = c["idle before the step (host gap)"] / 1e3 / gaps
@@ -315,7 +315,7 @@ def step_breakdown(window: ProfileWindow, records: Sequence[Any], capture: Progr
     return out
 
 
-BREAKDOWN_COLUMNS = _profile.CATEGORIES + ("idle inside the step", "other programs",
+BREAKDOWN_COLUMNS = device_profile.CATEGORIES + ("idle inside the step", "other programs",
                                            "idle before the step (host gap)", "total")
 
 

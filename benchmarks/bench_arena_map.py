@@ -4,8 +4,8 @@
 Run on the GPU machine (after `pip install .` with the CUDA extension), from anywhere except a
 directory that shadows the installed package with an unbuilt `jax_kvcm/`:
 
-    python benchmarks/arena_map.py [--json results.json]
-    python benchmarks/arena_map.py --cpu --quick     # the memfd path (CPU builds), a smoke test
+    python -m benchmarks.bench_arena_map [--json results.json]
+    python -m benchmarks.bench_arena_map --cpu --quick     # the memfd path (CPU builds), a smoke test
 
 For each super-page size (2, 4, 8, 16 MiB; --cpu: 4 KiB to 2 MiB) one reservation of
 ``--pages`` super-pages is made and the native calls are timed in batches over all of them
@@ -207,8 +207,10 @@ def prefix_workload_rows(cpu: bool, requests: int, concurrency: int, isl: int, o
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.bench_arena_map``."""
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_arena_map", description=__doc__.split("\n")[1])
     ap.add_argument("--cpu", action="store_true", help="time the CPU memfd reservation")
     ap.add_argument("--quick", action="store_true", help="few pages, small arena layout")
     ap.add_argument("--pages", type=int, default=None)
@@ -220,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--spare-ranges", type=int, default=1,
                     help="ranges beyond --concurrency (parked ones keep spans mapped)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.prefix_workload:
         result: Any = prefix_workload_rows(args.cpu, args.requests, args.concurrency, 1024, 1024,
                                            0, spare=args.spare_ranges)

@@ -2,8 +2,8 @@
 """Does the page layout cost decode bandwidth? ``paged_attention`` over the same bytes per row in
 two layouts (GPU machine):
 
-    python benchmarks/decode_layout.py [--json out.json]
-    JAX_PLATFORMS=cpu python benchmarks/decode_layout.py --quick    # CPU smoke test
+    python -m tools.decode_layout [--json out.json]
+    JAX_PLATFORMS=cpu python -m tools.decode_layout --quick    # CPU smoke test
 
 - ``interleaved``: the package's layout, ``[pages, 16, Hkv=8, D=128]``, H=32 (G=4). A (batch,
   kv head) row reads, per 16-token tile, 16 runs of D elements (256 bytes in bf16, 128 in fp8)
@@ -12,10 +12,10 @@ two layouts (GPU machine):
   row and the same bytes, but a tile is one contiguous run (4 KiB bf16, 2 KiB fp8), as in a
   ``[pages, Hkv, 16, D]`` (head-major) page.
 
-Both in bf16 and in float8_e4m3fn (benchmarks/attention.py's fp8_caches: one power-of-two scale,
-the same for every kv head). Every output is checked against the float32 reference (also
-attention.py's) before it is timed. The ratio
-``contiguous / interleaved`` < 1 says the interleaved layout's strided runs cost DRAM bandwidth.
+Both in bf16 and in float8_e4m3fn (benchmarks/harness/attention_cases.py's fp8_caches: one
+power-of-two scale, the same for every kv head). Every output is checked against the float32
+reference (also bench_attention.py's) before it is timed. The ratio ``contiguous / interleaved`` < 1
+says the interleaved layout's strided runs cost DRAM bandwidth.
 """
 
 from __future__ import annotations
@@ -32,12 +32,8 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-try:
-    from benchmarks import _timing  # python -m benchmarks.decode_layout
-    from benchmarks.attention import check, fp8_caches, reference_decode
-except ImportError:
-    import _timing  # python benchmarks/decode_layout.py
-    from attention import check, fp8_caches, reference_decode
+from benchmarks.harness.attention_cases import check, fp8_caches, reference_decode  # noqa: E402
+from benchmarks.harness import timing as _timing  # noqa: E402
 
 import jax_kvcm  # noqa: E402
 
@@ -74,13 +70,19 @@ def one(b: int, s: int, hkv: int, fp8: bool, seed: int, repeats: int) -> dict:
             "tb_s": kv_bytes / (t["ms"] * 1e-3) / 1e12}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m tools.decode_layout``."""
+    p = argparse.ArgumentParser(
+        prog="python -m tools.decode_layout", description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     print(f"seed {args.seed}; {jax.devices()[0].device_kind}")
     results = []
     for b, s in [(2, 256)] if args.quick else SHAPES:

@@ -13,7 +13,7 @@ H200 needs are applied by :func:`prepare` unless already set: ``FLASHINFER_CUDA_
 includes taken from torch's nvidia-curand wheel when the toolkit lacks them.
 
 All wrappers take torch tensors that share memory with our JAX arrays (DLPack) and return a
-zero-argument callable producing the output, for ``_timing.time_torch``.
+zero-argument callable producing the output, for ``benchmarks.harness.timing.time_torch``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,7 @@ import sys
 import types
 from typing import Any
 
-try:
-    from benchmarks._timing import short_error  # python -m benchmarks.attention
-except ImportError:
-    from _timing import short_error  # python benchmarks/attention.py
+from benchmarks.harness.timing import short_error
 
 
 def prepare(anchor_dir: str | None) -> dict[str, Any]:

@@ -3,18 +3,18 @@
 
 A kernel change is judged against the build it changes, on the same GPU in the same minutes:
 each build (a ``pip install --target DIR .`` of one source tree) is timed in its own process, in
-turns (A, B, A, B, ...), over benchmarks/attention.py's prefill shapes and inputs, each output
+turns (A, B, A, B, ...), over benchmarks/bench_attention.py's prefill shapes and inputs, each output
 checked against the float32 reference first. On the GPU machine:
 
     python3 -m pip install --no-build-isolation --no-deps --target /tmp/site_a .   # build A
     # (change the kernel)
     python3 -m pip install --no-build-isolation --no-deps --target /tmp/site_b .   # build B
-    python3 benchmarks/prefill_ab.py /tmp/site_a /tmp/site_b --rounds 2
+    python3 -m tools.prefill_ab /tmp/site_a /tmp/site_b --rounds 2
 
 Prints one line per build and round, then a table of each build's median ms per shape and its
 time over the first build's (< 1: faster). FlashInfer and cuDNN are not timed here:
-benchmarks/attention.py --only prefill gives the side-by-side ratios.
-    JAX_PLATFORMS=cpu python benchmarks/prefill_ab.py SITE --quick     # tiny shapes, CPU
+python -m benchmarks.bench_attention --only prefill gives the side-by-side ratios.
+    JAX_PLATFORMS=cpu python -m tools.prefill_ab SITE --quick     # tiny shapes, CPU
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def time_build(quick: bool, repeats: int) -> dict[str, dict]:
-    """In the child process (the build first on sys.path): {shape: {"ms", "check"}}."""
-    sys.path.insert(0, str(HERE))
+    """In the child process (started in the build's folder, so that its jax_kvcm comes first on
+    sys.path; the repository on PYTHONPATH): {shape: {"ms", "check"}}."""
     import jax
     import jax.numpy as jnp
 
-    import _timing
-    import attention as A
     import jax_kvcm
+    from benchmarks.harness import attention_cases as A
+    from benchmarks.harness import timing as _timing
     from jax_kvcm.ops import reference
 
     h, hkv, d = A.NUM_HEADS, A.NUM_KV_HEADS, A.HEAD_DIM
@@ -63,14 +63,21 @@ def time_build(quick: bool, repeats: int) -> dict[str, dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m tools.prefill_ab``."""
+    p = argparse.ArgumentParser(
+        prog="python -m tools.prefill_ab", description=__doc__.splitlines()[0])
     p.add_argument("sites", nargs="*", help="install folders of the builds (the first: baseline)")
     p.add_argument("--rounds", type=int, default=2, help="turns per build (alternated)")
     p.add_argument("--repeats", type=int, default=9, help="timing samples per call (median)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per child process")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.child:
         print("RESULT " + json.dumps(time_build(a.quick, a.repeats)), flush=True)
@@ -85,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(a.rounds):
         for site in a.sites:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [site] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-            cmd = [sys.executable, __file__, "--child", "--repeats", str(a.repeats)]
+                [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+            cmd = [sys.executable, "-m", "tools.prefill_ab", "--child", "--repeats", str(a.repeats)]
             try:
-                proc = subprocess.run(cmd + (["--quick"] if a.quick else []), env=env,
+                proc = subprocess.run(cmd + (["--quick"] if a.quick else []), env=env, cwd=site,
                                       capture_output=True, text=True, timeout=a.timeout)
             except subprocess.TimeoutExpired:
                 print(f"round {r + 1} {site}: TIMEOUT after {a.timeout:.0f} s", flush=True)

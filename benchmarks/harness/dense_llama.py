@@ -1,4 +1,4 @@
-"""The example Llama on a dense per-sequence JAX cache: the baseline of ``benchmarks/serve.py``.
+"""The example Llama on a dense per-sequence JAX cache: the serving benchmark's baseline.
 
 The usual JAX approach to a KV cache, run through the same model code as the paged runner
 (``examples/llama/model.py``: its params, its layer loop ``_decoder`` under ``lax.scan``, its

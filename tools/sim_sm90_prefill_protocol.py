@@ -29,8 +29,8 @@ batch in the kernel's order, bands from the row geometry and windows, which also
 kernel's claim 0 <= ta < tb <= num_tiles). Grids of 1 to 6 CTAs, also more than the work tiles
 (the launch sizes the grid from an upper bound).
 
-    python scripts/sim_sm90_prefill_protocol.py             # expects 0 violations
-    python scripts/sim_sm90_prefill_protocol.py --mutate X  # a broken protocol step: expects >0
+    python -m tools.sim_sm90_prefill_protocol             # expects 0 violations
+    python -m tools.sim_sm90_prefill_protocol --mutate X  # a broken protocol step: expects >0
 
 Mirror kernel changes here before relying on it.
 """
@@ -300,11 +300,16 @@ def kernel_works(rnd):
     return [kernel_work(t, nq, length, G, window) for t, nq, length in work]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m tools.sim_sm90_prefill_protocol``."""
+    ap = argparse.ArgumentParser(prog="python -m tools.sim_sm90_prefill_protocol")
     ap.add_argument('--mutate', choices=sorted(MUTATIONS), default=None)
     ap.add_argument('--trials', type=int, default=20000)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     bad = 0
     rnd = random.Random(12345)
     for trial in range(args.trials):

@@ -8,10 +8,10 @@ FlashInfer's FA3 paged prefill over the same pages, or cuDNN on them made dense,
 times their kernels the same way:
 
     ncu --clock-control none -k regex:RaggedPrefill --launch-skip 2 --launch-count 1 --set full \\
-        python3 benchmarks/prefill_profile.py --batch 8 --context 2048
+        python3 -m tools.prefill_profile --batch 8 --context 2048
 
 Shapes: ``q [B * S, H, D]``, ``[pages, page, Hkv, D]`` caches, bf16. It checks nothing and times
-nothing: benchmarks/attention.py does both. With ``--trace DIR`` the calls after the first run
+nothing: benchmarks/bench_attention.py does both. With ``--trace DIR`` the calls after the first run
 under ``jax.profiler``, and it prints the device ops and the gaps between them (where a call's
 wall time goes outside the prefill kernel; Nsight Systems is not on the GPU machine).
 """
@@ -22,17 +22,18 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import argparse  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also under python -m
-import decode_profile  # noqa: E402
+from tools import decode_profile  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m tools.prefill_profile``."""
     p = decode_profile.shape_parser(batch=8, context=2048)
+    p.prog = "python -m tools.prefill_profile"
     p.description = __doc__.splitlines()[0]
     p.add_argument("--method", choices=("ours", "flashinfer", "cudnn"), default="ours",
                    help="ours, FlashInfer's FA3 paged prefill (--anchors) or cuDNN on dense K/V")
@@ -41,7 +42,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="run the calls under jax.profiler into DIR and print the compiled "
                         "program's instructions and the device ops with the gaps between them "
                         "(ours and cudnn)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     B, S, H, HKV, D, P = (args.batch, args.context, args.heads, args.kv_heads, args.head_dim,
                           args.page)
     rng = np.random.default_rng(0)
@@ -91,10 +96,7 @@ def run_jax(args, q, k, v, table) -> None:
 
 def run_flashinfer(args, q, k, v, table) -> None:
     """FlashInfer's FA3 paged prefill over the same pages, calls back to back."""
-    try:
-        from benchmarks import _anchors  # python -m benchmarks.prefill_profile
-    except ImportError:
-        import _anchors  # python benchmarks/prefill_profile.py
+    from benchmarks.harness import anchors as _anchors
     _anchors.prepare(args.anchors)
     import torch
 
@@ -113,11 +115,11 @@ def run_flashinfer(args, q, k, v, table) -> None:
 def trace_gaps(f, call_args, run, trace_dir: str) -> None:
     """The compiled program's ENTRY instructions (a copy or transpose XLA put around the custom
     call would show here), then ``run()`` under jax.profiler and its device ops in time order
-    with the idle gap before each (benchmarks/kernel_gaps.py), the last two calls' worth."""
+    with the idle gap before each (tools/kernel_gaps.py), the last two calls' worth."""
     import jax
 
-    import _profile
-    import kernel_gaps
+    from benchmarks.harness import device_profile as _profile
+    from tools import kernel_gaps
 
     hlo = f.lower(*call_args).compile().as_text()
     entry = hlo[hlo.index("ENTRY"):].split("\n}")[0].splitlines()[1:]

@@ -1,8 +1,8 @@
-"""Load generator of benchmarks/serve_http.py, run as its own process (so that the clients do not
-share the server's interpreter): every request opened at once as one streaming
+"""Load generator of benchmarks/bench_serve_http.py, run as its own process (so that the clients
+do not share the server's interpreter): every request opened at once as one streaming
 ``/v1/completions``; token arrival times recorded per request.
 
-    python benchmarks/_http_load.py URL IN.json OUT.json
+    python -m benchmarks.harness.http_load URL IN.json OUT.json
 
 IN: ``{"prompts": [[ids], ...], "max_tokens": N, "start_at": T}`` (sending starts at
 ``time.perf_counter() == T``, so that several client processes start together); OUT: ``{"t0":

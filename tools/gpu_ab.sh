@@ -1,12 +1,12 @@
 #!/bin/bash
 # A kernel change against its base, in one call on the GPU machine: builds a base snapshot (A) and
 # the working tree (B) side by side, runs gpu tests on B, then times both with
-# benchmarks/prefill_ab.py (alternated) and, optionally, B beside FlashInfer / cuDNN.
+# tools/prefill_ab.py (alternated) and, optionally, B beside FlashInfer / cuDNN.
 #
 # Here, before the call (the tarball is untracked and not ignored, so it travels with the tree):
 #   git archive -o ab_base.tar main          # A: any commit
 # On the GPU machine:
-#   bash scripts/gpu_ab.sh ab_base.tar [--pytest='ARGS'] [--rounds=N] [--attention] [--also=TAR]
+#   bash tools/gpu_ab.sh ab_base.tar [--pytest='ARGS'] [--rounds=N] [--attention] [--also=TAR]
 #     --pytest=ARGS  gpu tests on B (default: test_nonfinite.py and the ragged attention tests);
 #                    --pytest= (empty) skips them
 #     --rounds=N     prefill_ab.py turns per build (default 2)
@@ -17,8 +17,8 @@
 #                    B's sm90 prefill kernel at B8 S2048 causal (in logs.tgz), the time of each
 #                    kernel of a call (ncu, one at a time), and B's calls back to back under
 #                    jax.profiler (each kernel's time in a loop, the gaps between them)
-#     --attention    then benchmarks/attention.py --only prefill on B, with FlashInfer when its
-#                    wheels are in .anchors/ (carried; benchmarks/_anchors.py)
+#     --attention    then benchmarks/bench_attention.py --only prefill on B, with FlashInfer when its
+#                    wheels are in .anchors/ (carried; benchmarks/harness/anchors.py)
 # Every step's log is in $OUT (written as it goes); at exit they go into $OUT/logs.tgz, and the
 # report (tests, times, clock and power, profiles, ratios) and a table of the steps are printed
 # last and kept in $OUT/report.md and $OUT/steps.txt.
@@ -57,6 +57,11 @@ step() {  # name log command... (a line per step in $OUT/steps.txt, so that step
   return $rc
 }
 report() { tee -a "$OUT/report.md"; }  # stdin: lines for the report, printed now and at exit
+ROOT=$PWD
+# Runs a command of this tree's tools/ against one build: started in the build's folder, so that
+# its jax_kvcm comes first on sys.path (python -m puts the working directory first), the repo
+# root after it (tools/, benchmarks/).   on_build SITE[:MORE_PATHS] COMMAND...
+on_build() { local path=$1; shift; env -C "${path%%:*}" PYTHONPATH="$path:$ROOT" "$@"; }
 # At exit: the report and the steps again, last (what a cut-off output keeps), and every log in
 # one archive (the device tool brings back at most 8 files).
 finish() {
@@ -138,14 +143,14 @@ watched() {  # name log command...: step, with the clock and power it ran at in 
   [ -n "$smi_pid" ] && kill "$smi_pid" && echo "$1: $(smi_summary "$OUT/smi_$1.csv")" | report
   return $rc
 }
-watched prefill-ab prefill_ab.log python3 benchmarks/prefill_ab.py "${sites[@]}" \
+watched prefill-ab prefill_ab.log python3 -m tools.prefill_ab "${sites[@]}" \
   --rounds "$rounds" "${quick[@]}"
 grep -v "^round" "$OUT/prefill_ab.log" | report
 if [ $profile = 1 ]; then
   for x in a b; do
-    step "ncu-$x" "ncu_prefill_$x.txt" env PYTHONPATH="/tmp/site_$x" ncu --clock-control none \
+    step "ncu-$x" "ncu_prefill_$x.txt" on_build "/tmp/site_$x" ncu --clock-control none \
       -k regex:RaggedPrefillSm90 --launch-skip 2 --launch-count 1 --set full --import-source no \
-      -o "/tmp/ncu_prefill_$x" -f python3 benchmarks/prefill_profile.py --batch 8 --context 2048
+      -o "/tmp/ncu_prefill_$x" -f python3 -m tools.prefill_profile --batch 8 --context 2048
     ncu -i "/tmp/ncu_prefill_$x.ncu-rep" >> "$OUT/ncu_prefill_$x.txt" 2>&1
     ncu -i "/tmp/ncu_prefill_$x.ncu-rep" --page source --print-source sass --csv \
       > "$OUT/ncu_prefill_${x}_sass.csv" 2>&1
@@ -153,8 +158,8 @@ if [ $profile = 1 ]; then
   # Every kernel of a call (XLA's too), one at a time (ncu): A's, B's, FA3's and cuDNN's.
   [ -n "${warm_pid:-}" ] && wait "$warm_pid"
   ncu_times() {  # name site method
-    step "ncu-times-$1" "ncu_times_$1.txt" env PYTHONPATH="$2" ncu --clock-control none \
-      --metrics gpu__time_duration.sum python3 benchmarks/prefill_profile.py --batch 8 \
+    step "ncu-times-$1" "ncu_times_$1.txt" on_build "$2" ncu --clock-control none \
+      --metrics gpu__time_duration.sum python3 -m tools.prefill_profile --batch 8 \
       --context 2048 --calls 4 --method "$3" "${anchors[@]}"
     echo "== $1: kernel times (ncu, us)" | report
     grep -E "\(.*\)x\(|gpu__time_duration" "$OUT/ncu_times_$1.txt" | tail -12 |
@@ -167,8 +172,8 @@ if [ $profile = 1 ]; then
   # B's and cuDNN's calls back to back under jax.profiler: each kernel's time in a loop (against
   # ncu's, one at a time) and the gaps between them (Nsight Systems is not on the GPU machine).
   for m in ours cudnn; do
-    step "trace-$m" "trace_$m.log" env PYTHONPATH=/tmp/site_b python3 \
-      benchmarks/prefill_profile.py --batch 8 --context 2048 --calls 9 --method $m \
+    step "trace-$m" "trace_$m.log" on_build /tmp/site_b python3 \
+      -m tools.prefill_profile --batch 8 --context 2048 --calls 9 --method $m \
       --trace "/tmp/trace_$m"
     { echo "== $m (B's build): back to back (jax.profiler)"
       sed -n '/^compiled ENTRY/,$p' "$OUT/trace_$m.log" | grep -v " parameter(" | tail -40
@@ -177,12 +182,12 @@ if [ $profile = 1 ]; then
   grep -hE "^  [A-Z]|Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT"/ncu_prefill_?.txt |
     head -40
   # Where each build's warps wait, by role, and by the unit of work an instruction runs once for
-  # (benchmarks/sass_regions.py). B8 S2048 causal at G = 4 on 132 CTAs: 4,096 work tiles (256 of
+  # (tools/sass_regions.py). B8 S2048 causal at G = 4 on 132 CTAs: 4,096 work tiles (256 of
   # them one key tile long), 34,816 key tiles; "inner": neither a work tile's first nor its last.
   units=('work tile=4096' 'work tile or its end claim=4228' 'work tile past its first key tile=3840'
          'key tile=34816' 'key tile past a work tile first=30720' 'inner key tile=26880')
   for x in a b; do
-    python3 benchmarks/sass_regions.py "$OUT/ncu_prefill_${x}_sass.csv" --top 12 \
+    python3 -m tools.sass_regions "$OUT/ncu_prefill_${x}_sass.csv" --top 12 \
       --units "${units[@]}" > "$OUT/sass_regions_$x.md" 2>&1
     { echo "== $x: stall samples by role"; head -40 "$OUT/sass_regions_$x.md"
       sed -n '/samples by what/,/^$/p' "$OUT/sass_regions_$x.md"; } | report
@@ -190,7 +195,7 @@ if [ $profile = 1 ]; then
 fi
 if [ $attention = 1 ]; then
   [ -n "${warm_pid:-}" ] && wait "$warm_pid"
-  watched attention attention.log env PYTHONPATH=/tmp/site_b python3 benchmarks/attention.py \
+  watched attention attention.log env PYTHONPATH=/tmp/site_b python3 -m benchmarks.bench_attention \
     --only prefill --no-pallas-sweep "${anchors[@]}"
   sed -n '/^### Ragged prefill/,$p' "$OUT/attention.log" | report
 fi

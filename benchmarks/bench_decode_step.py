@@ -2,28 +2,28 @@
 """Device time of one Llama decode step, paged vs dense, outside any serving loop, and where the
 time of the paged step goes (issues 5 and 9).
 
-    python benchmarks/decode_step.py [--batch 64 256] [--context 1152] [--json PATH]
-    JAX_PLATFORMS=cpu python benchmarks/decode_step.py --tiny        # CPU smoke run
+    python -m benchmarks.bench_decode_step [--batch 64 256] [--context 1152] [--json PATH]
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_decode_step --tiny        # CPU smoke run
 
-For each batch B: the Llama-3.1-8B-shaped model of ``benchmarks/serve.py`` (random bf16 weights
+For each batch B: the Llama-3.1-8B-shaped model of the serving benchmark (random bf16 weights
 drawn on the device), every sequence at ``--context`` tokens, and
 - paged: ``examples/llama/model.decode_step`` (``write_kv`` + ``paged_attention``) over a pool of
   exactly the pages the batch needs, each sequence's pages a random permutation of the pool;
-- dense: ``benchmarks/_dense_llama.decode`` over ``[L, B, Hkv, max_len, Dh]`` caches with
+- dense: ``benchmarks/harness/dense_llama.decode`` over ``[L, B, Hkv, max_len, Dh]`` caches with
   ``max_len = context + 128``.
 Both run back to back (caches donated, the step's outputs fed into the next call), timed as the
 median of ``--repeats`` calls after warm-up. The bytes a step must read at least (weights + the K/V
 of every sequence) over the time give an effective bandwidth. Comparing with the serving
 benchmark's "decode step ms" separates device time from the serving loop's host time.
 
-**Breakdown** (unless ``--no-profile``): for each batch, the paged step before (the layers'
-weights stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight buffers,
-fused QKV and gate/up), each traced with ``jax.profiler`` (``--repeats`` steps) and its device
-ops attributed to categories through the compiled HLO (``benchmarks/_profile.py``): weight GEMMs,
-weight copies (instructions that materialize a layer's weight matrix), paged attention, K/V
-writes, norms/RoPE/other, and host gaps (the step's wall time less the device ops' time).
-Printed as one table, before and after side by side; ``weight_copy_ops`` (the HLO probe) is
-printed for both layouts.
+**Breakdown** (unless ``--no-profile``): for each batch, the paged step before (the layers' weights
+stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight buffers, fused QKV
+and gate/up), each traced with ``jax.profiler`` (``--repeats`` steps) and its device ops attributed
+to categories through the compiled HLO (``benchmarks/harness/device_profile.py``): weight GEMMs,
+weight copies (instructions that materialize a layer's weight matrix), paged attention, K/V writes,
+norms/RoPE/other, and host gaps (the step's wall time less the device ops' time). Printed as one
+table, before and after side by side; ``weight_copy_ops`` (the HLO probe) is printed for both
+layouts.
 """
 
 from __future__ import annotations
@@ -42,14 +42,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import jax_kvcm  # noqa: E402,F401  (first: the repo root below must not shadow the built package)
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _dense_llama as dense  # noqa: E402
-from _profile import attribute, hlo_categories, load_trace, weight_copy_ops  # noqa: E402
+from benchmarks.harness import dense_llama as dense  # noqa: E402
+from benchmarks.harness.device_profile import (attribute, hlo_categories, load_trace,  # noqa: E402
+                                               weight_copy_ops)
+from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
-from serve import LLAMA_31_8B, TINY  # noqa: E402
 
 # The decode step's columns (its HLO has no ragged attention and no sampling).
 COLUMNS = ("weight GEMMs", "weight copies", "paged attention", "K/V writes", "norms/RoPE/other")
@@ -83,8 +80,10 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.bench_decode_step``."""
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_decode_step", description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--context", type=int, default=1152, help="tokens per sequence (1,024 in + "
                     "half of 256 out: the serving benchmark's average)")
@@ -97,7 +96,11 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the per-category breakdown "
                     "of the paged step (before/after) from a jax.profiler trace")
     ap.add_argument("--json", help="write the rows here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     config = TINY if args.tiny else LLAMA_31_8B
     if jax.default_backend() == "cpu" and not args.tiny:
         print("the 8B-shaped probe needs a GPU (use --tiny on CPU)", file=sys.stderr)

@@ -17,8 +17,8 @@ tables) against the full group alone, the two managers stepped alternately (targ
 bytes for all-full layers vs 3 of 4 layers windowed with W = 4,096 (target: >= 3x; the bound is
 ``4 * 32768 / (32768 + 3 * peak)`` with ``peak`` the window's peak in tokens, 2.9x at best).
 
-Usage: ``JAX_PLATFORMS=cpu python benchmarks/manager_overhead.py [--steps 400] [--sizes 64 256 1024]
-[--only rows|pair|capacity]``. Target (issue 4): <= 300 us per step at 256 sequences.
+Usage: ``JAX_PLATFORMS=cpu python -m benchmarks.bench_manager_overhead [--steps 400] [--sizes 64
+256 1024] [--only rows|pair|capacity]``. Target (issue 4): <= 300 us per step at 256 sequences.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcm._manager import KVCacheConfig, KVCacheManager, LayerGroupConfig
+from jax_kvcm import KVCacheConfig, KVCacheManager, LayerGroupConfig
 
 TPP = 16
 CONTEXT = 1024
@@ -156,13 +156,18 @@ def capacity(context: int = 32768, window: int = 4096, budget: int = 60 * 2 ** 3
                 pages=sized.device_pages)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.bench_manager_overhead``."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_manager_overhead")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--only", choices=["rows", "pair", "capacity"], default=None,
                     help="run one table only")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.only in (None, "capacity"):
         print("\ncapacity: 8B-shaped, 60 GiB, 32k-token contexts, W = 4,096 on 24 of 32 layers")
         print("| max_window_chunk | all full | 3/4 windowed, equal split | 3/4 windowed, "

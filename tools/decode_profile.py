@@ -1,19 +1,19 @@
 #!/usr/bin/env python
 """One decode shape, a few calls: the program to run under Nsight Compute (GPU machine).
 
-Calls ``paged_attention`` (``--method ours``) or FlashInfer's tensor-core paged decode
-(``--method flashinfer``, from ``--anchors DIR`` as in benchmarks/attention.py) ``--calls`` times
-on one random paged cache (K and V in separate buffers, a random page permutation, every row at
-length S), so that ``ncu`` can profile one warm launch:
+Calls ``paged_attention`` (``--method ours``) or FlashInfer's tensor-core paged decode (``--method
+flashinfer``, from ``--anchors DIR`` as in benchmarks/bench_attention.py) ``--calls`` times on one
+random paged cache (K and V in separate buffers, a random page permutation, every row at length S),
+so that ``ncu`` can profile one warm launch:
 
     ncu --clock-control none -k regex:PagedDecode --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \\
-        python3 benchmarks/decode_profile.py --batch 256 --context 1024
+        python3 -m tools.decode_profile --batch 256 --context 1024
     ncu --clock-control none -k regex:BatchPrefill --launch-skip 2 --launch-count 1 ... \\
-        python3 benchmarks/decode_profile.py --method flashinfer --anchors /tmp/anchors
+        python3 -m tools.decode_profile --method flashinfer --anchors /tmp/anchors
 
 Shapes: ``[pages, page, Hkv, D]`` caches, ``q [B, H, D]``; bf16 unless ``--fp8`` (float8_e4m3fn
-K/V, scale 1/128 per kv head). It checks nothing and times nothing: benchmarks/attention.py
+K/V, scale 1/128 per kv head). It checks nothing and times nothing: benchmarks/bench_attention.py
 does both.
 """
 
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 
 def shape_parser(batch: int, context: int) -> argparse.ArgumentParser:
-    """The shape options shared with benchmarks/prefill_profile.py (defaults: batch, context)."""
+    """The shape options shared with tools/prefill_profile.py (defaults: batch, context)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--context", type=int, default=context)
@@ -56,12 +56,18 @@ def random_paged_kv(args: argparse.Namespace, rng: np.random.Generator
     return k, v, table
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m tools.decode_profile``."""
     p = shape_parser(batch=256, context=1024)
+    p.prog = "python -m tools.decode_profile"
     p.add_argument("--method", choices=("ours", "flashinfer"), default="ours")
     p.add_argument("--fp8", action="store_true", help="float8_e4m3fn K/V")
     p.add_argument("--anchors", default=None, help="FlashInfer's install folder")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     B, S, H, HKV, D, P = (args.batch, args.context, args.heads, args.kv_heads, args.head_dim,
                           args.page)
@@ -89,10 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.calls):
             f(*args_).block_until_ready()
     else:
-        try:
-            from benchmarks import _anchors  # python -m benchmarks.decode_profile
-        except ImportError:
-            import _anchors  # python benchmarks/decode_profile.py
+        from benchmarks.harness import anchors as _anchors
         _anchors.prepare(args.anchors)
         import torch
 

@@ -4,11 +4,11 @@ server (``examples/llama/server.py``) with streaming clients, against the same l
 
 Run on the GPU machine from the repo root, after installing jax_kvcm with its CUDA extension:
 
-    python benchmarks/serve_http.py --quick --json serve_http.json   # 320 requests (~3 min)
-    python benchmarks/serve_http.py                                   # 640 requests
-    JAX_PLATFORMS=cpu python benchmarks/serve_http.py --tiny          # tiny model on CPU, seconds
+    python -m benchmarks.bench_serve_http --quick --json serve_http.json  # 320 requests (~3 min)
+    python -m benchmarks.bench_serve_http                                  # 640 requests
+    JAX_PLATFORMS=cpu python -m benchmarks.bench_serve_http --tiny         # tiny model, CPU
 
-**Model**: Llama-3.1-8B's shape with random bf16 weights (``benchmarks/serve.py``'s, drawn on the
+**Model**: Llama-3.1-8B's shape with random bf16 weights (the serving benchmark's, drawn on the
 device: no download); ``--tiny``: that script's tiny float32 model.
 
 **Workload** (the shared-prefix set of the seed benchmark, smaller): requests of 1,024 prompt
@@ -25,9 +25,9 @@ run's prefix hit rate is printed.
 - ``in-process``: ``Server.submit`` for every request, then ``step()`` until done; a request's
   token times are taken from :meth:`Server.new_tokens` after each step.
 - ``http``: the same ``Server`` behind ``create_app`` (uvicorn on 127.0.0.1 in this process; one
-  engine thread), driven by ``--client-procs`` client processes (``benchmarks/_http_load.py``:
-  ``httpx``, one streaming ``/v1/completions`` per request, all opened at once); token times are
-  chunk arrival times at the clients.
+  engine thread), driven by ``--client-procs`` client processes
+  (``benchmarks/harness/http_load.py``: ``httpx``, one streaming ``/v1/completions`` per
+  request, all opened at once); token times are chunk arrival times at the clients.
 
 **Measured**: output tokens/s (generated tokens / wall time from the first submission to the last
 token), time to first token (from submission, so queueing included) and inter-token latency
@@ -63,12 +63,9 @@ from typing import Any, Sequence  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import jax_kvcm  # noqa: E402,F401  (the installed package first; then the repo root)
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # after jax_kvcm: its unbuilt source tree must not shadow it
-
-from benchmarks import serve as bench  # noqa: E402
+from benchmarks.harness import http_load  # noqa: E402
+from benchmarks.harness import run_log  # noqa: E402
+from benchmarks.harness import serve_setup  # noqa: E402
 from examples.llama import serve  # noqa: E402
 
 TARGET_HTTP_OVER_IN_PROCESS = 0.95
@@ -94,9 +91,9 @@ class Workload:
         return -(-(self.input_len + self.output_len) // self.page_size)
 
 
-FULL = Workload("llama-3.1-8b-shape", bench.LLAMA_31_8B)
+FULL = Workload("llama-3.1-8b-shape", serve_setup.LLAMA_31_8B)
 QUICK = dataclasses.replace(FULL, requests=320)
-TINY = Workload("tiny", bench.TINY, requests=48, concurrency=8, input_len=40, output_len=16,
+TINY = Workload("tiny", serve_setup.TINY, requests=48, concurrency=8, input_len=40, output_len=16,
                 system_prompts=5, system_len=24, system_jitter=4, page_size=8, step_tokens=64)
 
 
@@ -122,8 +119,8 @@ def make_prompts(w: Workload) -> tuple[list[list[int]], list[list[int]], list[li
 def _latencies(t0: Sequence[float], times: Sequence[Sequence[float]]) -> dict[str, float]:
     ttft = [ts[0] - s for s, ts in zip(t0, times) if ts]
     itl = np.concatenate([np.diff(ts) for ts in times if len(ts) > 1] or [np.zeros(0)])
-    return dict(ttft_p50_s=bench._pct(ttft, 50), ttft_p99_s=bench._pct(ttft, 99),
-                itl_p50_s=bench._pct(itl, 50), itl_p99_s=bench._pct(itl, 99))
+    return dict(ttft_p50_s=run_log.pct(ttft, 50), ttft_p99_s=run_log.pct(ttft, 99),
+                itl_p50_s=run_log.pct(itl, 50), itl_p99_s=run_log.pct(itl, 99))
 
 
 def _hits(server: serve.Server, before: dict) -> float:
@@ -196,7 +193,7 @@ def run_http(server: serve.Server, w: Workload, prompts: list[list[int]],
                 src.write_text(json.dumps({"prompts": prompts[k::n], "max_tokens": w.output_len,
                                            "start_at": start_at}))
                 procs.append((dst, subprocess.Popen(
-                    [sys.executable, str(ROOT / "benchmarks/_http_load.py"),
+                    [sys.executable, http_load.__file__,
                      f"http://127.0.0.1:{port}", str(src), str(dst)],
                     stderr=subprocess.PIPE, text=True)))
             parts = []
@@ -248,18 +245,18 @@ def bench_http(w: Workload, params: Any, client_procs: int = 8, *,
     t = time.perf_counter()
     server.generate([serve.Request(list(range(1, w.page_size + 2)), 2, eos_token_ids=[])])
     server.generate([serve.Request(list(s), 1, eos_token_ids=[]) for s in systems])
-    bench._log(f"warm-up (compiles, {len(systems)} system prompts cached): "
-               f"{time.perf_counter() - t:.1f} s")
+    run_log.log(f"warm-up (compiles, {len(systems)} system prompts cached): "
+                f"{time.perf_counter() - t:.1f} s")
     results = []
     res_in, _ = run_in_process(server, w, prompts_in)
     results.append(res_in)
-    bench._log(_fmt(res_in))
+    run_log.log(_fmt(res_in))
     tok_ref = None
     if check_tokens:     # the HTTP run's prompts in process too (the HTTP run shuts the server)
         _, tok_ref = run_in_process(server, w, prompts_http)
     res_http, tok_http = run_http(server, w, prompts_http, client_procs)
     results.append(res_http)
-    bench._log(_fmt(res_http))
+    run_log.log(_fmt(res_http))
     same = (None if tok_ref is None else
             sum(a == b for a, b in zip(tok_ref, tok_http)) / len(prompts_http))
     ratio = res_http["output_tokens_per_s"] / res_in["output_tokens_per_s"]
@@ -292,8 +289,9 @@ def markdown(out: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.bench_serve_http``."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve_http", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="320 requests")
@@ -304,7 +302,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="load-generating client processes (default: half the CPUs, at most 8)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -312,13 +314,13 @@ def main(argv=None) -> dict[str, Any]:
     w = TINY if args.tiny else QUICK if args.quick else FULL
     w = dataclasses.replace(w, seed=args.seed, requests=args.requests or w.requests,
                             concurrency=args.concurrency or w.concurrency)
-    bench._preflight(args.tiny)
+    serve_setup.preflight(args.tiny)
     dev = jax.devices()[0]
-    bench._log(f"jax {jax.__version__} on {dev.device_kind} ({jax.default_backend()}); "
-               f"{w.name}: {w.requests} requests of {w.input_len}/{w.output_len} tokens, "
-               f"concurrency {w.concurrency}, {w.system_prompts} system prompts of "
-               f"~{w.system_len} tokens")
-    params = bench._params(types.SimpleNamespace(model=w.model, seed=w.seed))
+    run_log.log(f"jax {jax.__version__} on {dev.device_kind} ({jax.default_backend()}); "
+                f"{w.name}: {w.requests} requests of {w.input_len}/{w.output_len} tokens, "
+                f"concurrency {w.concurrency}, {w.system_prompts} system prompts of "
+                f"~{w.system_len} tokens")
+    params = serve_setup.random_params(types.SimpleNamespace(model=w.model, seed=w.seed))
     out = bench_http(w, params, args.client_procs, check_tokens=args.tiny)
     out["client_procs"] = args.client_procs
     print(markdown(out))

@@ -2,7 +2,7 @@
 """Where a warp-specialized kernel's warps wait, from Nsight Compute's per-instruction SASS view.
 
 Reads the CSV of ``ncu -i REPORT --page source --print-source sass --csv`` (what
-``scripts/gpu_ab.sh --profile`` writes for the sm90 prefill). The kernel's roles are told apart
+``tools/gpu_ab.sh --profile`` writes for the sm90 prefill). The kernel's roles are told apart
 by address: the consumers' code runs from their ``setmaxnreg`` increase (``USETMAXREG.TRY_ALLOC``)
 on, the producer's from its decrease (``USETMAXREG.DEALLOC``) on, whichever comes first in the
 binary; code before both is shared. ptxas puts the retry loops of barrier waits out of line, at
@@ -13,7 +13,7 @@ instruction (barrier waits, wgmma waits, stores, ...), and the instructions with
 with ``--units``, each role's samples by the unit of work its instructions run once for (from the
 CSV's "Instructions Executed": per key tile, per work tile, ...):
 
-    python benchmarks/sass_regions.py ncu_prefill_b_sass.csv [--top 15] \
+    python -m tools.sass_regions ncu_prefill_b_sass.csv [--top 15] \
         [--units 'work tile=4096' 'key tile=34816' ...]
 """
 
@@ -182,18 +182,24 @@ def by_unit(instructions: list[Instruction], units: dict[str, int], warps: dict[
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m tools.sass_regions``."""
+    p = argparse.ArgumentParser(
+        prog="python -m tools.sass_regions", description=__doc__.splitlines()[0])
     p.add_argument("csv", type=Path, help="ncu --page source --print-source sass --csv output")
     p.add_argument("--top", type=int, default=15, help="instructions listed per role")
     p.add_argument("--units", nargs="*", default=[], metavar="NAME=COUNT",
                    help="units of work and their counts in the profiled launch (the sm90 prefill "
-                        "at B8 S2048: scripts/gpu_ab.sh --profile names six, e.g. 'work "
+                        "at B8 S2048: tools/gpu_ab.sh --profile names six, e.g. 'work "
                         "tile=4096' 'key tile=34816'): each role's samples by the unit its "
                         "instructions run once for (Instructions Executed)")
     p.add_argument("--warps", nargs="*", default=["consumer=8", "producer=4"],
                    metavar="ROLE=N", help="warps of each role that run every unit")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     instructions = read_sass_csv(a.csv)
     if not instructions:
         print(f"{a.csv}: no instructions found", file=sys.stderr)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Kernels of a trace in launch order, with each one's time and the idle gap before it: where a
-call's time goes outside its main kernel. ``benchmarks/prefill_profile.py --trace`` feeds
+call's time goes outside its main kernel. ``python -m tools.prefill_profile --trace`` feeds
 :func:`report` a ``jax.profiler`` trace (the GPU machine has no Nsight Systems); where ``nsys``
 exists, its CSV works from the command line:
 
-    nsys profile -t cuda -o /tmp/t python3 benchmarks/prefill_profile.py --calls 9
+    nsys profile -t cuda -o /tmp/t python3 -m tools.prefill_profile --calls 9
     nsys stats -q -r cuda_gpu_trace -f csv /tmp/t.nsys-rep > trace.csv
-    python3 benchmarks/kernel_gaps.py trace.csv [--last 12]
+    python3 -m tools.kernel_gaps trace.csv [--last 12]
 
 Prints the last ``--last`` kernels (memcpy / memset rows too) as a markdown table, then, per
 name, the kernel count, mean time and mean gap before it, and the busy share of the span.
@@ -67,11 +67,17 @@ def report(trace: list[tuple[float, float, str]], last: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m tools.kernel_gaps``."""
+    p = argparse.ArgumentParser(
+        prog="python -m tools.kernel_gaps", description=__doc__.splitlines()[0])
     p.add_argument("csv")
     p.add_argument("--last", type=int, default=12, help="kernels in the table (the tail)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     with open(a.csv) as f:
         trace = read_trace(f.read())
     if not trace:
