@@ -241,7 +241,7 @@ def bench_disk(sm: StorageManager, host_slots: np.ndarray, repeats: int, budget_
     check: dict[str, Any] = {"ok": None}
     plain_path = os.path.join(disk_dir, "plain_sequential.bin")
     pfd = os.open(plain_path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    mfd = os.open(dpool.path, os.O_RDONLY | os.O_CLOEXEC)  # to fsync / fadvise the manager's file
+    mfd = os.dup(dpool.fileno)  # to fsync / fadvise the manager's file (unlinked at creation)
     try:
         os.posix_fallocate(pfd, 0, nbytes)  # like the manager's file
         # The plain write's source: the host pool's own (pinned) bytes; its read lands in a
