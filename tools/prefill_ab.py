@@ -45,7 +45,7 @@ def time_build(quick: bool, repeats: int) -> dict[str, dict]:
     h, hkv, d = A.NUM_HEADS, A.NUM_KV_HEADS, A.HEAD_DIM
     out: dict[str, dict] = {}
     shapes = A.QUICK_PREFILL_SHAPES if quick else A.PREFILL_SHAPES
-    for i, (b, s) in enumerate(shapes):  # attention.py's seeds at its default --seed 0
+    for i, (b, s) in enumerate(shapes):  # bench_attention's seeds at its default --seed 0
         t, c = b * s, A.prefill_case(b, s, 100 + i)
         zeros = jnp.zeros((c["num_pages"], A.PAGE, hkv, d), A.DTYPE)
         k_cache, v_cache = jax.jit(reference.write_kv)(
