@@ -1,9 +1,10 @@
-# Sourced by scripts/gpu_check.sh and scripts/gpu_ab.sh (GPU machine): FlashInfer's wheels from
+# Sourced by scripts/gpu_check.sh and tools/gpu_ab.sh (GPU machine): FlashInfer's wheels from
 # .anchors/ (carried with the tree) installed into /tmp/anchors.
 #   anchors_setup WARM   sets anchors=(--anchors /tmp/anchors) when they installed (else empty);
 #                        with WARM=1 also starts FlashInfer's JIT builds in the background
-#                        (benchmarks/_anchors.py, ~2 min of nvcc, log in $OUT/anchors_warm.log) and
-#                        sets warm_pid, so that they run beside the other builds.
+#                        (benchmarks/harness/anchors.py, ~2 min of nvcc, log in
+#                        $OUT/anchors_warm.log) and sets warm_pid, so that they run beside the
+#                        other builds.
 anchors_setup() {
   anchors=()
   warm_pid=
@@ -11,7 +12,7 @@ anchors_setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/anchors \
     .anchors/*.whl && anchors=(--anchors /tmp/anchors)
   if [ ${#anchors[@]} -gt 0 ] && [ "$1" = 1 ]; then
-    PYTHONPATH=/tmp/anchors python3 benchmarks/_anchors.py --anchors /tmp/anchors \
+    PYTHONPATH=/tmp/anchors python3 -m benchmarks.harness.anchors --anchors /tmp/anchors \
       > "$OUT/anchors_warm.log" 2>&1 &
     warm_pid=$!
   fi

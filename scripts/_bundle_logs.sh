@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu_check.sh and scripts/gpu_ab.sh (GPU machine). The device tool brings
+# Sourced by scripts/gpu_check.sh and tools/gpu_ab.sh (GPU machine). The device tool brings
 # back at most 8 files from $OUT, so a run's logs leave in one archive:
 #   bundle_logs KEEP...   moves every file in $OUT but logs.tgz and the KEEP names into
 #                         $OUT/logs.tgz

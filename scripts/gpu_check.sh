@@ -5,23 +5,23 @@
 #   --dry-run       print the steps that would run and exit
 #   --no-verify     skip scripts/gpu_verify.py (~4 min; `pytest -m gpu` checks the same ops)
 #   --no-bench      skip every benchmark
-#   --no-attention  skip benchmarks/attention.py
-#   --no-migration  skip benchmarks/migration.py
-#   --no-arena      skip benchmarks/arena_map.py
-#   --no-serve      skip examples/llama/run.py and benchmarks/{manager_overhead,decode_step,serve}.py
+#   --no-attention  skip benchmarks/bench_attention.py
+#   --no-migration  skip benchmarks/bench_migration.py
+#   --no-arena      skip benchmarks/bench_arena_map.py
+#   --no-serve      skip examples/llama/run.py and benchmarks/bench_{manager_overhead,decode_step,serve}.py
 #   --full-serve    the serving benchmark's full seed run (2,500 requests) instead of --quick
 #   --pytest=ARGS   the gpu pytest step's arguments instead of the whole gpu suite (e.g.
 #                   --pytest="test_attention.py -k ragged")
-#   --attention=ARGS  extra arguments for benchmarks/attention.py (e.g. --attention="--only decode")
-# Anchors: with a .anchors/ folder of wheels in the repo root (see benchmarks/_anchors.py), they
+#   --attention=ARGS  extra arguments for benchmarks/bench_attention.py (e.g. --attention="--only decode")
+# Anchors: with a .anchors/ folder of wheels in the repo root (see benchmarks/harness/anchors.py), they
 # are installed into /tmp/anchors, FlashInfer's JIT cache is warmed in the background from the
-# start (benchmarks/_anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
+# start (benchmarks/harness/anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
 # benchmark and the profile step measure them side by side with ours.
 # Steps: verify pytest attention profile migration arena run manager decode serve http
-#   (profile: Nsight Compute over benchmarks/decode_profile.py at B256 S1024, ours and, with the
+#   (profile: Nsight Compute over tools/decode_profile.py at B256 S1024, ours and, with the
 #   anchors, FlashInfer's; ours with fp8 K/V at B64 S4096, with its per-instruction (SASS) stall
-#   samples as CSV; benchmarks/prefill_profile.py at B8 S2048 causal; off unless named in --only)
-#   (http: benchmarks/serve_http.py --quick; it needs fastapi/uvicorn: with no network, install
+#   samples as CSV; tools/prefill_profile.py at B8 S2048 causal; off unless named in --only)
+#   (http: benchmarks/bench_serve_http.py --quick; it needs fastapi/uvicorn: with no network, install
 #   them first from a wheel folder, e.g. `pip install --no-index --find-links DIR fastapi uvicorn`).
 # One ~10-minute call fits about: build (~45 s) and pytest (964 tests, ~8 min: 625 ran in 300 s
 # on 2026-12-03), or build, serve --quick (~3.5 min) and the benchmarks.
@@ -104,10 +104,10 @@ if [ ${want[pytest]} = 1 ]; then
   step pytest-gpu pytest_gpu.log bash -c "cd tests && python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
   grep -E "FAILED|ERROR" "$OUT/pytest_gpu.log" | head -20; tail -3 "$OUT/pytest_gpu.log"
 fi
-if [ ${want[attention]} = 1 ] && [ -f benchmarks/attention.py ]; then
+if [ ${want[attention]} = 1 ] && [ -f benchmarks/bench_attention.py ]; then
   [ -n "${warm_pid:-}" ] && wait "$warm_pid" && tail -7 "$OUT/anchors_warm.log"
   # shellcheck disable=SC2086  # attention_args is a list of words
-  step attention bench.log python3 benchmarks/attention.py --no-pallas-sweep "${anchors[@]}" \
+  step attention bench.log python3 -m benchmarks.bench_attention --no-pallas-sweep "${anchors[@]}" \
     $attention_args --json "$OUT/attention.json"
   tail -45 "$OUT/bench.log"
 fi
@@ -116,15 +116,15 @@ if [ ${want[profile]} = 1 ]; then
   ncu_sections=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats
                 --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats)
   step ncu-ours ncu_ours.txt ncu --clock-control none -k regex:PagedDecode --launch-skip 2 \
-    --launch-count 1 "${ncu_sections[@]}" python3 benchmarks/decode_profile.py
+    --launch-count 1 "${ncu_sections[@]}" python3 -m tools.decode_profile
   if [ ${#anchors[@]} -gt 0 ]; then
     step ncu-flashinfer ncu_flashinfer.txt ncu --clock-control none --launch-skip 2 \
       --launch-count 1 -k regex:BatchPrefill "${ncu_sections[@]}" \
-      python3 benchmarks/decode_profile.py --method flashinfer "${anchors[@]}"
+      python3 -m tools.decode_profile --method flashinfer "${anchors[@]}"
   fi
   step ncu-fp8 ncu_fp8.txt ncu --clock-control none -k regex:PagedDecode --launch-skip 2 \
     --launch-count 1 --set full --import-source no -o /tmp/ncu_fp8 -f \
-    python3 benchmarks/decode_profile.py --fp8 --batch 64 --context 4096
+    python3 -m tools.decode_profile --fp8 --batch 64 --context 4096
   ncu -i /tmp/ncu_fp8.ncu-rep >> "$OUT/ncu_fp8.txt" 2>&1
   ncu -i /tmp/ncu_fp8.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_fp8_sass.csv" 2>&1
   # The short-context and batch-1 rows, bf16 and fp8: the decode kernel and, when split, the
@@ -135,48 +135,48 @@ if [ ${want[profile]} = 1 ]; then
       flag=; [ $kv = fp8 ] && flag=--fp8
       step "ncu-$kv-B$b-S$ctx" "ncu_${kv}_B${b}_S${ctx}.txt" ncu --clock-control none \
         -k regex:'PagedDecode|CombineSplits' --launch-skip 2 --launch-count 2 "${ncu_sections[@]}" \
-        python3 benchmarks/decode_profile.py $flag --batch "$b" --context "$ctx"
+        python3 -m tools.decode_profile $flag --batch "$b" --context "$ctx"
     done
   done
   step ncu-prefill ncu_prefill.txt ncu --clock-control none -k regex:RaggedPrefill --launch-skip 2 \
-    --launch-count 1 "${ncu_sections[@]}" python3 benchmarks/prefill_profile.py
+    --launch-count 1 "${ncu_sections[@]}" python3 -m tools.prefill_profile
   grep -hE "^  [A-Z]|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Eligible Warps|Registers Per|Achieved Occupancy" \
     "$OUT"/ncu_*.txt | head -120
   # One archive, not ten files: the device tool returns only a few files from $OUT.
   (cd "$OUT" && tar czf profile.tgz ncu_*.txt ncu_*.csv && rm -f ncu_*.txt ncu_*.csv)
 fi
-if [ ${want[migration]} = 1 ] && [ -f benchmarks/migration.py ]; then
-  step migration migration.log python3 benchmarks/migration.py --json "$OUT/migration.json"
+if [ ${want[migration]} = 1 ] && [ -f benchmarks/bench_migration.py ]; then
+  step migration migration.log python3 -m benchmarks.bench_migration --json "$OUT/migration.json"
   tail -45 "$OUT/migration.log"
 fi
-if [ ${want[arena]} = 1 ] && [ -f benchmarks/arena_map.py ]; then
-  step arena-map arena_map.log python3 benchmarks/arena_map.py --json "$OUT/arena_map.json"
+if [ ${want[arena]} = 1 ] && [ -f benchmarks/bench_arena_map.py ]; then
+  step arena-map arena_map.log python3 -m benchmarks.bench_arena_map --json "$OUT/arena_map.json"
   tail -12 "$OUT/arena_map.log"
 fi
 if [ ${want[run]} = 1 ]; then  # the README's main job on the GPU
-  step run.py llama_run.log bash -c "cd /tmp && python3 $PWD/examples/llama/run.py"
+  step run.py llama_run.log python3 -m examples.llama.run
   tail -25 "$OUT/llama_run.log"
 fi
 if [ ${want[manager]} = 1 ]; then
-  step manager manager.log python3 benchmarks/manager_overhead.py
+  step manager manager.log python3 -m benchmarks.bench_manager_overhead
   tail -10 "$OUT/manager.log"
 fi
 if [ ${want[decode]} = 1 ]; then
-  step decode-step decode_step.log python3 benchmarks/decode_step.py --batch 64 256 --context 1536 \
+  step decode-step decode_step.log python3 -m benchmarks.bench_decode_step --batch 64 256 --context 1536 \
     --json "$OUT/decode_step.json"
   tail -8 "$OUT/decode_step.log"
 fi
-if [ ${want[serve]} = 1 ] && [ -f benchmarks/serve.py ]; then
+if [ ${want[serve]} = 1 ] && [ -f benchmarks/bench_serve.py ]; then
   # NOTE: one preallocated arena for the 8B runs. With XLA_PYTHON_CLIENT_PREALLOCATE=false the
   # allocator grows region by region and the second 32 GiB pool of a 256-sequence run did not
   # fit (H200, 2026-11-30: RESOURCE_EXHAUSTED with 48 GiB in use).
-  step serve serve.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 benchmarks/serve.py \
+  step serve serve.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.serve \
     --workload trtllm $serve_size --no-check --no-dense --json "$OUT/serve.json"
   grep -E "^\| " "$OUT/serve.log" | tail -40
 fi
-if [ ${want[http]} = 1 ] && [ -f benchmarks/serve_http.py ]; then
+if [ ${want[http]} = 1 ] && [ -f benchmarks/bench_serve_http.py ]; then
   step serve-http serve_http.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 \
-    benchmarks/serve_http.py --quick --json "$OUT/serve_http.json"
+    -m benchmarks.bench_serve_http --quick --json "$OUT/serve_http.json"
   tail -12 "$OUT/serve_http.log"
 fi
 echo

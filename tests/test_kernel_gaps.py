@@ -1,12 +1,12 @@
-"""benchmarks/kernel_gaps.py on a small trace in nsys's cuda_gpu_trace CSV layout."""
+"""tools/kernel_gaps.py on a small trace in nsys's cuda_gpu_trace CSV layout."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import kernel_gaps  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tools/
+from tools import kernel_gaps  # noqa: E402
 
 TRACE = '''Generating SQLite file /tmp/t.sqlite from /tmp/t.nsys-rep
 "Start (ns)","Duration (ns)","CorrId","GrdX","Strm","Name"
@@ -40,7 +40,7 @@ def test_a_jax_profiler_gpu_trace_by_kernel_name(tmp_path):
     import gzip
     import json
 
-    import _profile
+    from benchmarks.harness import device_profile as _profile
 
     pid, tid = 7, 14
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.llama import loader as llama_loader  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
-from examples.llama.paged_runner import PagedRunner  # noqa: E402
+from llama_paged_runner import PagedRunner  # noqa: E402  (a test helper beside this file)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -348,8 +348,7 @@ def test_decode_step_copies_no_weights():
     matrix: each GEMM reads its per-layer buffer as it is. The same step over stacked weights
     (``stack_layers``, ``lax.scan``) does slice them out every step, which shows the probe sees
     the copies it is meant to catch."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from decode_step import weight_copy_ops
+    from benchmarks.harness.device_profile import weight_copy_ops
     config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=8)
@@ -373,11 +372,11 @@ def test_decode_step_copies_no_weights():
 
 
 def test_decode_step_breakdown_categories():
-    """benchmarks/decode_step.py's attribution of a step's ops (benchmarks/_profile.py): the
-    compiled HLO of the tiny decode step has one paged attention and one write_kv custom call per layer and (at least) the
-    4 weight GEMMs per layer plus the lm_head; a profiled step puts time in each."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from decode_step import breakdown, hlo_categories
+    """benchmarks/bench_decode_step.py's attribution of a step's ops
+    (benchmarks/harness/device_profile.py): the compiled HLO of the tiny decode step has one paged
+    attention and one write_kv custom call per layer and (at least) the 4 weight GEMMs per layer
+    plus the lm_head; a profiled step puts time in each."""
+    from benchmarks.bench_decode_step import breakdown, hlo_categories
     config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=8)
@@ -411,8 +410,7 @@ def test_decode_step_copies_no_weights_gpu(backend):
     """The bf16 decode step compiled for the GPU feeds its GEMMs the per-layer weight buffers
     as they are: no instruction materializes a layer's weight matrix (no slice, copy or
     transpose of weights, e.g. for a GEMM layout). Sizes where XLA picks library GEMMs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from decode_step import weight_copy_ops
+    from benchmarks.harness.device_profile import weight_copy_ops
     config = llama.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536,
                                num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
                                head_dim=64, dtype="bfloat16")

@@ -240,7 +240,7 @@ def test_forward_step_grouped_absolute_tables(case):
     err = float(np.linalg.norm(np.asarray(logits) - want) / np.linalg.norm(want))
     assert err <= 1e-4, f"rel L2 {err:.2e}"
     with pytest.raises(ValueError, match="PagedRunner"):
-        from examples.llama.paged_runner import PagedRunner
+        from llama_paged_runner import PagedRunner
         PagedRunner(params, config)
 
 

@@ -79,25 +79,26 @@ def test_tensor_parallel_two_gpus():
 
 @pytest.fixture(scope="module")
 def serve_on_two_devices(tmp_path_factory) -> tuple[dict, str]:
-    """One process on 2 CPU devices runs ``benchmarks/serve.py --tiny --tensor-parallel 2
+    """One process on 2 CPU devices runs ``python -m benchmarks.serve --tiny --tensor-parallel 2
     --no-shared --json FILE`` (its ``main``) and then the pre-run check ``serve._check([1, 2])``
     (as an 8B run does before its runs); (the JSON, the process's stdout)."""
     import json
 
     root = os.path.dirname(HERE)
     out = tmp_path_factory.mktemp("serve_tp2") / "serve.json"
-    code = ("import json, serve; serve.main(['--tiny', '--tensor-parallel', '2', '--no-shared', "
+    code = ("import json; from benchmarks import bench_serve as serve; serve.main(['--tiny', "
+            "'--tensor-parallel', '2', '--no-shared', "
             f"'--json', {str(out)!r}]); print('CHECK ' + json.dumps(serve._check([1, 2])))")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.join(root, "benchmarks"))
+                          timeout=600, cwd=root)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text()), proc.stdout
 
 
 def test_serve_benchmark_tiny_on_two_devices(serve_on_two_devices):
-    """``benchmarks/serve.py --tiny --tensor-parallel 2``: the paged runs on a 2-device mesh
+    """``python -m benchmarks.serve --tiny --tensor-parallel 2``: the paged runs on a 2-device mesh
     generate what the dense single-device runs do (the benchmark raises otherwise)."""
     res, _ = serve_on_two_devices
     paged = [r for r in res["results"] if r["path"] == "paged"]
@@ -106,19 +107,18 @@ def test_serve_benchmark_tiny_on_two_devices(serve_on_two_devices):
 
 
 def _serve_tp_sweep(tmp_path, tps: str, env: dict) -> dict:
-    """``benchmarks/serve.py --tiny --workload trtllm --no-shared --tensor-parallel <tps>
+    """``python -m benchmarks.serve --tiny --workload trtllm --no-shared --tensor-parallel <tps>
     --profile`` in a fresh process (``env``: its platform and devices); its JSON."""
     import json
 
     root = os.path.dirname(HERE)
     out, prof = tmp_path / "serve.json", tmp_path / "prof"
-    argv = [sys.executable, os.path.join(root, "benchmarks", "serve.py"), "--tiny", "--workload",
+    argv = [sys.executable, "-m", "benchmarks.serve", "--tiny", "--workload",
             "trtllm", "--no-shared", "--tensor-parallel", *tps.split(), "--profile", str(prof),
             "--profile-steps", "8", "--json", str(out)]
     if env.get("JAX_PLATFORMS") == "cpu":
         argv += ["--device-memory-gib", "0.01"]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.join(root, "benchmarks"))
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=root)
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return json.loads(out.read_text())
@@ -129,7 +129,7 @@ def _check_tp_sweep(res: dict, tps: list[int]) -> None:
     callers): the paged row once per value, tokens equal to the first value's, the collectives
     of every step at TP > 1 in their category (none at TP 1), and the capacity rows."""
     sys.path.insert(0, os.path.dirname(HERE))
-    from benchmarks import _profile
+    from benchmarks.harness import device_profile as _profile
 
     names = [r["name"] for r in res["results"]]
     assert names == (["paged random c8 [tp 1]", "dense random c8 [tp 1]"]

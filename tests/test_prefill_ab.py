@@ -1,4 +1,4 @@
-"""benchmarks/prefill_ab.py on the CPU at tiny shapes: each build's child process times the prefill
+"""tools/prefill_ab.py on the CPU at tiny shapes: each build's child process times the prefill
 after checking it against the float32 reference, and the table compares the builds."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import jax_kvcm
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_ab.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "tools.prefill_ab", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_two_builds_alternate_and_are_checked():

@@ -1,4 +1,4 @@
-"""benchmarks/sass_regions.py on a small CSV in Nsight Compute's source-page layout: the roles
+"""tools/sass_regions.py on a small CSV in Nsight Compute's source-page layout: the roles
 split at the setmaxnreg instructions (out-of-line wait retries counted where they branch back to),
 samples summed per role and kind, top instructions ranked."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import sass_regions  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tools/
+from tools import sass_regions  # noqa: E402
 
 CSV = '''"Kernel Name","RaggedPrefillSm90Kernel"
 "# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"

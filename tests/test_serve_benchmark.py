@@ -1,4 +1,4 @@
-"""benchmarks/serve.py in ``--tiny`` mode (CPU, float32): the dense baseline is the paged runner.
+"""The serving benchmark (``python -m benchmarks.serve``) in ``--tiny`` mode (CPU, float32): the dense baseline is the paged runner.
 
 The tiny run serves the same random requests through the paged server (two concurrencies), the
 dense per-sequence cache at equal batch and at equal memory, and a shared-prefix set with prefix
@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gzip
-import importlib.util
 import json
 import os
 import sys
@@ -25,18 +24,12 @@ import pytest
 import jax_kvcm  # (the installed package before the repo root goes on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/ and examples/
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("serve_benchmark",
-                                                  ROOT / "benchmarks" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod       # dataclasses look their module up while it executes
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
+from benchmarks import bench_serve as bench  # noqa: E402
+from benchmarks.harness import dense_llama, serve_matrix, serve_runs, serve_setup  # noqa: E402
+from benchmarks.harness import tp_scaling  # noqa: E402
+from examples.llama import hot_backend  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +44,7 @@ def test_tiny_run_paged_equals_dense(tiny_run):
     out, path = tiny_run
     assert json.loads(path.read_text())["results"] == json.loads(json.dumps(out["results"]))
     assert bench.setup_from_args(bench.parse_args(["--tiny"])).hot_backends == ("paged",)
-    setup = bench.TINY_SETUP
+    setup = serve_setup.TINY_SETUP
     runs = {r["name"]: r for r in out["results"]}
     for c in setup.concurrencies:
         for path_kind in ("paged", "dense"):
@@ -82,18 +75,18 @@ def test_tiny_run_paged_equals_dense(tiny_run):
 
 def test_a_broken_dense_path_is_caught(monkeypatch):
     """An off-by-one in the dense decode (K/V written one position early) must fail the check."""
-    dense = bench.dense
+    dense = dense_llama
     good = dense.decode
 
     def broken(params, k, v, tokens, positions, *, config):
         return good(params, k, v, tokens, np.maximum(positions - 1, 0), config=config)
 
     monkeypatch.setattr(dense, "decode", broken)
-    setup = dataclasses.replace(bench.TINY_SETUP, concurrencies=(4,), run_shared=False,
+    setup = dataclasses.replace(serve_setup.TINY_SETUP, concurrencies=(4,), run_shared=False,
                                 equal_memory_run=False)
-    params = bench._params(setup)
+    params = serve_setup.random_params(setup)
     with pytest.raises(RuntimeError, match="different greedy tokens"):
-        bench.bench(setup, params, min_identical=1.0, log=lambda *a: None)
+        serve_matrix.bench(setup, params, min_identical=1.0, log=lambda *a: None)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +101,7 @@ def test_trtllm_preset_tiny(trtllm_tiny):
     tier) first, then the random row paged and dense (identical tokens); every row reports
     inter-token latencies and a roofline line, the paged rows pages per tier."""
     out = trtllm_tiny
-    setup = bench.TINY_TRTLLM
+    setup = serve_setup.TINY_TRTLLM
     names = [r["name"] for r in out["results"]]
     assert names == ["paged shared c8 prefix on", "paged random c8", "dense random c8"]
     shared = out["results"][0]
@@ -133,14 +126,15 @@ def test_trtllm_preset_tiny(trtllm_tiny):
 def test_arena_budget_covers_the_paged_pool():
     """The arena's budget holds the paged pool's bytes plus a chunk per range and the null one
     (chunks of this backend's super-page: 2 MiB VMM on a GPU, 4 KiB memfd pages on CPU)."""
-    setup = bench.TINY_SETUP
-    a = bench._arena_config(setup, 4)
+    setup = serve_setup.TINY_SETUP
+    a = hot_backend.hot_backend_fields(serve_runs.serve_config(setup, 4, True, "arena"),
+                                      setup.model)["arena"]
     m = setup.model
     slot = setup.page_size * m.num_key_value_heads * m.head_dim * np.dtype(m.jnp_dtype).itemsize
     pool = setup.pool_pages(4) * 2 * m.num_hidden_layers * slot
-    chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, bench.arena_super_page()))
+    chunk = 2 * m.num_hidden_layers * int(np.lcm(slot, hot_backend.arena_super_page()))
     assert a.budget_bytes == pool + 5 * chunk and a.max_sequences == 4
-    assert a.super_page_bytes == bench.arena_super_page()
+    assert a.super_page_bytes == hot_backend.arena_super_page()
     assert a.max_pages_per_sequence == setup.pages_per_seq
 
 
@@ -178,8 +172,8 @@ def test_tiny_mixed_layer_rows():
 # ---------------------------------------------------------------------------------------------
 # Where the loop's time goes (--profile, several --prefill-chunk values).
 
-from benchmarks import _loop_profile as loop_profile  # noqa: E402  (bench put the root on sys.path)
-from benchmarks import _profile  # noqa: E402
+from benchmarks.harness import device_profile as _profile  # noqa: E402
+from benchmarks.harness import loop_profile  # noqa: E402
 
 # A hand-written optimized module: a GEMM as a dot fusion, a cuBLAS call wrapped in a nested
 # fusion computation, both attention custom calls, write_kv, a sampling op, a norm, a loop.
@@ -566,7 +560,7 @@ def test_max_concurrency_against_the_managers_pool_bytes():
     as tp.param_specs splits them) TP 2."""
     from examples.llama import tp
 
-    setup = dataclasses.replace(bench.TRTLLM, run_shared=False)
+    setup = dataclasses.replace(serve_setup.TRTLLM, run_shared=False)
     m = setup.model
     assert setup.max_total_len == 2048 and setup.pages_per_seq == 128
 
@@ -593,9 +587,9 @@ def test_max_concurrency_against_the_managers_pool_bytes():
     for n, weights in ((1, full), (2, half)):
         page = 2 * m.num_hidden_layers * setup.page_size * (m.num_key_value_heads // n) \
             * m.head_dim * 2
-        row = bench.max_concurrency(memory, weights, page, setup.pages_per_seq)
+        row = tp_scaling.max_concurrency(memory, weights, page, setup.pages_per_seq)
         c = row["max_concurrency"]
-        budget = int(bench.KV_MEMORY_FRACTION * (memory - weights))
+        budget = int(serve_setup.KV_MEMORY_FRACTION * (memory - weights))
         assert row["kv_budget_bytes"] == budget and row["page_bytes_per_device"] == page
         assert pool_bytes(c, n) <= budget < pool_bytes(c + 1, n), (n, c)
         print(f"TP {n}: {weights / 2**30:.2f} GiB weights per device, {page:,} B per page, "
@@ -603,7 +597,7 @@ def test_max_concurrency_against_the_managers_pool_bytes():
         if n == 1:
             c1 = c
     assert 256 <= c1 and c > 2 * c1     # TP 2 holds more than twice: the weights split too
-    assert bench.max_concurrency(weights, weights, page, 128)["max_concurrency"] == 0
+    assert tp_scaling.max_concurrency(weights, weights, page, 128)["max_concurrency"] == 0
 
 
 def test_tp_cli_checks():

@@ -496,9 +496,10 @@ def test_sigterm_shuts_down_cleanly(srv_long):
 
 
 def test_http_benchmark_tiny(tmp_path):
-    """benchmarks/serve_http.py --tiny: the same greedy tokens through HTTP as in process."""
+    """python -m benchmarks.bench_serve_http --tiny: the same greedy tokens through HTTP as in
+    process."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/serve_http.py"), "--tiny",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_serve_http", "--tiny",
                         "--requests", "16", "--json", str(out)], capture_output=True, text=True,
                        timeout=600, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""scripts/sim_sm90_prefill_protocol.py, the model of the sm90 prefill kernel's synchronization
+"""tools/sim_sm90_prefill_protocol.py, the model of the sm90 prefill kernel's synchronization
 protocol: it holds (no violation over its random interleavings, work lists and ring depths), and it
 catches broken variants of its steps (two of its mutations), so that the model can fail."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sim_sm90_prefill_protocol.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "sim_sm90_prefill_protocol.py"
 
 
 @pytest.mark.parametrize("mutate", [None, "no_stage_bad", "q_freed_early"])

@@ -33,10 +33,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-try:  # relative when imported as examples.llama.loader; flat when run from examples/llama
-    from .model import LlamaConfig, init_scales, param_shapes
-except ImportError:  # pragma: no cover
-    from model import LlamaConfig, init_scales, param_shapes  # type: ignore[no-redef]
+from .model import LlamaConfig, init_scales, param_shapes
 
 __all__ = ["load_checkpoint", "load_config", "load_tokenizer", "write_random_checkpoint",
            "hf_to_params", "kv_scales_from_tensors", "CheckpointError"]

@@ -19,7 +19,7 @@ time), so XLA sees L separate weight buffers and feeds each GEMM its weights as 
 (Stacking the layers along a leading axis and running ``lax.scan`` makes every step slice each
 layer's weights out of the stack: a copy of all the weights per step, which at batch 64 cost about
 as much as the rest of the step; :func:`stack_layers` builds that layout, kept for comparison in
-``benchmarks/decode_step.py``.)
+``benchmarks/bench_decode_step.py``.)
 
 KV caches are ``[L, num_pages, page_size, Hkv, Dh]`` in the params' dtype; page 0 is the null page.
 The caches keep their layer axis (they are the manager's pools) and the ops take a static
@@ -471,8 +471,8 @@ def _decoder(params, config: LlamaConfig, k_cache, v_cache, tokens, positions, k
 
     ``kv_attend(q, k, v, k_cache, v_cache, layer) -> (o, k_cache, v_cache)`` stores the layer's
     new K/V (``[T, Hkv, Dh]``, RoPE applied) and attends (:func:`_paged`: ``write_kv`` then a
-    paged op; ``benchmarks/_dense_llama.py`` plugs a dense per-sequence cache in here). ``layer``
-    is a Python int (a traced one under :func:`stack_layers`' scan). ``reduce``: see
+    paged op; ``benchmarks/harness/dense_llama.py`` plugs a dense per-sequence cache in here).
+    ``layer`` is a Python int (a traced one under :func:`stack_layers`' scan). ``reduce``: see
     :func:`_layer`."""
     cos, sin = rope_tables(positions, rope_inv_freq(config))  # once per step, shared by layers
     h = params["embed"][tokens]  # [T, D]

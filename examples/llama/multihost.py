@@ -39,10 +39,7 @@ import jax
 import numpy as np
 from jax_kvcm import StepBatch
 
-try:
-    from . import serve
-except ImportError:  # pragma: no cover  (run from examples/llama)
-    import serve  # type: ignore[no-redef]
+from . import serve
 
 __all__ = ["StepChannel", "lead", "follow", "finish"]
 
@@ -124,7 +121,7 @@ def follow(server: serve.Server, channel: StepChannel) -> int:
     :func:`finish`. ``server`` is built exactly as the leader's (its manager is used only for
     the pools it created). Returns the number of steps run."""
     _check(server)
-    k, v = serve._model_caches(server.manager.caches)
+    k, v = serve.model_caches(server.manager.caches)
     prev = server._prev_tokens
     steps = 0
     while True:

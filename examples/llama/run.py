@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from . import loader  # noqa: E402  (safetensors etc. are imported on use)
 from . import model as llama  # noqa: E402
 from . import serve  # noqa: E402
+from .hot_backend import HOT_BACKENDS  # noqa: E402
 
 DEFAULT_CONFIG = llama.LlamaConfig(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -118,7 +119,8 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
-def make_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The runner's command line: prompts and sampling, then :func:`add_engine_args`."""
     p = argparse.ArgumentParser(
         prog="run.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,6 +176,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("--tensor-parallel", type=count(1), default=1, metavar="N",
       help="split the model (Megatron-style) and the K/V pools (over KV heads) over the first "
            "N devices (default: %(default)s)")
+    a("--hot-backend", choices=HOT_BACKENDS, default="paged",
+      help="what holds the K/V pools on the device: paged (--device-pages pages) or arena (one "
+           "virtual reservation, a contiguous range per sequence, memory mapped per chunk; "
+           "sized like the paged pool it replaces; one device, full-attention models, K/V in "
+           "the model's dtype) (default: %(default)s)")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -207,6 +214,8 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.max_tokens_per_step < args.max_batch:
         p.error(f"argument --max-tokens-per-step: must be >= --max-batch ({args.max_batch}), "
                 f"got {args.max_tokens_per_step}")
+    if args.hot_backend == "arena" and args.kv_dtype == "fp8":
+        p.error("argument --hot-backend: the arena holds K/V in the model's dtype, not fp8")
     if args.kv_dtype == "fp8" and args.cold_codec == "int8":
         p.error("argument --kv-dtype: fp8 needs --cold-codec concat (the int8 codec does not "
                 "take fp8 pools)")
@@ -242,14 +251,14 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = make_parser()
+    p = build_parser()
     args = p.parse_args(argv)
     check_args(p, args)
     return args
 
 
 def main(argv=None) -> int:
-    parser = make_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     missing = missing_extra()
     if missing:
@@ -337,7 +346,7 @@ def serve_config(p: argparse.ArgumentParser, args: argparse.Namespace,
             disk_dir=args.disk_dir, disk_bytes=args.disk_bytes, cold_codec=args.cold_codec,
             max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
             max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype,
-            tensor_parallel=args.tensor_parallel, **overrides)
+            tensor_parallel=args.tensor_parallel, hot_backend=args.hot_backend, **overrides)
     except ValueError as e:
         p.error(str(e))
 

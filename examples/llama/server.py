@@ -540,7 +540,7 @@ def write_default_model(directory: Path) -> Path:
     return path
 
 
-def make_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """The runner's engine flags (``run.add_engine_args``) plus the server's."""
     p = argparse.ArgumentParser(
         prog="server.py", description=__doc__.split("\n\n")[0],
@@ -586,7 +586,7 @@ class _Uvicorn(uvicorn.Server):
 
 
 def main(argv=None) -> int:
-    parser = make_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -42,10 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-try:
-    from . import model as llama
-except ImportError:  # pragma: no cover  (run from examples/llama)
-    import model as llama  # type: ignore[no-redef]
+from . import model as llama
 
 __all__ = ["AXIS", "make_mesh", "check_config", "kv_heads", "local_config", "shard_params",
            "param_specs", "forward_step", "decode_step", "collective_counts"]

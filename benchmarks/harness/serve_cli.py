@@ -1,0 +1,207 @@
+"""The serving benchmark's command line: the parser, and the :class:`Setup` a command line
+selects (a workload preset, then the flags' overrides, checked)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import jax
+
+from benchmarks.harness.serve_setup import KV_MEMORY_FRACTION, WORKLOADS, Setup
+from examples.llama import serve
+from examples.llama import tp
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The serving benchmark's command line (``description``: its help text)."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="concurrency 64 only, 96 shared-prefix requests, no equal-memory run")
+    size.add_argument("--tiny", action="store_true",
+                      help="a tiny float32 model (CPU, seconds); paged and dense must generate "
+                           "identical tokens")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+                   help="default: random 1,024/256 at concurrency 64 and 256 plus the shared-"
+                        "prefix set; trtllm: the seed workload (1,024/1,024, concurrency 256, 15 "
+                        "system prompts of ~512 + unique suffixes, prefix reuse and a pinned "
+                        "host tier on, 2,500 requests, --quick 512), then random 1,024/1,024 "
+                        "at concurrency 256, paged and dense")
+    p.add_argument("--kv-dtype", choices=sorted(serve.KV_DTYPES), default="auto",
+                   help="the paged runs' K/V pools: auto (the model dtype) or fp8 "
+                        "(float8_e4m3fn, scales 1.0: the random weights have none); dense "
+                        "keeps the model dtype, so paged/dense agreement is reported, not "
+                        "enforced, with fp8")
+    p.add_argument("--prefill-chunk", type=int, nargs="+", metavar="N",
+                   help="paged prompt tokens per step (ServeConfig.prefill_chunk_tokens); the "
+                        "step's token budget becomes the largest concurrency + N unless "
+                        "--step-tokens is given. Several values: the paged rows run once per "
+                        "value (dense and equal memory with the first only) and a table "
+                        "compares them (tok/s, TTFT, ITL, mixed-step ms, compiled programs)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="trace --profile-steps steady-state steps of every paged run with "
+                        "jax.profiler (under DIR, one folder per run) and print the device "
+                        "time per step kind (decode-only, mixed): weight GEMMs, paged / ragged "
+                        "attention, K/V writes, sampling, norms/RoPE/other, host gaps. The "
+                        "trace export pauses the loop (outside the clock; TTFT and ITL see it)")
+    p.add_argument("--profile-steps", type=int, default=64, metavar="N",
+                   help="steps in the --profile window (default 64)")
+    p.add_argument("--host-gib", type=float, help="the paged runs' pinned host tier in GiB")
+    p.add_argument("--offload-ahead-pages", type=int, metavar="N",
+                   help="write-back ahead (KVCacheConfig.offload_ahead_pages) of the paged runs "
+                        "with a host tier: keep N device pages free or pending by moving LRU "
+                        "cached pages to the host after each step (side stream on CUDA); "
+                        "default: the workload's (trtllm: 384, its tiny run 8; else 0 = off)")
+    p.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], metavar="N",
+                   help="the paged runs split over the first N devices (examples/llama/tp.py; "
+                        "dense stays on one device); default 1. Several values (e.g. 1 2): the "
+                        "paged rows run once per value on fresh servers, the weights sharded "
+                        "once per value (dense and equal memory with the first value), and "
+                        "tables compare them (tok/s against the first value, decode step, "
+                        "TTFT/ITL, the collectives' share of a decode step with --profile) and "
+                        "give the largest concurrency each value fits")
+    p.add_argument("--device-memory-gib", type=float, metavar="G",
+                   help="the per-device memory the largest-concurrency table assumes (default: "
+                        "the allocator limit each device reports; the CPU reports none)")
+    p.add_argument("--kv-memory-fraction", type=float, default=KV_MEMORY_FRACTION, metavar="F",
+                   help="the share of the memory left after the weights that the largest-"
+                        f"concurrency table gives the K/V pool (default {KV_MEMORY_FRACTION})")
+    p.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    p.add_argument("--concurrency", type=int, nargs="+", metavar="C",
+                   help="concurrencies of the random workload (default 64 256)")
+    p.add_argument("--requests-factor", type=float,
+                   help="random-workload requests per unit of concurrency (default 1)")
+    p.add_argument("--input-len", type=int, help="random-workload prompt length (default 1024)")
+    p.add_argument("--output-len", type=int, help="random-workload output length (default 256)")
+    p.add_argument("--shared-requests", type=int, help="shared-prefix requests (default 128)")
+    p.add_argument("--shared-concurrency", type=int, help="shared-prefix concurrency (default 64)")
+    p.add_argument("--step-tokens", type=int,
+                   help="paged tokens per step = dense prefill tokens per call (default 4096)")
+    p.add_argument("--equal-memory-max-len", type=int,
+                   help="the dense cache's max_len for the equal-memory comparison (default 4096)")
+    p.add_argument("--no-equal-memory", action="store_true",
+                   help="report the equal-memory capacities without running the dense batch")
+    p.add_argument("--no-dense", action="store_true", help="paged runs only")
+    p.add_argument("--hot-backend", nargs="+", choices=("paged", "arena"), default=None,
+                   help="hot backends side by side (paged always runs as the reference; "
+                        "arena: CUDA VMM on a GPU, memfd on CPU)")
+    p.add_argument("--no-shared", action="store_true", help="skip the shared-prefix workload")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the tiny float32 paged-vs-dense check before an 8B run")
+    p.add_argument("--sliding-window", type=int, metavar="W",
+                   help="a mixed-layer model: every layer but each --full-every-th slides over "
+                        "the last W positions (HF layer_types; the window group gets ring "
+                        "tables); paged runs only (the dense baseline has no window)")
+    p.add_argument("--full-every", type=int, default=4, metavar="K",
+                   help="with --sliding-window: layers K-1, 2K-1, ... attend fully (default 4: "
+                        "3 of 4 layers slide)")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="JAX persistent compilation cache directory (repeated runs compile less)")
+    return p
+
+
+def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
+    return build_parser(description).parse_args(argv)
+
+
+def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
+                    tensor_parallel: int | None = None) -> Setup:
+    """The run's Setup; ``chunk``: one of several ``--prefill-chunk`` values (default: the
+    first given); ``tensor_parallel``: one of several ``--tensor-parallel`` values (default:
+    the first)."""
+    full, quick, tiny = WORKLOADS[args.workload]
+    s = tiny if args.tiny else quick if args.quick else full
+    tps = args.tensor_parallel
+    if len(set(tps)) != len(tps):
+        raise SystemExit("--tensor-parallel values must be distinct")
+    if len(tps) > 1 and args.prefill_chunk is not None and len(args.prefill_chunk) > 1:
+        raise SystemExit("several --tensor-parallel values and several --prefill-chunk values: "
+                         "sweep one of them at a time")
+    for n in tps:
+        if not 1 <= n <= jax.device_count():
+            raise SystemExit(f"--tensor-parallel must be in [1, {jax.device_count()}] (the "
+                             f"visible devices), got {n}")
+        try:
+            tp.check_config(s.model, n)
+        except ValueError as e:
+            raise SystemExit(f"--tensor-parallel {n}: {e}") from None
+    if not 0 < args.kv_memory_fraction <= 1:
+        raise SystemExit(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")
+    if args.device_memory_gib is not None and args.device_memory_gib <= 0:
+        raise SystemExit(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
+    over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
+                            "tensor_parallel": tps[0] if tensor_parallel is None
+                            else tensor_parallel}
+    if args.prefill_chunk is not None:
+        over["prefill_chunk"] = args.prefill_chunk[0] if chunk is None else chunk
+    if args.profile is not None:
+        if args.profile_steps < 2:
+            raise SystemExit("--profile-steps must be >= 2")
+        over.update(profile_dir=args.profile, profile_steps=args.profile_steps)
+    if args.host_gib is not None:
+        over["host_bytes"] = int(args.host_gib * 2**30)
+    if args.offload_ahead_pages is not None:
+        if args.offload_ahead_pages < 0:
+            raise SystemExit("--offload-ahead-pages must be >= 0")
+        over["offload_ahead_pages"] = args.offload_ahead_pages
+    for arg, field in (("concurrency", "concurrencies"), ("requests_factor", "requests_factor"),
+                       ("input_len", "input_len"), ("output_len", "output_len"),
+                       ("shared_requests", "shared_requests"),
+                       ("shared_concurrency", "shared_concurrency"),
+                       ("step_tokens", "step_tokens"),
+                       ("equal_memory_max_len", "equal_memory_max_len")):
+        v = getattr(args, arg)
+        if v is not None:
+            over[field] = tuple(v) if isinstance(v, list) else v
+    if args.no_equal_memory:
+        over["equal_memory_run"] = False
+    if args.no_dense:
+        over["run_dense"] = False
+    if args.hot_backend:
+        over["hot_backends"] = ("paged",) + tuple(b for b in args.hot_backend if b != "paged")
+    if args.no_shared:
+        over["run_shared"] = False
+    if args.sliding_window is not None:
+        if args.sliding_window < 1 or args.full_every < 1:
+            raise SystemExit("--sliding-window and --full-every must be >= 1")
+        m = s.model
+        types = tuple("full_attention" if i % args.full_every == args.full_every - 1
+                      else "sliding_attention" for i in range(m.num_hidden_layers))
+        over.update(name=f"{s.name}-window{args.sliding_window}", run_dense=False,
+                    equal_memory_run=False, model=dataclasses.replace(
+                        m, sliding_window=args.sliding_window, layer_types=types))
+    s = dataclasses.replace(s, **over)
+    if args.prefill_chunk is not None and args.step_tokens is None:
+        # the budget follows the chunk: every running sequence decodes, plus one chunk
+        s = dataclasses.replace(s, step_tokens=max(s.concurrencies + (s.shared_concurrency,))
+                                + s.prefill_chunk)
+    if args.prefill_chunk is not None and len(set(args.prefill_chunk)) != len(args.prefill_chunk):
+        raise SystemExit("--prefill-chunk values must be distinct")
+    if min(s.concurrencies) < 1 or s.input_len < 1 or s.output_len < 1:
+        raise SystemExit("concurrency, --input-len and --output-len must be >= 1")
+    if s.step_tokens < max(s.concurrencies + (s.shared_concurrency,)):
+        raise SystemExit(f"--step-tokens {s.step_tokens} must be >= every concurrency (each "
+                         "running sequence decodes in one step)")
+    if s.input_len + s.output_len > s.equal_memory_max_len:
+        raise SystemExit("--equal-memory-max-len must hold input + output")
+    if s.prefill_chunk < 1 or min(args.prefill_chunk or [1]) < 1:
+        raise SystemExit("--prefill-chunk must be >= 1")
+    return s
+
+
+def estimate(setup: Setup) -> str:
+    """The run's output tokens per part and a time estimate at the issue's target rates (paged
+    9,500 tok/s, dense 3,300 tok/s on the H200; progress lines give the measured pace)."""
+    n_rand = sum(int(round(c * setup.requests_factor)) * setup.output_len
+                 for c in setup.concurrencies)
+    n_shared = (setup.shared_requests * setup.shared_output_len * len(setup.shared_runs)
+                if setup.run_shared else 0)
+    n_dense = n_rand if setup.run_dense else 0
+    secs = (n_rand + n_shared) / 9500 + n_dense / 3300
+    return (f"output tokens: shared {n_shared:,}, random paged {n_rand:,}, dense {n_dense:,}; "
+            f"~{secs / 60:.1f} min at 9,500 (paged) / 3,300 (dense) tok/s plus warm-ups")
+

@@ -1,0 +1,246 @@
+"""The serving benchmark's matrix of runs for one :class:`Setup`: the random rows (paged, the
+other hot backends beside it, dense at equal batch), the shared-prefix runs (prefix reuse on,
+warm, off) and the equal-memory comparison; each pair of runs over the same requests is checked
+for token agreement."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import traceback
+from typing import Any, Sequence
+
+import jax
+
+from benchmarks.harness import dense_llama as dense
+from benchmarks.harness import loop_profile
+from benchmarks.harness import run_log
+from benchmarks.harness.run_log import mem_gib
+from benchmarks.harness.serve_report import (agreement, copy_bandwidth, format_result,
+                                             format_roofline, roofline)
+from benchmarks.harness.serve_runs import run_dense, run_paged
+from benchmarks.harness.serve_setup import (TARGET_ARENA_OVER_PAGED, TARGET_PAGED_OVER_DENSE,
+                                            Setup, random_requests, shared_requests,
+                                            shared_system_prompts)
+from benchmarks.harness.tp_scaling import device_weight_bytes
+from examples.llama import serve
+
+
+def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
+          max_logits_rel_l2: float | None = None, log=run_log.log,
+          paged_params: Any = None) -> dict[str, Any]:
+    """Runs every configuration of ``setup``; returns results, comparisons and agreement. With
+    ``min_identical``, every pair of runs over the same requests must generate identical tokens
+    for at least that fraction of the requests, and with ``max_logits_rel_l2`` (and
+    ``setup.record_logits``) the logits of identical generations must be that close; else
+    RuntimeError. ``paged_params``: the paged runs' params when they differ from the dense
+    runs' (``tp.shard_params``' output for ``setup.tensor_parallel`` devices, sharded once for
+    every server of the run); default ``params``."""
+    results: list[dict] = []
+    comparisons: list[dict] = []
+    agreements: list[dict] = []
+    errors: list[dict] = []
+    cmax = max(setup.concurrencies)
+    n_random = max(int(round(c * setup.requests_factor)) for c in setup.concurrencies)
+    rand = random_requests(setup, n_random)
+    first_seen: dict[int, tuple[str, Any]] = {}   # random request -> (run, its output)
+    paged_params = params if paged_params is None else paged_params
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    paged_weight_bytes = device_weight_bytes(paged_params)   # one device's (all without TP)
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s (read + write, "
+        f"{bw['bytes'] / 2**30:.2f} GiB copied in {bw['seconds'] * 1e3:.2f} ms)")
+
+    def record(res: dict, outs: list, requests: Sequence[serve.Request]) -> None:
+        res["roofline"] = roofline(setup, weight_bytes if res["path"] == "dense"
+                                   else paged_weight_bytes, res, requests, bw["bytes_per_s"])
+        results.append(res)
+        log(format_result(res))
+        log(format_roofline(res["name"], res["roofline"]))
+        if "loop" in res:
+            log(loop_profile.format_loop(res["name"], res["loop"]))
+        if "fence_waits" in res:
+            w = res["fence_waits"]
+            log(f"  host waits for the device inside step(): {w['allocation_waits']} allocations "
+                f"({w['allocation_wait_s']:.2f} s), {w['host_slot_waits']} host-tier slots "
+                f"({w['host_slot_wait_s']:.2f} s), {w['offload_ahead_waits']} write-back-ahead "
+                f"copies ({w['offload_ahead_wait_s']:.2f} s)")
+            if w["offload_ahead_moves"]:
+                log(f"  write-back ahead: {w['offload_ahead_moves']} moves, "
+                    f"{w['offload_ahead_pages']} pages, {w['side_stream_calls']} encode calls on "
+                    f"the side stream, {w['offload_ahead_failures']} failed")
+        if "error" in res.get("profile", {}):
+            log(f"  profile {res['name']}: {res['profile']['error']}")
+        elif "profile" in res:
+            log(loop_profile.format_breakdown(res["name"], res["profile"]))
+        distinct = {t for o in outs for t in o.generated_ids}
+        if len(distinct) < 2 and res["generated_tokens"] > 1:
+            log(f"  WARNING: {res['name']} generated only token {sorted(distinct)} "
+                "(non-finite logits?)")
+
+    def agree(label_a: str, outs_a: list, label_b: str, outs_b: list) -> None:
+        a = agreement(outs_a, outs_b)
+        a.update(a=label_a, b=label_b)
+        agreements.append(a)
+        rel = a["max_logits_rel_l2"]
+        log(f"    tokens {label_a} vs {label_b}: {a['identical']}/{a['requests']} requests "
+            f"identical, {a['identical_first_token']}/{a['requests']} first tokens"
+            + ("" if rel is None else f"; logits rel-L2 <= {rel:.1e}"))
+        if min_identical is not None and a["identical"] < min_identical * a["requests"]:
+            bad = next(i for i, (x, y) in enumerate(zip(outs_a, outs_b))
+                       if x.generated_ids != y.generated_ids)
+            raise RuntimeError(
+                f"{label_a} and {label_b} generated different greedy tokens for "
+                f"{a['requests'] - a['identical']} of {a['requests']} requests; request {bad}: "
+                f"{outs_a[bad].generated_ids} vs {outs_b[bad].generated_ids}")
+        if max_logits_rel_l2 is not None and rel is not None and rel > max_logits_rel_l2:
+            raise RuntimeError(f"{label_a} and {label_b} generated the same tokens but their "
+                               f"logits differ by rel-L2 {rel:.2e} > {max_logits_rel_l2:.0e}")
+
+    def against_earlier(label: str, generated: list) -> None:
+        """Compares with the first run that generated each of these random requests."""
+        by_run: dict[str, tuple[list, list]] = {}
+        for i, g in enumerate(generated):
+            if i in first_seen:
+                run, ref = first_seen[i]
+                by_run.setdefault(run, ([], []))
+                by_run[run][0].append(ref)
+                by_run[run][1].append(g)
+            else:
+                first_seen[i] = (label, g)
+        for run, (ref, got) in by_run.items():
+            agree(run, ref, label, got)
+
+    def attempt(label: str, fn, reqs, **kwargs: Any) -> tuple[dict | None, list]:
+        """Runs one configuration; a failure (out of memory, a kernel error) is logged and
+        recorded, and the other configurations still run."""
+        try:
+            res, outs = fn(paged_params if fn is run_paged else params, setup, reqs,
+                           label=label, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported in the output, exit status 1 at the end
+            tb = traceback.format_exc().strip().splitlines()
+            msg = f"{type(e).__name__}: {e}".replace("\n", " ")[:600]
+            log(f"  ERROR {label}: {msg}\n    " + "\n    ".join(tb[-6:]))
+            errors.append({"name": label, "error": msg})
+            res, outs = None, []
+        gc.collect()
+        if res is not None:
+            record(res, outs, reqs)
+            if res["workload"] == "random":
+                against_earlier(label, outs)
+        return res, outs
+
+    big: dict[str, dict | None] = {"run": None}   # the paged run at the largest concurrency
+
+    def beside(pres: dict | None, what: str, reqs, **kwargs: Any) -> None:
+        """The other hot backends on the same requests as the paged run ``pres``."""
+        for hb in setup.hot_backends:
+            if hb == "paged":
+                continue
+            res, _ = attempt(f"{hb} {what}", run_paged, reqs, hot_backend=hb, **kwargs)
+            if pres is not None and res is not None:
+                comparisons.append(dict(
+                    kind=f"{hb}_vs_paged", paged=pres["name"], other=res["name"],
+                    tokens_per_s_over_paged=(res["output_tokens_per_s"]
+                                             / pres["output_tokens_per_s"]),
+                    target=TARGET_ARENA_OVER_PAGED,
+                    kv_bytes_used_peak_over_paged=(res["kv_bytes_used_peak"]
+                                                   / max(pres["kv_bytes_used_peak"], 1)),
+                    steady_map_calls=res.get("arena_steady_map_calls"),
+                    steady_unmap_calls=res.get("arena_steady_unmap_calls"),
+                    alias_hits=res.get("arena_alias_hits")))
+                log(f"    {res['name']} / {pres['name']}: "
+                    f"{comparisons[-1]['tokens_per_s_over_paged']:.3f}x tokens/s, "
+                    f"{comparisons[-1]['kv_bytes_used_peak_over_paged']:.2f}x K/V bytes, "
+                    f"steady map/unmap {res.get('arena_steady_map_calls')}/"
+                    f"{res.get('arena_steady_unmap_calls')}, alias hits "
+                    f"{res.get('arena_alias_hits')}")
+
+    def random_rows() -> None:
+        for c in sorted(setup.concurrencies):
+            reqs = rand[:int(round(c * setup.requests_factor))]
+            log(f"random {setup.input_len}/{setup.output_len}, concurrency {c}, {len(reqs)} "
+                f"requests{mem_gib()}")
+            pres, _ = attempt(f"paged random c{c}", run_paged, reqs, concurrency=c,
+                              prefix=True, workload="random")
+            if c == cmax:
+                big["run"] = pres
+            beside(pres, f"random c{c}", reqs, concurrency=c, prefix=True, workload="random")
+            if setup.run_dense:
+                dres, _ = attempt(f"dense random c{c}", run_dense, reqs, batch=c,
+                                  max_len=setup.input_len + setup.output_len,
+                                  workload="random")
+                if pres is not None and dres is not None:
+                    ratio = pres["output_tokens_per_s"] / dres["output_tokens_per_s"]
+                    comparisons.append(dict(
+                        kind="equal_batch", concurrency=c, paged=pres["name"],
+                        dense=dres["name"], paged_over_dense=ratio,
+                        decode_step_time_dense_over_paged=(
+                            dres["decode_step_ms_p50"] / max(pres["decode_step_ms_p50"], 1e-9)),
+                        target=TARGET_PAGED_OVER_DENSE))
+
+    def shared() -> None:
+        sreqs = shared_requests(setup)
+        cs = setup.shared_concurrency
+        what = (f"~{setup.shared_prompt_len} + suffixes to {setup.shared_total_len}"
+                if setup.shared_total_len is not None
+                else f"~{setup.shared_prompt_len} + {setup.shared_suffix_len}-token suffixes")
+        host = f", host tier {setup.host_bytes / 2**30:.2f} GiB" if setup.host_bytes else ""
+        log(f"shared prefix: {setup.shared_prompts} system prompts of {what} tokens, output "
+            f"{setup.shared_output_len}, concurrency {cs}, {len(sreqs)} requests{host}"
+            f"{mem_gib()}")
+        runs: dict[str, tuple[dict | None, list]] = {}
+        if "on" in setup.shared_runs:
+            runs["on"] = attempt(f"paged shared c{cs} prefix on", run_paged, sreqs,
+                                 concurrency=cs, prefix=True, workload="shared")
+            beside(runs["on"][0], f"shared c{cs} prefix on", sreqs, concurrency=cs,
+                   prefix=True, workload="shared")
+        if "warm" in setup.shared_runs:
+            runs["warm"] = attempt(f"paged shared c{cs} prefix on, warm", run_paged, sreqs,
+                                   concurrency=cs, prefix=True, workload="shared",
+                                   warm_prompts=shared_system_prompts(setup))
+        if "off" not in setup.shared_runs:
+            return
+        off, goff = attempt(f"paged shared c{cs} prefix off", run_paged, sreqs, concurrency=cs,
+                            prefix=False, workload="shared")
+        for run, gen in runs.values():
+            if run is None or off is None:
+                continue
+            agree(run["name"], gen, off["name"], goff)
+            comparisons.append(dict(
+                kind="prefix_reuse", concurrency=cs, on=run["name"], off=off["name"],
+                tokens_per_s_on_over_off=run["output_tokens_per_s"] / off["output_tokens_per_s"],
+                ttft_p50_off_over_on=off["ttft_p50_s"] / max(run["ttft_p50_s"], 1e-9),
+                prefix_hit_rate=run["prefix_hit_rate"],
+                pages_used_on_over_off=run["pages_used_peak"] / max(off["pages_used_peak"], 1)))
+
+    if setup.run_shared and setup.shared_first:
+        shared()
+    random_rows()
+    if setup.run_shared and not setup.shared_first:
+        shared()
+    big = big["run"]
+
+    # Equal memory: the largest concurrency's paged pool against a dense cache of the same bytes.
+    if big is not None:
+        M = setup.equal_memory_max_len
+        dense_fit = int(big["cache_bytes"] // dense.dense_cache_bytes(setup.model, 1, M))
+        eq = dict(kind="equal_memory", cache_bytes=big["cache_bytes"], dense_max_len=M,
+                  dense_sequences=dense_fit, paged_seq_len=big["capacity_seq_len"],
+                  paged_sequences=big["capacity_seqs"], paged_run=big["name"],
+                  paged_sequences_over_dense=big["capacity_seqs"] / max(dense_fit, 1))
+        log(f"equal memory ({big['cache_bytes'] / 2**30:.2f} GiB of K/V): dense max_len {M} "
+            f"holds {dense_fit} sequences; the paged pool holds {big['capacity_seqs']} sequences "
+            f"of {big['capacity_seq_len']} tokens (KVCacheManager.max_num_sequences)")
+        if setup.equal_memory_run and setup.run_dense and dense_fit >= 1:
+            reqs = rand[:dense_fit] if dense_fit <= len(rand) else random_requests(setup,
+                                                                                   dense_fit)
+            dres, _ = attempt(f"dense random c{dense_fit} max_len {M}", run_dense, reqs,
+                              batch=dense_fit, max_len=M, workload="random")
+            if dres is not None:
+                eq.update(dense_run=dres["name"], paged_over_dense=(
+                    big["output_tokens_per_s"] / dres["output_tokens_per_s"]))
+        comparisons.append(eq)
+    return {"setup": dataclasses.asdict(setup), "results": results, "comparisons": comparisons,
+            "agreement": agreements, "errors": errors}
+

@@ -1,0 +1,199 @@
+"""What the serving benchmark prints: token agreement between runs, one line per run, the
+decode step's roofline (the bytes a step must move against the copy bandwidth measured in the
+same run), the markdown tables and the anchor line."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness.serve_setup import ANCHOR, Setup
+from examples.llama import serve
+from examples.llama import tp
+
+
+def _rel_l2(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.linalg.norm(x - y) / max(float(np.linalg.norm(y)), 1e-30))
+
+
+def agreement(a: Sequence[serve.RequestOutput],
+               b: Sequence[serve.RequestOutput]) -> dict[str, Any]:
+    """Requests with identical generations, identical first tokens, and (recorded logits) the
+    largest relative L2 distance between the logits of requests with identical generations."""
+    pairs = list(zip(a, b))
+    same = [x.generated_ids == y.generated_ids for x, y in pairs]
+    first = sum(bool(x.generated_ids) and x.generated_ids[:1] == y.generated_ids[:1]
+                for x, y in pairs)
+    rel = [_rel_l2(x.logits, y.logits) for (x, y), s in zip(pairs, same)
+           if s and x.logits is not None and y.logits is not None]
+    return {"requests": len(pairs), "identical": sum(same), "identical_first_token": first,
+            "max_logits_rel_l2": max(rel) if rel else None}
+
+
+def format_result(r: dict) -> str:
+    extra = ""
+    if r["path"] == "paged":
+        extra = (f", prefix hit {r['prefix_hit_rate']:.1%}, pages used {r['pages_used_peak']}"
+                 f"/{r['pool_pages']}")
+        if r["recomputes"] or r["suspends"]:
+            extra += f", SUSPENDS {r['suspends']} RECOMPUTES {r['recomputes']}"
+    flag = ""
+    if r["compiles_in_timed_region"]:
+        flag = (f"  WARNING: {r['compiles_in_timed_region']} compile(s) inside the timed region: "
+                + ", ".join(r.get("compiled_in_timed_region", [])))
+    return (f"  {r['name']}: {r['output_tokens_per_s']:,.0f} output tok/s, {r['requests']} "
+            f"requests in {r['seconds']:.2f} s, TTFT p50 {r['ttft_p50_s']:.3f} s p90 "
+            f"{r['ttft_p90_s']:.3f} s, ITL p50 {r['itl_p50_ms']:.1f} ms p90 "
+            f"{r['itl_p90_ms']:.1f} ms, decode step {r['decode_step_ms_p50']:.2f} ms{extra} "
+            f"(warm-up {r['warmup_s']:.1f} s){flag}")
+
+
+def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> dict[str, float]:
+    """Device copy bandwidth (bytes read + written per second) of a large elementwise copy
+    (``x ^ 1`` over uint32, which XLA cannot elide), median of ``repeats`` after warm-up: the
+    practical ceiling of a memory-bound step on this device. ``nbytes``: 4 GiB on a GPU, 64 MiB
+    on a CPU."""
+    if nbytes is None:
+        nbytes = (64 << 20) if jax.default_backend() == "cpu" else (4 << 30)
+    x = jnp.zeros((nbytes // 4,), jnp.uint32)
+    flip = jax.jit(lambda a: a ^ jnp.uint32(1))
+    for _ in range(2):
+        x = flip(x).block_until_ready()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x = flip(x).block_until_ready()
+        samples.append(time.perf_counter() - t)
+    t = float(np.median(samples))
+    del x
+    return {"bytes": float(nbytes), "seconds": t, "bytes_per_s": 2 * nbytes / t}
+
+
+def roofline(setup: Setup, weight_bytes: int, res: dict, requests: Sequence[serve.Request],
+             copy_bytes_per_s: float) -> dict[str, float]:
+    """What one decode step of ``res`` must move at least: every weight once, plus the K/V of
+    the batch (``min(concurrency, requests)`` sequences at the workload's mean context during
+    decode, prompt + half the output), against the measured copy bandwidth. With tensor
+    parallelism (``res["tensor_parallel"]`` = n), one device's share against one device's
+    bandwidth: ``weight_bytes`` is then the weights on one device, the K/V its KV heads
+    (``tp.kv_heads / n``)."""
+    c = setup.model
+    itemsize = (setup.paged_kv_itemsize if res["path"] == "paged"
+                else jnp.dtype(c.jnp_dtype).itemsize)
+    n = res.get("tensor_parallel") or 1
+    heads = tp.kv_heads(c, n) // n if n > 1 else c.num_key_value_heads
+    per_token = 2 * c.num_hidden_layers * heads * c.head_dim * itemsize
+    batch = min(res["concurrency"], len(requests))
+    context = float(np.mean([len(r.prompt) + r.max_new_tokens / 2 for r in requests]))
+    kv = batch * context * per_token
+    step_bytes = weight_bytes + kv
+    ideal_ms = step_bytes / copy_bytes_per_s * 1e3
+    step_ms = res["decode_step_ms_p50"] or res.get("step_ms_p50") or 0.0
+    return {"weight_bytes": float(weight_bytes), "kv_bytes": kv, "batch": batch,
+            "mean_context": context, "step_bytes": step_bytes,
+            "copy_bytes_per_s": copy_bytes_per_s, "roofline_step_ms": ideal_ms,
+            "measured_step_ms": step_ms,
+            "fraction_of_roofline": ideal_ms / step_ms if step_ms else 0.0}
+
+
+def format_roofline(name: str, r: dict) -> str:
+    return (f"  roofline {name}: a decode step must move {r['step_bytes'] / 1e9:.1f} GB "
+            f"(weights {r['weight_bytes'] / 1e9:.1f} + K/V {r['kv_bytes'] / 1e9:.1f}: batch "
+            f"{r['batch']} x {r['mean_context']:.0f} tokens); copy bandwidth "
+            f"{r['copy_bytes_per_s'] / 1e12:.2f} TB/s (r+w) -> {r['roofline_step_ms']:.2f} ms; "
+            f"measured {r['measured_step_ms']:.2f} ms = {r['fraction_of_roofline']:.2f}x of "
+            "the roofline")
+
+def markdown(out: dict[str, Any]) -> str:
+    lines = ["| run | path | workload | batch | requests | output tok/s | TTFT p50 s | "
+             "TTFT p90 s | ITL p50 ms | ITL p90 ms | decode step ms | step / roofline | "
+             "prefix hit | pages used / pool | K/V GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in out["results"]:
+        managed = r["path"] in ("paged", "arena")
+        pages = (f"{r['pages_used_peak']} / {r['pool_pages']}" if managed
+                 else f"dense max_len {r['max_len']}")
+        hit = f"{r['prefix_hit_rate']:.1%}" if managed else "-"
+        path = r["path"] + (" (fp8 K/V)" if r.get("kv_dtype") == "float8_e4m3fn" else "")
+        lines.append(
+            f"| {r['name']} | {path} | {r['workload']} | {r['concurrency']} | "
+            f"{r['requests']} | {r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
+            f"{r['ttft_p90_s']:.3f} | {r['itl_p50_ms']:.1f} | {r['itl_p90_ms']:.1f} | "
+            f"{r['decode_step_ms_p50']:.2f} | {r['roofline']['fraction_of_roofline']:.2f}x | "
+            f"{hit} | {pages} | {r['cache_bytes'] / 2**30:.2f} |")
+    for e in out.get("errors", []):
+        lines.append(f"| {e['name']} | FAILED | | | | | | | | | | | | {e['error'][:120]} | |")
+    lines += ["", "| run | step bytes (weights + K/V) | copy TB/s (r+w) | roofline ms | "
+              "measured ms | fraction |", "|---|---:|---:|---:|---:|---:|"]
+    for r in out["results"]:
+        f = r["roofline"]
+        lines.append(f"| {r['name']} | {f['step_bytes'] / 1e9:.1f} GB "
+                     f"({f['weight_bytes'] / 1e9:.1f} + {f['kv_bytes'] / 1e9:.1f}) | {f['copy_bytes_per_s'] / 1e12:.2f} | "
+                     f"{f['roofline_step_ms']:.2f} | {f['measured_step_ms']:.2f} | "
+                     f"{f['fraction_of_roofline']:.2f}x |")
+    tiers = [r for r in out["results"] if r.get("pages_per_tier")]
+    if tiers:
+        lines += ["", "| run | tier | capacity | referenced | cached | free | offloaded / "
+                  "onboarded | offloaded ahead: moves / pages (side-stream calls) |",
+                  "|---|---|---:|---:|---:|---:|---|---|"]
+        for r in tiers:
+            w = r.get("fence_waits", {})
+            for tier, c in r["pages_per_tier"].items():
+                moved = ahead = ""
+                if tier == "device":
+                    moved = f"{r['pages_offloaded']} / {r['pages_onboarded']}"
+                    ahead = (f"{w.get('offload_ahead_moves', 0)} / "
+                             f"{w.get('offload_ahead_pages', 0)} "
+                             f"({w.get('side_stream_calls', 0)})")
+                lines.append(f"| {r['name']} | {tier} | {c['capacity']} | {c['referenced']} | "
+                             f"{c['cached']} | {c['free']} | {moved} | {ahead} |")
+    lines += ["", "| comparison | value | note |", "|---|---:|---|"]
+    for c in out["comparisons"]:
+        if c["kind"] == "equal_batch":
+            ok = "met" if c["paged_over_dense"] >= c["target"] else "NOT met"
+            lines.append(f"| paged / dense tok/s, equal batch {c['concurrency']} | "
+                         f"{c['paged_over_dense']:.2f}x | target >= {c['target']}: {ok}; "
+                         f"decode step time dense/paged "
+                         f"{c['decode_step_time_dense_over_paged']:.2f}x |")
+        elif c["kind"] == "prefix_reuse":
+            warm = ", warm cache" if c["on"].endswith("warm") else ""
+            lines.append(f"| prefix reuse on{warm} / off tok/s, concurrency {c['concurrency']} | "
+                         f"{c['tokens_per_s_on_over_off']:.2f}x | hit rate "
+                         f"{c['prefix_hit_rate']:.1%}; TTFT p50 off/on "
+                         f"{c['ttft_p50_off_over_on']:.2f}x; pages used on/off "
+                         f"{c['pages_used_on_over_off']:.2f} |")
+        elif c["kind"] == "arena_vs_paged":
+            ok = "met" if c["tokens_per_s_over_paged"] >= c["target"] else "NOT met"
+            lines.append(f"| {c['other']} / {c['paged']} tok/s | "
+                         f"{c['tokens_per_s_over_paged']:.3f}x | target >= {c['target']}: {ok}; "
+                         f"steady-state map/unmap calls {c['steady_map_calls']}/"
+                         f"{c['steady_unmap_calls']}; alias hits {c['alias_hits']}; peak K/V "
+                         f"bytes arena/paged {c['kv_bytes_used_peak_over_paged']:.2f}x |")
+        elif c["kind"] == "equal_memory":
+            run = ""
+            if "paged_over_dense" in c:
+                run = (f"; tok/s {c['paged_run']} / {c['dense_run']}: "
+                       f"{c['paged_over_dense']:.2f}x")
+            lines.append(f"| sequences in {c['cache_bytes'] / 2**30:.2f} GiB: paged "
+                         f"({c['paged_seq_len']} tokens) / dense (max_len {c['dense_max_len']}) | "
+                         f"{c['paged_sequences']} / {c['dense_sequences']} = "
+                         f"{c['paged_sequences_over_dense']:.2f}x | capacity planning{run} |")
+    return "\n".join(lines)
+
+
+def anchor_line(setup: Setup | None = None) -> str:
+    a = ANCHOR
+    ratio = a["output_len"] / setup.output_len if setup is not None else 4
+    note = (f"; {ratio:g}x our random workload's output length" if ratio != 1
+            else "; the trtllm preset is its workload")
+    return (f"Anchor: {a['system']}, {a['model']} on {a['gpu']}, {a['input_len']:,}/"
+            f"{a['output_len']:,} at concurrency {a['concurrency']}: "
+            f"{a['output_tokens_per_s']:,.0f} output tok/s ({a['source']}); H200 ~"
+            f"{a['h200_over_h100_bandwidth']}x its memory bandwidth (~"
+            f"{a['output_tokens_per_s'] * a['h200_over_h100_bandwidth']:,.0f} tok/s scaled, "
+            f"not measured{note})")
+

@@ -1,0 +1,152 @@
+"""The device side of one serving step: :func:`model_step` (input tokens, the model, sampling,
+in one jitted program per shape) and :func:`step_inputs`, the host arrays it takes for the
+requests a step serves."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as llama
+from . import tp as tensor_parallel
+from .serve_types import RequestState, StepRecord
+
+# Sampling on the device (examples/llama/model.py), re-exported here.
+sample_tokens = llama.sample_tokens
+greedy_tokens = llama.greedy_tokens
+
+
+def _fit(x, n: int, fill: int):
+    """``x[:n]``, padded with ``fill`` to ``n`` entries (static shapes)."""
+    if x.shape[0] >= n:
+        return x[:n]
+    return jnp.concatenate([x, jnp.full((n - x.shape[0],), fill, x.dtype)])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rings", "decode", "greedy",
+                                             "with_logits", "mesh"),
+                   donate_argnames=("k_cache", "v_cache"))
+def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch, sampling, *,
+               config: llama.LlamaConfig, rings: tuple[int, ...] | None = None, decode: bool,
+               greedy: bool, with_logits: bool, mesh: jax.sharding.Mesh | None = None):
+    """One serving step on the device: input tokens, the model, sampling.
+
+    Args:
+      prev_tokens: int32 ``[M]``: the previous step's sampled tokens (its output).
+      gather, host_tokens: int32 ``[T]`` (``T`` the token bucket): token ``t`` is
+        ``prev_tokens[gather[t]]`` where ``gather[t] >= 0`` (a token sampled by the previous step
+        and not read by the host yet), else ``host_tokens[t]``.
+      batch: the manager's :class:`StepBatch` (``[B]`` rows, ``[T]`` tokens).
+      sampling: ``(temperature, top_p, seed, stream, counter)`` ``[B]`` each (see
+        :func:`model.sample_tokens`); ignored when ``greedy``.
+      decode: one token per row (``T`` new tokens = the ``B`` rows): ``decode_step``
+        (``paged_attention``); else ``forward_step`` (``ragged_paged_attention``).
+      k_cache, v_cache, rings: the model's pools (tuples with several KV groups) and ring widths
+        (see examples/llama/model.py).
+      mesh: None, or the tensor-parallel mesh (``tp.forward_step`` / ``tp.decode_step``; params
+        from ``tp.shard_params``, pools split over KV heads).
+
+    Returns:
+      ``(tokens [M] int32, logits [B, V] float32 or None, k_cache, v_cache)``: row ``b``'s next
+      token (from the logits of its last new token) at ``tokens[b]``, zeros past ``B``; the
+      caches donated.
+    """
+    tokens = jnp.where(gather >= 0, prev_tokens[jnp.maximum(gather, 0)], host_tokens)
+    B = batch.seq_lens.shape[0]
+    step_fns = llama if mesh is None else tensor_parallel
+    on_mesh = {} if mesh is None else {"mesh": mesh}
+    if decode:
+        slots = batch.slot_mapping  # [T], or [G, T] with several KV groups
+        slots = (_fit(slots, B, -1) if slots.ndim == 1
+                 else jax.vmap(lambda s: _fit(s, B, -1))(slots))
+        logits, k_cache, v_cache = step_fns.decode_step(
+            params, k_cache, v_cache, _fit(tokens, B, 0), _fit(batch.positions, B, 0),
+            slots, batch.page_table, batch.seq_lens, config=config, rings=rings, **on_mesh)
+    else:
+        logits, k_cache, v_cache = step_fns.forward_step(
+            params, k_cache, v_cache, tokens, batch.positions, batch.slot_mapping,
+            batch.page_table, batch.seq_lens, batch.query_start, config=config, rings=rings,
+            **on_mesh)
+    with jax.named_scope("sampling"):   # a name for profiles (benchmarks/harness/device_profile)
+        nxt = (llama.greedy_tokens(logits) if greedy
+               else llama.sample_tokens(logits, *sampling))
+        out = jax.lax.dynamic_update_slice(jnp.zeros_like(prev_tokens), nxt, (0,))
+    return out, (logits if with_logits else None), k_cache, v_cache
+
+
+def model_caches(caches):
+    """The manager's pools (one ``(k, v)`` per layer group) as the model takes them: one
+    ``(k, v)`` pair for one group, else a tuple of ``k`` pools and one of ``v`` pools."""
+    if len(caches) == 1:
+        return caches[0]
+    k, v = zip(*caches)
+    return tuple(k), tuple(v)
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """A dispatched step whose sampled tokens the host has not read yet."""
+
+    index: int
+    tokens: jax.Array                  # [max_batch] on the device
+    logits: jax.Array | None
+    rows: list[tuple[RequestState, int]]   # (request, row) of every token due
+    record: StepRecord | None = None   # ServeConfig.record_steps
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """The host side of one step's device inputs (see :func:`model_step`)."""
+
+    decode: bool                       # one token per row: decode_step (paged_attention)
+    host_tokens: np.ndarray            # int32 [T bucket]
+    gather: np.ndarray                 # int32 [T bucket]: rows of the previous step's tokens
+    due: list[int]                     # the rows whose last new token samples a token
+    rows: list[RequestState]           # their requests
+    greedy: bool                       # every due row greedy: no sampling inputs
+    sampling: tuple | None             # (temperature, top_p, seed, stream, counter) [B bucket]
+
+
+def step_inputs(work: list[tuple[RequestState, int]], batch: Any,
+                paged_decode: bool) -> StepInputs:
+    """What :func:`model_step` takes for ``work`` (``(request, new tokens)`` per row, in the
+    order given to ``prepare_step``) and the manager's ``batch``: each row's new tokens (an
+    unread token is gathered from the previous step's output on the device), the rows whose last
+    token is due a sample, and the sampling parameters of those rows."""
+    counts = [n for _, n in work]
+    B, T = len(work), sum(counts)
+    Bb, Tb = batch.seq_lens.shape[0], batch.positions.shape[0]
+    host_tokens = np.zeros(Tb, np.int32)
+    gather = np.full(Tb, -1, np.int32)
+    off = 0
+    for r, n in work:
+        if r.unread:
+            gather[off] = r.last_row
+        else:
+            end = r.seq.num_tokens
+            host_tokens[off:off + n] = r.tokens[end - n:end]
+        off += n
+    lens = np.asarray(batch.seq_lens)[:B].tolist()
+    due = [b for b, ((r, _), n) in enumerate(zip(work, lens))
+           if n == len(r.tokens) + r.unread]
+    rows = [work[b][0] for b in due]
+    temp = np.zeros(Bb, np.float32)
+    temp[due] = [r.req.temperature for r in rows]
+    greedy = not temp.any()
+    sampling = None
+    if not greedy:
+        top_p = np.ones(Bb, np.float32)
+        seed = np.zeros(Bb, np.int32)
+        stream = np.zeros(Bb, np.int32)
+        counter = np.zeros(Bb, np.int32)
+        top_p[due] = [r.req.top_p for r in rows]
+        seed[due] = [r.req.seed for r in rows]
+        stream[due] = [r.rid for r in rows]
+        counter[due] = [r.num_generated for r in rows]
+        sampling = (temp, top_p, seed, stream, counter)
+    return StepInputs(paged_decode and T == B, host_tokens, gather, due, rows, greedy, sampling)

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""A/B timing of our ragged prefill across builds of jax_kvcm, alternated in one run.
+
+A kernel change is judged against the build it changes, on the same GPU in the same minutes:
+each build (a ``pip install --target DIR .`` of one source tree) is timed in its own process, in
+turns (A, B, A, B, ...), over benchmarks/bench_attention.py's prefill shapes and inputs, each output
+checked against the float32 reference first. On the GPU machine:
+
+    python3 -m pip install --no-build-isolation --no-deps --target /tmp/site_a .   # build A
+    # (change the kernel)
+    python3 -m pip install --no-build-isolation --no-deps --target /tmp/site_b .   # build B
+    python3 -m tools.prefill_ab /tmp/site_a /tmp/site_b --rounds 2
+
+Prints one line per build and round, then a table of each build's median ms per shape and its
+time over the first build's (< 1: faster). FlashInfer and cuDNN are not timed here:
+python -m benchmarks.bench_attention --only prefill gives the side-by-side ratios.
+    JAX_PLATFORMS=cpu python -m tools.prefill_ab SITE --quick     # tiny shapes, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def time_build(quick: bool, repeats: int) -> dict[str, dict]:
+    """In the child process (started in the build's folder, so that its jax_kvcm comes first on
+    sys.path; the repository on PYTHONPATH): {shape: {"ms", "check"}}."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_kvcm
+    from benchmarks.harness import attention_cases as A
+    from benchmarks.harness import timing as _timing
+    from jax_kvcm.ops import reference
+
+    h, hkv, d = A.NUM_HEADS, A.NUM_KV_HEADS, A.HEAD_DIM
+    out: dict[str, dict] = {}
+    shapes = A.QUICK_PREFILL_SHAPES if quick else A.PREFILL_SHAPES
+    for i, (b, s) in enumerate(shapes):  # bench_attention's seeds at its default --seed 0
+        t, c = b * s, A.prefill_case(b, s, 100 + i)
+        zeros = jnp.zeros((c["num_pages"], A.PAGE, hkv, d), A.DTYPE)
+        k_cache, v_cache = jax.jit(reference.write_kv)(
+            zeros, zeros, c["k"].reshape(t, hkv, d), c["v"].reshape(t, hkv, d), c["slots"])
+        ref = jax.jit(A.dense_causal_reference)(c["q"], c["k"], c["v"], c["pos"])
+        args = (k_cache, v_cache, c["page_table"], c["seq_lens"], c["query_start"])
+        f = jax.jit(jax_kvcm.ragged_paged_attention)
+        A.poison_allocator((t, h, d), A.DTYPE)
+        got = f(c["q"].reshape(t, h, d), *args).reshape(b, s, h, d)[:, c["pos"]]
+        checked = A.check(got, ref)
+        tm = _timing.time_jax(f, [(c["q2"].reshape(t, h, d), *args),
+                                  (c["q"].reshape(t, h, d), *args)], repeats=repeats)
+        out[f"B={b} S={s}"] = {"ms": tm["ms"], "check": checked["text"]}
+        del k_cache, v_cache, got
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m tools.prefill_ab``."""
+    p = argparse.ArgumentParser(
+        prog="python -m tools.prefill_ab", description=__doc__.splitlines()[0])
+    p.add_argument("sites", nargs="*", help="install folders of the builds (the first: baseline)")
+    p.add_argument("--rounds", type=int, default=2, help="turns per build (alternated)")
+    p.add_argument("--repeats", type=int, default=9, help="timing samples per call (median)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per child process")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.child:
+        print("RESULT " + json.dumps(time_build(a.quick, a.repeats)), flush=True)
+        return 0
+    if not a.sites:
+        p.error("sites: give at least one build's install folder")
+    for site in a.sites:
+        if not (Path(site) / "jax_kvcm").is_dir():
+            p.error(f"sites: {site} holds no jax_kvcm/ (build it with pip install --target)")
+    runs: dict[str, list[dict]] = {site: [] for site in a.sites}
+    failed = False
+    for r in range(a.rounds):
+        for site in a.sites:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+            cmd = [sys.executable, "-m", "tools.prefill_ab", "--child", "--repeats", str(a.repeats)]
+            try:
+                proc = subprocess.run(cmd + (["--quick"] if a.quick else []), env=env, cwd=site,
+                                      capture_output=True, text=True, timeout=a.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"round {r + 1} {site}: TIMEOUT after {a.timeout:.0f} s", flush=True)
+                failed = True
+                continue
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                print(f"round {r + 1} {site}: FAILED rc={proc.returncode}\n{proc.stderr[-2000:]}",
+                      flush=True)
+                failed = True
+                continue
+            res = json.loads(lines[-1][len("RESULT "):])
+            runs[site].append(res)
+            print(f"round {r + 1} {site}: " + ", ".join(
+                f"{k} {v['ms']:.4f} ms ({v['check']})" for k, v in res.items()), flush=True)
+    base = a.sites[0]
+    shapes = list(dict.fromkeys(k for rs in runs.values() for res in rs for k in res))
+    print("\n| build | " + " | ".join(f"{s} ms | / first" for s in shapes) + " |")
+    print("|---|" + "---:|---:|" * len(shapes))
+    med = {site: {s: statistics.median([res[s]["ms"] for res in rs if s in res])
+                  for s in shapes if any(s in res for res in rs)} for site, rs in runs.items()}
+    for site in a.sites:
+        cells = []
+        for s in shapes:
+            ms, ms0 = med[site].get(s), med[base].get(s)
+            cells.append("-" if ms is None else f"{ms:.4f}")
+            cells.append("-" if ms is None or ms0 is None else f"{ms / ms0:.3f}")
+        print(f"| {site} | " + " | ".join(cells) + " |")
+    bad = [f"{site} {s}" for site, rs in runs.items() for res in rs for s, v in res.items()
+           if not v["check"].startswith("ok")]
+    if bad:
+        print("check failed: " + ", ".join(bad))
+    return 1 if failed or bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
