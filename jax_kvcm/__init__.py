@@ -35,6 +35,7 @@ def _find_installed_extension() -> None:
 
 _find_installed_extension()
 
+from jax_kvcm._arena_pool import ArenaPool
 from jax_kvcm._codec import (ColdPageCodec, ConcatCodec, Int8Codec,
                              create_default_cold_page_codec, make_cold_page_codec)
 from jax_kvcm._ffi import cuda_extension_available
@@ -42,12 +43,13 @@ from jax_kvcm._disk_tier import CorruptPageError, UnreadablePageError
 from jax_kvcm._step_batch import StepBatch
 from jax_kvcm._types import CacheLevel
 from jax_kvcm.manager import (ArenaHot, KVCacheConfig, KVCacheManager, LayerGroupConfig,
-                              OutOfPagesError, PagedHot, Sequence, SequencePhase, SequenceView,
-                              StepInFlightError, SuspendResult)
+                              OutOfPagesError, PagedHot, Sequence, SequencePhase, SequenceState,
+                              SequenceView, StepInFlightError, SuspendResult)
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
 
 __all__ = [
     "ArenaHot",
+    "ArenaPool",
     "CacheLevel",
     "ColdPageCodec",
     "ConcatCodec",
@@ -60,6 +62,7 @@ __all__ = [
     "PagedHot",
     "Sequence",
     "SequencePhase",
+    "SequenceState",
     "SequenceView",
     "StepBatch",
     "StepInFlightError",

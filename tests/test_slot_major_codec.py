@@ -47,7 +47,7 @@ MOVERS = [("concat", "auto"), ("concat", "memcpy-batch"), ("concat", "memcpy-eac
 
 def reservation(nbytes: int, super_page_bytes: int):
     """A CPU memfd reservation (create_physical, map, unmap, write, read, base, close)."""
-    return _ffi._kvcm_cpu.ArenaReservation(nbytes, super_page_bytes)
+    return _ffi._kvcm_cpu.Reservation(nbytes, super_page_bytes)
 
 
 def desc(layout, dtype, index, slot_major) -> HotPoolGroupDesc:
@@ -210,7 +210,7 @@ class ArenaPair:
     contents are ``k``, ``v`` (layer-major numpy) at the start."""
 
     def __init__(self, k: np.ndarray, v: np.ndarray) -> None:
-        self.gran = _ffi._kvcm_cpu.arena_granularity()
+        self.gran = _ffi._kvcm_cpu.reservation_granularity()
         self.shape, self.dtype = k.shape, k.dtype
         self.span = -(-k.nbytes // self.gran) * self.gran
         self.res = reservation(2 * self.span, self.gran)

@@ -14,8 +14,7 @@ import jax
 import numpy as np
 
 from jax_kvcm import CacheLevel, KVCacheManager, OutOfPagesError, SuspendResult
-from jax_kvcm._manager import SequenceState  # NOTE: not exported by jax_kvcm (yet)
-from jax_kvcm._storage import CorruptPageError  # NOTE: not exported by jax_kvcm (yet)
+from jax_kvcm import CorruptPageError, SequenceState
 
 from . import model as llama
 from . import tp as tensor_parallel

@@ -87,7 +87,7 @@ class ServeConfig:
     token_buckets: tuple[int, ...] | None = None
     # The manager's hot backend (examples/llama/hot_backend.py): "paged", or "arena": CUDA VMM
     # on a GPU, memfd on CPU (where the steps take the pools by address). ``arena``: its
-    # ArenaConfig; None sizes it like the paged pool of device_pages it replaces.
+    # ArenaHot options (None: the defaults); device_pages is the budget either way.
     hot_backend: str = "paged"
     arena: Any = None
     # K/V pools: "auto" in the model's dtype; "fp8" in float8_e4m3fn with the params'
@@ -211,7 +211,7 @@ def kv_report(manager: Any, serve: ServeConfig, counters: Any, busy_s: float, st
         "pages": st["pages"],
         "page_size": serve.page_size,
         "cold_codec": serve.cold_codec,
-        "kv_dtype": str(manager.caches[0][0].dtype),
+        "kv_dtype": str(jnp.dtype(manager.config.layer_groups[0].pool_dtype)),
         "overlap": serve.overlap,
         "max_tokens_per_step": serve.max_tokens_per_step,
         "prefill_chunk_tokens": serve.prefill_chunk_tokens,

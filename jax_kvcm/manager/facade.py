@@ -148,6 +148,7 @@ class KVCacheManager:
         pools are ``jax.Array``s ``[L, pages + 1, P, Hkv, D]``; an arena's are
         :class:`~jax_kvcm.ArenaPool`s, which the ops take in their place."""
         with self._lock:
+            self._check_open()
             return list(self.storage.pools)
 
     def add_sequence(self, tokens: Any, *, salt: Any = None) -> Sequence:
