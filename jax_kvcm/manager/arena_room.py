@@ -13,9 +13,11 @@ there (page-granular, zero copy); the range's slots for them stay unused.
   state makes no map/unmap call), a fresh range. A parked range's cached pages in the way are
   evicted first (down a tier, else dropped), as paged eviction would under pressure.
 - **Room** (:meth:`ArenaRoom.make_room`): the chunks an allocation needs come from the budget;
-  when it is short, empty chunks of parked ranges are unmapped first, then chunks holding only
-  cached or pending pages (the pages evicted, the frees waited for), least recently parked
-  first. A plan (:meth:`ArenaRoom.plan`) is made before anything is evicted.
+  when it is short, empty chunks are unmapped first, then chunks holding only cached or
+  pending pages (the pages evicted, the frees waited for), parked ranges (least recently
+  parked first) before bound ones. An unmap waits for the device (cuMemUnmap racing kernels
+  in flight faults), so one such wait takes back a 32nd of the budget, not one step's need.
+  A plan (:meth:`ArenaRoom.plan`) is made before anything is evicted.
 - **Obtainable pages**, as admission control reads them, count cached and pending pages of the
   arena like paged ones, and its free budget.
 
@@ -69,8 +71,12 @@ class ArenaRoom:
         self._storage, self._tree, self._rows = storage, tree, rows
         self._ledger, self._planner = ledger, planner
         self._book = RangeBook(self._geo.max_sequences, config.hot.adoption)  # by seq id
+        self._first: dict[int, int] = {}  # seq id -> its logical page at its range's base
         self._node_at: dict[int, BlockNode] = {}   # slot -> committed device node there
         self._g0 = int(self.groups[0])
+        # NOTE: unmapping waits for the device (the seed's driver fault: cuMemUnmap racing
+        # kernels in flight), so one quiesce takes a 32nd of the budget, not one step's need.
+        self._harvest = max(1, self._geo.budget_chunks // 32)
         tree.watch = self._watch
         self._steps_checked = 0
         self.counts = dict.fromkeys(("affine_pages", "shared_pages", "evicted_on_bind",
@@ -100,17 +106,20 @@ class ArenaRoom:
     def _base(self, r: int) -> int:
         return self._geo.range_base(r)
 
+    def _origin(self, seq_id: int) -> int:
+        """Slot of logical page 0 of holder ``seq_id`` (its range's base less its ``first``)."""
+        return self._base(self._book.range_of(seq_id)) - self._first[seq_id]
+
     def place(self, seq: Sequence, j: np.ndarray) -> dict[int, np.ndarray]:
         """``{arena group: slots}`` of pages ``j`` of ``seq`` (bound)."""
-        slots = (self._base(self._book.range_of(seq.seq_id)) + np.asarray(j)).astype(np.int32)
+        slots = (self._origin(seq.seq_id) + np.asarray(j)).astype(np.int32)
         return {int(g): slots for g in self.groups}
 
     def place_rows(self, rows: np.ndarray, j: np.ndarray) -> dict[int, np.ndarray]:
         """``{arena group: slots}`` of pages ``j[i]`` of the sequences at ``rows[i]``."""
         ids = self._rows.seq_ids[rows]
-        base = np.fromiter((self._base(self._book.range_of(int(s))) for s in ids), np.int64,
-                           ids.size)
-        slots = (base + j).astype(np.int32)
+        origin = np.fromiter((self._origin(int(s)) for s in ids), np.int64, ids.size)
+        slots = (origin + j).astype(np.int32)
         return {int(g): slots for g in self.groups}
 
     def _writes(self, nodes: list[BlockNode]) -> np.ndarray:
@@ -121,66 +130,104 @@ class ArenaRoom:
         return np.concatenate([np.asarray(cold, np.int64),
                                np.arange(c, self._geo.pages_per_seq, dtype=np.int64)])
 
+    def _in_place(self, r: int, nodes: list[BlockNode]) -> tuple[int, int]:
+        """``(first, pages)``: the run of the chain's device pages that range ``r`` holds in
+        place (page ``j`` at ``base + j - first``), as the previous holder left them."""
+        base, first, n_in = self._base(r), None, 0
+        for j, n in enumerate(nodes):
+            if n.level is not D:
+                continue
+            s = int(n.slots[self._g0])
+            if self._geo.range_of_slot(s) != r:
+                continue
+            f = j - (s - base)
+            if first is None:
+                first = f
+            n_in += f == first
+        return (first, n_in) if first is not None and first >= 0 else (0, 0)
+
     def _fit(self, r: int, nodes: list[BlockNode], writes: np.ndarray
-             ) -> tuple[int, list[BlockNode]] | None:
-        """``(affine pages, cached nodes to evict)`` when range ``r`` can take the chain, else
-        None (a slot it writes holds a referenced page or one of the chain's own)."""
+             ) -> tuple[int, list[BlockNode], int] | None:
+        """``(affine pages, cached nodes to evict, first)`` when range ``r`` can take the chain,
+        else None (a slot it writes holds a referenced page or one of the chain's own).
+        ``first``: the logical page at the range's base: the prefix run in place keeps its
+        place; otherwise the holder's first written page starts the range."""
         base = self._base(r)
+        first, affine = self._in_place(r, nodes)
+        if not affine:
+            # NOTE: past the committed pages the range starts with (a previous holder's prompt,
+            # likely another prefix's canonical pages), as far as the holder's first write
+            # allows: they stay cached where they are, and the holder's own pages land on the
+            # chunks its predecessor used (no map call).
+            low = int(writes.min()) if writes.size else len(nodes)
+            lead = 0
+            while lead < low and base + lead in self._node_at:
+                lead += 1
+            first = low - lead
+        if writes.size and (writes.min() < first
+                            or writes.max() - first >= self._geo.chunks_per_range
+                            * self._geo.pages_per_chunk):
+            return None
         chain = {id(n) for n in nodes}
         evict = []
-        for s in (base + writes).tolist():
+        for s in (base + writes - first).tolist():
             n = self._node_at.get(s)
             if n is None:
                 continue
             if n.refcount > 0 or id(n) in chain:
                 return None
             evict.append(n)
-        affine = sum(1 for j, n in enumerate(nodes)
-                     if n.level is D and int(n.slots[self._g0]) == base + j)
-        return affine, evict
+        return affine, evict, first
 
-    def _mapped_writes(self, r: int, writes: np.ndarray) -> int:
-        """Chunks of range ``r`` mapped where a holder writing pages ``writes`` writes."""
+    def _mapped_writes(self, r: int, slots: np.ndarray) -> int:
+        """Chunks of range ``r`` mapped where a holder writes ``slots``."""
         mem = self._tiers[0].memory
-        chunks = np.unique((self._base(r) + writes) // self._geo.pages_per_chunk)
+        chunks = np.unique(slots // self._geo.pages_per_chunk)
         return sum(mem.is_mapped(c) for c in chunks.tolist())
 
     def _candidates(self, nodes: list[BlockNode]) -> list[int]:
-        """Parked ranges worth examining: those holding the chain's pages in place first, then
-        the others, oldest first."""
+        """Parked ranges worth examining: those holding the chain's pages first, then the
+        others, oldest first."""
         book, out = self._book, []
-        for j, n in enumerate(nodes):
+        for n in nodes:
             if n.level is D:
-                s = int(n.slots[self._g0])
-                r = self._geo.range_of_slot(s)
-                if r >= 0 and s == self._base(r) + j and book.is_parked(r) and r not in out:
+                r = self._geo.range_of_slot(int(n.slots[self._g0]))
+                if r >= 0 and book.is_parked(r) and r not in out:
                     out.append(r)
         out.extend(r for r in book.parked() if r not in out)
         return out
 
-    def _choose(self, nodes: list[BlockNode]) -> tuple[int, list[BlockNode], int] | None:
-        """``(range, cached pages to evict there, pages in place)`` for the chain ``nodes``."""
+    def _choose(self, nodes: list[BlockNode]
+                ) -> tuple[int, list[BlockNode], int, int] | None:
+        """``(range, cached pages to evict there, pages in place, first)`` for ``nodes``."""
         writes = self._writes(nodes)
-        fits, evictions = [], {}
+        fits, found = [], {}
         for r in self._candidates(nodes):
             if len(fits) >= _SCAN_PARKED:  # NOTE: enough fitting ones (oldest first) examined
                 break
             fit = self._fit(r, nodes, writes)
             if fit is not None:
-                fits.append((r, fit[0], len(fit[1]), self._mapped_writes(r, writes)))
-                evictions[r] = fit
+                slots = self._base(r) + writes - fit[2]
+                fits.append((r, fit[0], len(fit[1]), self._mapped_writes(r, slots)))
+                found[r] = fit
         r = self._book.choose(fits, self._tight(nodes))
         if r is None:
             return None
-        affine, evict = evictions.get(r, (0, []))
-        return r, evict, affine
+        affine, evict, first = found.get(r) or self._fit(r, nodes, writes) or (0, [], 0)
+        return r, evict, affine, first
 
     def _tight(self, nodes: list[BlockNode]) -> bool:
-        """Whether the budget could not map a fresh range for this holder (then a parked
-        range, mapped already, is adopted: no map call; else a fresh one keeps the parked
-        ranges' cached pages for later hits)."""
-        need = self._geo.chunks_per_range
-        return any(t.free_budget_chunks() < need for t in self._tiers)
+        """Whether the budget could not map a fresh range for this holder and still let every
+        bound range grow to its full length (then a parked range, mapped already, is adopted:
+        no map call now, no unmap later; else a fresh one keeps the parked ranges' cached pages
+        for later hits)."""
+        C = self._geo.chunks_per_range
+        bound = np.asarray(self._book.bound_ranges(), np.int64)
+        for t in self._tiers:
+            growth = C * bound.size - int(t.memory.mapped_per_range[bound].sum())
+            if t.free_budget_chunks() < C + growth:
+                return True
+        return False
 
     def bind(self, seq: Sequence, nodes: list[BlockNode]) -> bool:
         """Gives ``seq`` (holding or about to hold the chain ``nodes``) a range; False when no
@@ -190,12 +237,13 @@ class ArenaRoom:
         choice = self._choose(nodes)
         if choice is None:
             return False
-        r, evict, affine = choice
+        r, evict, affine, first = choice
         if evict:
             self._ledger.need_pools("arena range adoption")
             self._planner.evict(evict, D)
             self.counts["evicted_on_bind"] += len(evict)
         self._book.bind(seq.seq_id, r)
+        self._first[seq.seq_id] = first
         self.counts["affine_pages"] += affine
         self.counts["shared_pages"] += sum(1 for n in nodes if n.level is D) - affine
         return True
@@ -213,6 +261,7 @@ class ArenaRoom:
     def unbind(self, seq: Sequence) -> None:
         """``seq`` leaves its range (close, suspend): the range is parked, still mapped."""
         self._book.unbind(seq.seq_id)
+        self._first.pop(seq.seq_id, None)
 
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Ranges follow sequences, not rows: nothing to move on compaction."""
@@ -229,37 +278,40 @@ class ArenaRoom:
         lack = max(0, max(len(missing) - t.free_budget_chunks() for t in self._tiers))
         return missing, lack, slots[tier.used[slots]]
 
-    def _victims(self, need: int, keep: set[int]) -> tuple[list[int], list[BlockNode]] | None:
-        """Chunks to unmap for ``need`` budget chunks, and the cached pages in them to evict;
-        None when not even every reclaimable chunk would do."""
-        tier, ppc, geo = self._tiers[0], self._geo.pages_per_chunk, self._geo
-        pending = np.zeros(tier.used.size, bool)
-        for entry in self._ledger.pending:
-            s = entry.slots[self._g0]
-            pending[s[s >= 0]] = True
-        order = [*self._book.parked(), *self._book.bound_ranges()]
-        picked: list[int] = []
-        evict: list[BlockNode] = []
-        for r in order:
-            first = self._base(r) // ppc
-            for c in range(first, first + geo.chunks_per_range):
-                if len(picked) >= need:
-                    return picked, evict
-                if c in keep or not tier.memory.is_mapped(c):
-                    continue
-                slots = np.arange(c * ppc, (c + 1) * ppc)
-                nodes = []
-                ok = True
-                for s in slots[tier.used[slots] & ~pending[slots]].tolist():
-                    n = self._node_at.get(s)
-                    if n is None or n.refcount > 0:
-                        ok = False
-                        break
-                    nodes.append(n)
-                if ok:  # only cached pages, pending frees or nothing
-                    picked.append(c)
-                    evict.extend(nodes)
-        return (picked, evict) if len(picked) >= need else None
+    def _victims(self, need: int, keep: set[int], want: int = 0
+                 ) -> tuple[list[int], list[BlockNode]] | None:
+        """Chunks to unmap for ``need`` budget chunks (``want`` when more can go: the harvest
+        of one quiesce), and the cached pages in them to evict; None when not even every
+        reclaimable chunk would do. Empty chunks go first, then chunks holding only cached
+        unreferenced pages; parked ranges (least recently parked first) before bound ones."""
+        tier, mem, ppc, C = self._tiers[0], self._tiers[0].memory, self._geo.pages_per_chunk, \
+            self._geo.chunks_per_range
+        want = max(need, want)
+        order = np.asarray([*self._book.parked(), *self._book.bound_ranges()], np.int64)
+        chunks = (1 + order[:, None] * C + np.arange(C)).reshape(-1)  # in preference order
+        free = mem.mapped.copy()
+        free[0] = False
+        if keep:
+            free[np.fromiter(keep, np.int64, len(keep))] = False
+        empty = free & (tier.used_in_chunk == 0)
+        picked = chunks[empty[chunks]][:want]
+        if picked.size >= want:
+            return picked.tolist(), []
+        # NOTE: a pass over the device's committed pages: only when empty chunks fall short
+        pinned = tier.used.copy()            # allocated slots that cannot be evicted
+        for s, n in self._node_at.items():
+            if n.refcount == 0:
+                pinned[s] = False
+        for entry in self._ledger.pending:   # freed, read by a step in flight: waited for
+            sl = entry.slots[self._g0]
+            pinned[sl[sl >= 0]] = False
+        cached = free & ~empty & ~pinned.reshape(-1, ppc).any(1)
+        more = chunks[cached[chunks]][:want - picked.size]
+        if picked.size + more.size < need:
+            return None
+        evict = [self._node_at[s] for c in more.tolist()
+                 for s in range(c * ppc, (c + 1) * ppc) if s in self._node_at]
+        return [*picked.tolist(), *more.tolist()], evict
 
     def plan(self, at: dict[int, np.ndarray]) -> bool:
         """Whether the slots ``at`` can be allocated once pending frees are waited for and
@@ -292,7 +344,7 @@ class ArenaRoom:
         if not lack:
             return True
         keep = set(np.unique(at[self._g0] // self._geo.pages_per_chunk).tolist())
-        found = self._victims(lack, keep)
+        found = self._victims(lack, keep, self._harvest)
         if found is None:
             return False
         chunks, evict = found
@@ -380,4 +432,5 @@ class ArenaRoom:
             if npages > k:
                 assert r is not None, f"{seq!r} holds private pages but no range"
                 mine = rows.row_pages(seq._row, k, npages)[self.groups]
-                assert (mine == self._base(r) + np.arange(k, npages)).all(), (seq, mine)
+                want = self._origin(seq.seq_id) + np.arange(k, npages)
+                assert (mine == want).all(), (seq, mine, want)

@@ -239,8 +239,6 @@ class TierPlanner:
             return False
         if arena is not None and not arena.make_room(at or {}):
             return False  # pragma: no cover - plan() counted it
-        if not need.any():
-            return True
         self.reclaim()
         pending = self._ledger.num_pending
         while not self.fits(D, need):

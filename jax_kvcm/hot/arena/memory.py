@@ -85,6 +85,8 @@ class ArenaMemory:
             raise ValueError(f"ArenaHot.max_sequences x max_seq_len: cannot reserve "
                              f"{2 * geo.pool_bytes} bytes of address space: {e}") from e
         self._handles: dict[int, list[int]] = {}  # mapped chunk -> its physical handles
+        self.mapped = np.zeros(geo.num_chunks, bool)                    # by chunk
+        self.mapped_per_range = np.zeros(geo.max_sequences, np.int64)  # mapped chunks per range
         self._uses: list[Any] = []                # migration tokens since the last quiesce
         self.num_quiesces = 0
         self.peak_mapped_chunks = 0
@@ -108,6 +110,9 @@ class ArenaMemory:
             self._res.release_physical_many(handles)
             raise
         self._handles[chunk] = handles
+        self.mapped[chunk] = True
+        if chunk:
+            self.mapped_per_range[(chunk - 1) // self.geometry.chunks_per_range] += 1
         self.peak_mapped_chunks = max(self.peak_mapped_chunks, len(self._handles) - 1)
 
     def is_mapped(self, chunk: int) -> bool:
@@ -151,6 +156,8 @@ class ArenaMemory:
             self.quiesce()
         for c in chunks:
             handles = self._handles.pop(c)
+            self.mapped[c] = False
+            self.mapped_per_range[(c - 1) // self.geometry.chunks_per_range] -= 1
             self._res.unmap_many(self._offsets(c))
             self._res.release_physical_many(handles)
             self._governor.release_committed(_D, self.geometry.chunk_bytes)

@@ -93,7 +93,7 @@ class ArenaTier:
         self.memory = ArenaMemory(geo, layout, governor, spec.backend, device)
         self.used = np.zeros(geo.num_slots, bool)  # allocated slots (the null page apart)
         self.num_allocated = 0
-        self._used_in_chunk = np.zeros(geo.num_chunks, np.int64)
+        self.used_in_chunk = np.zeros(geo.num_chunks, np.int64)
         self._slots = _Slots(self)
 
     # -- HotTier ---------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ class ArenaTier:
 
     def _mark(self, slots: np.ndarray, used: bool) -> None:
         self.used[slots] = used
-        np.add.at(self._used_in_chunk, slots // self.geometry.pages_per_chunk,
+        np.add.at(self.used_in_chunk, slots // self.geometry.pages_per_chunk,
                   1 if used else -1)
         self.num_allocated += slots.size if used else -slots.size
 
@@ -167,17 +167,17 @@ class ArenaTier:
 
     def chunk_used(self, chunk: int) -> int:
         """Allocated slots of ``chunk``."""
-        return int(self._used_in_chunk[chunk])
+        return int(self.used_in_chunk[chunk])
 
     def empty_mapped_chunks(self, chunks: list[int]) -> list[int]:
         """Those of ``chunks`` that are mapped and hold no allocated slot."""
         return [c for c in chunks if c and self.memory.is_mapped(c)
-                and not self._used_in_chunk[c]]
+                and not self.used_in_chunk[c]]
 
     def unmap(self, chunks: list[int]) -> None:
         """Returns empty mapped ``chunks`` to the budget (after every reader finished)."""
         for c in chunks:
-            if self._used_in_chunk[c] or not c:
+            if self.used_in_chunk[c] or not c:
                 raise ValueError(f"chunk {c} holds pages or is the null chunk")
         self.memory.unmap(chunks)
 
