@@ -177,10 +177,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
       help="split the model (Megatron-style) and the K/V pools (over KV heads) over the first "
            "N devices (default: %(default)s)")
     a("--hot-backend", choices=HOT_BACKENDS, default="paged",
-      help="what holds the K/V pools on the device: paged (--device-pages pages) or arena (one "
-           "virtual reservation, a contiguous range per sequence, memory mapped per chunk; "
-           "sized like the paged pool it replaces; one device, full-attention models, K/V in "
-           "the model's dtype) (default: %(default)s)")
+      help="what holds the K/V pools on the device: paged (preallocated) or arena (virtual "
+           "reservations mapped on demand, a contiguous range per sequence; one device; "
+           "sliding-window layers stay paged); --device-pages pages either way "
+           "(default: %(default)s)")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -214,8 +214,6 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.max_tokens_per_step < args.max_batch:
         p.error(f"argument --max-tokens-per-step: must be >= --max-batch ({args.max_batch}), "
                 f"got {args.max_tokens_per_step}")
-    if args.hot_backend == "arena" and args.kv_dtype == "fp8":
-        p.error("argument --hot-backend: the arena holds K/V in the model's dtype, not fp8")
     if args.kv_dtype == "fp8" and args.cold_codec == "int8":
         p.error("argument --kv-dtype: fp8 needs --cold-codec concat (the int8 codec does not "
                 "take fp8 pools)")
