@@ -88,7 +88,16 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--hot-backend", nargs="+", choices=("paged", "arena"), default=None,
                    help="hot backends side by side (paged always runs as the reference; "
                         "arena: CUDA VMM on a GPU, memfd on CPU)")
+    p.add_argument("--ab-rounds", type=int, default=1, metavar="N",
+                   help="with --hot-backend: run paged and each other backend N times, "
+                        "interleaved (paged, arena, paged, arena, ...), and report the median "
+                        "ratio and its spread (default: %(default)s)")
     p.add_argument("--no-shared", action="store_true", help="skip the shared-prefix workload")
+    p.add_argument("--no-random", action="store_true", help="skip the random workload")
+    p.add_argument("--pool-pages", type=int, metavar="N",
+                   help="device K/V pages of every paged and arena run (default: every running "
+                        "request at its longest); e.g. so that a paged pool and an arena of the "
+                        "same bytes fit on the device together for --hot-backend paged arena")
     p.add_argument("--no-check", action="store_true",
                    help="skip the tiny float32 paged-vs-dense check before an 8B run")
     p.add_argument("--sliding-window", type=int, metavar="W",
@@ -165,6 +174,15 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         over["hot_backends"] = ("paged",) + tuple(b for b in args.hot_backend if b != "paged")
     if args.no_shared:
         over["run_shared"] = False
+    if args.no_random:
+        over["run_random"] = False
+    if args.pool_pages is not None:
+        if args.pool_pages < 1:
+            raise SystemExit("--pool-pages must be >= 1")
+        over["pool_pages_override"] = args.pool_pages
+    if args.ab_rounds < 1:
+        raise SystemExit("--ab-rounds must be >= 1")
+    over["ab_rounds"] = args.ab_rounds
     if args.sliding_window is not None:
         if args.sliding_window < 1 or args.full_every < 1:
             raise SystemExit("--sliding-window and --full-every must be >= 1")

@@ -11,6 +11,7 @@ import traceback
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 
 from benchmarks.harness import dense_llama as dense
 from benchmarks.harness import loop_profile
@@ -133,30 +134,26 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
     big: dict[str, dict | None] = {"run": None}   # the paged run at the largest concurrency
 
     def beside(pres: dict | None, what: str, reqs, **kwargs: Any) -> None:
-        """The other hot backends on the same requests as the paged run ``pres``."""
+        """The other hot backends on the same requests as the paged run ``pres``; with
+        ``setup.ab_rounds`` > 1, paged and each of them again, interleaved, and the median
+        ratio with its spread."""
         for hb in setup.hot_backends:
             if hb == "paged":
                 continue
-            res, _ = attempt(f"{hb} {what}", run_paged, reqs, hot_backend=hb, **kwargs)
-            if pres is not None and res is not None:
-                comparisons.append(dict(
-                    kind=f"{hb}_vs_paged", paged=pres["name"], other=res["name"],
-                    tokens_per_s_over_paged=(res["output_tokens_per_s"]
-                                             / pres["output_tokens_per_s"]),
-                    target=TARGET_ARENA_OVER_PAGED,
-                    kv_bytes_used_peak_over_paged=(res["kv_bytes_used_peak"]
-                                                   / max(pres["kv_bytes_used_peak"], 1)),
-                    steady_map_calls=res.get("arena_steady_map_calls"),
-                    steady_unmap_calls=res.get("arena_steady_unmap_calls"),
-                    alias_hits=res.get("arena_alias_hits")))
-                log(f"    {res['name']} / {pres['name']}: "
-                    f"{comparisons[-1]['tokens_per_s_over_paged']:.3f}x tokens/s, "
-                    f"{comparisons[-1]['kv_bytes_used_peak_over_paged']:.2f}x K/V bytes, "
-                    f"steady map/unmap {res.get('arena_steady_map_calls')}/"
-                    f"{res.get('arena_steady_unmap_calls')}, alias hits "
-                    f"{res.get('arena_alias_hits')}")
+            pairs = []
+            for k in range(setup.ab_rounds):
+                p = pres if k == 0 else attempt(f"paged {what} (round {k + 1})", run_paged,
+                                                reqs, **kwargs)[0]
+                tag = "" if k == 0 else f" (round {k + 1})"
+                res, _ = attempt(f"{hb} {what}{tag}", run_paged, reqs, hot_backend=hb, **kwargs)
+                if p is not None and res is not None:
+                    pairs.append((p, res))
+            if pairs:
+                comparisons.append(compare_backends(hb, pairs, log))
 
     def random_rows() -> None:
+        if not setup.run_random:
+            return
         for c in sorted(setup.concurrencies):
             reqs = rand[:int(round(c * setup.requests_factor))]
             log(f"random {setup.input_len}/{setup.output_len}, concurrency {c}, {len(reqs)} "
@@ -244,3 +241,31 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
     return {"setup": dataclasses.asdict(setup), "results": results, "comparisons": comparisons,
             "agreement": agreements, "errors": errors}
 
+
+def compare_backends(hb: str, pairs: list[tuple[dict, dict]], log=run_log.log) -> dict[str, Any]:
+    """The ``{hb}_vs_paged`` comparison of interleaved ``(paged, other)`` runs: tokens/s ratio
+    per round, its median and spread; the K/V budgets (equal) and the peak committed K/V bytes;
+    the arena's map/unmap calls in the second half of each run and its prefix pages read in
+    place."""
+    ratios = [o["output_tokens_per_s"] / p["output_tokens_per_s"] for p, o in pairs]
+    peaks = [o["kv_bytes_committed_peak"] / max(p["kv_bytes_committed_peak"], 1)
+             for p, o in pairs]
+    p, o = pairs[0]
+    out = dict(kind=f"{hb}_vs_paged", paged=p["name"], other=o["name"], rounds=len(pairs),
+               tokens_per_s_over_paged=float(np.median(ratios)),
+               tokens_per_s_over_paged_rounds=ratios,
+               spread=float(max(ratios) - min(ratios)), target=TARGET_ARENA_OVER_PAGED,
+               kv_budget_bytes=(p["kv_budget_bytes"], o["kv_budget_bytes"]),
+               kv_bytes_used_peak_over_paged=float(np.median(peaks)),
+               steady_map_calls=[r.get("arena_steady_map_calls") for _, r in pairs],
+               steady_unmap_calls=[r.get("arena_steady_unmap_calls") for _, r in pairs],
+               shared_pages=o.get("arena_shared_pages"), affine_pages=o.get("arena_affine_pages"),
+               adoptions=o.get("arena_adoptions"))
+    log(f"    {o['name']} / {p['name']} over {len(pairs)} interleaved round(s): median "
+        f"{out['tokens_per_s_over_paged']:.3f}x tokens/s (rounds "
+        f"{', '.join(f'{r:.3f}' for r in ratios)}; spread {out['spread']:.3f}), K/V budget "
+        f"{p['kv_budget_bytes'] / 2**30:.2f} / {o['kv_budget_bytes'] / 2**30:.2f} GiB, peak "
+        f"committed {out['kv_bytes_used_peak_over_paged']:.3f}x, steady map/unmap "
+        f"{out['steady_map_calls']}/{out['steady_unmap_calls']}, prefix pages read in place "
+        f"{out['shared_pages']} shared + {out['affine_pages']} adopted")
+    return out

@@ -168,11 +168,16 @@ def markdown(out: dict[str, Any]) -> str:
                          f"{c['pages_used_on_over_off']:.2f} |")
         elif c["kind"] == "arena_vs_paged":
             ok = "met" if c["tokens_per_s_over_paged"] >= c["target"] else "NOT met"
-            lines.append(f"| {c['other']} / {c['paged']} tok/s | "
+            rounds = ", ".join(f"{r:.3f}" for r in c["tokens_per_s_over_paged_rounds"])
+            budgets = " / ".join(f"{b / 2**30:.2f}" for b in c["kv_budget_bytes"])
+            lines.append(f"| {c['other']} / {c['paged']} tok/s, {c['rounds']} round(s) | "
                          f"{c['tokens_per_s_over_paged']:.3f}x | target >= {c['target']}: {ok}; "
-                         f"steady-state map/unmap calls {c['steady_map_calls']}/"
-                         f"{c['steady_unmap_calls']}; alias hits {c['alias_hits']}; peak K/V "
-                         f"bytes arena/paged {c['kv_bytes_used_peak_over_paged']:.2f}x |")
+                         f"rounds {rounds} (spread {c['spread']:.3f}); K/V budget paged / "
+                         f"arena {budgets} GiB; peak committed K/V arena/paged "
+                         f"{c['kv_bytes_used_peak_over_paged']:.3f}x; steady-state map/unmap "
+                         f"calls {c['steady_map_calls']}/{c['steady_unmap_calls']}; prefix "
+                         f"pages read in place {c['shared_pages']} shared + "
+                         f"{c['affine_pages']} adopted |")
         elif c["kind"] == "equal_memory":
             run = ""
             if "paged_over_dense" in c:

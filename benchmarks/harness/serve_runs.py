@@ -5,7 +5,6 @@ row (tokens/s, TTFT, ITL, decode step, pages, loop timings) and the requests' ou
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 from typing import Any, Sequence
@@ -18,7 +17,6 @@ from benchmarks.harness.run_log import (COMPILES, COUNTING_COMPILES, Progress, c
                                         pct)
 from benchmarks.harness.serve_setup import Setup
 from examples.llama import serve
-from examples.llama.hot_backend import hot_backend_fields
 
 
 def serve_config(setup: Setup, concurrency: int, prefix: bool,
@@ -30,7 +28,8 @@ def serve_config(setup: Setup, concurrency: int, prefix: bool,
         page_size=setup.page_size, device_pages=setup.pool_pages(concurrency),
         max_batch=concurrency, max_tokens_per_step=setup.step_tokens,
         prefill_chunk_tokens=setup.prefill_chunk, host_bytes=setup.host_bytes,
-        offload_ahead_pages=setup.offload_ahead_pages if setup.host_bytes else 0,
+        offload_ahead_pages=(setup.offload_ahead_pages if setup.host_bytes
+                             and hot_backend == "paged" else 0),
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
         batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
         record_logits=setup.record_logits, kv_dtype=setup.kv_dtype,
@@ -139,10 +138,10 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
             peak_active = max(peak_active, server.num_running)
             progress(server.counters["generated_tokens"])
             if arena:
-                a = mgr.arena.stats()
-                arena_peak = max(arena_peak, a.mapped_bytes)
+                a = mgr.stats()["arena"]
+                arena_peak = max(arena_peak, a["mapped_chunks"] * a["chunk_bytes"])
                 if arena_half is None and server.counters["generated_tokens"] * 2 >= total:
-                    arena_half = dataclasses.asdict(a)
+                    arena_half = a
             paused += time.perf_counter() - ts
     seconds = time.perf_counter() - t0 - paused
     compiles = (n_compiles, COMPILES["n"])
@@ -163,23 +162,29 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
                   * setup.model.num_key_value_heads * setup.model.head_dim
                   * setup.paged_kv_itemsize)
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    device = mgr.storage.stats()["device"]
+    # NOTE: equal K/V bytes: the paged pool and the arena's budget are both device_pages
+    # pages (the governor's DEVICE limit); the peak is what was in use at once (allocated
+    # pages for paged, mapped chunks for the arena).
     extra: dict[str, Any] = {"hot_backend": hot_backend,
-                             "kv_bytes_used_peak": peak_pages * page_bytes}
+                             "kv_bytes_used_peak": peak_pages * page_bytes,
+                             "kv_budget_bytes": device["limit"],
+                             "kv_bytes_committed_peak": device["peak"]}
     if not arena:   # what one device holds (KVCacheConfig: per device under a mesh)
         extra.update(device_page_bytes=list(mgr.config.device_page_bytes()),
                      device_pool_bytes=mgr.config.device_pool_bytes())
     if arena:
-        a = dataclasses.asdict(mgr.arena.stats())
+        a = mgr.stats()["arena"]
         half = arena_half or a
         extra.update(
             arena_steady_map_calls=a["num_map_calls"] - half["num_map_calls"],
             arena_steady_unmap_calls=a["num_unmap_calls"] - half["num_unmap_calls"],
             arena_map_calls=a["num_map_calls"], arena_unmap_calls=a["num_unmap_calls"],
-            arena_alias_hits=a["num_alias_hits"], arena_adoptions=a["num_adoptions"],
-            arena_partial_aliases=a["num_partial_aliases"], arena_aliased_bytes=a["aliased_bytes"],
-            arena_mapped_bytes_peak=max(arena_peak, a["mapped_bytes"]),
-            arena_budget_bytes=hot_backend_fields(scfg, setup.model)["arena"].budget_bytes,
-            kv_bytes_used_peak=max(arena_peak, a["mapped_bytes"]))
+            arena_adoptions=a["adoptions"], arena_fresh_ranges=a["fresh_ranges"],
+            arena_shared_pages=a["shared_pages"], arena_affine_pages=a["affine_pages"],
+            arena_reclaimed_chunks=a["reclaimed_chunks"], arena_quiesces=a["num_quiesces"],
+            arena_pages_per_chunk=a["pages_per_chunk"],
+            arena_physical_bytes_peak=max(arena_peak, a["peak_physical_bytes"]))
     res = summary(
         label, hot_backend, workload, concurrency, requests, [outs[i] for i in sorted(outs)],
         seconds, compiles, warmup_s, decode_ms, prefix_reuse=prefix,
