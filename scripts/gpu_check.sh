@@ -13,11 +13,16 @@
 #   --pytest=ARGS   the gpu pytest step's arguments instead of the whole gpu suite (e.g.
 #                   --pytest="test_attention.py -k ragged")
 #   --attention=ARGS  extra arguments for benchmarks/bench_attention.py (e.g. --attention="--only decode")
+#   --workers=N     the gpu pytest step on N xdist workers (pytest-xdist: from .whl/ when carried)
+#   --pytest-timeout=S  stop the gpu pytest step after S seconds (the later steps still run)
+#   --kernel-ab=TAR the kab step: a base snapshot (git archive -o TAR REV) built beside this tree,
+#                   its prefill and decode (bf16, fp8) timed against ours in turns (tools/prefill_ab.py)
+#   --serve=ARGS    the serve step's arguments instead of the seed workload's default
 # Anchors: with a .anchors/ folder of wheels in the repo root (see benchmarks/harness/anchors.py), they
 # are installed into /tmp/anchors, FlashInfer's JIT cache is warmed in the background from the
 # start (benchmarks/harness/anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
 # benchmark and the profile step measure them side by side with ours.
-# Steps: verify pytest attention profile migration arena run manager decode serve http
+# Steps: verify pytest kab attention profile migration arena run manager decode serve http
 #   (profile: Nsight Compute over tools/decode_profile.py at B256 S1024, ours and, with the
 #   anchors, FlashInfer's; ours with fp8 K/V at B64 S4096, with its per-instruction (SASS) stall
 #   samples as CSV; tools/prefill_profile.py at B8 S2048 causal; off unless named in --only)
@@ -35,8 +40,12 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/_bundle_logs.sh"
 trap 'bundle_logs profile.tgz' EXIT
 export PYTHONUNBUFFERED=1
-declare -A want=([verify]=1 [pytest]=1 [attention]=1 [profile]=0 [migration]=1 [arena]=1 [run]=1
-                 [manager]=1 [decode]=1 [serve]=1 [http]=0)
+declare -A want=([verify]=1 [pytest]=1 [kab]=0 [attention]=1 [profile]=0 [migration]=1 [arena]=1
+                 [run]=1 [manager]=1 [decode]=1 [serve]=1 [http]=0)
+workers=0
+pytest_timeout=0
+kab_tar=
+serve_args=
 serve_size=--quick
 pytest_args=.
 attention_args=
@@ -59,12 +68,16 @@ for arg in "$@"; do
     --full-serve) serve_size= ;;
     --pytest=*) pytest_args=${arg#--pytest=} ;;
     --attention=*) attention_args=${arg#--attention=} ;;
+    --workers=*) workers=${arg#--workers=} ;;
+    --pytest-timeout=*) pytest_timeout=${arg#--pytest-timeout=} ;;
+    --kernel-ab=*) kab_tar=${arg#--kernel-ab=}; want[kab]=1 ;;
+    --serve=*) serve_args=${arg#--serve=} ;;
     --dry-run) dry_run=1 ;;
     *) echo "unknown flag $arg"; exit 2 ;;
   esac
 done
 if [ $dry_run = 1 ]; then
-  for k in verify pytest attention profile migration arena run manager decode serve http; do
+  for k in verify pytest kab attention profile migration arena run manager decode serve http; do
     [ ${want[$k]} = 1 ] && echo "would run: $k"
   done
   echo "serve size: ${serve_size:-full}"
@@ -80,6 +93,17 @@ rm -rf /tmp/site
 python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 echo "build: $((SECONDS - t0)) s"
+if [ ${want[kab]} = 1 ]; then  # the base snapshot, built in the background beside the tests
+  rm -rf /tmp/kab_src /tmp/site_base && mkdir -p /tmp/kab_src && tar xf "$kab_tar" -C /tmp/kab_src
+  (cd /tmp/kab_src && python3 -m pip install --no-build-isolation --no-deps --target /tmp/site_base . \
+     > "$OUT/build_base.log" 2>&1) &
+  kab_pid=$!
+fi
+if [ -d .whl ]; then  # carried wheels (e.g. pytest-xdist): no network on the GPU machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/wheels .whl/*.whl > "$OUT/wheels.log" 2>&1 || tail -5 "$OUT/wheels.log"
+  export PYTHONPATH=/tmp/wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 status=0
 summary=()
@@ -101,8 +125,16 @@ if [ ${want[verify]} = 1 ]; then
   grep -E "FAIL|gpu_verify|seed" "$OUT/verify.log" | tail -40
 fi
 if [ ${want[pytest]} = 1 ]; then
-  step pytest-gpu pytest_gpu.log bash -c "cd tests && python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -rf --rootdir=. $pytest_args"
+  xdist=; [ "$workers" -gt 0 ] && xdist="-n $workers"
+  limit=; [ "$pytest_timeout" -gt 0 ] && limit="timeout $pytest_timeout"
+  step pytest-gpu pytest_gpu.log $limit bash -c "cd tests && python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -rf --rootdir=. $xdist $pytest_args"
   grep -E "FAILED|ERROR" "$OUT/pytest_gpu.log" | head -20; tail -3 "$OUT/pytest_gpu.log"
+fi
+if [ ${want[kab]} = 1 ]; then
+  wait "$kab_pid" || { tail -30 "$OUT/build_base.log"; echo "BASE BUILD FAILED"; }
+  step kernel-ab kernel_ab.log python3 -m tools.prefill_ab /tmp/site_base /tmp/site --decode \
+    --rounds 2
+  tail -8 "$OUT/kernel_ab.log"
 fi
 if [ ${want[attention]} = 1 ] && [ -f benchmarks/bench_attention.py ]; then
   [ -n "${warm_pid:-}" ] && wait "$warm_pid" && tail -7 "$OUT/anchors_warm.log"
@@ -170,8 +202,9 @@ if [ ${want[serve]} = 1 ] && [ -f benchmarks/bench_serve.py ]; then
   # NOTE: one preallocated arena for the 8B runs. With XLA_PYTHON_CLIENT_PREALLOCATE=false the
   # allocator grows region by region and the second 32 GiB pool of a 256-sequence run did not
   # fit (H200, 2026-11-30: RESOURCE_EXHAUSTED with 48 GiB in use).
+  # shellcheck disable=SC2086  # serve_args is a list of words
   step serve serve.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.serve \
-    --workload trtllm $serve_size --no-check --no-dense --json "$OUT/serve.json"
+    ${serve_args:---workload trtllm $serve_size --no-check --no-dense} --json "$OUT/serve.json"
   grep -E "^\| " "$OUT/serve.log" | tail -40
 fi
 if [ ${want[http]} = 1 ] && [ -f benchmarks/bench_serve_http.py ]; then

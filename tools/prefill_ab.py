@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""A/B timing of our ragged prefill across builds of jax_kvcm, alternated in one run.
+"""A/B timing of our ragged prefill (and, with ``--decode``, paged decode in bf16 and fp8)
+across builds of jax_kvcm, alternated in one run.
 
 A kernel change is judged against the build it changes, on the same GPU in the same minutes:
 each build (a ``pip install --target DIR .`` of one source tree) is timed in its own process, in
@@ -29,6 +30,45 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def time_decode(quick: bool, repeats: int) -> dict[str, dict]:
+    """Decode at bench_attention's shapes, bf16 and fp8 K/V (one power-of-two scale), each
+    output checked against the float32 reference first: {shape: {"ms", "check"}}."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_kvcm
+    from benchmarks.harness import attention_cases as A
+    from benchmarks.harness import timing as _timing
+
+    h, hkv, d, page = A.NUM_HEADS, A.NUM_KV_HEADS, A.HEAD_DIM, A.PAGE
+    out: dict[str, dict] = {}
+    for i, (b, s) in enumerate(A.QUICK_DECODE_SHAPES if quick else A.DECODE_SHAPES):
+        rng = np.random.default_rng(200 + i)
+        per = -(-s // page)
+        table = (1 + rng.permutation(b * per).reshape(b, per)).astype(np.int32)
+        k_cache, v_cache = (jnp.asarray(rng.standard_normal((b * per + 1, page, hkv, d)),
+                                        A.DTYPE) for _ in range(2))
+        q = jnp.asarray(rng.standard_normal((b, h, d)), A.DTYPE)
+        lens = jnp.full((b,), s, jnp.int32)
+        table = jnp.asarray(table)
+        ref = A.reference_decode(q, k_cache, v_cache, table, lens)
+        k8, v8, scale, kd, vd = A.fp8_caches(k_cache, v_cache)
+        ref8 = A.reference_decode(q, kd, vd, table, lens)
+        sc = jnp.full((hkv,), scale, jnp.float32)
+        for kind, (kc, vc, extra, want) in {"bf16": (k_cache, v_cache, {}, ref),
+                                            "fp8": (k8, v8, dict(k_scale=sc, v_scale=sc),
+                                                    ref8)}.items():
+            f = jax.jit(lambda q, kc, vc, t, n, extra=extra: jax_kvcm.paged_attention(
+                q, kc, vc, t, n, **extra))
+            A.poison_allocator((b, h, d), A.DTYPE)
+            checked = A.check(f(q, kc, vc, table, lens), want)
+            tm = _timing.time_jax(f, [(q, kc, vc, table, lens)], repeats=repeats)
+            out[f"decode {kind} B={b} S={s}"] = {"ms": tm["ms"], "check": checked["text"]}
+        del k_cache, v_cache, k8, v8, kd, vd
+    return out
 
 
 def time_build(quick: bool, repeats: int) -> dict[str, dict]:
@@ -72,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=9, help="timing samples per call (median)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per child process")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--decode", action="store_true",
+                   help="also paged decode at bench_attention's five shapes, bf16 and fp8")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -80,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     if a.child:
-        print("RESULT " + json.dumps(time_build(a.quick, a.repeats)), flush=True)
+        res = time_build(a.quick, a.repeats)
+        if a.decode:
+            res.update(time_decode(a.quick, a.repeats))
+        print("RESULT " + json.dumps(res), flush=True)
         return 0
     if not a.sites:
         p.error("sites: give at least one build's install folder")
@@ -94,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
             cmd = [sys.executable, "-m", "tools.prefill_ab", "--child", "--repeats", str(a.repeats)]
+            flags = (["--quick"] if a.quick else []) + (["--decode"] if a.decode else [])
             try:
-                proc = subprocess.run(cmd + (["--quick"] if a.quick else []), env=env, cwd=site,
+                proc = subprocess.run(cmd + flags, env=env, cwd=site,
                                       capture_output=True, text=True, timeout=a.timeout)
             except subprocess.TimeoutExpired:
                 print(f"round {r + 1} {site}: TIMEOUT after {a.timeout:.0f} s", flush=True)
