@@ -111,10 +111,24 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
                   f"{h['output_tokens_per_s'] / i['output_tokens_per_s']:.3f}x", n))
     n = next(k for k in results if "arena_vs_paged" in k)
     a, p = _run(results[n], "arena"), _run(results[n], "paged")
-    lines.append(("Arena / paged hot backend, tok/s (steady-state map / unmap calls)",
+    lines.append(("Arena / paged, c64 random 1,024/256 (the round-2 layer-major arena), tok/s "
+                  "(steady-state map / unmap calls)",
                   f"{a['output_tokens_per_s'] / p['output_tokens_per_s']:.3f}x "
                   f"({results[n]['summary']['steady_map_calls']} / "
                   f"{results[n]['summary']['steady_unmap_calls']})", n))
+    n = max(k for k in results if "arena_vs_paged_c256" in k)
+    a, p = _run(results[n], "arena"), _run(results[n], "paged")
+    lines.append(("Arena / paged, c256 shared-prefix workload in equal pages, tok/s (host ms "
+                  "per decode step, p50)",
+                  f"{a['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x "
+                  f"({a['decode_host_p50_ms']} / {p['decode_host_p50_ms']})", n))
+    n, d = _latest(results, "arena_churn")
+    mine = [r for r in d["rows"] if r["hot"] == "arena"]
+    paged = [r for r in d["rows"] if r["hot"] == "paged"]
+    lines.append(("Arena / paged manager host time per step, c256 shared-prefix churn, CPU "
+                  "(quiesces)",
+                  " and ".join(f"{a['mean_us'] / b['mean_us']:.2f}x ({a['arena_num_quiesces']})"
+                               for a, b in zip(mine, paged)), n))
     n, d = _latest(results, "migration")
     rate = {(r["method"].split(" ")[0], r["direction"]): r["gb_per_s"] for r in d["rows"]}
     lines.append(("Offload hot <-> host, concat codec / contiguous pinned copy",
