@@ -47,7 +47,7 @@
 //   the non-finite bookkeeping are per work tile.
 // Named barriers: 4 (the producer's 128 threads, once per work tile: the next claim), 5 and 6
 // (the consumers' turns).
-// scripts/sim_sm90_prefill_protocol.py models this protocol (several CTAs claiming from one
+// tools/sim_sm90_prefill_protocol.py models this protocol (several CTAs claiming from one
 // counter in random interleavings, random ring depths, work tiles, tile counts and bands; it
 // reports deadlocks, phase aliasing, stale shared data, lost or repeated work tiles and dangling
 // arrivals): change both.
