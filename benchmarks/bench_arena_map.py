@@ -103,8 +103,9 @@ def print_churn(spec: ChurnSpec, rows: list[dict]) -> None:
           f"{spec.concurrency} at a time, {rows[0]['device_pages']} pages of "
           f"{spec.tokens_per_page} tokens; host us per step")
     print("| hot | steps | preempted | median | p90 | p99 | mean | vs paged (mean) | admit | "
-          "prepare | complete | close | map / unmap calls | quiesces | adoptions / fresh |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
+          "prepare | complete | close | map / unmap calls | quiesces | adoptions / fresh | "
+          "peak pages in use / physical |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
     for r in rows:
         calls = (f"{r['arena_num_map_calls']} / {r['arena_num_unmap_calls']}"
                  if "arena_num_map_calls" in r else "-")
@@ -115,7 +116,8 @@ def print_churn(spec: ChurnSpec, rows: list[dict]) -> None:
               f"{r['p90_us']:.0f} | {r['p99_us']:.0f} | {r['mean_us']:.0f} | "
               f"{r['mean_us'] / paged['mean_us']:.2f}x | {r['admit_us_per_step']:.0f} | "
               f"{r['prepare_us_per_step']:.0f} | {r['complete_us_per_step']:.0f} | "
-              f"{r['close_us_per_step']:.0f} | {calls} | {quiesces} | {adopt} |", flush=True)
+              f"{r['close_us_per_step']:.0f} | {calls} | {quiesces} | {adopt} | "
+              f"{r['peak_used_pages']} / {r['peak_physical_pages']} |", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

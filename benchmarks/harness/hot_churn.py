@@ -94,7 +94,7 @@ def churn(spec: ChurnSpec, hot: str) -> dict:
     rng = np.random.default_rng(spec.seed + 1)
     times: list[float] = []
     parts = {"admit": 0.0, "prepare": 0.0, "complete": 0.0, "close": 0.0}
-    preemptions = steps = generated = 0
+    preemptions = steps = generated = peak_used = peak_mapped = 0
     while waiting or running:
         t_step = 0.0
         t0 = time.perf_counter()
@@ -166,6 +166,13 @@ def churn(spec: ChurnSpec, hot: str) -> dict:
         t_step += dt
         times.append(t_step)
         steps += 1
+        # NOTE: outside the timed calls: pages holding data (referenced, cached, pending), and
+        # on the arena the pages its mapped chunks hold (what it keeps physical)
+        pages = mgr.stats()["pages"]["device"]
+        peak_used = max(peak_used, pages["capacity"] - pages["free"])
+        if hot == "arena":
+            a = mgr.stats()["arena"]
+            peak_mapped = max(peak_mapped, a["mapped_chunks"] * a["pages_per_chunk"])
     stats = mgr.stats()
     mgr.shutdown()
     t = np.asarray(times) * 1e6
@@ -174,7 +181,9 @@ def churn(spec: ChurnSpec, hot: str) -> dict:
                p99_us=float(np.percentile(t, 99)), mean_us=float(t.mean()),
                max_us=float(t.max()), device_pages=spec.pages(),
                **{f"{k}_us_per_step": v * 1e6 / steps for k, v in parts.items()},
-               prefix_hit_tokens=int(stats["num_prefix_hit_tokens"]))
+               prefix_hit_tokens=int(stats["num_prefix_hit_tokens"]),
+               peak_used_pages=peak_used,
+               peak_physical_pages=peak_mapped if hot == "arena" else spec.pages())
     if "arena" in stats:
         a = stats["arena"]
         out.update({f"arena_{k}": a[k] for k in ("num_map_calls", "num_unmap_calls",
