@@ -229,9 +229,12 @@ class ArenaRoom:
                 return True
         return False
 
-    def bind(self, seq: Sequence, nodes: list[BlockNode]) -> bool:
+    def bind(self, seq: Sequence, nodes: list[BlockNode],
+             deferred: list[BlockNode] | None = None) -> bool:
         """Gives ``seq`` (holding or about to hold the chain ``nodes``) a range; False when no
-        range can take it (nothing changed). Cached pages in the way are evicted."""
+        range can take it (nothing changed). Cached pages in the way are evicted, or, with
+        ``deferred``, appended to it for the caller to evict (:meth:`evict_in_the_way`) once
+        its room is planned."""
         if self._book.range_of(seq.seq_id) is not None:
             return True
         choice = self._choose(nodes)
@@ -239,24 +242,55 @@ class ArenaRoom:
             return False
         r, evict, affine, first = choice
         if evict:
-            self._ledger.need_pools("arena range adoption")
-            self._planner.evict(evict, D)
-            self.counts["evicted_on_bind"] += len(evict)
+            if deferred is not None:
+                deferred.extend(evict)
+            else:
+                self.evict_in_the_way(evict, nodes)
         self._book.bind(seq.seq_id, r)
         self._first[seq.seq_id] = first
         self.counts["affine_pages"] += affine
         self.counts["shared_pages"] += sum(1 for n in nodes if n.level is D) - affine
         return True
 
-    def bind_all(self, seqs: list[Sequence]) -> bool:
+    def evict_in_the_way(self, evict: list[BlockNode], chain: list[BlockNode] = ()) -> None:
+        """Evicts the cached pages ``evict`` a binding found where its holder writes."""
+        self._ledger.need_pools("arena range adoption")
+        # NOTE: an admission's chain is not referenced yet: making room down the tiers for the
+        # pages evicted here must not drop its own lower-tier hits (the random run's seed
+        # 3402: add_sequence then onboarded dead nodes, KeyError)
+        held = [n for n in chain if n.alive]
+        for n in held:
+            self._tree.incref(n)
+        try:
+            self._planner.evict([n for n in evict if n.alive and n.level is D], D)
+        finally:
+            for n in held:
+                self._tree.decref(n)
+        self.counts["evicted_on_bind"] += len(evict)
+
+    def bind_all(self, seqs: list[Sequence], deferred: list[BlockNode] | None = None) -> bool:
         """Binds every unbound sequence of ``seqs`` to a range (their chains on the device);
-        False, with nothing bound, when there are not enough ranges."""
+        False when there are not enough ranges (then :meth:`restore` the :meth:`snapshot`
+        taken before). ``deferred``: as for :meth:`bind`."""
         unbound = [s for s in seqs if self._book.range_of(s.seq_id) is None]
         if not unbound:
             return True
         if len(unbound) > self._book.num_unbound:
             return False
-        return all(self.bind(s, s._nodes) for s in unbound)
+        return all(self.bind(s, s._nodes, deferred) for s in unbound)
+
+    def snapshot(self) -> Any:
+        """The bindings (ranges, their order, counters), for :meth:`restore`."""
+        return self._book.snapshot(), dict(self._first), dict(self.counts)
+
+    def restore(self, snap: Any, counts: bool = True) -> None:
+        """Puts back the bindings of :meth:`snapshot` (after a refused step: the sequences it
+        bound hold no page yet), and the counters unless ``counts`` is False."""
+        book, first, old = snap
+        self._book.restore(book)
+        self._first = dict(first)
+        if counts:
+            self.counts = dict(old)
 
     def unbind(self, seq: Sequence) -> None:
         """``seq`` leaves its range (close, suspend): the range is parked, still mapped."""
@@ -313,13 +347,31 @@ class ArenaRoom:
                  for s in range(c * ppc, (c + 1) * ppc) if s in self._node_at]
         return [*picked.tolist(), *more.tolist()], evict
 
-    def plan(self, at: dict[int, np.ndarray]) -> bool:
+    def plan_bind(self, seq: Sequence, nodes: list[BlockNode], pages: np.ndarray) -> bool:
+        """The dry run of :meth:`bind` then :meth:`plan` (nothing changes): whether ``seq``
+        (holding the chain ``nodes``) could get a range and its pages ``pages`` (logical
+        indices) their slots there, once the cached pages in the way are evicted. A resume
+        asks first, so that a refusal evicts nothing."""
+        if self._book.range_of(seq.seq_id) is not None:
+            return self.plan(self.place(seq, pages))
+        choice = self._choose(nodes)
+        if choice is None:
+            return False
+        r, evict, _, first = choice
+        slots = (self._base(r) - first + np.asarray(pages, np.int64)).astype(np.int32)
+        return self.plan({int(g): slots for g in self.groups},
+                         {int(n.slots[self._g0]) for n in evict})
+
+    def plan(self, at: dict[int, np.ndarray], evicted: set[int] | None = None) -> bool:
         """Whether the slots ``at`` can be allocated once pending frees are waited for and
-        cached pages evicted (nothing changes)."""
+        cached pages evicted (nothing changes). ``evicted``: slots whose cached pages a
+        binding evicts first."""
         if not at:
             return True
         _, lack, busy = self._short(at)
         for s in busy.tolist():
+            if evicted and s in evicted:
+                continue
             if s in self._node_at:  # NOTE: a committed page where this range writes: a bug
                 raise RuntimeError(f"arena slot {s} holds a committed page")
         if not lack:

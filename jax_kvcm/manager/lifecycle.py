@@ -74,9 +74,17 @@ class Lifecycle:
             matched = self._usable_prefix(self._tree.match(toks, salt_b, tpp, max_pages))
         seq = self._rows.open(toks, salt_b, [], cfg.enable_prefix_reuse)
         try:
+            snap = None
             if self._arena is not None and self._ledger.in_step is None:
+                snap = self._arena.snapshot()
                 self._arena.bind(seq, matched)
             nodes = self._onboard(seq, matched)
+            if snap is not None and len(nodes) < len(matched) and self._arena.bound(seq):
+                # NOTE: the range was chosen for the whole chain, whose device pages past the
+                # kept prefix it may hold in place, where the sequence now writes its own (the
+                # random run's seed 3402, operation 83845): choose again for what it holds
+                self._arena.restore(snap, counts=False)
+                self._arena.bind(seq, nodes)
         except BaseException:
             if self._arena is not None:
                 self._arena.unbind(seq)
@@ -246,6 +254,9 @@ class Lifecycle:
         need = sum(np.count_nonzero(p[1] >= 0, axis=1) for p in parts)
         places = at = None
         if self._arena is not None:
+            if not self._resume_fits(seq, parts, cold, parked, need):
+                self._stats.num_refused_resumes += 1
+                return False  # NOTE: before binding, whose evictions a refusal must not make
             if not self._arena.bind(seq, [n for n in seq._nodes if n.level is D]):
                 self._stats.num_refused_resumes += 1
                 return False
@@ -276,6 +287,27 @@ class Lifecycle:
         self._stats.num_resumed += 1
         self._emit(ManagerEvent("resumed", sum(map(len, cold)) + parked.shape[1], D))
         return True
+
+    def _resume_fits(self, seq: Sequence, parts: list, cold: list, parked: np.ndarray,
+                     need: np.ndarray) -> bool:
+        """Whether a resume on the arena could reserve its device pages (the dry run of
+        binding and ``reserve_device``: nothing changes)."""
+        index = {id(n): j for j, n in enumerate(seq._nodes)}
+        g0 = int(self._arena.groups[0])
+        pages = []
+        for level, src, _ in parts:
+            if src is parked:
+                j = len(seq._nodes) + np.arange(src.shape[1])
+            else:
+                j = np.asarray([index[id(n)] for n in cold[level is H]], np.int64)
+            pages.append(j[src[g0] >= 0])
+        pages = np.concatenate(pages) if pages else np.zeros(0, np.int64)
+        if not self._arena.plan_bind(seq, [n for n in seq._nodes if n.level is D], pages):
+            return False
+        rest = need.copy()
+        rest[self._arena.groups] = 0
+        planner = self._planner
+        return not rest.any() or planner.fits(D, rest) or planner.room(D, rest)
 
     def _arena_places(self, seq: Sequence, parts: list, cold: list, parked: np.ndarray
                       ) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:

@@ -224,6 +224,18 @@ class TierPlanner:
 
     # -- the device ------------------------------------------------------------------------------
 
+    def plan_device(self, need: np.ndarray, at: dict[int, np.ndarray] | None = None,
+                    evicted: set[int] | None = None) -> bool:
+        """:meth:`reserve_device`'s plan alone (nothing changes); ``evicted``: arena slots
+        whose cached pages the caller evicts first."""
+        need = need.copy()
+        arena = self.arena_room
+        if arena is not None:
+            need[arena.groups] = 0
+            if not arena.plan(at or {}, evicted):
+                return False
+        return not need.any() or self.fits(D, need) or self.room(D, need)
+
     def reserve_device(self, need: np.ndarray, at: dict[int, np.ndarray] | None = None) -> bool:
         """Makes ``need[g]`` device pages of every layer group allocatable (``at[g]``: the
         exact slots of an arena group); False, with nothing evicted or reclaimed, when even

@@ -125,15 +125,31 @@ class StepRunner:
         if total:
             rep = np.repeat(row_ids, need)
             off = np.arange(total) - np.repeat(np.cumsum(need) - need - npages, need)
-            at = None
+            at = snap = None
             if self._arena is not None:
                 grow = [s for s, n in zip(seqs, need.tolist()) if n]
-                if not self._arena.bind_all(grow):
+                # NOTE: a refused step changes nothing: the bindings are put back, and the
+                # cached pages in the way of new ones are evicted only once the room is planned
+                evict: list = []
+                if not all(self._arena.bound(s) for s in grow):
+                    snap = self._arena.snapshot()
+                if snap is not None and not self._arena.bind_all(grow, evict):
+                    self._arena.restore(snap)
                     raise OutOfPagesError(f"{len(grow)} sequences need arena ranges: every "
                                           "range is held")
                 at = self._arena.place_rows(rep, off)
+                if evict:
+                    if not self._planner.plan_device(
+                            np.full(rows.num_groups, total, np.int64), at,
+                            {int(n.slots[int(self._arena.groups[0])]) for n in evict}):
+                        self._arena.restore(snap)
+                        raise OutOfPagesError(f"{total} device pages needed: evicting every "
+                                              "cached page would not do")
+                    self._arena.evict_in_the_way(evict)
             slots = self._planner.allocate_device(total, at)
             if slots is None:
+                if snap is not None:
+                    self._arena.restore(snap)
                 raise OutOfPagesError(f"{total} device pages needed, "
                                       f"{self._planner.num_free(D)} free: evicting every cached "
                                       "page would not do")

@@ -110,6 +110,15 @@ class RangeBook:
             self._parked[r] = None
         return r
 
+    def snapshot(self) -> tuple:
+        """Every state and counter, for :meth:`restore`."""
+        return (list(self._fresh), OrderedDict(self._parked), dict(self._bound),
+                self.num_adoptions, self.num_fresh)
+
+    def restore(self, snap: tuple) -> None:
+        fresh, parked, bound, self.num_adoptions, self.num_fresh = snap
+        self._fresh, self._parked, self._bound = list(fresh), OrderedDict(parked), dict(bound)
+
     def check(self) -> None:
         bound = list(self._bound.values())
         fresh, parked = set(self._fresh), set(self._parked)
