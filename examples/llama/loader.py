@@ -17,8 +17,9 @@ which the model passes to the ops when its caches are ``float8_e4m3fn`` (the cac
 - ``model.layers.{i}.self_attn.kv_scale`` (one scale for K and V; older exports).
 
 Each is a scalar (one scale for every KV head, the usual per-tensor scale) or ``[Hkv]``; finite
-and > 0. Either every layer has them or none does (a partial set is an error). A checkpoint
-without them gets no ``kv_scales`` and FP8 K/V then uses 1.0 (fine for the activations of most
+and > 0 (at most 2**119: 448 * scale stays a finite float32) in float32, else CheckpointError
+naming the tensor. Either every layer has them or none does (a partial set is an error). A
+checkpoint without them gets no ``kv_scales`` and FP8 K/V then uses 1.0 (fine for the activations of most
 models, whose K/V stay well inside fp8's +-448; an outlier saturates there).
 """
 
@@ -59,6 +60,9 @@ _LAYER_NAMES = {
     "k_norm": (("self_attn.k_norm.weight",), False),
 }
 
+# Largest FP8 K/V scale (jax_kvcm.ops._checks.FP8_SCALE_MAX): 448 (fp8's largest value) times
+# it is a finite float32.
+_FP8_SCALE_MAX = 2.0 ** 119
 # Per-layer (K name, V name) pairs under model.layers.{i}. for FP8 K/V scales, tried in order.
 _KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),
                    ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
@@ -241,13 +245,16 @@ def kv_scales_from_tensors(tensors: dict[str, np.ndarray],
 
 def _head_scales(name: str, arr: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """One layer's scale tensor (scalar, ``[1]`` or ``[Hkv]``) as float32 ``[Hkv]``."""
-    a = np.asarray(arr, np.float32).reshape(-1)
+    with np.errstate(over="ignore"):  # NOTE: a value past float32's range becomes inf: refused
+        a = np.asarray(arr, np.float32).reshape(-1)
     if a.size not in (1, num_kv_heads):
         raise CheckpointError(f"tensor {name!r} has shape {tuple(np.shape(arr))}; an FP8 K/V "
                               f"scale is a scalar or [{num_kv_heads}] (one per KV head)")
-    if not (np.all(np.isfinite(a)) and np.all(a > 0)):
-        raise CheckpointError(f"tensor {name!r}: FP8 K/V scales must be finite and > 0, got "
-                              f"{a.tolist()}")
+    # NOTE: as the ops' check (jax_kvcm.ops._checks.check_scale_values), in float32: the
+    # runner's scales are traced in its step, so this is where their values are checked.
+    if not (np.all(np.isfinite(a)) and np.all(a > 0) and np.all(a <= _FP8_SCALE_MAX)):
+        raise CheckpointError(f"tensor {name!r}: FP8 K/V scales must be finite and > 0, at "
+                              f"most {_FP8_SCALE_MAX:.4g} (in float32), got {a.tolist()}")
     return np.broadcast_to(a, (num_kv_heads,)).copy()
 
 

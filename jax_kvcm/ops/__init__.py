@@ -8,7 +8,9 @@ token ``i`` lives in page ``page_table[b, (i // page_size) % page_table.shape[1]
 
 FP8 K/V: caches may be ``float8_e4m3fn`` with float32 scales per (layer, kv head): ``write_kv``
 stores ``saturate(x / scale)`` (rounded to nearest even, clamped to +-448, NaN kept), the attention
-ops read ``float32(stored) * scale``. The scales are operands (they may be traced).
+ops read ``float32(stored) * scale``. The scales are operands (they may be traced); they must be
+finite and > 0: concrete ones are checked (ValueError naming the argument), traced ones get a
+``checkify.debug_check`` (docs/fp8.md, "Scale values").
 
 Non-finite values (one rule for the CPU handler, the CUDA kernels and the reference): a NaN or inf
 in a K or V row that a query attends to makes that query's output non-finite (NaN when a K is
@@ -62,7 +64,7 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
         skipped.
       layer: int32 scalar (may be traced) selecting the layer when the caches have a layer axis.
       k_scale, v_scale: fp8 caches only (required there): float32 ``[Hkv]`` (no layer axis) or
-        ``[L, Hkv]``, positive; the cache stores ``saturate(k / k_scale[layer, head])``.
+        ``[L, Hkv]``, finite and > 0; the cache stores ``saturate(k / k_scale[layer, head])``.
       check_indices: see the module docstring.
 
     Returns:

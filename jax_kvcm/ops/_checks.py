@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from jax_kvcm import _env
 
@@ -16,6 +20,9 @@ FP8 = jnp.dtype(jnp.float8_e4m3fn)
 CACHE_DTYPES = FLOAT_DTYPES + (FP8,)
 # Largest finite float8_e4m3fn: write_kv saturates quantized values to +-FP8_MAX.
 FP8_MAX = 448.0
+# Largest fp8 scale: the attention ops read float32(stored) * scale with |stored| <= 448, and
+# 448 * 2**119 = 1.75 * 2**127 is a finite float32 (float32 max / 448 is about 1.14 * 2**119).
+FP8_SCALE_MAX = 2.0 ** 119
 # Empty placeholder passed as the scale operands of a cache that is not fp8.
 _NO_SCALE_SHAPE = (0,)
 
@@ -212,5 +219,50 @@ def scale_operands(k_scale: Any, v_scale: Any, cache_shape: tuple[int, ...],
             raise ValueError(f"{name} must have shape {list(want)} "
                              f"([{'num_layers, ' if len(want) == 2 else ''}num_kv_heads]), "
                              f"got {list(shape)}")
+        check_scale_values(x, name)
         out.append(jnp.asarray(x).reshape((-1, num_kv_heads)))
     return out[0], out[1]
+
+
+# NOTE: set while jax_kvcm.sharded traces its per-shard calls: their scales are slices of the
+# global ones, already checked outside the shard_map (a check per shard would be batched over
+# the mesh axis, which checkify cannot report on a mesh with Explicit axes).
+_SCALES_CHECKED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvcm_scales_checked_outside", default=False)
+
+
+@contextlib.contextmanager
+def scales_checked_outside() -> Iterator[None]:
+    token = _SCALES_CHECKED_OUTSIDE.set(True)
+    try:
+        yield
+    finally:
+        _SCALES_CHECKED_OUTSIDE.reset(token)
+
+
+def check_scale_values(x: Any, name: str) -> None:
+    """Refuses fp8 scales that are zero, negative, NaN, inf or above :data:`FP8_SCALE_MAX`
+    (``x / scale`` would store NaN, +-448 or sign-flipped bytes, and ``stored * scale`` would
+    read NaN or inf): ValueError naming the
+    argument and the bad entries when ``x`` is concrete (numpy, an eager ``jax.Array``, a
+    constant closed over by a traced function). A traced ``x`` (an argument of a jitted
+    function) has no value here: it gets a ``checkify.debug_check``, which raises under
+    ``jax.experimental.checkify.checkify`` and compiles to nothing otherwise; such scales are
+    checked where they are produced (docs/fp8.md, "Scale values")."""
+    if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array)
+                                          and not x.is_fully_addressable):
+        if _SCALES_CHECKED_OUTSIDE.get():
+            return
+        ok = jnp.all(jnp.isfinite(x) & (x > 0) & (x <= FP8_SCALE_MAX))
+        checkify.debug_check(ok, f"{name} must be finite and > 0, at most {FP8_SCALE_MAX:.4g} "
+                             "(fp8 K/V scale), got {x}", x=x)
+        return
+    a = np.asarray(x, np.float32)
+    bad = ~(np.isfinite(a) & (a > 0) & (a <= FP8_SCALE_MAX))
+    if bad.any():
+        where = np.argwhere(bad)[:4]
+        got = ", ".join(f"{float(a[tuple(i)])} at {list(map(int, i))}" for i in where)
+        more = f" (and {int(bad.sum()) - len(where)} more)" if bad.sum() > len(where) else ""
+        raise ValueError(f"{name} must be finite and > 0, at most {FP8_SCALE_MAX:.4g} (fp8 "
+                         f"K/V scale: the cache stores x / {name}, attention reads stored * "
+                         f"{name}), got {got}{more}")
