@@ -4,7 +4,8 @@
     python -m examples.llama.server --model DIR --port 8000
 
 Same model, tier, codec and batching flags as ``examples/llama/run.py``, plus ``--host`` (default
-127.0.0.1), ``--port``, ``--max-queue``, ``--shutdown-timeout``, ``--served-model-name``. Without
+127.0.0.1), ``--port``, ``--max-queue``, ``--shutdown-timeout``, ``--served-model-name`` and the
+guards below. Without
 ``--model`` the built-in random Llama of the runner is served with a word-level tokenizer
 (``<unk> <s> </s> system user assistant : w7 ... w511``) and a chat template, so text prompts and
 chat work on it too.
@@ -20,13 +21,19 @@ Endpoints:
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 One engine thread owns the serving loop (:mod:`._http_engine`): handlers only queue requests and
-read their token streams. A request ends within one step when its client disconnects or a stop
-string appears (its sequence is closed: full pages stay cached, the rest are freed). At most
-``max_batch + max_queue`` requests are open at once, beyond that ``429`` with ``Retry-After``; a
-request that can never fit (``max_seq_len``, device pages) gets ``400`` naming the limit; bad JSON
-400, bad fields or values 422 (OpenAI-style ``{"error": {"message": ...}}``). SIGTERM: no new
-connections, running requests get ``--shutdown-timeout`` seconds to finish, the rest are
-cancelled, the manager is shut down (disk files removed, host memory freed).
+read their token streams; tokenizing and chat templating run in a worker pool
+(``--tokenizer-workers``), so a long prompt never stalls another request's stream. A request
+ends within one step when its client disconnects (streaming or not, also before it reached the
+engine), a stop string appears or ``--request-timeout`` passes (408); its sequence is closed:
+full pages stay cached, the rest are freed. Refusals, all in OpenAI's error shape
+(:mod:`.server_api`) and counted by reason in ``/metrics``: bodies over ``--max-body-bytes``
+413; unparseable bodies (bad JSON, invalid UTF-8, nesting too deep) 400; bad fields or values
+422; a text prompt far past the context 400 from a prefix, before the tokenizer's full run; a
+request that can never fit (``max_seq_len``, device pages) 400 naming the limit; beyond
+``max_batch + max_queue`` open requests, or ``--max-requests-per-client`` from one address, 429
+with ``Retry-After``. SIGTERM: no new connections, running requests get ``--shutdown-timeout``
+seconds to finish, the rest are cancelled, the manager is shut down (disk files removed, host
+memory freed).
 
 Sampling seeds: the engine's key for a request's ``i``-th token is ``fold_in(fold_in(key(seed),
 request id), i)`` (``serve.py``), so one seed gives independent draws across requests.
@@ -43,19 +50,21 @@ import signal
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax_kvcm  # noqa: F401  (the installed package before the repo root's source tree)
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from . import run, serve
-from ._http_engine import ITL_BUCKETS, TTFT_BUCKETS, Engine, Handle
+from ._http_engine import Engine, Handle
 from ._http_text import ChatTemplate, Detokenizer, StopText, load_chat_template
+from .server_api import (ApiError, BodyLimit, ChatBody, Client, ClientSlots, CompletionBody,
+                         Gone, Metrics, Sampling, error_body, error_response,
+                         install_error_handlers)
 
 __all__ = ["create_app", "main", "write_default_model", "DEFAULT_MODEL_NAME"]
 
@@ -70,156 +79,10 @@ _FINISH = {"eos": "stop", "length": "length", "stop": "stop", "cancelled": "abor
 _UNSUPPORTED = {"echo": (False,), "logprobs": (None, False), "top_logprobs": (None,),
                 "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
                 "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None,)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Request bodies.
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Sampling(_Strict):
-    model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    echo: Any = False
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = 0.0
-    frequency_penalty: Any = 0.0
-    best_of: Any = None
-    logit_bias: Any = None
-    suffix: Any = None
-
-
-class CompletionBody(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-
-class ChatBody(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors.
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
-            429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": status}}, status_code=status, headers=headers)
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics.
-
-
-class _Metrics:
-    """A Prometheus registry per app: latency histograms (observed by the engine's delivery),
-    rejection counters, and the engine's snapshot (refreshed per scrape)."""
-
-    def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-
-        self.registry = CollectorRegistry()
-        self.ttft = Histogram("kvcm_time_to_first_token_seconds",
-                              "Time from accepting a request to its first token",
-                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("kvcm_inter_token_latency_seconds",
-                             "Time between two consecutive tokens of one request",
-                             buckets=ITL_BUCKETS, registry=self.registry)
-        self.rejected = Counter("kvcm_requests_rejected",
-                                "Requests refused before generation, by reason",
-                                ["reason"], registry=self.registry)
-        self.snap: dict[str, Any] | None = None
-        self.registry.register(self)
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s = self.snap
-        if s is None:
-            return
-        r = s["report"]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=value)
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
-
-        yield gauge("kvcm_requests_running", "Requests with a sequence on the device",
-                    s["running"])
-        yield gauge("kvcm_requests_queued", "Requests accepted and waiting for admission",
-                    s["queued"])
-        yield gauge("kvcm_requests_suspended", "Requests whose pages are parked off the device",
-                    s["suspended"])
-        yield gauge("kvcm_engine_healthy", "1 while the engine thread serves", float(s["healthy"]))
-        fin = CounterMetricFamily("kvcm_requests_finished", "Requests ended, by reason",
-                                  labels=["reason"])
-        for reason in ("eos", "length", "cancelled", "error"):
-            fin.add_metric([reason], s["finished"].get(reason, 0))
-        yield fin
-        pages = GaugeMetricFamily("kvcm_pages", "KV pages per tier and state",
-                                  labels=["tier", "state"])
-        for tier, c in r["pages"].items():
-            for state in ("capacity", "free", "pending", "referenced", "cached"):
-                pages.add_metric([tier, state], c[state])
-        yield pages
-        yield gauge("kvcm_prefix_hit_rate", "Prompt tokens reused from the prefix cache / prompt "
-                    "tokens (first admissions)", r["prefix_hit_rate"])
-        yield counter("kvcm_prompt_tokens", "Prompt tokens admitted", r["prompt_tokens"])
-        yield counter("kvcm_prefix_hit_tokens", "Prompt tokens reused from the prefix cache",
-                      r["prefix_hit_tokens"])
-        off = CounterMetricFamily("kvcm_pages_offloaded", "Pages moved off the device, by tier",
-                                  labels=["tier"])
-        off.add_metric(["host"], r["pages_offloaded_to_host"])
-        off.add_metric(["disk"], r["pages_offloaded_to_disk"])
-        yield off
-        yield counter("kvcm_pages_host_to_disk", "Pages moved from host to disk",
-                      r["pages_host_to_disk"])
-        yield counter("kvcm_pages_onboarded", "Pages moved onto the device", r["pages_onboarded"])
-        yield counter("kvcm_suspends", "Sequences suspended under memory pressure", r["suspends"])
-        yield counter("kvcm_resumes", "Suspended sequences resumed", r["resumes"])
-        yield counter("kvcm_recomputes", "Sequences dropped and recomputed", r["recomputes"])
-        yield counter("kvcm_steps", "Model steps", r["steps"])
-        yield counter("kvcm_generated_tokens", "Tokens generated", r["generated_tokens"])
-        yield gauge("kvcm_generated_tokens_per_second",
-                    "Generated tokens per second of engine busy time",
-                    r["generated_tokens_per_s"])
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# A text prompt longer than this many characters per token of the context is first measured on
+# a prefix of that length (see _encode).
+PREFIX_CHARS_PER_TOKEN = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,27 +90,36 @@ class _Metrics:
 
 
 class _State:
-    def __init__(self, engine: Engine, metrics: _Metrics, tokenizer: Any,
-                 chat: ChatTemplate | None, model_name: str, max_seq_len: int):
+    def __init__(self, engine: Engine, metrics: Metrics, tokenizer: Any,
+                 chat: ChatTemplate | None, model_name: str, max_seq_len: int,
+                 clients: ClientSlots, request_timeout: float, pool: ThreadPoolExecutor):
         self.engine, self.metrics, self.tokenizer = engine, metrics, tokenizer
         self.chat, self.model_name, self.max_seq_len = chat, model_name, max_seq_len
+        self.clients, self.request_timeout, self.pool = clients, request_timeout, pool
         self.created = int(time.time())
 
 
 def create_app(server: serve.Server, *, tokenizer: Any = None, chat_template: ChatTemplate | None
                = None, model_name: str = DEFAULT_MODEL_NAME, max_queue: int = 256,
-               shutdown_timeout: float = 0.0) -> FastAPI:
+               shutdown_timeout: float = 0.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_requests_per_client: int = 0, request_timeout: float = 0.0,
+               tokenizer_workers: int = 2) -> FastAPI:
     """The ASGI app over ``server`` (which it then owns: its engine thread starts with the app's
     lifespan and shuts the manager down when the app shuts down). ``max_queue``: accepted
     requests waiting beyond the ``max_batch`` running ones; ``shutdown_timeout``: seconds
     running requests may still finish when the lifespan ends (uvicorn's graceful shutdown has
-    already waited for connections by then)."""
-    metrics = _Metrics()
+    already waited for connections by then); ``max_body_bytes`` (0: none): larger bodies get
+    413; ``max_requests_per_client`` (0: none): open requests per client address before 429;
+    ``request_timeout`` (0: none): seconds a request may take in all (408); ``tokenizer_workers``:
+    threads that tokenize and render chat templates (off the event loop)."""
+    metrics = Metrics()
     engine = Engine(server, max_open=server.serve.max_batch + max_queue, metrics=metrics)
     # The longest sequence that fits alone (max_seq_len, or fewer when the device pool is small):
     # the default max_tokens of a chat request and the model's max_model_len.
     longest = server.manager.max_seq_len_for(1)
-    st = _State(engine, metrics, tokenizer, chat_template, model_name, longest)
+    pool = ThreadPoolExecutor(max(1, tokenizer_workers), thread_name_prefix="kvcm-tokenize")
+    st = _State(engine, metrics, tokenizer, chat_template, model_name, longest,
+                ClientSlots(max_requests_per_client), request_timeout, pool)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -255,37 +127,21 @@ def create_app(server: serve.Server, *, tokenizer: Any = None, chat_template: Ch
         try:
             yield
         finally:
+            pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(engine.stop, shutdown_timeout)
 
     app = FastAPI(title="jax_kvcm Llama server", lifespan=lifespan)
     app.state.kvcm = st
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errs = exc.errors()
-        bad_json = any(e.get("type") in ("json_invalid", "json_type") for e in errs)
-        parts = []
-        for e in errs:
-            where = ".".join(str(x) for x in e.get("loc", ())[1:]) or "body"
-            parts.append(f"{where}: {e.get('msg')}")
-        metrics.rejected.labels("invalid").inc()
-        return _error(400 if bad_json else 422, "; ".join(parts) or "invalid request")
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+    app.add_middleware(BodyLimit, limit=max_body_bytes,
+                       on_refuse=lambda: metrics.rejected.labels("body_too_large").inc())
+    install_error_handlers(app, metrics)
 
     @app.get("/health")
     async def health() -> Response:
         if engine.healthy and engine.accepting:
             return JSONResponse({"status": "ok"})
-        return _error(503, "shutting down" if engine.healthy else
-                      f"the engine failed: {engine.last_error}")
+        return error_response(503, "shutting down" if engine.healthy else
+                              f"the engine failed: {engine.last_error}")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -300,88 +156,126 @@ def create_app(server: serve.Server, *, tokenizer: Any = None, chat_template: Ch
         try:
             metrics.snap = await engine.snapshot()
         except Exception as e:  # noqa: BLE001  (engine stopped or stuck)
-            return _error(503, f"no engine snapshot: {type(e).__name__}: {e}")
+            return error_response(503, f"no engine snapshot: {type(e).__name__}: {e}")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
-        prompt = _completion_prompt(st, body.prompt)
-        return await _generate(st, request, body, prompt, body.max_tokens, chat=False)
+        return await _serve_request(st, request, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Response:
-        if st.chat is None or st.tokenizer is None:
-            raise ApiError(400, "the model has no chat template (tokenizer_config.json "
-                                "'chat_template'); use /v1/completions")
-        msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                 else "".join(p.text for p in m.content)} for m in body.messages]
-        try:
-            text = st.chat.render(msgs)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        prompt = st.tokenizer.encode(text, add_special_tokens=False).ids
-        limit = body.max_completion_tokens or body.max_tokens
-        return await _generate(st, request, body, prompt, limit, chat=True)
+        return await _serve_request(st, request, body, chat=True)
 
     return app
 
 
-def _completion_prompt(st: _State, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt: one prompt per request (got {len(prompt)})")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if st.tokenizer is None:
-            raise ApiError(400, "prompt: the model has no tokenizer.json; send token ids")
-        ids = st.tokenizer.encode(prompt).ids
-    else:
-        ids = list(prompt)
-    if not ids:
-        raise ApiError(400, "prompt: empty")
-    return ids
+async def _serve_request(st: _State, request: Request, body: Sampling, *, chat: bool) -> Response:
+    c = Client(st, request)
+    try:
+        stops = _check_body(st, body)
+        loop = asyncio.get_running_loop()
+        if chat:
+            if st.chat is None or st.tokenizer is None:
+                raise ApiError(400, "the model has no chat template (tokenizer_config.json "
+                                    "'chat_template'); use /v1/completions")
+            msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                     else "".join(p.text for p in m.content)} for m in body.messages]
+            prompt = await c.wait(loop.run_in_executor(st.pool, _chat_prompt, st, msgs))
+            max_tokens = body.max_completion_tokens or body.max_tokens
+        else:
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                if len(prompt) != 1:
+                    raise ApiError(400, f"prompt: one prompt per request (got {len(prompt)})",
+                                   param="prompt")
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                if st.tokenizer is None:
+                    raise ApiError(400, "prompt: the model has no tokenizer.json; send token ids",
+                                   param="prompt")
+                prompt = await c.wait(loop.run_in_executor(st.pool, _encode, st, prompt, True))
+            max_tokens = body.max_tokens
+        if not prompt:
+            raise ApiError(400, "prompt: empty", param="prompt")
+        return await _generate(st, c, body, list(prompt), max_tokens, stops, chat)
+    except Gone:
+        return Response(status_code=499)        # nobody reads it
+    finally:
+        if not c.handed:
+            c.close()
 
 
-def _check_body(st: _State, body: _Sampling) -> list[str]:
+def _encode(st: _State, text: str, special: bool) -> list[int]:
+    """Tokenizer worker thread. ``encode_batch`` releases the GIL (``encode`` holds it for the
+    whole run), so a long text does not stall the event loop. A text far past the context is
+    refused from a bounded prefix before the full run: the tokens of its first
+    ``PREFIX_CHARS_PER_TOKEN * longest`` characters (cut at whitespace) alone are more than twice
+    the longest sequence that fits."""
+    limit = st.max_seq_len
+    head_chars = PREFIX_CHARS_PER_TOKEN * limit
+    if len(text) > head_chars:
+        head = text[:head_chars]
+        cut = max(head.rfind(" "), head.rfind("\n"))
+        head = head[:cut] if cut > 0 else head
+        n = len(st.tokenizer.encode_batch([head], add_special_tokens=False)[0].ids)
+        if n > 2 * limit:
+            raise ApiError(400, f"prompt: far longer than the context (more than {n} tokens in "
+                                f"its first {len(head)} of {len(text)} characters; max_seq_len "
+                                f"{limit})", reason="too_long", param="prompt")
+    return st.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+
+
+def _chat_prompt(st: _State, msgs: list[dict[str, str]]) -> list[int]:
+    """Tokenizer worker thread: the chat template, then the tokenizer."""
+    try:
+        text = st.chat.render(msgs)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    return _encode(st, text, False)
+
+
+def _check_body(st: _State, body: Sampling) -> list[str]:
     if body.model is not None and body.model != st.model_name:
         raise ApiError(404, f"model {body.model!r} not found (this server serves "
-                            f"{st.model_name!r})")
+                            f"{st.model_name!r})", reason="not_found", param="model")
     for name, allowed in _UNSUPPORTED.items():
         if getattr(body, name) not in allowed:
-            raise ApiError(400, f"{name}: not supported (only {allowed[0]!r})")
+            raise ApiError(400, f"{name}: not supported (only {allowed[0]!r})", param=name)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 4:
-        raise ApiError(400, f"stop: at most 4 strings (got {len(stops)})")
+        raise ApiError(400, f"stop: at most 4 strings (got {len(stops)})", param="stop")
     if stops and st.tokenizer is None:
-        raise ApiError(400, "stop: needs a tokenizer (the model has no tokenizer.json)")
+        raise ApiError(400, "stop: needs a tokenizer (the model has no tokenizer.json)",
+                       param="stop")
     return stops
 
 
-async def _generate(st: _State, request: Request, body: _Sampling, prompt: list[int],
-                    max_tokens: int | None, *, chat: bool) -> Response:
-    stops = _check_body(st, body)
+async def _generate(st: _State, c: Client, body: Sampling, prompt: list[int],
+                    max_tokens: int | None, stops: list[str], chat: bool) -> Response:
     if max_tokens is None:               # chat default: as long as fits
         max_tokens = max(1, st.max_seq_len - len(prompt))
     engine = st.engine
     if not engine.accepting:
         raise ApiError(503, "the server is shutting down" if engine.healthy
-                       else f"the engine failed: {engine.last_error}")
+                       else f"the engine failed: {engine.last_error}", reason="unavailable")
     h = engine.open(serve.Request(prompt, max_tokens, temperature=body.temperature,
                                   top_p=body.top_p, seed=body.seed or 0))
     if h is None:
-        st.metrics.rejected.labels("queue_full").inc()
         raise ApiError(429, f"too many requests: {engine.max_open} open (max_batch + "
-                            "max_queue); retry later", {"Retry-After": "1"})
-    try:
-        first = await h.queue.get()
-    except BaseException:
-        engine.cancel(h)
-        raise
+                            "max_queue); retry later", {"Retry-After": "1"}, reason="queue_full")
+    c.attach(h)
+    first = await h.queue.get()
+    if first[0] == "disconnected":
+        raise Gone
+    if first[0] == "timeout":
+        raise c.timeout_error()
     if first[0] == "error":
-        st.metrics.rejected.labels("too_long" if first[1] == 400 else "unavailable").inc()
-        raise ApiError(first[1], first[2])
-    gen = _Generation(st, request, h, prompt, stops, chat, body)
+        raise ApiError(first[1], first[2],
+                       reason="too_long" if first[1] == 400 else "unavailable")
+    gen = _Generation(st, c, h, prompt, stops, chat, body)
     if body.stream:
+        c.handed = True
         return StreamingResponse(gen.sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await gen.collect()
@@ -390,9 +284,9 @@ async def _generate(st: _State, request: Request, body: _Sampling, prompt: list[
 class _Generation:
     """One accepted request: reads its token stream, builds the OpenAI responses."""
 
-    def __init__(self, st: _State, request: Request, h: Handle, prompt: list[int],
-                 stops: list[str], chat: bool, body: _Sampling):
-        self.st, self.h, self.prompt, self.chat = st, h, prompt, chat
+    def __init__(self, st: _State, c: Client, h: Handle, prompt: list[int],
+                 stops: list[str], chat: bool, body: Sampling):
+        self.st, self.c, self.h, self.prompt, self.chat = st, c, h, prompt, chat
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -402,16 +296,6 @@ class _Generation:
         self.finish: str | None = None
         self.error: tuple[int, str] | None = None
         self.disconnected = False
-        self.watcher = asyncio.ensure_future(self._watch(request))
-
-    async def _watch(self, request: Request) -> None:
-        """Cancels the request when its client disconnects (also while it is queued)."""
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                self.h.queue.put_nowait(("disconnected",))
-                self.st.engine.cancel(self.h)
-                return
 
     async def _next(self, coalesce: bool) -> tuple[list[int], str] | None:
         """The next step's tokens (with ``coalesce``, all that queued up) and their text; None
@@ -431,6 +315,10 @@ class _Generation:
                 self.error = (item[1], item[2])
             elif kind == "disconnected":
                 self.finish, self.disconnected = "abort", True
+            elif kind == "timeout":
+                e = self.c.timeout_error()
+                self.st.metrics.rejected.labels("timeout").inc()
+                self.error = (e.status, e.message)
             if kind != "tokens" or not coalesce or q.empty():
                 break
             item = q.get_nowait()
@@ -445,8 +333,7 @@ class _Generation:
         return ids, piece
 
     def _close(self) -> None:
-        self.watcher.cancel()
-        self.st.engine.cancel(self.h)
+        self.c.close()
 
     def _usage(self) -> dict[str, int]:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.ids),
@@ -476,7 +363,7 @@ class _Generation:
         finally:
             self._close()
         if self.error is not None:
-            return _error(*self.error)
+            return error_response(*self.error)
         text = self.text.text
         return JSONResponse(self._response(self._choice(self.ids, text, self.finish, False),
                                            self._usage(), chunk=False))
@@ -495,7 +382,7 @@ class _Generation:
             while (got := await self._next(coalesce=False)) is not None:
                 ids, piece = got
                 if self.error is not None:
-                    yield _event({"error": {"message": self.error[1], "code": self.error[0]}})
+                    yield _event(error_body(*self.error))
                     break
                 if self.disconnected:
                     break
@@ -557,6 +444,16 @@ def build_parser() -> argparse.ArgumentParser:
            "%(default)s)")
     a("--shutdown-timeout", type=run.real, default=30.0, metavar="S",
       help="seconds running requests may finish after SIGTERM (default: %(default)s)")
+    a("--max-body-bytes", type=run.size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
+      help="larger request bodies get 413; 0: no limit (default: 8MiB)")
+    a("--max-requests-per-client", type=run.count(0), default=0, metavar="N",
+      help="open requests per client address before 429; 0: no limit (default: %(default)s)")
+    a("--request-timeout", type=run.real, default=0.0, metavar="S",
+      help="seconds a request may take in all (queued, prefill, generation) before it is "
+           "cancelled with 408; 0: none (default: %(default)s)")
+    a("--tokenizer-workers", type=run.count(1), default=2, metavar="N",
+      help="threads that tokenize prompts and render chat templates, off the event loop "
+           "(default: %(default)s)")
     a("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
       help="uvicorn's and the engine's log level (default: %(default)s)")
     a("--access-log", action="store_true", help="log every HTTP request (default: off)")
@@ -568,6 +465,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     argument fails before the load."""
     if args.shutdown_timeout < 0:
         p.error(f"argument --shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
+    if args.request_timeout < 0:
+        p.error(f"argument --request-timeout: must be >= 0, got {args.request_timeout}")
     if args.port > 65535:
         p.error(f"argument --port: must be <= 65535, got {args.port}")
     run.check_engine_args(p, args)
@@ -602,7 +501,10 @@ def main(argv=None) -> int:
         name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None
                                           else Path(args.model).resolve().name)
         app = create_app(server, tokenizer=tokenizer, chat_template=chat, model_name=name,
-                         max_queue=args.max_queue)
+                         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                         max_requests_per_client=args.max_requests_per_client,
+                         request_timeout=args.request_timeout,
+                         tokenizer_workers=args.tokenizer_workers)
         print(f"serving {name} ({config.num_hidden_layers} layers, vocab {config.vocab_size}, "
               f"tokenizer {'yes' if tokenizer else 'no'}, chat {'yes' if chat else 'no'}) on "
               f"http://{args.host}:{args.port}", flush=True)
