@@ -139,7 +139,7 @@ tiny model) against one device: at least 3/4 of each pair's greedy generations m
 identical, with logits within relative L2 1e-4 (else the script exits non-zero before the long
 part; a broken path changes most generations; ``--no-check`` skips it). ``--tiny`` is that model
 alone on its own workloads; on the CPU every generation must be identical with logits within
-1e-5 (``tests/test_serve_benchmark.py`` runs it). A configuration that raises is reported in the
+1e-5 (``tests/bench/test_serve_benchmark.py`` runs it). A configuration that raises is reported in the
 table and the JSON, the others still run, and the exit status is 1.
 
 Anchor (printed alongside, not measured here): TensorRT-LLM paged KV, Llama-3.1-8B on one H100,
@@ -226,7 +226,7 @@ def main(argv=None) -> dict[str, Any]:
     capacity: list[dict[str, Any]] = []
     try:
         # FP8 K/V changes the paged logits against dense (bf16/f32 caches): agreement is
-        # reported, not enforced (tests/test_llama_fp8.py bounds the error).
+        # reported, not enforced (tests/runner/test_llama_fp8.py bounds the error).
         tol = ({} if setup.model.dtype != "float32" or setup.kv_dtype == "fp8" else
                _F32_CPU_CHECK if jax.default_backend() == "cpu" else _F32_GPU_CHECK)
         chunks = args.prefill_chunk or [setup.prefill_chunk]

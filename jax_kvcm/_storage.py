@@ -92,7 +92,7 @@ class StorageManager(TransferPaths):
         self._observers: list[Callable[[StorageEvent], None]] = []
         self._stats = StorageStats()
         self._fault_hook: Callable[[str], None] | None = None
-        # NOTE: a test seam (tests/faults.py): wraps the fence of each offload_ahead transaction.
+        # NOTE: a test seam (tests/manager/faults.py): wraps the fence of each offload_ahead transaction.
         self._fence_hook: Callable[[Any], Any] | None = None
         self._ahead_fences: list[Any] = []  # off-stream fences not yet seen ready
         self._ahead_pools: list[tuple[int, ...]] | None = None  # pool pointers they read

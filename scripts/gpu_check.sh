@@ -11,7 +11,7 @@
 #   --no-serve      skip examples/llama/run.py and benchmarks/bench_{manager_overhead,decode_step,serve}.py
 #   --full-serve    the serving benchmark's full seed run (2,500 requests) instead of --quick
 #   --pytest=ARGS   the gpu pytest step's arguments instead of the whole gpu suite (e.g.
-#                   --pytest="test_attention.py -k ragged")
+#                   --pytest="ops/test_attention.py -k ragged")
 #   --attention=ARGS  extra arguments for benchmarks/bench_attention.py (e.g. --attention="--only decode")
 #   --workers=N     the gpu pytest step on N xdist workers (pytest-xdist: from .whl/ when carried)
 #   --pytest-timeout=S  stop the gpu pytest step after S seconds (the later steps still run)

@@ -13,9 +13,12 @@ The oracle is :mod:`jax_kvcm.ops.reference`, always run on the CPU in float32 fr
 NOTE: this file does not touch ``JAX_PLATFORMS``; the CPU tests work with it set to ``cpu`` and the
 GPU machine runs with it unset.
 
-Test modules import the plain helpers below with ``from conftest import ...`` (tests/ has no
-``__init__.py``, so pytest puts tests/ -- never the repo root -- on ``sys.path``; the installed
-``jax_kvcm`` is the one imported).
+The tests are grouped like the code (``ops/``, ``manager/``, ``tiers/``, ``arena/``,
+``windows/``, ``sharded/``, ``runner/``, ``server/``, ``bench/``, ``kernel_lab/``, ``repo/``).
+Test modules import the plain helpers below with ``from conftest import ...`` and each other's
+helpers by module name (``from test_manager import Harness``): tests/ and its folders have no
+``__init__.py``, so pytest puts tests/ -- never the repo root -- on ``sys.path``, and this file
+adds every group folder; the installed ``jax_kvcm`` is the one imported.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import functools
 import gc
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from pathlib import Path
+
+# NOTE: the group folders on sys.path, so a test imports another group's helpers by module name
+for _group in sorted(p for p in Path(__file__).resolve().parent.iterdir()
+                     if p.is_dir() and not p.name.startswith((".", "_"))):
+    if str(_group) not in sys.path:
+        sys.path.append(str(_group))
 
 import jax_kvcm
 from jax_kvcm import _ffi
@@ -65,7 +77,7 @@ def _freeze_older_objects():
     By the late modules the objects the earlier ones left (imported modules, jax's caches) number
     over a million, and a full collection traverses them all: ~0.9 s per ``gc.collect()``, which
     the serving benchmark calls after every run (to free a pool before the next one), ~85 s of
-    ``tests/test_serve_benchmark.py`` in the whole suite against ~1 s alone. ``gc.freeze()``
+    ``tests/bench/test_serve_benchmark.py`` in the whole suite against ~1 s alone. ``gc.freeze()``
     moves them out of the collector's sight for this module (their references still keep this
     module's objects alive; a cycle among this module's objects is still collected). At its end
     (after its module-scoped fixtures) a collection of this module's objects alone frees its

@@ -25,7 +25,7 @@
 set -u
 base_tar=${1:?usage: gpu_ab.sh BASE_TAR [--pytest=ARGS] [--rounds=N] [--quick] [--also=TAR]... [--test-also] [--profile] [--attention]}
 shift
-pytest_args="test_nonfinite.py test_attention.py -k 'nonfinite or ragged or prefill'"
+pytest_args="ops/test_nonfinite.py ops/test_attention.py -k 'nonfinite or ragged or prefill'"
 rounds=2
 attention=0
 quick=()

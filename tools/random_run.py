@@ -13,11 +13,11 @@ random configuration: the paged or the arena hot tier (``--hot``), full-attentio
 sliding-window layer groups (absolute rows or ring tables), 2 to 8 tokens a page, tiny device,
 host and disk tiers so that eviction, onboarding and suspension cross every tier all the time.
 
-After every operation: ``manager.check_invariants()`` and the oracle of ``tests/test_manager.py``
+After every operation: ``manager.check_invariants()`` and the oracle of ``tests/manager/test_manager.py``
 (``Harness.check_values``: every cached K/V value of every active sequence, in its window for
 window groups, read back through its page table from the device pools or the arena's
 reservation, must equal what the fake model wrote for that token and prefix); after every step,
-``read_back`` of ``tests/test_window_ring.py`` (each row read through the step's own page table,
+``read_back`` of ``tests/windows/test_window_ring.py`` (each row read through the step's own page table,
 as a ring where the group has one). Refusals (``OutOfPagesError``, ``MUST_RECOMPUTE``, a refused
 resume) must change nothing. A failure prints the seed, the operation index and the last
 operations, and exits 1.
@@ -25,8 +25,8 @@ operations, and exits 1.
     python -m tools.random_run --ops 100000 --seed 7 --hot both
 
 The oracle and the fault seams live in ``tests/`` (``test_manager.py``, ``test_window_ring.py``,
-``faults.py``), so this driver puts that folder on ``sys.path``: one oracle for the tests and
-the long run. ``tests/test_random_run.py`` runs a short version in CI.
+``faults.py``), so this driver puts its folders on ``sys.path``: one oracle for the tests and
+the long run. ``tests/manager/test_random_run.py`` runs a short version in CI.
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
+_TESTS = Path(__file__).resolve().parents[1] / "tests"
+for _dir in [_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir()
+                             and not p.name.startswith((".", "_")))]:
+    if str(_dir) not in sys.path:
+        sys.path.insert(0, str(_dir))
 
 from faults import FOREVER, failing_step, install_faulty_disks
 from test_manager import Harness, _state, make, tiny_config

@@ -52,7 +52,7 @@ program: callers bucket them. Both produce logits only for the last new token of
 (the lm_head GEMM is ``[B, D] x [D, V]``, not ``[T, D] x [D, V]``), and :func:`sample_tokens`
 samples on the device (greedy, or temperature/top-p with a fixed per-request key).
 
-HF conventions followed (checked against transformers in tests/test_llama_model.py): RoPE with
+HF conventions followed (checked against transformers in tests/runner/test_llama_model.py): RoPE with
 ``rotate_half`` over ``cat(freqs, freqs)`` (the HF checkpoint layout, q/k already permuted),
 "llama3" / "linear" inverse-frequency scaling, RMSNorm in float32 then cast back before the weight,
 SwiGLU ``down(silu(gate(x)) * up(x))``, GQA head ``h`` -> kv head ``h // (H // Hkv)``, scale

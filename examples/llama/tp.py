@@ -27,7 +27,7 @@ shard (the index buffers are replicated: a page id is the same page on every dev
 down projections give partial sums; the collectives are explicit, placed by hand rather than
 left to GSPMD: one ``psum`` (all-reduce) after each of them, i.e. one per attention block and one
 per MLP block (``2 L`` per step), and one ``all_gather`` of the column-split logits at the end.
-``tests/tp_worker.py`` checks the compiled HLO has exactly these collectives.
+``tests/runner/tp_worker.py`` checks the compiled HLO has exactly these collectives.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ delegates:
 Under them, the storage manager (:mod:`jax_kvcm._storage`) owns the tiers, and its device tier is
 a :mod:`hot tier <jax_kvcm.hot>` (paged pools or an arena) chosen by ``KVCacheConfig.hot``.
 
-Rules (``tests/test_manager_structure.py`` checks the first three):
+Rules (``tests/manager/test_manager_structure.py`` checks the first three):
 
 - nothing imports the facade (``facade.py``); collaborators import each other and the records
   of ``api.py``;

@@ -1,0 +1,664 @@
+"""The serving benchmark (``python -m benchmarks.serve``) in ``--tiny`` mode (CPU, float32): the dense baseline is the paged runner.
+
+The tiny run serves the same random requests through the paged server (two concurrencies), the
+dense per-sequence cache at equal batch and at equal memory, and a shared-prefix set with prefix
+reuse on and off; every pair of runs over the same requests must generate identical greedy tokens,
+with float32 logits within relative L2 1e-5 (the benchmark raises otherwise). A deliberately
+broken dense decode must be caught.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax_kvcm  # (the installed package before the repo root goes on sys.path)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/ and examples/
+
+from benchmarks import bench_serve as bench  # noqa: E402
+from benchmarks.harness import dense_llama, serve_matrix, serve_runs, serve_setup  # noqa: E402
+from benchmarks.harness import tp_scaling  # noqa: E402
+from examples.llama import hot_backend  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """``--tiny`` with the arena rows beside the paged ones, run once for the tests of both
+    (the paged and dense rows are those of a plain ``--tiny`` run); (output, its JSON file)."""
+    path = tmp_path_factory.mktemp("tiny") / "serve.json"
+    return bench.main(["--tiny", "--hot-backend", "paged", "arena", "--json", str(path)]), path
+
+
+def test_tiny_run_paged_equals_dense(tiny_run):
+    out, path = tiny_run
+    assert json.loads(path.read_text())["results"] == json.loads(json.dumps(out["results"]))
+    assert bench.setup_from_args(bench.parse_args(["--tiny"])).hot_backends == ("paged",)
+    setup = serve_setup.TINY_SETUP
+    runs = {r["name"]: r for r in out["results"]}
+    for c in setup.concurrencies:
+        for path_kind in ("paged", "dense"):
+            r = runs[f"{path_kind} random c{c}"]
+            n = int(round(c * setup.requests_factor))
+            assert r["requests"] == n and r["generated_tokens"] == n * setup.output_len
+            assert r["output_tokens_per_s"] > 0 and r["ttft_p90_s"] >= r["ttft_p50_s"] > 0
+            assert r["compiles_in_timed_region"] in (0, None), r
+        paged = runs[f"paged random c{c}"]
+        assert paged["suspends"] == paged["recomputes"] == 0
+        assert 0 < paged["pages_used_peak"] <= paged["pool_pages"]
+        assert paged["peak_running"] == c
+    # Every pair of runs over the same requests agreed token for token.
+    assert out["agreement"] and all(a["identical"] == a["requests"] > 0
+                                    and a["max_logits_rel_l2"] <= 1e-5 for a in out["agreement"])
+    pairs = {(a["a"], a["b"]) for a in out["agreement"]}
+    c0, c1 = setup.concurrencies
+    assert ("paged random c%d" % c0, "dense random c%d" % c0) in pairs
+    assert ("paged random c%d" % c0, "paged random c%d" % c1) in pairs
+    assert ("paged shared c4 prefix on", "paged shared c4 prefix off") in pairs
+    on, off = runs["paged shared c4 prefix on"], runs["paged shared c4 prefix off"]
+    assert on["prefix_hit_rate"] > 0.2 and off["prefix_hit_rate"] == 0
+    kinds = {c["kind"]: c for c in out["comparisons"]}
+    eq = kinds["equal_memory"]
+    assert eq["paged_sequences"] > eq["dense_sequences"] >= 1 and "paged_over_dense" in eq
+    assert "paged / dense tok/s" in bench.markdown(out)
+
+
+def test_a_broken_dense_path_is_caught(monkeypatch):
+    """An off-by-one in the dense decode (K/V written one position early) must fail the check."""
+    dense = dense_llama
+    good = dense.decode
+
+    def broken(params, k, v, tokens, positions, *, config):
+        return good(params, k, v, tokens, np.maximum(positions - 1, 0), config=config)
+
+    monkeypatch.setattr(dense, "decode", broken)
+    setup = dataclasses.replace(serve_setup.TINY_SETUP, concurrencies=(4,), run_shared=False,
+                                equal_memory_run=False)
+    params = serve_setup.random_params(setup)
+    with pytest.raises(RuntimeError, match="different greedy tokens"):
+        serve_matrix.bench(setup, params, min_identical=1.0, log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def trtllm_tiny():
+    """``--workload trtllm --tiny``, run once for the preset test and as the write-back-ahead
+    test's run with write-back ahead (the preset's default)."""
+    return bench.main(["--workload", "trtllm", "--tiny"])
+
+
+def test_trtllm_preset_tiny(trtllm_tiny):
+    """The seed-workload preset on the tiny model: the shared-prefix run (prefix reuse, a host
+    tier) first, then the random row paged and dense (identical tokens); every row reports
+    inter-token latencies and a roofline line, the paged rows pages per tier."""
+    out = trtllm_tiny
+    setup = serve_setup.TINY_TRTLLM
+    names = [r["name"] for r in out["results"]]
+    assert names == ["paged shared c8 prefix on", "paged random c8", "dense random c8"]
+    shared = out["results"][0]
+    assert shared["requests"] == setup.shared_requests
+    assert shared["input_tokens_mean"] == setup.shared_total_len
+    assert shared["generated_tokens"] == setup.shared_requests * setup.shared_output_len
+    assert shared["prefix_hit_rate"] > 0.2 and "host" in shared["pages_per_tier"]
+    for r in out["results"]:
+        assert r["itl_p90_ms"] >= r["itl_p50_ms"] > 0, r["name"]
+        f = r["roofline"]
+        assert f["step_bytes"] == f["weight_bytes"] + f["kv_bytes"] > 0
+        assert f["copy_bytes_per_s"] > 0 and f["fraction_of_roofline"] > 0
+    assert all(a["identical"] == a["requests"] > 0 for a in out["agreement"])
+    args = bench.parse_args(["--workload", "trtllm", "--quick"])
+    quick = bench.setup_from_args(args)
+    assert (quick.shared_requests, quick.shared_concurrency, quick.input_len,
+            quick.output_len) == (512, 256, 1024, 1024) and quick.host_bytes > 0
+    assert bench.setup_from_args(bench.parse_args(["--workload", "trtllm"])).shared_requests \
+        == 2500
+
+
+def test_arena_and_paged_get_equal_kv_bytes():
+    """The serving benchmark's arena rows get the paged pool's pages as their budget (equal
+    K/V bytes), twice max_batch ranges and this backend's super-page (2 MiB VMM on a GPU, 4 KiB
+    memfd pages on CPU)."""
+    setup = serve_setup.TINY_SETUP
+    paged = hot_backend.hot_backend_fields(serve_runs.serve_config(setup, 4, True, "paged"))
+    arena = hot_backend.hot_backend_fields(serve_runs.serve_config(setup, 4, True, "arena"))
+    assert arena["device_pages"] == paged["device_pages"] == setup.pool_pages(4)
+    a = arena["hot"]
+    assert a.kind == "arena" and paged["hot"].kind == "paged"
+    assert a.max_sequences == 8 and a.super_page_bytes == hot_backend.arena_super_page()
+
+
+def test_tiny_arena_rows_beside_paged(tiny_run):
+    """--hot-backend paged arena on the tiny model (on CPU: the arena's donated steps over
+    ArenaPools): an arena row beside each paged row, the same tokens, no map/unmap in the
+    second half, and the arena-vs-paged comparisons."""
+    out, _ = tiny_run
+    runs = {r["name"]: r for r in out["results"]}
+    names = [n for n in runs if n.startswith("arena ")]
+    assert sorted(names) == sorted(["arena random c4", "arena random c8",
+                                    "arena shared c4 prefix on"]), list(runs)
+    for name in names:
+        arena, paged = runs[name], runs["paged" + name[len("arena"):]]
+        assert arena["generated_digests"] == paged["generated_digests"], name
+        assert arena["generated_tokens"] == paged["generated_tokens"] > 0
+        # NOTE: no unmap anywhere; no map once every range was used (from the second wave of
+        # requests on, admissions adopt parked ranges mapped to full length; a single wave
+        # still maps its sequences' last chunks as they grow).
+        assert arena["arena_steady_unmap_calls"] == 0, name
+        if arena["requests"] >= 2 * arena["concurrency"]:
+            assert arena["arena_steady_map_calls"] == 0, name
+        assert arena["kv_budget_bytes"] == paged["kv_budget_bytes"], name    # equal K/V bytes
+        assert 0 < arena["arena_physical_bytes_peak"] <= arena["kv_budget_bytes"]
+    kinds = [c for c in out["comparisons"] if c["kind"] == "arena_vs_paged"]
+    assert len(kinds) == 3 and all(c["tokens_per_s_over_paged"] > 0 for c in kinds)
+
+
+def test_tiny_mixed_layer_rows():
+    """--sliding-window: the paged rows on a model with full and window layers (two KV groups,
+    ring tables); the runs over the same requests (prefix reuse on, warm, off) still agree."""
+    args = bench.parse_args(["--tiny", "--sliding-window", "8", "--full-every", "2"])
+    setup = bench.setup_from_args(args)
+    assert setup.model.layer_windows() == (8, None) and not setup.run_dense
+    out = bench.main(["--tiny", "--sliding-window", "8", "--full-every", "2"])
+    assert out["agreement"] and all(a["identical"] == a["requests"] > 0
+                                    for a in out["agreement"])
+    assert not any("dense" in r["name"] for r in out["results"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the loop's time goes (--profile, several --prefill-chunk values).
+
+from benchmarks.harness import device_profile as _profile  # noqa: E402
+from benchmarks.harness import loop_profile  # noqa: E402
+
+pytestmark = pytest.mark.slow  # seconds to minutes: `pytest -m "not gpu and not slow"` skips it
+
+# A hand-written optimized module: a GEMM as a dot fusion, a cuBLAS call wrapped in a nested
+# fusion computation, both attention custom calls, write_kv, a sampling op, a norm, a loop.
+_HLO = """HloModule jit_model_step, is_scheduled=true
+
+%fused_dot (p0: bf16[8,64], p1: bf16[64,64]) -> bf16[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%inner (q0: bf16[8,64], q1: bf16[64,64]) -> bf16[8,64] {
+  %q0 = bf16[8,64]{1,0} parameter(0)
+  %q1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %cc = bf16[8,64]{1,0} custom-call(%q0, %q1), custom_call_target="__cublas$gemm"
+}
+
+%outer (r0: bf16[8,64], r1: bf16[64,64]) -> bf16[8,64] {
+  %r0 = bf16[8,64]{1,0} parameter(0)
+  %r1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %call.2 = bf16[8,64]{1,0} fusion(%r0, %r1), kind=kCustom, calls=%inner
+}
+
+ENTRY %main (x: bf16[8,64], w: bf16[64,64]) -> s32[8] {
+  %x = bf16[8,64]{1,0} parameter(0)
+  %w = bf16[64,64]{1,0} parameter(1)
+  %gemm_a = bf16[8,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %gemm_b = bf16[8,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%outer
+  %attn_d = bf16[8,64]{1,0} custom-call(%x), custom_call_target="kvcm_paged_attention"
+  %attn_r = bf16[8,64]{1,0} custom-call(%x), custom_call_target="kvcm_ragged_paged_attention"
+  %kv = bf16[8,64]{1,0} custom-call(%x), custom_call_target="kvcm_write_kv"
+  %norm = bf16[8,64]{1,0} multiply(%x, %x), metadata={op_name="jit(model_step)/rms_norm/mul"}
+  %amax = s32[8]{0} fusion(%x), kind=kLoop, calls=%fused_dot, metadata={op_name="jit(model_step)/sampling/jit(greedy_tokens)/reduce"}
+  %loop = bf16[8,64]{1,0} while(%x), condition=%c, body=%b
+  ROOT %out = s32[8]{0} copy(%amax), metadata={op_name="jit(model_step)/sampling/dynamic_update_slice"}
+}
+"""
+
+
+def test_hlo_categories_of_a_hand_written_module():
+    cats = _profile.hlo_categories(_HLO)
+    assert cats["gemm_a"] == cats["gemm_b"] == cats["cc"] == "weight GEMMs"
+    assert cats["attn_d"] == "paged attention" and cats["attn_r"] == "ragged attention"
+    assert cats["kv"] == "K/V writes" and cats["norm"] == "norms/RoPE/other"
+    assert cats["out"] == "sampling" and cats["loop"] == _profile.SKIP
+    # a fusion calling a dot computation is a GEMM even under the sampling scope
+    assert cats["amax"] == "weight GEMMs"
+    ops = [_profile.Op(n, 0.0, us) for n, us in (("gemm_a", 5.0), ("attn_r", 7.0),
+                                                  ("norm", 1.0), ("loop", 100.0),
+                                                  ("nvjet_gemm_kernel", 2.0), ("mystery", 3.0))]
+    unknown = collections.Counter()
+    gpu = _profile.attribute(ops, cats, True, unknown)
+    assert gpu == {"weight GEMMs": 7.0, "ragged attention": 7.0, "norms/RoPE/other": 4.0}
+    assert unknown == {"norm": 1.0, "mystery": 3.0}
+    cpu = _profile.attribute(ops, cats, False)      # runtime events the HLO lacks are skipped
+    assert cpu == {"weight GEMMs": 5.0, "ragged attention": 7.0, "norms/RoPE/other": 1.0}
+
+
+def _rec(index, kind, rows, decode_rows, waiting, running, t_start, t_end, t_ready, wait_s):
+    return types.SimpleNamespace(index=index, kind=kind, rows=rows, decode_rows=decode_rows,
+                                 tokens=rows, waiting=waiting, running=running, t_start=t_start,
+                                 t_end=t_end, t_ready=t_ready, wait_s=wait_s, new_program=False)
+
+
+def test_phases_and_loop_stats_of_made_up_records():
+    """Ramp-up until the first decode-only step at the full batch, the tail from the first
+    step with nothing waiting and the batch below full; step time = interval between tokens
+    reaching the host; host = the call less the reads it blocked on."""
+    recs = [_rec(1, "prefill", 1, 0, 3, 4, 0.0, 1.0, 2.5, 0.0),
+            _rec(2, "mixed", 4, 3, 3, 4, 1.0, 3.0, 4.0, 0.5),     # read of 1 blocked 1.0 in it
+            _rec(3, "decode", 4, 4, 3, 4, 3.0, 4.5, 6.0, 0.2),
+            _rec(4, "mixed", 4, 3, 0, 4, 4.5, 6.5, 7.0, 0.0),
+            _rec(5, "decode", 3, 3, 0, 3, 6.5, 7.5, 9.0, 0.0),
+            _rec(6, "decode", 2, 2, 0, 2, 7.5, 9.5, 10.0, 0.0)]
+    recs[0].wait_s = 1.0
+    assert loop_profile.phases(recs, 4) == ["ramp-up", "ramp-up", "steady", "steady", "tail",
+                                            "tail"]
+    times = {t["index"]: t for t in loop_profile.step_times(recs)}
+    assert times[1]["step"] == 2.5 and times[2]["step"] == 1.5 and times[6]["step"] == 1.0
+    assert times[2]["host"] == 2.0 - 1.0 and times[2]["wall"] == 2.0
+    s = loop_profile.loop_stats(recs, 4, 10.0)
+    assert s["kinds"]["decode"]["steps"] == 3 and s["kinds"]["mixed"]["steps"] == 2
+    assert abs(sum(k["share"] for k in s["kinds"].values()) - 1) < 1e-12
+    assert s["phases"]["tail"]["seconds"] == 3.0 and s["phases"]["steady"]["steps"] == 2
+    assert s["steps_seconds"] == 10.0
+    s = loop_profile.loop_stats(recs, 4, 10.0, exclude={3, 4})
+    assert s["kinds"]["mixed"]["steps"] == 1 and "steady" not in s["phases"]
+    assert "| decode | 2 |" in loop_profile.format_loop("x", s)
+
+
+def _check_profiled_runs(out, prof, *, on_device: bool) -> None:
+    """Every paged run of ``out`` has loop timings and a profiled window whose steps all
+    matched a traced step program: decode steps spend time in the paged kernel, mixed and
+    prefill steps in the ragged one (the program each step matched must agree), every step
+    in GEMMs and K/V writes."""
+    seen = collections.Counter()
+    for r in out["results"]:
+        if r["path"] != "paged":
+            continue
+        chunk = r["prefill_chunk_tokens"]
+        assert r["step_tokens"] == 8 + chunk and r["compiled_programs"] == 2, r["name"]
+        loop = r["loop"]
+        mixed, decode = loop["kinds"]["mixed"], loop["kinds"]["decode"]
+        assert decode["tokens_mean"] == decode["rows_mean"] < mixed["tokens_mean"]
+        assert mixed["tokens_mean"] <= 8 + chunk and mixed["step_ms_p50"] > 0
+        p = r["profile"]
+        assert p["window_steps"] == p["matched"] == 8 and p["on_device"] == on_device, p
+        run = r["name"].split(" [chunk")[0]
+        assert p["dir"] == loop_profile.profile_dir(str(prof), f"{run} chunk {chunk}")
+        assert os.listdir(p["dir"])
+        for kind, k in p["kinds"].items():
+            ms = k["ms_per_step"]
+            seen[kind] += k["steps"] if kind != "all" else 0
+            assert ms["weight GEMMs"] > 0 and ms["K/V writes"] > 0, (kind, ms)
+            assert ms["total"] >= ms["weight GEMMs"] + ms["ragged attention"]
+            if kind == "decode":
+                assert ms["paged attention"] > 0 == ms["ragged attention"], ms
+            elif kind in ("mixed", "prefill"):
+                assert ms["ragged attention"] > 0 == ms["paged attention"], ms
+    assert seen["decode"] > 0 and seen["mixed"] > 0, seen
+
+
+def test_profile_window_and_chunk_sweep_tiny(tmp_path):
+    """--profile traces a window of steps of every paged run and breaks its device time down
+    per step kind (decode steps run the paged kernel, mixed ones the ragged one: the program
+    each traced step matched must agree); --prefill-chunk with two values runs the paged rows
+    once per value, with the token budget concurrency + chunk, and compares them."""
+    prof = tmp_path / "prof"
+    out = bench.main(["--workload", "trtllm", "--tiny", "--profile", str(prof),
+                      "--profile-steps", "8", "--prefill-chunk", "16", "32"])
+    names = [r["name"] for r in out["results"]]
+    assert names == ["paged shared c8 prefix on [chunk 16]", "paged random c8 [chunk 16]",
+                     "dense random c8 [chunk 16]", "paged shared c8 prefix on [chunk 32]",
+                     "paged random c8 [chunk 32]"]
+    assert [s["prefill_chunk"] for s in out["sweep"]] == [16, 32]
+    assert all(a["identical"] == a["requests"] > 0 for a in out["agreement"])
+    # the chunk size changes no token (float32, CPU): each run against its first value
+    assert {(a["a"], a["b"]) for a in out["agreement"]} >= {
+        (f"{run} [chunk 16]", f"{run} [chunk 32]")
+        for run in ("paged shared c8 prefix on", "paged random c8")}
+    assert sum(c["kind"] == "equal_memory" for c in out["comparisons"]) == 1
+    _check_profiled_runs(out, prof, on_device=False)
+    table = loop_profile.format_sweep(out["results"])
+    assert table.count("| paged random c8 |") == 2 and "| 32 | 40 |" in table
+    with pytest.raises(SystemExit, match="distinct"):
+        bench.setup_from_args(bench.parse_args(["--tiny", "--prefill-chunk", "16", "16"]))
+    args = bench.parse_args(["--workload", "trtllm", "--quick", "--prefill-chunk", "512", "2048"])
+    assert [bench.setup_from_args(args, c).step_tokens for c in (512, 2048)] == [768, 2304]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+def test_profile_window_gpu(backend, tmp_path):
+    """On a GPU: the trace's "XLA Modules" line names the step programs and its ops are the
+    programs' HLO instructions (or kernels named after them), so every traced step matches a
+    dispatched one and its device time lands in the right categories."""
+    backend.device                        # fails here when there is no GPU
+    prof = tmp_path / "prof"
+    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--profile", str(prof),
+                      "--profile-steps", "8", "--prefill-chunk", "16"])
+    _check_profiled_runs(out, prof, on_device=True)
+    for r in out["results"]:
+        host_gap = r["profile"]["kinds"]["all"]["ms_per_step"]["idle before the step (host gap)"]
+        print(r["name"], "host gap ms per step", host_gap, r["profile"]["other_top"])
+
+
+def test_step_breakdown_of_a_made_up_gpu_trace(tmp_path):
+    """The GPU branch of the trace parser on a hand-made perfetto trace: a step program before
+    the window (dropped: the window is aligned from the end), a decode and a mixed step, and a
+    migration program between them; ops land in their step and category through that step's
+    program, the device idle before a step excludes the other program's time."""
+    pid, mods, ops = 7, 1, 2
+
+    def x(tid, name, ts, dur, hlo=None):
+        e = {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+        if hlo:
+            e["args"] = {"hlo_op": hlo}
+        return e
+
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": mods,
+               "args": {"name": "XLA Modules"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": ops,
+               "args": {"name": "XLA Ops"}},
+              x(mods, "jit_model_step(11)", 0, 50), x(ops, "k", 0, 50, "gemm_a"),
+              # decode step: 100..200, busy 10 + 30 + 20 = 60
+              x(mods, "jit_model_step(11)", 100, 100), x(ops, "k", 100, 10, "gemm_a"),
+              x(ops, "k", 120, 30, "attn_d"), x(ops, "k", 160, 20, "out"),
+              # a migration 210..230, then the mixed step 250..400
+              x(mods, "jit_encode(12)", 210, 20), x(ops, "k", 210, 20, "fusion.9"),
+              x(mods, "jit_model_step(13)", 250, 150), x(ops, "k", 250, 100, "attn_r"),
+              x(ops, "k", 360, 40, "nvjet_gemm"),
+              {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(model_step)", "ts": 90,
+               "dur": 5}]
+    b = _breakdown_of_made_up_trace(tmp_path, events)
+    dec, mix = b["kinds"]["decode"]["ms_per_step"], b["kinds"]["mixed"]["ms_per_step"]
+    assert dec["idle inside the step"] == 0.04
+    assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.03
+    assert mix["idle inside the step"] == 0.01
+
+
+def _breakdown_of_made_up_trace(tmp_path, events) -> dict:
+    """Writes ``events`` as a profile and checks what both made-up traces share: four program
+    executions (a step before the window, a decode step, a migration, a mixed step) with 1, 3, 1
+    and 2 ops, and the two steps' ops in their categories. Returns the breakdown."""
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = _profile.load_trace(str(tmp_path))
+    assert trace.on_device and [len(e.ops) for e in trace.executions] == [1, 3, 1, 2]
+    recs = [types.SimpleNamespace(index=i, kind=k, program=p, batch_bucket=4, token_bucket=8)
+            for i, k, p in ((5, "decode", "decode"), (6, "mixed", "forward"))]
+    capture = types.SimpleNamespace(args={("decode", 4, 8): None, ("forward", 4, 8): None},
+                                    hlo=lambda key: _HLO)
+    window = types.SimpleNamespace(out_dir=str(tmp_path), indices=[5, 6], reason="test")
+    b = loop_profile.step_breakdown(window, recs, capture, None)
+    assert b["matched"] == 2 and b["traced_step_programs"] == 3 and b["on_device"]
+    dec, mix = b["kinds"]["decode"]["ms_per_step"], b["kinds"]["mixed"]["ms_per_step"]
+    assert (dec["weight GEMMs"], dec["paged attention"], dec["sampling"]) == (0.01, 0.03, 0.02)
+    # the window's first step: no gap (the host started the tracer before dispatching it)
+    assert dec["idle before the step (host gap)"] == 0.0
+    assert (mix["ragged attention"], mix["weight GEMMs"]) == (0.1, 0.04)
+    assert "| mixed | 1 |" in loop_profile.format_breakdown("x", b)
+    return b
+
+
+def test_step_breakdown_of_a_made_up_trace_without_module_line(tmp_path):
+    """jax 0.11's GPU traces (H200, 2026-12-01) have no "XLA Modules" line: kernels sit on
+    "Stream #N(Compute...)" lines with their program in ``hlo_module``, and kernels of a CUDA
+    graph carry the graph's thunk as ``hlo_op`` (``command_buffer_N``) and their own kernel name.
+    The same four executions as above are read from those arguments: a new one where the program
+    changes or a kernel (graph node, else instruction) recurs; copies on memcpy lines are no ops."""
+    pid, compute, copies = 7, 14, 15
+
+    def k(name, ts, dur, module="jit_model_step", hlo="command_buffer_0", graph=None):
+        args = {"hlo_module": module, "hlo_op": hlo, "correlation_id": str(ts)}
+        if graph is not None:
+            args.update(cuda_graph_id=str(graph[0]), cuda_graph_node_id=str(graph[1]))
+        return {"ph": "X", "pid": pid, "tid": compute, "name": name, "ts": ts, "dur": dur,
+                "args": args}
+
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": compute,
+               "args": {"name": "Stream #14(Compute,Memset)"}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": copies,
+               "args": {"name": "Stream #15(MemcpyH2D)"}},
+              k("gemm_a", 0, 50, graph=(20, 0)),
+              # decode step 100..180: graph node (20, 0) recurs; a custom call's kernel outside
+              # the graph; busy 10 + 30 + 20 = 60 of 80
+              k("gemm_a", 100, 10, graph=(20, 0)),
+              k("PagedDecodeKernel<bf16>", 120, 30, hlo="attn_d"),
+              k("out", 160, 20, hlo="command_buffer_1", graph=(21, 0)),
+              {"ph": "X", "pid": pid, "tid": copies, "name": "MemcpyH2D", "ts": 165, "dur": 5,
+               "args": {"memcpy_details": "size:96"}},
+              k("fusion.9", 210, 20, module="jit_encode", hlo="fusion.9"),
+              # mixed step 250..400
+              k("RaggedPrefillSm90Kernel", 250, 100, hlo="attn_r"),
+              k("nvjet_gemm", 360, 40, graph=(22, 0))]
+    b = _breakdown_of_made_up_trace(tmp_path, events)
+    dec, mix = b["kinds"]["decode"]["ms_per_step"], b["kinds"]["mixed"]["ms_per_step"]
+    assert dec["idle inside the step"] == 0.02
+    assert mix["other programs"] == 0.02 and mix["idle before the step (host gap)"] == 0.05
+    assert mix["idle inside the step"] == 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: collectives in the profile, the largest concurrency per TP value.
+
+# A hand-written tensor-parallel module: a plain all-reduce (a psum: CPU thunks are named after
+# the instruction), an async all-reduce pair, an all-gather, a reduce-scatter inside an async
+# wrapper, a collective-permute, next to a GEMM fusion and a norm.
+_HLO_TP = """HloModule jit_model_step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%fused_dot (p0: bf16[8,64], p1: bf16[64,64]) -> bf16[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%wrapped_rs (p: bf16[8,64]) -> bf16[4,64] {
+  %p = bf16[8,64]{1,0} parameter(0)
+  ROOT %rs = bf16[4,64]{1,0} reduce-scatter(%p), channel_id=5, replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (x: bf16[8,64], w: bf16[64,64]) -> f32[8,128] {
+  %x = bf16[8,64]{1,0} parameter(0)
+  %w = bf16[64,64]{1,0} parameter(1)
+  %gemm = bf16[8,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %psum.28 = bf16[8,64]{1,0} all-reduce(%gemm), channel_id=1, replica_groups=[1,2]<=[2], use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(model_step)/shard_map/psum"}
+  %all-reduce-start.1 = bf16[8,64]{1,0} all-reduce-start(%gemm), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  %all-reduce-done.1 = bf16[8,64]{1,0} all-reduce-done(%all-reduce-start.1)
+  %rs-start = ((bf16[8,64]{1,0}), bf16[4,64]{1,0}) async-start(%x), calls=%wrapped_rs
+  %rs-done = bf16[4,64]{1,0} async-done(%rs-start)
+  %cp = bf16[8,64]{1,0} collective-permute(%x), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %norm = bf16[8,64]{1,0} multiply(%psum.28, %psum.28), metadata={op_name="jit(model_step)/shard_map/rms_norm/mul"}
+  ROOT %all_gather.3 = f32[8,128]{1,0} all-gather(%norm), channel_id=3, replica_groups={{0,1}}, dimensions={1}, use_global_device_ids=true
+}
+"""
+
+
+def test_collectives_of_a_hand_written_tp_module():
+    """Every collective form (plain, async pair, async wrapper) lands in "collectives", a GEMM
+    fusion and a norm where they were; on a GPU, NCCL's kernels (named by the kernel when XLA
+    ran them in a CUDA graph, or absent from the HLO) too."""
+    cats = _profile.hlo_categories(_HLO_TP)
+    coll = {"psum.28", "all-reduce-start.1", "all-reduce-done.1", "rs-start", "rs-done", "cp",
+            "all_gather.3"}
+    assert {n for n, c in cats.items() if c == _profile.COLLECTIVES} == coll | {"rs"}, cats
+    assert cats["gemm"] == "weight GEMMs" and cats["norm"] == _profile.OTHER
+    assert _profile.COLLECTIVES in _profile.CATEGORIES
+    ops = [_profile.Op(n, 0.0, us) for n, us in (
+        ("gemm", 5.0), ("psum.28", 7.0), ("all_gather.3", 2.0), ("norm", 1.0),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 11.0),
+        ("ncclKernel_AllGather_RING_LL_Sum_int8", 3.0), ("mystery", 4.0))]
+    gpu = _profile.attribute(ops, cats, True)
+    assert gpu == {"weight GEMMs": 5.0, "collectives": 23.0, "norms/RoPE/other": 5.0}
+    cpu = _profile.attribute(ops, cats, False)   # the NCCL names are no CPU thunks
+    assert cpu == {"weight GEMMs": 5.0, "collectives": 9.0, "norms/RoPE/other": 1.0}
+    for kernel in ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "ncclDevKernel_SendRecv",
+                   "cross_device_all_reduce_k"):
+        assert _profile.kernel_category(kernel) == _profile.COLLECTIVES, kernel
+    assert _profile.kernel_category("nvjet_tst_gemm") == "weight GEMMs"
+
+
+def test_cpu_trace_of_two_devices_keeps_device_0(tmp_path):
+    """A CPU trace of a tensor-parallel step: each device runs its part on a thread of XLA's
+    pool (any thread, whichever device), the threads' thunks interleaved in time, each span ended
+    on its thread by a "wait for completion" marker naming its device. Only device 0's
+    executions and single-device programs (a marker without a device) are kept, each with the
+    thunks inside its span on its thread."""
+    pid = 5
+
+    def x(tid, name, ts, dur, **args):
+        e = {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+        if args:
+            e["args"] = args
+        return e
+
+    def step(t0, dev_a, dev_b, psum_a, psum_b):
+        a, b = 11, 12
+        wait = "ThunkExecutor::Execute (wait for completion)"
+        return [x(a, f"[{dev_a}] CommonPjRtLoadedExecutable::Execute (jit_model_step)", t0, 3),
+                x(a, "ThunkExecutor::Execute", t0 + 5, 100),
+                x(b, "ThunkExecutor::Execute", t0 + 6, 100),
+                x(a, "gemm", t0 + 6, 10), x(b, "gemm", t0 + 7, 12),
+                x(a, "psum.28", t0 + 20, psum_a), x(b, "psum.28", t0 + 21, psum_b),
+                x(a, "Rendezvous", t0 + 21, 5), x(a, "end: psum.28", t0 + 20 + psum_a, 0.1),
+                x(a, "norm", t0 + 90, 4), x(b, "norm", t0 + 91, 6),
+                x(a, wait, t0 + 105.5, 0, device_ordinal=str(dev_a), run_id="7"),
+                x(b, wait, t0 + 106.5, 0, device_ordinal=str(dev_b), run_id="7")]
+
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/host:CPU"}}]
+    events += step(0, 0, 1, 50, 9) + step(200, 1, 0, 8, 60)    # the threads swap devices
+    # a single-device program on the caller's thread
+    events += [x(13, "ThunkExecutor::Execute", 150, 20), x(13, "fusion.9", 152, 7),
+               x(13, "ThunkExecutor::Execute (wait for completion)", 170.5, 0)]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = _profile.load_trace(str(tmp_path))
+    assert not trace.on_device
+    assert [(x.start, x.end, [o.name for o in x.ops]) for x in trace.executions] == [
+        (5, 105, ["gemm", "psum.28", "norm"]), (150, 170, ["fusion.9"]),
+        (206, 306, ["gemm", "psum.28", "norm"])]
+    cats = _profile.hlo_categories(_HLO_TP)
+    c = _profile.attribute(trace.executions[0].ops + trace.executions[2].ops, cats, False)
+    # device 0's thunks: thread a's in the first step, thread b's in the second
+    assert c == {"weight GEMMs": 10 + 12, "collectives": 50 + 60, "norms/RoPE/other": 4 + 6}
+
+
+def test_max_concurrency_against_the_managers_pool_bytes():
+    """The largest concurrency arithmetic against KVCacheConfig's own per-device pool bytes: the
+    pool of c_max sequences (sized as the run sizes it) fits the K/V budget, c_max + 1 does not;
+    for the 8B shape on an H200-sized budget at TP 1 and (page bytes halved, weights per device
+    as tp.param_specs splits them) TP 2."""
+    from examples.llama import tp
+
+    setup = dataclasses.replace(serve_setup.TRTLLM, run_shared=False)
+    m = setup.model
+    assert setup.max_total_len == 2048 and setup.pages_per_seq == 128
+
+    def pool_bytes(c: int, n: int) -> int:
+        group = jax_kvcm.LayerGroupConfig(num_layers=m.num_hidden_layers,
+                                          num_kv_heads=tp.kv_heads(m, n) // n,
+                                          head_dim=m.head_dim, dtype=m.jnp_dtype)
+        cfg = jax_kvcm.KVCacheConfig(tokens_per_page=setup.page_size, layer_groups=(group,),
+                                     device_pages=setup.pool_pages(c), max_batch=max(c, 1),
+                                     max_seq_len=setup.max_total_len)
+        return cfg.device_pool_bytes()
+
+    shapes = {"embed": (m.vocab_size, m.hidden_size), "lm_head": (m.hidden_size, m.vocab_size)}
+    layer = {"wqkv": (m.hidden_size, (m.num_attention_heads + 2 * m.num_key_value_heads)
+                      * m.head_dim),
+             "wo": (m.num_attention_heads * m.head_dim, m.hidden_size),
+             "w_gate_up": (m.hidden_size, 2 * m.intermediate_size),
+             "w_down": (m.intermediate_size, m.hidden_size)}
+    full = 2 * (sum(a * b for a, b in shapes.values())
+                + m.num_hidden_layers * sum(a * b for a, b in layer.values()))
+    # TP 2: embed replicated, lm_head and every layer matrix split in two (norms left out)
+    half = 2 * (m.vocab_size * m.hidden_size) + (full - 2 * m.vocab_size * m.hidden_size) // 2
+    memory = int(0.9 * 141e9)
+    for n, weights in ((1, full), (2, half)):
+        page = 2 * m.num_hidden_layers * setup.page_size * (m.num_key_value_heads // n) \
+            * m.head_dim * 2
+        row = tp_scaling.max_concurrency(memory, weights, page, setup.pages_per_seq)
+        c = row["max_concurrency"]
+        budget = int(serve_setup.KV_MEMORY_FRACTION * (memory - weights))
+        assert row["kv_budget_bytes"] == budget and row["page_bytes_per_device"] == page
+        assert pool_bytes(c, n) <= budget < pool_bytes(c + 1, n), (n, c)
+        print(f"TP {n}: {weights / 2**30:.2f} GiB weights per device, {page:,} B per page, "
+              f"largest concurrency {c}")
+        if n == 1:
+            c1 = c
+    assert 256 <= c1 and c > 2 * c1     # TP 2 holds more than twice: the weights split too
+    assert tp_scaling.max_concurrency(weights, weights, page, 128)["max_concurrency"] == 0
+
+
+def test_tp_cli_checks():
+    """--tensor-parallel values: distinct, one sweep at a time, within the visible devices."""
+    for argv, msg in ((["--tensor-parallel", "1", "1"], "distinct"),
+                      (["--tensor-parallel", "1", "2", "--prefill-chunk", "16", "32"],
+                       "one of them at a time"),
+                      (["--tensor-parallel", "1", "64"], "visible devices"),
+                      (["--kv-memory-fraction", "1.5"], "kv-memory-fraction"),
+                      (["--device-memory-gib", "0"], "device-memory-gib")):
+        with pytest.raises(SystemExit, match=msg):
+            bench.setup_from_args(bench.parse_args(["--tiny", *argv]))
+    assert bench.setup_from_args(bench.parse_args(["--tiny"])).tensor_parallel == 1
+
+
+def test_gpu_trace_of_two_devices_reads_gpu_0(tmp_path):
+    """A two-GPU trace (TP 2): the ops of "/device:GPU:0" are read whatever the process ids; its
+    NCCL kernel (on its own stream, absent from the HLO) lands in "collectives"."""
+    events = []
+    for pid, gpu, nccl_us in ((3, 1, 40.0), (9, 0, 25.0)):
+        events += [{"ph": "M", "name": "process_name", "pid": pid,
+                    "args": {"name": f"/device:GPU:{gpu}"}},
+                   {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1,
+                    "args": {"name": "XLA Modules"}},
+                   {"ph": "M", "name": "thread_name", "pid": pid, "tid": 2,
+                    "args": {"name": "XLA Ops"}},
+                   {"ph": "X", "pid": pid, "tid": 1, "name": "jit_model_step(1)", "ts": 0,
+                    "dur": 100},
+                   {"ph": "X", "pid": pid, "tid": 2, "name": "k", "ts": 0, "dur": 10,
+                    "args": {"hlo_op": "gemm"}},
+                   {"ph": "X", "pid": pid, "tid": 2,
+                    "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ts": 20,
+                    "dur": nccl_us}]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = _profile.load_trace(str(tmp_path))
+    assert trace.on_device and len(trace.executions) == 1
+    c = _profile.attribute(trace.executions[0].ops, _profile.hlo_categories(_HLO_TP), True)
+    assert c == {"weight GEMMs": 10.0, "collectives": 25.0}
+
+
+def test_trtllm_tiny_with_write_back_ahead(trtllm_tiny):
+    """Write-back ahead, on by default in the trtllm preset: its shared-prefix run (the paged rows
+    of the preset run) moves cached pages to the host tier ahead of need, reports it (log
+    counters, the tiers table), and generates exactly the tokens of the run with
+    ``--offload-ahead-pages 0`` (off)."""
+    out = dict(trtllm_tiny, results=[r for r in trtllm_tiny["results"] if r["path"] == "paged"])
+    base = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--offload-ahead-pages", "0"])
+    w = out["results"][0]["fence_waits"]
+    assert w["offload_ahead_moves"] > 0 and w["offload_ahead_pages"] > 0
+    assert w["offload_ahead_failures"] == 0 and w["side_stream_calls"] == 0  # CPU: no side stream
+    assert [r["name"] for r in base["results"]] == [r["name"] for r in out["results"]]
+    for a, b in zip(base["results"], out["results"]):
+        assert a["generated_digests"] == b["generated_digests"], a["name"]
+    assert "offloaded ahead" in bench.markdown(out)
+    assert base["results"][0]["fence_waits"]["offload_ahead_moves"] == 0
