@@ -27,6 +27,8 @@ import contextlib
 import functools
 import gc
 import math
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -36,17 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pathlib import Path
 
-# NOTE: the group folders on sys.path, so a test imports another group's helpers by module name
-for _group in sorted(p for p in Path(__file__).resolve().parent.iterdir()
-                     if p.is_dir() and not p.name.startswith((".", "_"))):
-    if str(_group) not in sys.path:
-        sys.path.append(str(_group))
-
+import group_paths
 import jax_kvcm
 from jax_kvcm import _ffi
 from jax_kvcm.ops import reference as _reference
+
+group_paths.add_to_sys_path()
 
 BACKENDS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 
@@ -238,6 +236,21 @@ def assert_bits_equal(got, want, what: str, seed) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Random paged batches (numpy, float32; cast with .astype(dtype) before use).
+
+
+def run_worker(worker: str, *args: str, timeout: float = 600) -> str:
+    """Runs the script ``worker`` (beside its test) in a fresh Python, in its folder, without
+    the parent's ``XLA_FLAGS`` (the worker sets its own CPU device count); its stdout. Fails
+    with the output's tail unless it exits 0 having printed ``OK ``."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, worker, *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=os.path.dirname(worker))
+    out = proc.stdout + proc.stderr
+    name = os.path.basename(worker)
+    assert proc.returncode == 0, f"{name} {' '.join(args)} failed:\n{out[-6000:]}"
+    assert "OK " in proc.stdout, out[-6000:]
+    return proc.stdout
 
 
 def cdiv(a: int, b: int) -> int:

@@ -45,18 +45,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-_TESTS = Path(__file__).resolve().parents[1] / "tests"
-for _dir in [_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir()
-                             and not p.name.startswith((".", "_")))]:
-    if str(_dir) not in sys.path:
-        sys.path.insert(0, str(_dir))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
+import group_paths  # noqa: E402
+
+group_paths.add_to_sys_path()
 
 from faults import FOREVER, failing_step, install_faulty_disks
 from test_manager import Harness, _state, make, tiny_config
 from test_window_ring import read_back
 
-from jax_kvcm import ArenaHot
-from jax_kvcm._storage import CorruptPageError
+from jax_kvcm import ArenaHot, CorruptPageError
 from jax_kvcm.manager import OutOfPagesError, SequenceState, SuspendResult
 
 __all__ = ["RandomRun", "RunFailure", "build_parser", "main"]

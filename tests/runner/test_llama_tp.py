@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import conftest
 import pytest
 
 pytestmark = pytest.mark.slow  # seconds to minutes: `pytest -m "not gpu and not slow"` skips it
@@ -20,14 +21,7 @@ WORKER = os.path.join(HERE, "tp_worker.py")
 
 
 def run_worker(*args: str, timeout: float = 600) -> str:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, WORKER, *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=HERE)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"worker {' '.join(args)} failed:\n{out[-6000:]}"
-    assert "OK " in proc.stdout, out[-6000:]
-    return proc.stdout
+    return conftest.run_worker(WORKER, *args, timeout=timeout)
 
 
 TP_CASES = {2: "llama,tied,qwen2_mixed,qwen3", 4: "llama,tied"}

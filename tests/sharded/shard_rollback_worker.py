@@ -40,11 +40,11 @@ import contextlib
 import os
 import sys
 
-# NOTE: run as a script: the tests' folders on sys.path as conftest.py puts them under pytest
-# (faults.py is in manager/, sharded_*_check.py beside this file)
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[1:1] = [os.path.join(_TESTS, d) for d in sorted(os.listdir(_TESTS))
-                 if os.path.isdir(os.path.join(_TESTS, d)) and not d.startswith((".", "_"))]
+# NOTE: run as a script: the tests' folders on sys.path as under pytest (faults.py is in manager/)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import group_paths  # noqa: E402
+
+group_paths.add_to_sys_path()
 
 
 def main() -> None:
@@ -323,25 +323,14 @@ def check_storage(mesh, seed: int, diskdir: str) -> int:
 # -- the KV-cache manager ----------------------------------------------------------------------
 
 
-def check_manager(mesh, seed: int, diskdir: str) -> int:
-    import faults
+def _stepping(mgr, mesh, hkv: int, tokens: dict[int, list[int]], seed: int):
+    """``(run, add, pages_hold_oracle)`` over ``mgr``: ``run([(seq, ids)])`` one sharded step
+    writing ``kv_of`` of the ids at their positions; ``add(ids)`` a sequence whose ids
+    ``tokens`` records; ``pages_hold_oracle(seq, what)`` the pages hold ``kv_of`` of them."""
     import jax.numpy as jnp
     import numpy as np
-    from sharded_manager_check import HEAD_DIM, NUM_LAYERS, PAGE, kv_of
+    from sharded_manager_check import HEAD_DIM, NUM_LAYERS, assert_pages_hold, kv_of
     from sharded_manager_check import sharded_step as step
-
-    from jax_kvcm import KVCacheConfig, KVCacheManager, LayerGroupConfig, SuspendResult
-    n = int(mesh.shape["tp"])
-    hkv = 2 * n
-    last = n - 1
-    rng = np.random.default_rng(seed)
-    cfg = KVCacheConfig(tokens_per_page=PAGE,
-                        layer_groups=(LayerGroupConfig(NUM_LAYERS, hkv, HEAD_DIM, jnp.float32),),
-                        device_pages=12, max_batch=4, max_tokens_per_step=32, max_seq_len=48,
-                        mesh=mesh, host_bytes=1 << 20, disk_dir=diskdir, disk_bytes=1 << 20)
-    mgr = KVCacheManager(cfg)
-    st = mgr.storage
-    tokens: dict[int, list[int]] = {}
 
     def run(work):
         batch = mgr.prepare_step([(s, np.asarray(t, np.int32)) for s, t in work])
@@ -363,15 +352,31 @@ def check_manager(mesh, seed: int, diskdir: str) -> int:
         return seq
 
     def pages_hold_oracle(seq, what):
-        k_all, v_all = (np.asarray(x) for x in mgr.caches[0])
-        pages = np.asarray(seq.page_ids()).reshape(-1)
-        toks = tokens[seq.seq_id][:seq.num_tokens]
-        for layer in range(NUM_LAYERS):
-            want = kv_of(np.asarray(toks), np.arange(len(toks)), layer, hkv)
-            for i in range(len(toks)):
-                p, off = pages[i // PAGE], i % PAGE
-                assert np.array_equal(k_all[layer, p, off], want[0, i]) and np.array_equal(
-                    v_all[layer, p, off], want[1, i]), f"{what}: token {i} (seed={seed})"
+        assert_pages_hold(mgr, seq, tokens[seq.seq_id], hkv, f"{what} (seed={seed})")
+
+    return run, add, pages_hold_oracle
+
+
+def check_manager(mesh, seed: int, diskdir: str) -> int:
+    import faults
+    import jax.numpy as jnp
+    import numpy as np
+    from sharded_manager_check import HEAD_DIM, NUM_LAYERS, PAGE
+
+    from jax_kvcm import KVCacheConfig, KVCacheManager, LayerGroupConfig, SuspendResult
+    n = int(mesh.shape["tp"])
+    hkv = 2 * n
+    last = n - 1
+    rng = np.random.default_rng(seed)
+    cfg = KVCacheConfig(tokens_per_page=PAGE,
+                        layer_groups=(LayerGroupConfig(NUM_LAYERS, hkv, HEAD_DIM, jnp.float32),),
+                        device_pages=12, max_batch=4, max_tokens_per_step=32, max_seq_len=48,
+                        mesh=mesh, host_bytes=1 << 20, disk_dir=diskdir, disk_bytes=1 << 20)
+    mgr = KVCacheManager(cfg)
+    st = mgr.storage
+    tokens: dict[int, list[int]] = {}
+
+    run, add, pages_hold_oracle = _stepping(mgr, mesh, hkv, tokens, seed)
 
     def faulted(what, call, *, free_too=True):
         mgr.check_invariants()
@@ -457,8 +462,7 @@ def check_ahead(mesh, seed: int) -> int:
     import faults
     import jax.numpy as jnp
     import numpy as np
-    from sharded_manager_check import HEAD_DIM, NUM_LAYERS, PAGE, kv_of
-    from sharded_manager_check import sharded_step as step
+    from sharded_manager_check import HEAD_DIM, NUM_LAYERS, PAGE
 
     from jax_kvcm import CacheLevel, KVCacheConfig, KVCacheManager, LayerGroupConfig
     n = int(mesh.shape["tp"])
@@ -472,35 +476,7 @@ def check_ahead(mesh, seed: int) -> int:
     st = mgr.storage
     tokens: dict[int, list[int]] = {}
 
-    def run(work):
-        batch = mgr.prepare_step([(s, np.asarray(t, np.int32)) for s, t in work])
-        T = batch.slot_mapping.shape[0]
-        kv_new = np.zeros((NUM_LAYERS, 2, T, hkv, HEAD_DIM), np.float32)
-        qs, pos = np.asarray(batch.query_start), np.asarray(batch.positions)
-        for b, (seq, toks) in enumerate(work):
-            rows = np.arange(qs[b], qs[b + 1])
-            for layer in range(NUM_LAYERS):
-                kv_new[layer, :, rows] = kv_of(np.asarray(toks), pos[rows], layer,
-                                               hkv).transpose(1, 0, 2, 3)
-        q = np.zeros((NUM_LAYERS, T, 2 * hkv, HEAD_DIM), np.float32)
-        caches, _ = step(mgr.caches, batch, jnp.asarray(kv_new), jnp.asarray(q), mesh=mesh)
-        mgr.complete_step(caches)
-
-    def add(toks):
-        seq = mgr.add_sequence(toks)
-        tokens[seq.seq_id] = list(toks)
-        return seq
-
-    def pages_hold_oracle(seq, what):
-        k_all, v_all = (np.asarray(x) for x in mgr.caches[0])
-        pages = np.asarray(seq.page_ids()).reshape(-1)
-        toks = tokens[seq.seq_id][:seq.num_tokens]
-        for layer in range(NUM_LAYERS):
-            want = kv_of(np.asarray(toks), np.arange(len(toks)), layer, hkv)
-            for i in range(len(toks)):
-                p, off = pages[i // PAGE], i % PAGE
-                assert np.array_equal(k_all[layer, p, off], want[0, i]) and np.array_equal(
-                    v_all[layer, p, off], want[1, i]), f"{what}: token {i} (seed={seed})"
+    run, add, pages_hold_oracle = _stepping(mgr, mesh, hkv, tokens, seed)
 
     a = add([int(t) for t in rng.integers(0, 100, size=9)])
     d = add([int(t) for t in rng.integers(100, 200, size=12)])

@@ -47,6 +47,20 @@ def sharded_step(caches, batch, kv_new, q, *, mesh):
     return [(k, v)], jnp.stack(outs)
 
 
+def assert_pages_hold(mgr, seq, tokens: list[int], hkv: int, what: str) -> None:
+    """Every token of ``seq`` (``tokens``: its ids) holds ``kv_of``'s K and V in the page its
+    table names (the pools read back whole: ``np.asarray`` gathers the shards)."""
+    k_all, v_all = (np.asarray(x) for x in mgr.caches[0])
+    pages = np.asarray(seq.page_ids()).reshape(-1)
+    toks = np.asarray(tokens[:seq.num_tokens])
+    for layer in range(NUM_LAYERS):
+        want = kv_of(toks, np.arange(len(toks)), layer, hkv)
+        for i in range(len(toks)):
+            page, off = pages[i // PAGE], i % PAGE
+            assert np.array_equal(k_all[layer, page, off], want[0, i]), (what, layer, i)
+            assert np.array_equal(v_all[layer, page, off], want[1, i]), (what, layer, i)
+
+
 def dense_attention(q: np.ndarray, kv: np.ndarray, pos: int) -> np.ndarray:
     """q ``[H, D]`` at position ``pos`` over ``kv [2, n, Hkv, D]`` (positions 0..n-1)."""
     k, v = kv[0, :pos + 1].astype(np.float64), kv[1, :pos + 1].astype(np.float64)
@@ -146,17 +160,8 @@ def check_manager(mesh, seed: int, diskdir: str | None = None) -> int:
     mgr.close(b)
     run([(c, 1), (a, 2)])
 
-    # The pools, read back page by page (np.asarray gathers the shards).
-    k_all, v_all = (np.asarray(x) for x in mgr.caches[0])
     for seq in (a, c):
-        pages = np.asarray(seq.page_ids()).reshape(-1)
-        toks = tokens[seq.seq_id][:seq.num_tokens]
-        for layer in range(NUM_LAYERS):
-            want = kv_of(np.asarray(toks), np.arange(len(toks)), layer, hkv)
-            for i in range(len(toks)):
-                page, off = pages[i // PAGE], i % PAGE
-                assert np.array_equal(k_all[layer, page, off], want[0, i]), (seq.seq_id, i)
-                assert np.array_equal(v_all[layer, page, off], want[1, i]), (seq.seq_id, i)
+        assert_pages_hold(mgr, seq, tokens[seq.seq_id], hkv, f"seq {seq.seq_id} (seed={seed})")
     mgr.check_invariants()
     if diskdir is not None:
         moved = []

@@ -17,11 +17,11 @@ import functools
 import os
 import sys
 
-# NOTE: run as a script: the tests' folders on sys.path as conftest.py puts them under pytest
-# (faults.py is in manager/, sharded_*_check.py beside this file)
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[1:1] = [os.path.join(_TESTS, d) for d in sorted(os.listdir(_TESTS))
-                 if os.path.isdir(os.path.join(_TESTS, d)) and not d.startswith((".", "_"))]
+# NOTE: run as a script: the tests' folders on sys.path as under pytest (faults.py is in manager/)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import group_paths  # noqa: E402
+
+group_paths.add_to_sys_path()
 
 
 def main() -> None:

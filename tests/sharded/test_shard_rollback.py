@@ -8,9 +8,8 @@ with several CPU devices (see its docstring for the oracle and what is compared)
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
+import conftest
 import pytest
 
 pytestmark = pytest.mark.slow  # seconds to minutes: `pytest -m "not gpu and not slow"` skips it
@@ -19,14 +18,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shard_rollbac
 
 
 def run_worker(*args: str, timeout: float = 600) -> str:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, WORKER, *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"worker {' '.join(args)} failed:\n{out[-6000:]}"
-    assert "OK " in proc.stdout, out[-6000:]
-    return out
+    return conftest.run_worker(WORKER, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("devices", [2, 4])

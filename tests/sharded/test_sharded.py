@@ -9,9 +9,8 @@ one device). The worker's oracles: the pure-JAX reference and the plain unsharde
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
+import conftest
 import pytest
 
 pytestmark = pytest.mark.slow  # seconds to minutes: `pytest -m "not gpu and not slow"` skips it
@@ -20,14 +19,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_worke
 
 
 def run_worker(*args: str, timeout: float = 600) -> str:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, WORKER, *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"worker {' '.join(args)} failed:\n{out[-6000:]}"
-    assert "OK " in proc.stdout, out[-6000:]
-    return out
+    return conftest.run_worker(WORKER, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("devices,tp", [(2, 2), (4, 4)])
