@@ -76,7 +76,9 @@ class Lifecycle:
         try:
             snap = None
             if self._arena is not None and self._ledger.in_step is None:
-                snap = self._arena.snapshot()
+                # NOTE: only lower-tier hits can be cut short by onboarding (below)
+                if any(n.level is not D for n in matched):
+                    snap = self._arena.snapshot()
                 self._arena.bind(seq, matched)
             nodes = self._onboard(seq, matched)
             if snap is not None and len(nodes) < len(matched) and self._arena.bound(seq):
