@@ -264,6 +264,13 @@ def _executions_from_kernels(events: list[dict]) -> list[Execution]:
     return execs
 
 
+def _copy_stream(line_name: str) -> bool:
+    """A stream line that only copies ("Stream #15(MemcpyH2D)"). The compute stream may copy too:
+    jax 0.11.2 on the H100 names it "Stream #14(MemcpyD2D,Compute,Memset)", and its kernels are
+    the program's ops."""
+    return "Memcpy" in line_name and "Compute" not in line_name
+
+
 def _device_index(process_name: str) -> int:
     m = re.search(r"/device:[A-Za-z_]+:(\d+)", process_name)
     return int(m.group(1)) if m else 1 << 30
@@ -294,7 +301,7 @@ def load_trace(trace_dir: str, kernel_names: bool = False) -> Trace:
         dev = [e for e in xs if e["pid"] == pid]
         op_events = [e for e in dev if line(e) == "XLA Ops"] or [
             e for e in dev if line(e) not in ("XLA Modules", "Steps", "Source code")
-            and not str(line(e)).startswith("XLA TraceMe") and "Memcpy" not in str(line(e))]
+            and not str(line(e)).startswith("XLA TraceMe") and not _copy_stream(str(line(e)))]
         ops = [Op(e["name"] if kernel_names else _op_name(e), float(e["ts"]),
                   float(e.get("dur", 0))) for e in op_events]
         execs = [Execution(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),

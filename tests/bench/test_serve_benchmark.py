@@ -408,12 +408,15 @@ def _breakdown_of_made_up_trace(tmp_path, events) -> dict:
     return b
 
 
-def test_step_breakdown_of_a_made_up_trace_without_module_line(tmp_path):
+@pytest.mark.parametrize("compute_line", ["Stream #14(Compute,Memset)",
+                                          "Stream #14(MemcpyD2D,Compute,Memset)"])
+def test_step_breakdown_of_a_made_up_trace_without_module_line(tmp_path, compute_line):
     """jax 0.11's GPU traces (H200, 2026-12-01) have no "XLA Modules" line: kernels sit on
     "Stream #N(Compute...)" lines with their program in ``hlo_module``, and kernels of a CUDA
     graph carry the graph's thunk as ``hlo_op`` (``command_buffer_N``) and their own kernel name.
     The same four executions as above are read from those arguments: a new one where the program
-    changes or a kernel (graph node, else instruction) recurs; copies on memcpy lines are no ops."""
+    changes or a kernel (graph node, else instruction) recurs; copies on memcpy lines are no ops.
+    On the H100 (jax 0.11.2, 2026-12-06) the compute line also names MemcpyD2D: still the ops."""
     pid, compute, copies = 7, 14, 15
 
     def k(name, ts, dur, module="jit_model_step", hlo="command_buffer_0", graph=None):
@@ -425,7 +428,7 @@ def test_step_breakdown_of_a_made_up_trace_without_module_line(tmp_path):
 
     events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "thread_name", "pid": pid, "tid": compute,
-               "args": {"name": "Stream #14(Compute,Memset)"}},
+               "args": {"name": compute_line}},
               {"ph": "M", "name": "thread_name", "pid": pid, "tid": copies,
                "args": {"name": "Stream #15(MemcpyH2D)"}},
               k("gemm_a", 0, 50, graph=(20, 0)),
