@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import gzip
-import json
 import os
+
+from benchmarks.harness import device_profile
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,15 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     files = glob.glob(os.path.join(a.trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
     for path in files:
-        with gzip.open(path) as f:
-            data = json.load(f)
-        events = data["traceEvents"] if isinstance(data, dict) else data
-        procs, threads = {}, {}
-        for e in events:
-            if e.get("ph") == "M" and e.get("name") == "process_name":
-                procs[e["pid"]] = e["args"]["name"]
-            elif e.get("ph") == "M" and e.get("name") == "thread_name":
-                threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+        events, procs, threads = device_profile.read_perfetto(path)
         lines = collections.defaultdict(list)
         for e in events:
             if e.get("ph") == "X":

@@ -276,11 +276,9 @@ def _device_index(process_name: str) -> int:
     return int(m.group(1)) if m else 1 << 30
 
 
-def load_trace(trace_dir: str, kernel_names: bool = False) -> Trace:
-    """The device ops and program executions of the perfetto trace ``jax.profiler`` wrote under
-    ``trace_dir`` (``jax.profiler.trace(dir, create_perfetto_trace=True)``); ``kernel_names``:
-    a GPU op named by its kernel, not its HLO instruction."""
-    with gzip.open(_trace_file(trace_dir)) as f:
+def read_perfetto(path: str) -> tuple[list[dict], dict, dict]:
+    """A perfetto trace file's events, ``{pid: process name}`` and ``{(pid, tid): line name}``."""
+    with gzip.open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     procs, threads = {}, {}
@@ -289,6 +287,14 @@ def load_trace(trace_dir: str, kernel_names: bool = False) -> Trace:
             procs[e["pid"]] = e["args"]["name"]
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    return events, procs, threads
+
+
+def load_trace(trace_dir: str, kernel_names: bool = False) -> Trace:
+    """The device ops and program executions of the perfetto trace ``jax.profiler`` wrote under
+    ``trace_dir`` (``jax.profiler.trace(dir, create_perfetto_trace=True)``); ``kernel_names``:
+    a GPU op named by its kernel, not its HLO instruction."""
+    events, procs, threads = read_perfetto(_trace_file(trace_dir))
     xs = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: float(e["ts"]))
     device = {pid for pid, n in procs.items() if "/device:" in n and "CPU" not in n}
     if device:
