@@ -256,14 +256,19 @@ class DiskPool(SlotPool):
 
 
 class CorruptPageError(Exception):
-    """Disk pages failed their checksum: they are missing, never served. Nothing was changed;
-    ``slots`` are the bad source slots (the caller drops or invalidates them)."""
+    """Cold pages that cannot be served: disk pages that failed their checksum, or (``level``
+    ``"HOST"``) host pages whose writing copy failed on the device. They are missing, never
+    served. Nothing was changed; ``slots`` are the bad source slots of ``level`` (the caller
+    drops or invalidates them)."""
 
-    def __init__(self, layer_group: int, slots: np.ndarray) -> None:
-        super().__init__(f"layer group {layer_group}: disk pages {slots.tolist()} failed their "
-                         "checksum")
+    def __init__(self, layer_group: int, slots: np.ndarray, level: str = "DISK") -> None:
+        why = ("failed their checksum" if level == "DISK" else
+               "were never written: the device copy that wrote them failed")
+        super().__init__(f"layer group {layer_group}: {level.lower()} pages {slots.tolist()} "
+                         f"{why}")
         self.layer_group = layer_group
         self.slots = slots
+        self.level = level
 
 
 class UnreadablePageError(CorruptPageError, DiskIOError):

@@ -475,6 +475,10 @@ class StorageManager(TransferPaths):
                 allsrc = np.concatenate(arrays)
                 if np.unique(allsrc).size != allsrc.size:
                     raise ValueError(f"src_slots: a {CacheLevel(level).name} slot is moved twice")
+        # 0. Host sources were written: a failed copy's pages are refused before anything moves.
+        for lg, src_level, src, _, _ in plan:
+            if src_level is CacheLevel.HOST and src.size:
+                self._check_host_written(lg, src)
         # 1. Reserve and allocate every destination first.
         taken: list[Grant | None] = []
 

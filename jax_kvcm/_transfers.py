@@ -23,7 +23,9 @@ shards (a failure on any shard, before or at submission, rolls back all of them)
 
 NOTE: device work is ordered by XLA's stream (every encode/decode takes the pools as operands), so
 fences only guard host-side accesses: the staging ring, host slots read by disk writes, host slots
-written by disk reads. The exception is :meth:`StorageManager.offload_ahead` (write-back ahead):
+written by disk reads. They also carry failure: a transaction that reads host slots first checks
+that the copies which wrote them succeeded (:meth:`TransferPaths._check_host_written`), since a
+device -> host encode is not waited for and its device source is already free. The exception is :meth:`StorageManager.offload_ahead` (write-back ahead):
 
 **Offloads off the compute stream.** ``offload_ahead`` moves device pages to the host tier as one
 transaction like :meth:`~StorageManager.migrate_many`, but with the concat codec on CUDA (one
@@ -388,6 +390,32 @@ class TransferPaths:
             else:
                 still.append((p, d))
         self._pending_host_indices = still
+
+    def _check_host_written(self, lg: int, slots: np.ndarray) -> None:
+        """Host ``slots`` about to be read: the copies that wrote them must have succeeded.
+        Waits for those still running (a page read back before its encode finished). An encode
+        on XLA's stream that failed at run time (on any shard of a mesh) already had its device
+        source freed, so its pages are lost: CorruptPageError (``level`` HOST) names them before
+        anything is submitted, and they stay unserved (each later read raises again)."""
+        fences = self._host_fences[self.cold_group_of[lg]]
+        written: dict[int, bool] = {}
+        bad = []
+        for s in slots.tolist():
+            f = fences[s]
+            if f is None:
+                continue
+            if id(f) not in written:
+                if not f.is_ready():
+                    self._stats.num_host_fence_waits += 1
+                try:
+                    f.wait()
+                    written[id(f)] = True
+                except Exception:  # noqa: BLE001  (the copy's run-time error, whatever its type)
+                    written[id(f)] = False
+            if not written[id(f)]:
+                bad.append(s)
+        if bad:
+            raise CorruptPageError(lg, np.asarray(bad, np.int32), level="HOST")
 
     # -- staging, fences, governor -----------------------------------------------------------
 

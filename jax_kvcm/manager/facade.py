@@ -179,8 +179,9 @@ class KVCacheManager:
         """Brings a suspended sequence back to the device byte-identical, as one transaction
         (every device page reserved before anything moves). False when the device cannot take
         it even by evicting every cached page: then nothing changed at all. A failure (e.g.
-        :class:`CorruptPageError` from disk) also leaves the sequence suspended exactly as it
-        was (cached pages evicted to make room stay evicted)."""
+        :class:`CorruptPageError`: a disk page failed its checksum, or a host page's device ->
+        host copy failed) also leaves the sequence suspended exactly as it was (cached pages
+        evicted to make room stay evicted); its K/V is lost, so close it and recompute."""
         with self._lock:
             self._check_seq(seq, SequenceState.SUSPENDED)
             self._ledger.need_pools("resume")

@@ -165,7 +165,7 @@ class Lifecycle:
                     out = planner.move(parts, places)
                 except CorruptPageError as e:  # a miss; nothing moved; bad pages dropped below
                     bad = set(e.slots.tolist())
-                    corrupt = [nodes[lower[i]] for i in cols[0]
+                    corrupt = [nodes[lower[i]] for i in cols[e.level == "HOST"]
                                if int(nodes[lower[i]].slots[e.layer_group]) in bad]
         except BaseException:
             for j, n in enumerate(nodes):
@@ -252,7 +252,7 @@ class Lifecycle:
         cold = [[n for n in seq._nodes if n.level is level] for level in (K, H)]
         parts = [(level, node_slots(b), D) for level, b in zip((K, H), cold) if b]
         parts.append((lv, parked, D))
-        parts.sort(key=lambda p: p[0] is not K)  # disk first: only disk reads can fail
+        parts.sort(key=lambda p: p[0] is not K)  # disk first: disk reads fail mid-submission
         need = sum(np.count_nonzero(p[1] >= 0, axis=1) for p in parts)
         places = at = None
         if self._arena is not None:

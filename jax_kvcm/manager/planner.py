@@ -211,7 +211,7 @@ class TierPlanner:
                     self.settle(True, victims)
                 # cascades may have dropped some
                 victims = [v for v in victims if v.alive and v.level is level]
-                if self.migrate_nodes(victims, lower):
+                if self._migrate_readable(victims, lower):
                     self._stats.num_evicted_pages[lower] += len(victims)
                     self._emit(ManagerEvent("evicted", len(victims), lower))
                     return
@@ -321,9 +321,11 @@ class TierPlanner:
         to_disk = any(m[3] is K for m in moves)
         try:
             out = self._storage.migrate_many(moves)
-        except CorruptPageError as e:  # unreadable disk pages too (a miss for the caller)
+        except CorruptPageError as e:  # unreadable disk pages, unwritten host pages: a miss
             if isinstance(e, UnreadablePageError):
                 self._stats.num_disk_read_errors += 1
+            if e.level == "HOST":
+                self._stats.num_unwritten_host_reads += 1
             raise
         except DiskIOError as e:  # a write failed (reads raise the above): a refusal
             if not to_disk:
@@ -357,6 +359,21 @@ class TierPlanner:
     def writable(self, level: CacheLevel) -> bool:
         """Whether pages may move to ``level`` (not a degraded disk tier)."""
         return not (level is K and self.disk_degraded)
+
+    def _migrate_readable(self, victims: list[BlockNode], dst: CacheLevel) -> bool:
+        """:meth:`migrate_nodes` of cached victims, dropping those with host pages whose
+        writing copy failed (CorruptPageError: lost, never served) and moving the rest."""
+        while True:
+            try:
+                return self.migrate_nodes(victims, dst)
+            except CorruptPageError as e:
+                if e.level != "HOST":
+                    raise
+                bad = set(e.slots.tolist())
+                for v in victims:
+                    if v.alive and v.level is H and int(v.slots[e.layer_group]) in bad:
+                        self.drop(v)
+                victims = [v for v in victims if v.alive and v.level is H]
 
     def migrate_nodes(self, nodes: list[BlockNode], dst: CacheLevel) -> bool:
         """Moves nodes (all at one level) to ``dst``; False (nothing moved) when refused."""

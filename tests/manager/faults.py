@@ -130,6 +130,39 @@ def bad_shard_pairs(storage, shard: int):
         del storage._put_pairs
 
 
+class FailedCopyFence:
+    """The fence of a device copy on XLA's stream that failed at run time: ready, and ``wait``
+    raises (as a ``jax.Array`` in an error state does on ``block_until_ready``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def is_ready(self) -> bool:
+        return self.inner.is_ready()
+
+    def wait(self) -> None:
+        self.inner.wait()
+        raise InjectedFault("device copy failed at run time")
+
+
+@contextlib.contextmanager
+def failed_encodes(storage):
+    """While open, every device -> cold encode of ``storage`` "fails at run time": its bytes
+    are written (the real call runs) but its fence fails, as when a codec call fails on the
+    device after submission (tests/sharded makes a real one fail on one shard of a mesh; on one
+    CPU device such a call fails at dispatch instead, which rolls back at submission)."""
+    encode = storage._encode
+
+    def failing(*args, **kwargs):
+        return FailedCopyFence(encode(*args, **kwargs))
+
+    storage._encode = failing
+    try:
+        yield
+    finally:
+        del storage._encode
+
+
 class GateFence:
     """Wraps an offload's fence: not ready until :meth:`open` (then as the wrapped one), or
     failed after :meth:`fail`. ``wait`` on a closed gate counts the wait, then opens it (the

@@ -588,3 +588,61 @@ def test_arena_admission_rebinds_when_its_onboarding_is_refused():
     h.check()
     h.run([(n, 1)])
     h.check()
+
+
+@pytest.mark.parametrize("hot", ["paged", "arena"])
+def test_a_failed_device_to_host_copy_is_never_served(hot, diskdir):
+    """A device -> host encode that fails at run time (here on the one device; one shard of a
+    mesh in tests/sharded/sharded_tiers_check.py) is not waited for, and its device source is
+    freed at once, so its pages are lost. They are never served: resuming the suspended
+    sequence raises CorruptPageError (level HOST) and leaves it suspended; closed, its prefix
+    is a miss for the next prompt (its nodes dropped), which recomputes it; cached pages that
+    went to the host through a failed copy are dropped when evicted to disk."""
+    import faults
+    if hot == "paged":
+        cfg = tiny_config(device_pages=8, host_pages=7, disk_dir=diskdir, disk_pages=16)
+    else:
+        cfg = arena_config(device_pages=8, head_dim=128, host_pages=7, disk_dir=diskdir,
+                           disk_pages=16, max_sequences=2)
+    h = make(cfg)
+    prompt = list(range(1, 15))
+    a = h.add(prompt)
+    h.run([(a, 14)], as_ids=[True])
+    with faults.failed_encodes(h.mgr.storage):
+        assert h.mgr.suspend(a) is SuspendResult.SUSPENDED and a._parked[0] is H
+    h.check()
+    for _ in range(2):                      # every attempt refuses, nothing changes
+        with pytest.raises(CorruptPageError) as e:
+            h.mgr.resume(a)
+        assert e.value.level == "HOST" and "never written" in str(e.value), e.value
+        assert a.state is SequenceState.SUSPENDED
+        h.check()
+    assert h.mgr.stats()["num_unwritten_host_reads"] == 2
+    h.mgr.close(a)
+    h.check()
+    a2 = h.add(prompt + [99])
+    assert a2.num_reused_tokens == 0        # the lost prefix is a miss, never served
+    h.run([(a2, 15)], as_ids=[True])
+    h.check()
+    # Cached pages pushed to the host by a failed copy, then on to disk: dropped there.
+    h.mgr.close(a2)
+    with faults.failed_encodes(h.mgr.storage):  # (the arena evicts when it binds b's range)
+        b = h.add(list(range(30, 58)))      # 7 pages: a2's cached pages leave the device
+        h.run([(b, 28)], as_ids=[True])
+    assert h.mgr.stats()["num_evicted_pages"][H] > 0, h.mgr.stats()
+    h.check()
+    reads, dropped = (h.mgr.stats()[k] for k in ("num_unwritten_host_reads",
+                                                 "num_dropped_pages"))
+    assert h.mgr.storage.num_free(H, 0) < 7      # b's suspend needs a2's host pages' room
+    assert h.mgr.suspend(b) is SuspendResult.SUSPENDED and b._parked[0] is H
+    assert h.mgr.stats()["num_unwritten_host_reads"] > reads
+    assert h.mgr.stats()["num_dropped_pages"] > dropped
+    h.check()
+    assert h.mgr.resume(b)
+    h.check()
+    h.mgr.close(b)
+    a3 = h.add(prompt + [98])
+    assert a3.num_reused_tokens <= 4        # a2's first page never left the device; the lost
+    #                                         ones are a miss (the values are checked below)
+    h.run([(a3, 15 - a3.num_reused_tokens)], as_ids=[True])
+    h.check()

@@ -10,7 +10,6 @@ checker gathers every cached value of every ACTIVE sequence through its page tab
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 import threading
 import time
@@ -516,7 +515,7 @@ def test_close_during_step_waits_for_that_step(diskdir):
     h = make(tiny_config(device_pages=4, prefix=False))
     mgr = h.mgr
     a = h.add(list(range(8)))
-    b = mgr.prepare_step([(a, 8)])
+    mgr.prepare_step([(a, 8)])
     caches = stepped(mgr.storage.pools)
     with pytest.raises(StepInFlightError):
         mgr.suspend(a)

@@ -9,7 +9,8 @@ with several devices).
 - One transaction across shards: a fault raised while shard 1's part of a migration is prepared
   (after shard 0's), and a codec call that fails at run time on shard 1 only (its piece index out
   of range), each leave everything as before the call (slots, free counts, governor ledger,
-  stats, the source bytes); the same migration then succeeds.
+  stats, the source bytes); the same migration then succeeds. A device -> host encode that
+  fails at run time on one shard (not waited for) leaves host pages every read refuses.
 - The int8 codec (per-head scales, DEVICE-location pairs): a sharded device -> host -> device
   round trip decodes to the same bits as the same round trip on one device (its scales are per
   KV head, so splitting heads must change nothing).
@@ -155,4 +156,34 @@ def check_rollback(st, src, want_k, want_v, hot, seed: int) -> int:
     back = st.migrate(0, K, disk, D)
     got_k, got_v = hot(back)
     assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v), f"retry (seed={seed})"
-    return checks + 1
+    return checks + 1 + check_unwritten_host(st, back, seed)
+
+
+def check_unwritten_host(st, src, seed: int) -> int:
+    """A device -> host encode that fails at run time on the last shard only: the transaction
+    does not wait for it (its device source is released), so every later read of those host
+    pages refuses them (CorruptPageError, level HOST, naming each) before anything moves, and
+    never serves the failed shard's piece; freed and reused, the slots work again."""
+    from jax_kvcm import CorruptPageError
+    import faults
+    with faults.bad_shard_pairs(st, shard=st.num_shards - 1):
+        host = st.migrate(0, D, src, H)
+    assert host is not None
+    for dst_level in (D, K, D):
+        before = _snapshot(st)
+        try:
+            st.migrate(0, H, host, dst_level)
+        except CorruptPageError as e:
+            assert e.level == "HOST" and sorted(e.slots.tolist()) == sorted(host.tolist()), e
+            assert "never written" in str(e), e
+        else:
+            raise AssertionError(f"host pages of a failed copy were read (-> {dst_level.name}, "
+                                 f"seed={seed})")
+        assert _snapshot(st) == before, (dst_level, _snapshot(st), before)
+    st.free(H, 0, host)
+    src = st.allocate(D, 0, host.size)
+    again = st.migrate(0, D, src, H)               # the same host slots, written this time
+    back = st.migrate(0, H, again, D)
+    assert back is not None and sorted(again.tolist()) == sorted(host.tolist()), (again, host)
+    st.free(D, 0, back)
+    return 1
