@@ -98,6 +98,7 @@ class StorageManager(TransferPaths):
         self._ahead_pools: list[tuple[int, ...]] | None = None  # pool pointers they read
         self._pending_host_indices: list[tuple[jax.Array, jax.Array]] = []
         self._jit_cache: dict[tuple, Callable] = {}
+        self._copy_scratch: dict[int, jax.Array] = {}  # arena hot -> hot copies
         self.host_pools: list[HostPool] = []
         self._host_fences: list[np.ndarray] = []
         self.disk_pools: list[DiskPool] = []

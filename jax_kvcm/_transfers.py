@@ -380,6 +380,29 @@ class TransferPaths:
             k, v, _ = fn(k, v, jax.device_put(chunk, self._index_placement))
             self.set_pools(h, (k, v))
 
+    def copy_device_pages(self, lg: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copies device pages ``src`` -> ``dst`` ``[n]`` of layer group ``lg`` (both allocated
+        by the caller; the sources stay). Paged pools: one jitted gather / scatter. An arena:
+        the codec encodes the pages into a device scratch region and decodes them into ``dst``
+        (its pools are reached by address), both on XLA's stream, so in order."""
+        self._check_open()
+        src, dst = (np.asarray(a, np.int32).reshape(-1) for a in (src, dst))
+        h = self.hot_group_of[lg]
+        if self._tier_of[h].kind == "paged":
+            self._copy_hot(lg, src, dst)
+            return
+        page = self.cold_page_bytes[lg]
+        scratch = self._copy_scratch.get(lg)
+        if scratch is None or scratch.size < src.size * page:
+            # NOTE: the region's address is a static attribute of the codec call: one scratch
+            # per group, kept (and grown only when a larger copy comes), so it compiles once.
+            scratch = jnp.zeros(max(1, src.size) * page, jnp.uint8, device=self.device)
+            self._copy_scratch[lg] = scratch
+        address, num = scratch.unsafe_buffer_pointer(), scratch.size // page
+        slots = np.arange(src.size, dtype=np.int32)
+        self._encode(lg, src, slots, address, num)
+        self._decode(lg, slots, dst, address, num)
+
     def _track_host_indices(self, lg: int, pairs: jax.Array, done: jax.Array) -> None:
         if self.index_location[lg] == PageIndexLocation.HOST:
             self._pending_host_indices.append((pairs, done))

@@ -110,6 +110,15 @@ class ArenaRoom:
         """Slot of logical page 0 of holder ``seq_id`` (its range's base less its ``first``)."""
         return self._base(self._book.range_of(seq_id)) - self._first[seq_id]
 
+    def rewritable_from(self, seq: Sequence, j: int) -> list[BlockNode] | None:
+        """For a truncation: the committed device pages at ``seq``'s own slots of pages ``j``
+        onward (where it writes again as it grows back), or None when page ``j`` lies before
+        its range (the range holds its chain in place from a later page)."""
+        if j < self._first[seq.seq_id]:
+            return None
+        slots = self._origin(seq.seq_id) + np.arange(j, self._geo.pages_per_seq)
+        return [self._node_at[s] for s in slots.tolist() if s in self._node_at]
+
     def place(self, seq: Sequence, j: np.ndarray) -> dict[int, np.ndarray]:
         """``{arena group: slots}`` of pages ``j`` of ``seq`` (bound)."""
         slots = (self._origin(seq.seq_id) + np.asarray(j)).astype(np.int32)

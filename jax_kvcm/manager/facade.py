@@ -25,6 +25,7 @@ from jax_kvcm.manager.ledger import StepLedger
 from jax_kvcm.manager.lifecycle import Lifecycle
 from jax_kvcm.manager.observers import Observers, Stats
 from jax_kvcm.manager.planner import TierPlanner
+from jax_kvcm.manager.rewind import Rewinder
 from jax_kvcm.manager.rows import RowTable
 from jax_kvcm.manager.steps import StepRunner
 
@@ -82,6 +83,8 @@ class KVCacheManager:
                                     None if arena is None else arena.on_commit)
         self._life = Lifecycle(config, self.storage, self.tree, self._rows, self._ledger,
                                self._planner, self._stats, emit, self._settle, arena)
+        self._rewind = Rewinder(self.storage, self.tree, self._rows, self._ledger,
+                                self._planner, self._stats, self._life.drop_hold, arena)
         self._steps = StepRunner(config, self.storage, self._rows, self._ledger, self._planner,
                                  self._committer, self._ahead.after_step, arena)
         self._check = Invariants(self.storage, self.tree, self._rows, self._ledger,
@@ -200,6 +203,22 @@ class KVCacheManager:
             if self._rows.record_ids(seq, token_ids) and self.config.enable_prefix_reuse \
                     and seq.state is SequenceState.ACTIVE:
                 self._committer.commit([seq], np.array([seq._row], np.int64))
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Keeps the first ``num_tokens`` tokens of an ACTIVE sequence and drops the K/V of the
+        rest (e.g. rejected draft tokens): pages past the cut are freed (committed ones stay
+        cached for other sequences), and a committed page the cut falls in becomes the
+        sequence's own (a copy when other sequences share it: a shared page is never written
+        again). False, with nothing changed, when that copy finds no device page. Raises
+        :class:`StepInFlightError` between ``prepare_step`` and ``complete_step``, ValueError
+        for ``num_tokens`` outside ``[0, seq.num_tokens]`` or before a sliding window's
+        retained pages. Example: ``mgr.truncate(seq, seq.num_tokens - num_rejected)``."""
+        with self._lock:
+            self._check_seq(seq, SequenceState.ACTIVE)
+            if self._ledger.in_step is not None:
+                raise StepInFlightError("truncate: a step is in flight: call complete_step "
+                                        "first")
+            return self._rewind.truncate(seq, check_count(num_tokens, "num_tokens", minimum=0))
 
     # -- steps -----------------------------------------------------------------------------------
 

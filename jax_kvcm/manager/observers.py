@@ -53,6 +53,7 @@ class Stats:
     num_disk_write_errors: int = 0       # failed writes to the disk tier (e.g. ENOSPC)
     num_disk_read_errors: int = 0        # failed reads of it (EIO, short reads): misses
     num_dropped_on_disk_error: int = 0   # pages dropped because the disk could not take them
+    num_truncated_tokens: int = 0        # tokens dropped by truncate (rejected drafts)
     num_unwritten_host_reads: int = 0    # reads of host pages whose device -> host copy had
     #                                      failed (refused: a miss; cached ones are dropped)
 

@@ -1,0 +1,142 @@
+"""Truncation: a sequence drops the K/V of its last tokens (speculative decoding's rejected drafts).
+
+``truncate(seq, n)`` keeps the first ``n`` tokens of an ACTIVE sequence, between steps:
+
+- pages past the new last page: private ones are freed once the last step that may have read
+  them completed; committed ones are released (they stay cached: their K/V is right for their
+  tokens, and other sequences may hold them);
+- the page the cut falls in, when it is committed (full, in the prefix tree): the sequence will
+  write its next tokens there, so it must own it. When only this sequence holds it and it lies
+  where the hot tier keeps the sequence's own page (always on paged; ``base + j`` on an arena),
+  it is un-committed in place: taken out of the prefix tree, with its cached descendants
+  (unreachable without it) dropped. Otherwise it is copied to a private page and released: a
+  page other sequences share is never written again;
+- token ids known past ``n`` are forgotten; the sequence commits its pages again as they fill;
+- sliding-window groups: refused (ValueError, nothing changed) when a window already released a
+  page the shorter sequence needs again.
+
+Refusals are values (False, nothing changed): the private copy of a shared page finds no device
+page; on an arena, another sequence reads a page at or past the cut where this sequence's range
+keeps it (page ``j`` at ``base + j``), so it could not write there again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jax_kvcm._prefix_tree import BlockNode, PrefixTree
+from jax_kvcm._types import CacheLevel
+from jax_kvcm.manager.api import Sequence
+from jax_kvcm.manager.ledger import StepLedger
+from jax_kvcm.manager.observers import Stats
+from jax_kvcm.manager.planner import TierPlanner
+from jax_kvcm.manager.rows import RowTable
+
+__all__ = ["Rewinder"]
+
+D = CacheLevel.DEVICE
+
+
+class Rewinder:
+    """See the module docstring. ``drop_hold(node, j, wr)``: the lifecycle's release of page
+    ``j``'s committed node (window groups keep their own holds); ``arena_room``: the arena
+    groups' planner (or None)."""
+
+    def __init__(self, storage: Any, tree: PrefixTree, rows: RowTable, ledger: StepLedger,
+                 planner: TierPlanner, stats: Stats, drop_hold: Any,
+                 arena_room: Any = None) -> None:
+        self._storage = storage
+        self._tree = tree
+        self._rows = rows
+        self._ledger = ledger
+        self._planner = planner
+        self._stats = stats
+        self._drop_hold = drop_hold
+        self._arena = arena_room
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> bool:
+        rows, tpp = self._rows, self._rows.tpp
+        r = seq._row
+        old = rows.num_tokens(r)
+        if not 0 <= num_tokens <= old:
+            raise ValueError(f"num_tokens: {num_tokens} is outside [0, {old}] (the sequence's "
+                             "tokens)")
+        if num_tokens == old:
+            return True
+        wr = rows.row_wrel(r)
+        if rows.win is not None and (wr > rows.wrel_at(num_tokens)).any():
+            g = int(np.argmax(wr > rows.wrel_at(num_tokens)))
+            raise ValueError(f"num_tokens: {num_tokens} needs pages the sliding window of layer "
+                             f"group {g} already released (it holds pages from "
+                             f"{int(wr[g])}, tokens from {int(wr[g]) * tpp})")
+        keep, whole = -(-num_tokens // tpp), num_tokens // tpp
+        nodes = seq._nodes
+        cut = whole if whole < keep and whole < len(nodes) else None
+        in_place = cut is not None and self._own_in_place(seq, nodes[cut], cut)
+        in_way: list[BlockNode] = []
+        if self._arena is not None:
+            found = self._arena.rewritable_from(seq, whole)
+            if found is None:
+                return False
+            mine = {id(n) for n in nodes[whole:]}
+            if any(n.refcount > (id(n) in mine) for n in found):
+                return False  # another sequence reads a page where this one writes again
+            in_way = [n for n in found if not (in_place and n is nodes[cut])]
+            self._evict([n for n in in_way if n.refcount == 0], nodes)  # plain cache first
+        copy_to = None
+        if cut is not None and not in_place:
+            at = None if self._arena is None else self._arena.place(seq, np.array([cut]))
+            copy_to = self._planner.allocate_device(1, at)
+            if copy_to is None:
+                return False
+        old_pages = rows.num_pages(r)
+        table = rows.row_pages(r, 0, old_pages)
+        private_from = len(nodes)
+        for j in range(len(nodes) - 1, whole - 1, -1):  # committed pages past the whole ones
+            node = nodes[j]
+            self._drop_hold(node, j, wr)
+            if j == cut:
+                table[:, j] = self._take_cut(node, copy_to)
+        del nodes[whole:]
+        self._evict([n for n in in_way if n.refcount == 0], nodes)  # its own, released
+        # private pages past the new last one (their content may be read by no later step)
+        gone = table[:, max(keep, private_from):old_pages]
+        self._ledger.defer_free(np.where(gone > 0, gone, -1).astype(np.int32), seq.seq_id)
+        rows.set_ncommit(r, len(nodes))
+        rows.restore(r, keep, num_tokens, min(rows.num_known(r), num_tokens))
+        rows.write_row(seq, np.where(table[:, :keep] > 0, table[:, :keep], -1))
+        self._stats.num_truncated_tokens += old - num_tokens
+        return True
+
+    def _evict(self, victims: list[BlockNode], chain: list[BlockNode]) -> None:
+        """Arena: cached pages where the truncated sequence writes again, moved out of its way
+        (down a tier, else dropped); ``chain``: the pages it keeps (never made room for)."""
+        victims = [n for n in victims if n.alive and n.level is D]
+        if victims:
+            self._arena.evict_in_the_way(victims, chain)
+
+    def _own_in_place(self, seq: Sequence, node: BlockNode, j: int) -> bool:
+        """Whether the committed page ``j`` can become the sequence's private page as it is:
+        only this sequence holds it, it is on the device, and (arena) it is at ``base + j``."""
+        if node.refcount != 1 or node.level is not D:
+            return False
+        if self._arena is None:
+            return True
+        place = self._arena.place(seq, np.array([j]))
+        return all(int(node.slots[g]) == int(s[0]) for g, s in place.items())
+
+    def _take_cut(self, node: BlockNode, copy_to: np.ndarray | None) -> np.ndarray:
+        """The private page ``[G]`` that replaces committed ``node`` (already released by this
+        holder): a copy, or the node's own page taken out of the prefix tree."""
+        if copy_to is not None:
+            for g in range(copy_to.shape[0]):
+                if node.slots[g] >= 0:
+                    self._storage.copy_device_pages(g, node.slots[g:g + 1], copy_to[g])
+            return copy_to[:, 0]
+        for child in list(node.children.values()):
+            self._planner.drop(child)     # unreachable once their parent leaves the tree
+        slots = node.slots.copy()
+        self._tree.remove_subtree(node)
+        return slots

@@ -1,0 +1,213 @@
+"""truncate(seq, n): rolling back the K/V of a sequence's last tokens (issue 37, item 1).
+
+Oracle: the fake model and value checker of ``test_manager.py`` (every cached K/V value of every
+active sequence, read back through its page table, from the arena's reservation on the arena)
+and the manager's invariants, after every operation. The test's shadow of a truncated
+sequence's tokens is cut too, and the tokens written after the cut differ from the dropped
+ones, so a page past the cut that was not freed, or a shared page written through, shows up as
+a wrong value in this sequence or in a sharer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from test_arena_hot import arena_config
+from test_manager import make, tiny_config
+
+from jax_kvcm._types import CacheLevel
+from jax_kvcm.manager import SequenceState, StepInFlightError, SuspendResult
+
+D, H = CacheLevel.DEVICE, CacheLevel.HOST
+
+
+def config(hot: str, **kw):
+    if hot == "paged":
+        return tiny_config(device_pages=kw.pop("device_pages", 40), max_seq_len=64, **kw)
+    return arena_config(device_pages=kw.pop("device_pages", 40), head_dim=128, max_seq_len=64,
+                        max_sequences=8, **kw)
+
+
+def cut(h, seq, n, *, may_refuse=False) -> bool:
+    """truncate and the test's shadow of the sequence's tokens; a refusal (``may_refuse``)
+    must change nothing."""
+    before = (seq.num_tokens, seq.num_known_tokens, seq.page_ids(0).copy())
+    if not h.mgr.truncate(seq, n):
+        assert may_refuse, (seq, n)
+        after = (seq.num_tokens, seq.num_known_tokens, seq.page_ids(0))
+        assert after[:2] == before[:2] and (after[2] == before[2]).all(), (before, after)
+        return False
+    del h.tokens[seq.seq_id][n:]
+    assert seq.num_tokens == n and seq.num_known_tokens <= n
+    return True
+
+
+@pytest.mark.parametrize("hot", ["paged", "arena"])
+def test_a_shared_prefix_survives_a_truncation_of_one_sharer(hot):
+    """a and b share three committed pages; b is cut inside the second: b gets a private copy
+    of that page (a shared page is never written again), writes different tokens after the cut,
+    and a's values, and a newcomer's reuse of the shared pages, stay right."""
+    h = make(config(hot))
+    prompt = list(range(1, 14))                  # 3 full pages of 4 + 1 token
+    a = h.add(prompt)
+    h.run([(a, 13)], as_ids=[True])
+    b = h.add(prompt + [50])
+    assert b.num_reused_tokens == 12
+    h.run([(b, 2)], as_ids=[True])
+    shared = b.page_ids(0)[:3].copy()
+    committed = h.mgr.stats()["num_committed_pages"]
+    if hot == "arena":
+        # b's range starts at its first own page (3): a cut before it cannot be written
+        # again where the layout puts page j; refused, nothing changed.
+        assert not cut(h, b, 6, may_refuse=True)
+        h.check()
+        return
+    cut(h, b, 6)                                 # inside page 1 (tokens 4..7)
+    assert b.page_ids(0)[0] == shared[0] and b.page_ids(0)[1] != shared[1]
+    assert (a.page_ids(0)[:3] == shared).all()
+    h.check()
+    h.run([(b, 9)], as_ids=[True])               # different tokens from position 6 on
+    h.check()
+    c = h.add(prompt + [60])
+    assert c.num_reused_tokens == 12 and (c.page_ids(0)[:3] == shared).all()
+    h.run([(c, 2)], as_ids=[True])
+    h.check()
+    assert h.mgr.stats()["num_committed_pages"] > committed   # b's new pages commit again
+    assert h.mgr.stats()["num_truncated_tokens"] == 14 - 6
+
+
+@pytest.mark.parametrize("hot", ["paged", "arena"])
+def test_a_page_only_it_holds_is_uncommitted_in_place(hot):
+    """a alone: cut inside its last committed page, that page becomes private where it is (no
+    copy), leaves the prefix tree (a newcomer no longer reuses it), and what a writes next is
+    read back right."""
+    h = make(config(hot))
+    a = h.add(list(range(1, 10)))
+    h.run([(a, 9)], as_ids=[True])
+    h.run([(a, 4)], as_ids=[True])               # 13 tokens: pages 0-2 committed
+    pages = a.page_ids(0).copy()
+    cut(h, a, 10)
+    assert (a.page_ids(0)[:3] == pages[:3]).all() and a.num_pages == 3
+    h.check()
+    b = h.add(h.tokens[a.seq_id][:12] + [99])
+    assert b.num_reused_tokens == 8              # pages 0 and 1; page 2 is a's own now
+    h.run([(a, 5), (b, 5)], as_ids=[True, True])
+    h.check()
+
+
+def test_truncate_refusals_change_nothing(tmp_path):
+    """Out-of-range counts, a step in flight, a suspended sequence: errors naming the cause,
+    and the sequence as it was."""
+    h = make(config("paged", host_pages=16))
+    a = h.add(list(range(1, 10)))
+    h.run([(a, 9)], as_ids=[True])
+    before = (a.num_tokens, a.page_ids(0).copy())
+    for bad, err in ((10, ValueError), (-1, ValueError), (2.0, TypeError)):
+        with pytest.raises(err, match="num_tokens"):
+            h.mgr.truncate(a, bad)
+    batch, spans = h.prepare([(a, 1)], [True])
+    with pytest.raises(StepInFlightError, match="truncate"):
+        h.mgr.truncate(a, 3)
+    h.mgr.complete_step(h.write(batch, spans))
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    with pytest.raises(ValueError, match="suspended"):
+        h.mgr.truncate(a, 3)
+    assert h.mgr.resume(a)
+    assert a.num_tokens == before[0] + 1 and (a.page_ids(0)[:3] == before[1][:3]).all()
+    h.check()
+
+
+def test_a_window_refuses_a_cut_before_its_retained_pages():
+    """A sliding-window group released the pages before its window: a cut that needs them
+    again is refused (ValueError naming the first retained token), nothing changed; a cut
+    inside the window works."""
+    h = make(tiny_config(device_pages=40, max_seq_len=64, windows=(None, 8)))
+    a = h.add(list(range(1, 30)))
+    h.run([(a, 29)], as_ids=[True])
+    before = [a.page_ids(g).copy() for g in (0, 1)]
+    with pytest.raises(ValueError, match="sliding window of layer group 1"):
+        h.mgr.truncate(a, 10)
+    assert a.num_tokens == 29 and all((a.page_ids(g) == before[g]).all() for g in (0, 1))
+    h.check()
+    cut(h, a, 27)                                # the window still holds page 5
+    h.check()
+    h.run([(a, 6)], as_ids=[True])
+    h.check()
+
+
+@pytest.mark.parametrize("hot", ["paged", "arena"])
+def test_random_truncations_keep_every_value(hot, tmp_path):
+    """Random steps, truncations, closes, suspends and resumes over prompts with shared
+    prefixes, on a host and a disk tier; every value and the invariants after each operation.
+    Prints its seed (TRUNCATE_SEED=N repeats a run)."""
+    seed = int(os.environ.get("TRUNCATE_SEED", np.random.default_rng().integers(1 << 30)))
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    h = make(config(hot, device_pages=48, host_pages=24, disk_dir=str(tmp_path),
+                    disk_pages=48))
+    prefixes = [list(rng.integers(0, 40, size=int(rng.integers(4, 14)))) for _ in range(3)]
+    live = []
+    ops = {"add": 0, "step": 0, "truncate": 0, "close": 0, "suspend": 0, "resume": 0,
+           "refused": 0}
+    for i in range(400):
+        op = rng.choice(["add", "step", "step", "truncate", "truncate", "close", "suspend",
+                         "resume"])
+        active = [s for s in live if s.state is SequenceState.ACTIVE]
+        try:
+            if op == "add" and len(live) < 5:
+                p = prefixes[int(rng.integers(3))]
+                s = h.add([int(t) for t in p] + [int(t) for t in rng.integers(0, 40, size=2)])
+                live.append(s)
+                h.run([(s, len(h.tokens[s.seq_id]) - s.num_tokens)], as_ids=[True])
+            elif op == "step" and active:
+                pick = [s for s in active if s.num_tokens < 56][:3]
+                if pick:
+                    h.run([(s, int(rng.integers(1, 7))) for s in pick],
+                          as_ids=[bool(rng.integers(0, 4)) for _ in pick])
+            elif op == "truncate" and active:
+                s = active[int(rng.integers(len(active)))]
+                n = int(rng.integers(max(0, s.num_tokens - 12), s.num_tokens + 1))
+                if not cut(h, s, n, may_refuse=hot == "arena"):
+                    ops["refused"] += 1
+            elif op == "close" and live:
+                s = live.pop(int(rng.integers(len(live))))
+                h.mgr.close(s)
+            elif op == "suspend" and active:
+                h.mgr.suspend(active[int(rng.integers(len(active)))])
+            elif op == "resume":
+                sus = [s for s in live if s.state is SequenceState.SUSPENDED]
+                if sus:
+                    h.mgr.resume(sus[0])
+            else:
+                continue
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"seed={seed} operation {i} ({op}) failed: {e!r}") from e
+        ops[op] += 1
+        try:
+            h.check()
+        except AssertionError as e:
+            raise AssertionError(f"seed={seed} after operation {i} ({op}): {e}") from e
+    print(ops)
+    assert ops["truncate"] - ops["refused"] > 20 and ops["step"] > 30, ops
+
+
+@pytest.mark.parametrize("hot", ["paged", "arena"])
+def test_a_cut_inside_an_adopted_page_copies_it(hot):
+    """a and b run the same prompt in one step: b adopts a's committed pages (its own copies
+    are freed). Cut inside one of them, b gets a private copy in its own slot (on an arena at
+    ``base + j``, through the codec and a device scratch region); a's page is never written."""
+    h = make(config(hot))
+    prompt = list(range(1, 14))
+    a, b = h.add(prompt), h.add(prompt)
+    h.run([(a, 13), (b, 13)], as_ids=[True, True])
+    assert (b.page_ids(0)[:3] == a.page_ids(0)[:3]).all()   # adopted
+    h.check()
+    assert cut(h, b, 6)
+    assert b.page_ids(0)[1] != a.page_ids(0)[1] and b.page_ids(0)[0] == a.page_ids(0)[0]
+    h.check()                                    # b's copy holds tokens 4, 5 of the page
+    h.run([(b, 10)], as_ids=[True])
+    h.check()
+    h.run([(a, 3)], as_ids=[True])
+    h.check()
