@@ -64,7 +64,7 @@ PREFIXES = ((), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (9, 9, 9, 9), (1, 2, 3, 
 WINDOWS = (1, 3, 4, 6, 9, 13, 17)
 OPS = {  # operation -> weight
     "add": 10, "step": 40, "failed_step": 4, "cancel": 5, "suspend": 6, "resume": 7,
-    "close": 5, "compact": 2, "disk_faults": 2, "observer": 1,
+    "close": 5, "compact": 2, "disk_faults": 2, "observer": 1, "truncate": 5,
 }
 MAX_OPEN = 8
 MAX_SEQ_LEN = 48
@@ -401,6 +401,31 @@ class RandomRun:
         if seqs:
             self.mgr.close(self.pick(seqs))
             self.counts["closed"] += 1
+
+    def op_truncate(self) -> None:
+        """Rolls back up to 8 tokens of an active sequence; a refusal (False, or ValueError for
+        a cut a sliding window cannot serve) must change nothing."""
+        seqs = self.seqs(SequenceState.ACTIVE)
+        if not seqs:
+            return
+        s = self.pick(seqs)
+        n = int(self.rng.integers(max(0, s.num_tokens - 8), s.num_tokens + 1))
+        before = self.snapshot([s])
+        state = _state(self.h)
+        try:
+            done = self.mgr.truncate(s, n)
+        except ValueError as e:
+            if "sliding window" not in str(e):
+                raise
+            done = False
+        if not done:
+            self.counts["refused_truncate"] += 1
+            self.same([s], before, "a refused truncation")
+            if _state(self.h) != state:
+                raise RunFailure("a refused truncation changed the manager's state")
+            return
+        del self.h.tokens[s.seq_id][n:]
+        self.counts["truncated"] += 1
 
     def op_compact(self) -> None:
         seqs = self.seqs()

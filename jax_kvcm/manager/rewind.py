@@ -63,7 +63,8 @@ class Rewinder:
         if not 0 <= num_tokens <= old:
             raise ValueError(f"num_tokens: {num_tokens} is outside [0, {old}] (the sequence's "
                              "tokens)")
-        if num_tokens == old:
+        if num_tokens == old:  # only ids known past the end (a prompt not yet written) go
+            rows.restore(r, rows.num_pages(r), old, min(rows.num_known(r), old))
             return True
         wr = rows.row_wrel(r)
         if rows.win is not None and (wr > rows.wrel_at(num_tokens)).any():
@@ -76,7 +77,11 @@ class Rewinder:
         cut = whole if whole < keep and whole < len(nodes) else None
         in_place = cut is not None and self._own_in_place(seq, nodes[cut], cut)
         in_way: list[BlockNode] = []
-        if self._arena is not None:
+        if self._arena is not None and cut is not None and not in_place \
+                and not self._arena.bound(seq):  # the copy goes into the range it binds now
+            if not self._arena.bind(seq, nodes[:whole]):
+                return False
+        if self._arena is not None and self._arena.bound(seq):
             found = self._arena.rewritable_from(seq, whole)
             if found is None:
                 return False
@@ -124,6 +129,8 @@ class Rewinder:
             return False
         if self._arena is None:
             return True
+        if not self._arena.bound(seq):
+            return False
         place = self._arena.place(seq, np.array([j]))
         return all(int(node.slots[g]) == int(s[0]) for g, s in place.items())
 
