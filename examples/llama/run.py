@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=count(0), default=0, metavar="N", help="sampling seed (default: %(default)s)")
     a("--json", action="store_true",
       help="one JSON object per request, then one with the KV report (default: text)")
+    a("--speculate", choices=["none", "ngram"], default="none",
+      help="ngram: speculative decoding by prompt lookup (drafts from the request's own "
+           "tokens, verified in one step, rejected ones rolled back; greedy output unchanged; "
+           "requests run in lockstep, max_batch at a time, without preemption) "
+           "(default: %(default)s)")
+    a("--num-draft-tokens", type=count(1), default=4, metavar="K",
+      help="drafts per step with --speculate ngram (default: %(default)s)")
     add_engine_args(p)
     return p
 
@@ -302,6 +309,8 @@ def main(argv=None) -> int:
             print(f"  text: {tokenizer.decode(out.generated_ids)!r}")
         sys.stdout.flush()
 
+    if args.speculate == "ngram":
+        return _speculate(parser, args, params, config, cfg, prompts, emit, tmp)
     try:
         server = serve.Server(params, config, cfg)
         requests = [serve.Request(p, args.max_new_tokens, temperature=args.temperature,
@@ -323,6 +332,30 @@ def main(argv=None) -> int:
         print(json.dumps({"kv_report": report}))
     else:
         print("\n" + format_report(report))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+def _speculate(parser, args, params, config, cfg, prompts, emit, tmp) -> int:
+    """``--speculate ngram``: the requests through examples/llama/speculate.py."""
+    from .speculate import SpeculativeGenerator
+    try:
+        gen = SpeculativeGenerator(params, config, cfg, num_draft_tokens=args.num_draft_tokens)
+        requests = [serve.Request(p, args.max_new_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, seed=args.seed) for p in prompts]
+        for out in gen.generate(requests):
+            emit(out)
+    except ValueError as e:
+        parser.error(str(e))
+    st = gen.stats
+    rate = st["accepted"] / st["drafted"] if st["drafted"] else 0.0
+    if args.json:
+        print(json.dumps({"speculation_report": {**st, "acceptance_rate": rate}}))
+    else:
+        print(f"\nspeculation: {st['generated']} tokens in {st['steps']} verify steps, "
+              f"{st['accepted']} of {st['drafted']} drafts accepted ({rate:.0%})")
+    gen.manager.shutdown()
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -1,0 +1,222 @@
+"""Speculative decoding by prompt lookup on the KV-cache manager: n-gram drafts from a sequence's
+own tokens (no draft model), ``k`` verified at a time in one ragged step, the rejected ones
+rolled back with :meth:`KVCacheManager.truncate`.
+
+One step of a sequence feeds ``[last] + drafts`` (``last``: its newest token, not yet in the
+cache) and takes the logits of every fed position: position ``i`` predicts the token after
+``drafts[:i]``. Greedy: the longest prefix of drafts equal to the predictions is accepted and the
+prediction after it is the next token, so the output equals plain greedy decoding token for
+token. Sampling: :func:`accept_sampled`, the speculative sampling rule for a proposal that is
+one token (a point mass), so the output follows the model's own distribution. Either way the
+K/V of the rejected drafts is truncated before the next step.
+
+- :func:`propose_ngram`: the drafts (the tokens that followed the latest earlier occurrence of the
+  context's last ``n`` tokens, ``n`` from ``max_ngram`` down to 1);
+- :func:`accept_greedy`, :func:`accept_sampled`: how many drafts a step keeps, and the next token;
+- :class:`SpeculativeGenerator`: a batch of requests generated in lockstep (no preemption: the
+  device pages must hold them; a simple loop for the example, next to the continuous-batching
+  :class:`~examples.llama.scheduler.Server`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvcm import KVCacheManager
+
+from . import model as llama
+from .serve_types import Request, RequestOutput, ServeConfig, kv_cache_config
+from .step import model_caches
+
+__all__ = ["SpeculativeGenerator", "accept_greedy", "accept_sampled", "propose_ngram"]
+
+
+def propose_ngram(context: Sequence[int], k: int, max_ngram: int = 3) -> list[int]:
+    """Up to ``k`` draft tokens: for ``n = max_ngram .. 1``, the latest earlier occurrence of the
+    context's last ``n`` tokens, and the tokens that followed it; ``[]`` when none matches."""
+    ctx = list(context)
+    for n in range(min(max_ngram, len(ctx) - 1), 0, -1):
+        tail = ctx[-n:]
+        for start in range(len(ctx) - n - 1, -1, -1):
+            if ctx[start:start + n] == tail:
+                return ctx[start + n:start + n + k]
+    return []
+
+
+def accept_greedy(drafts: Sequence[int], preds: Sequence[int]) -> tuple[int, int]:
+    """``(accepted, next_token)``: ``preds[i]`` is the greedy token after ``drafts[:i]``
+    (``len(preds) == len(drafts) + 1``)."""
+    a = 0
+    while a < len(drafts) and int(preds[a]) == int(drafts[a]):
+        a += 1
+    return a, int(preds[a])
+
+
+def accept_sampled(probs: np.ndarray, drafts: Sequence[int],
+                   rng: np.random.Generator) -> tuple[int, int]:
+    """``(accepted, next_token)`` by speculative sampling with a point-mass proposal:
+    ``probs [len(drafts) + 1, V]`` the model's distributions at the fed positions. Draft ``i``
+    is kept with probability ``p_i(d_i)``; at the first rejection the token is drawn from
+    ``p_i`` without ``d_i`` (``max(p - q, 0)`` renormalized); after every draft is kept, from
+    ``p_k``. Each output token is distributed as ``p`` given the tokens before it."""
+    for i, d in enumerate(drafts):
+        p = probs[i]
+        if rng.random() < p[d]:
+            continue
+        rest = p.astype(np.float64).copy()
+        rest[d] = 0.0
+        total = rest.sum()
+        if total <= 0.0:  # p was a point mass on d after all (rounding): keep it
+            continue
+        return i, int(rng.choice(rest.size, p=rest / total))
+    p = probs[len(drafts)].astype(np.float64)
+    return len(drafts), int(rng.choice(p.size, p=p / p.sum()))
+
+
+class SpeculativeGenerator:
+    """Greedy or sampled generation with prompt-lookup drafts (see the module doc).
+
+    ``serve``: the manager's shape (pages, ``max_batch``, ``max_tokens_per_step``, which must
+    hold ``max_batch x (num_draft_tokens + 1)`` tokens); ``num_draft_tokens``: ``k``."""
+
+    def __init__(self, params: Any, config: llama.LlamaConfig, serve: ServeConfig | None = None,
+                 *, num_draft_tokens: int = 4, max_ngram: int = 3) -> None:
+        serve = serve or ServeConfig()
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if serve.max_batch * (num_draft_tokens + 1) > serve.max_tokens_per_step:
+            raise ValueError(f"max_tokens_per_step {serve.max_tokens_per_step} cannot hold "
+                             f"max_batch {serve.max_batch} x (num_draft_tokens "
+                             f"{num_draft_tokens} + 1) tokens")
+        self.params, self.config, self.serve = params, config, serve
+        self.k, self.max_ngram = num_draft_tokens, max_ngram
+        self.kv_config = kv_cache_config(serve, config, config.num_key_value_heads)
+        self.manager = KVCacheManager(self.kv_config)
+        self.rings = tuple(w if g.sliding_window else 0 for g, w in
+                           zip(self.kv_config.layer_groups, self.kv_config.table_widths))
+        self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "generated": 0}
+
+    def _forward(self, work: list[tuple[Any, np.ndarray]]) -> list[np.ndarray]:
+        """One ragged step over ``work`` (``(seq, token ids)``); the float32 logits
+        ``[len(ids), V]`` of every fed token, per item."""
+        mgr = self.manager
+        batch = mgr.prepare_step(work)
+        T = batch.positions.shape[0]
+        tokens = np.zeros(T, np.int32)
+        tokens[:sum(ids.size for _, ids in work)] = np.concatenate([ids for _, ids in work])
+        k, v = model_caches(mgr.caches)
+        logits, k, v = llama.forward_step(
+            self.params, k, v, jnp.asarray(tokens), batch.positions, batch.slot_mapping,
+            batch.page_table, batch.seq_lens, batch.query_start, jnp.arange(T, dtype=jnp.int32),
+            config=self.config, rings=self.rings)
+        mgr.complete_step(list(zip(k, v)) if isinstance(k, tuple) else [(k, v)])
+        logits = np.asarray(jax.device_get(logits))
+        qs = np.asarray(batch.query_start)
+        return [logits[qs[b]:qs[b] + ids.size] for b, (_, ids) in enumerate(work)]
+
+    def _prefill(self, seq: Any, prompt: np.ndarray) -> np.ndarray:
+        """Writes the prompt's K/V (past any reused prefix); the last position's logits."""
+        budget = self.serve.max_tokens_per_step
+        pos, logits = seq.num_tokens, None
+        while pos < prompt.size:
+            chunk = prompt[pos:pos + budget]
+            logits = self._forward([(seq, chunk)])[0]
+            pos += chunk.size
+        return logits[-1]  # the manager reuses at most all but the prompt's last token
+
+    def generate(self, requests: Sequence[Request]) -> list[RequestOutput]:
+        """Generates every request, in lockstep waves of at most ``max_batch`` whose pages fit
+        the device pool at their longest (prompt, new tokens and one step's drafts)."""
+        serve, out, wave, pages, first = self.serve, [], [], 0, 0
+        cap = self.manager.device_capacity_pages
+        for i, req in enumerate(requests):
+            need = -(-(len(req.prompt) + req.max_new_tokens + self.k) // serve.page_size)
+            if need > cap:
+                raise ValueError(f"device_pages: request {i} needs {need} pages at its longest, "
+                                 f"the pool has {cap}")
+            if wave and (len(wave) == serve.max_batch or pages + need > cap):
+                out.extend(self._generate(wave, first_id=first))
+                wave, pages, first = [], 0, i
+            wave.append(req)
+            pages += need
+        if wave:
+            out.extend(self._generate(wave, first_id=first))
+        return out
+
+    def _next(self, logits: np.ndarray, req: Request, rng: np.random.Generator) -> int:
+        if req.temperature == 0.0:
+            return int(np.argmax(logits))
+        return int(rng.choice(logits.size, p=_softmax(logits, req.temperature)))
+
+    def _generate(self, reqs: list[Request], first_id: int) -> list[RequestOutput]:
+        mgr, eos_default = self.manager, set(self.config.eos_token_ids)
+        state = []
+        for j, req in enumerate(reqs):
+            if req.temperature > 0.0 and req.top_p < 1.0:
+                raise ValueError("top_p: speculative sampling here samples the full "
+                                 "distribution (top_p must be 1.0)")
+            prompt = np.asarray(req.prompt, np.int32)
+            seq = mgr.add_sequence(prompt)
+            rng = np.random.default_rng(req.seed)
+            hit = seq.num_reused_tokens
+            first = self._next(self._prefill(seq, prompt), req, rng)
+            eos = set(req.eos_token_ids) if req.eos_token_ids is not None else eos_default
+            state.append(dict(req=req, seq=seq, rng=rng, gen=[first], eos=eos, hit=hit,
+                              prompt=[int(t) for t in prompt], id=first_id + j))
+        live = [s for s in state if not self._done(s)]
+        while live:
+            work, drafts = [], []
+            for s in live:
+                room = s["req"].max_new_tokens - len(s["gen"])
+                d = propose_ngram(s["prompt"] + s["gen"], min(self.k, room - 1), self.max_ngram)
+                drafts.append(d)
+                work.append((s["seq"], np.asarray([s["gen"][-1]] + d, np.int32)))
+            for s, d, logits in zip(live, drafts, self._forward(work)):
+                req = s["req"]
+                if req.temperature == 0.0:
+                    a, nxt = accept_greedy(d, np.argmax(logits, axis=-1))
+                else:
+                    a, nxt = accept_sampled(_softmax(logits, req.temperature), d, s["rng"])
+                seq = s["seq"]
+                if not mgr.truncate(seq, seq.num_tokens - (len(d) - a)):  # rejected drafts' K/V
+                    raise RuntimeError(f"request {s['id']}: the manager refused to roll back "
+                                       f"{len(d) - a} rejected drafts (an arena range another "
+                                       "sequence reads)")
+                s["gen"].extend(d[:a] + [nxt])
+                self.stats["drafted"] += len(d)
+                self.stats["accepted"] += a
+            self.stats["steps"] += 1
+            live = [s for s in live if not self._done(s)]
+        outs = []
+        for s in state:
+            gen, reason = self._trim(s)
+            self.stats["generated"] += len(gen)
+            mgr.close(s["seq"])
+            outs.append(RequestOutput(request_id=s["id"], prompt_ids=s["prompt"],
+                                      generated_ids=gen, finish_reason=reason,
+                                      prefix_hit_tokens=s["hit"]))
+        return outs
+
+    @staticmethod
+    def _done(s: dict) -> bool:
+        return len(s["gen"]) >= s["req"].max_new_tokens or any(t in s["eos"] for t in s["gen"])
+
+    @staticmethod
+    def _trim(s: dict) -> tuple[list[int], str]:
+        gen = s["gen"]
+        for i, t in enumerate(gen):
+            if t in s["eos"]:
+                return gen[:i + 1], "eos"
+        return gen[:s["req"].max_new_tokens], "length"
+
+
+def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    z = logits.astype(np.float64) / temperature
+    z -= z.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    return p / p.sum(axis=-1, keepdims=True)
