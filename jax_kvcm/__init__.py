@@ -43,8 +43,8 @@ from jax_kvcm._disk_tier import CorruptPageError, UnreadablePageError
 from jax_kvcm._step_batch import StepBatch
 from jax_kvcm._types import CacheLevel
 from jax_kvcm.manager import (ArenaHot, KVCacheConfig, KVCacheManager, LayerGroupConfig,
-                              OutOfPagesError, PagedHot, Sequence, SequencePhase, SequenceState,
-                              SequenceView, StepInFlightError, SuspendResult)
+                              OutOfPagesError, PagedHot, Sequence, SequenceExport, SequencePhase,
+                              SequenceState, SequenceView, StepInFlightError, SuspendResult)
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "OutOfPagesError",
     "PagedHot",
     "Sequence",
+    "SequenceExport",
     "SequencePhase",
     "SequenceState",
     "SequenceView",

@@ -52,6 +52,7 @@ from jax_kvcm._slots import SlotAllocator
 from jax_kvcm._staging_ring import StagingRing, staging_ring_capacity
 from jax_kvcm._storage_config import (LayerGroupSpec, StorageConfig, StorageEvent, StorageStats,
                                       cold_grouping, validate_batching)
+from jax_kvcm._page_io import PageIO
 from jax_kvcm._transfers import TransferPaths
 from jax_kvcm._types import (CacheLevel, LayerGroupLayout, PoolGroupIndex, PoolLayout,
                              check_count)
@@ -71,7 +72,7 @@ __all__ = [
 _D = CacheLevel.DEVICE
 
 
-class StorageManager(TransferPaths):
+class StorageManager(TransferPaths, PageIO):
     """See the module docstring. ``cold_page_codec`` is consumed whether construction succeeds or
     fails; with none, the default :class:`ConcatCodec` is created (and still configured and
     validated when no cold tier exists)."""

@@ -194,8 +194,9 @@ class RandomRun:
     def prompt(self) -> list[int]:
         rng = self.rng
         prefix = list(PREFIXES[int(rng.integers(0, len(PREFIXES)))])
-        if rng.random() < 0.25 and self.h.tokens:  # a prompt that extends an earlier sequence's
-            toks = self.h.tokens[self.pick(list(self.h.tokens))]
+        seen = [t for t in self.h.tokens.values() if t]  # (truncations may empty one)
+        if rng.random() < 0.25 and seen:  # a prompt that extends an earlier sequence's
+            toks = self.pick(seen)
             prefix = list(toks[:int(rng.integers(1, len(toks) + 1))])[:MAX_SEQ_LEN - 12]
         alphabet = int(rng.choice([4, 50]))
         return prefix + rng.integers(0, alphabet, int(rng.integers(1, 12))).tolist()

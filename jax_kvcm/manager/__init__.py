@@ -42,6 +42,7 @@ from jax_kvcm.manager.api import (ManagerEvent, OutOfPagesError, Sequence, Seque
                                   SuspendResult)
 from jax_kvcm.manager.config import ArenaHot, KVCacheConfig, LayerGroupConfig, PagedHot
 from jax_kvcm.manager.facade import KVCacheManager
+from jax_kvcm.manager.handoff import SequenceExport
 
 __all__ = [
     "ArenaHot",
@@ -52,6 +53,7 @@ __all__ = [
     "OutOfPagesError",
     "PagedHot",
     "Sequence",
+    "SequenceExport",
     "SequencePhase",
     "SequenceState",
     "SequenceView",

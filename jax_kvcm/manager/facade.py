@@ -20,6 +20,7 @@ from jax_kvcm.manager.api import (Sequence, SequencePhase, SequenceState, Sequen
 from jax_kvcm.manager.arena_room import ArenaRoom, arena_specs
 from jax_kvcm.manager.committer import Committer
 from jax_kvcm.manager.config import KVCacheConfig
+from jax_kvcm.manager.handoff import Handoff, SequenceExport
 from jax_kvcm.manager.invariants import COUNT_KEYS, Invariants
 from jax_kvcm.manager.ledger import StepLedger
 from jax_kvcm.manager.lifecycle import Lifecycle
@@ -83,6 +84,8 @@ class KVCacheManager:
                                     None if arena is None else arena.on_commit)
         self._life = Lifecycle(config, self.storage, self.tree, self._rows, self._ledger,
                                self._planner, self._stats, emit, self._settle, arena)
+        self._handoff = Handoff(config, self.storage, self.tree, self._rows, self._planner,
+                                self._committer, arena)
         self._rewind = Rewinder(self.storage, self.tree, self._rows, self._ledger,
                                 self._planner, self._stats, self._life.drop_hold, arena)
         self._steps = StepRunner(config, self.storage, self._rows, self._ledger, self._planner,
@@ -219,6 +222,27 @@ class KVCacheManager:
                 raise StepInFlightError("truncate: a step is in flight: call complete_step "
                                         "first")
             return self._rewind.truncate(seq, check_count(num_tokens, "num_tokens", minimum=0))
+
+    def export_sequence(self, seq: Sequence, model_id: str = "") -> SequenceExport:
+        """An ACTIVE sequence's K/V as bytes for another manager (disaggregated prefill): its
+        token ids, layout and, per layer group, its pages ``uint8 [n, bytes]`` with a CRC-32
+        each (see :mod:`jax_kvcm.manager.handoff`). Copies through the host tier (needs
+        ``host_bytes``); the sequence is unchanged. Example:
+        ``exp = mgr.export_sequence(seq, "llama-8b")``."""
+        with self._lock:
+            self._check_seq(seq, SequenceState.ACTIVE)
+            self._ledger.need_pools("export_sequence")
+            return self._handoff.export(seq, model_id)
+
+    def import_sequence(self, export: SequenceExport, model_id: str = "") -> Sequence | None:
+        """A new ACTIVE sequence holding ``export``'s K/V, ready to decode (its full pages
+        committed, so later prompts reuse them); None when the device has no room. A mismatch
+        (model id, page size, layout, codec, a checksum) raises ValueError naming it, and
+        nothing changes. Example: ``seq = mgr.import_sequence(exp, "llama-8b")``."""
+        with self._lock:
+            self._check_open()
+            self._ledger.need_pools("import_sequence")
+            return self._handoff.import_(export, model_id)
 
     # -- steps -----------------------------------------------------------------------------------
 
