@@ -87,8 +87,9 @@ class SpeculativeGenerator:
     def __init__(self, params: Any, config: llama.LlamaConfig, serve: ServeConfig | None = None,
                  *, num_draft_tokens: int = 4, max_ngram: int = 3) -> None:
         serve = serve or ServeConfig()
-        if num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0 (0: plain decoding), got "
+                             f"{num_draft_tokens}")
         if serve.max_batch * (num_draft_tokens + 1) > serve.max_tokens_per_step:
             raise ValueError(f"max_tokens_per_step {serve.max_tokens_per_step} cannot hold "
                              f"max_batch {serve.max_batch} x (num_draft_tokens "
@@ -153,21 +154,32 @@ class SpeculativeGenerator:
             return int(np.argmax(logits))
         return int(rng.choice(logits.size, p=_softmax(logits, req.temperature)))
 
+    def start(self, req: Request, request_id: int) -> dict[str, Any]:
+        """Admits and prefills one request; its state for :meth:`finish` (``"seq"``: its
+        sequence, ``"gen"``: ``[first generated token]``, not yet in the cache)."""
+        if req.temperature > 0.0 and req.top_p < 1.0:
+            raise ValueError("top_p: speculative sampling here samples the full "
+                             "distribution (top_p must be 1.0)")
+        prompt = np.asarray(req.prompt, np.int32)
+        seq = self.manager.add_sequence(prompt)
+        rng = np.random.default_rng(req.seed)
+        first = self._next(self._prefill(seq, prompt), req, rng)
+        return self.state_of(req, request_id, seq, first, seq.num_reused_tokens, rng)
+
+    def state_of(self, req: Request, request_id: int, seq: Any, first: int, hit: int = 0,
+                 rng: np.random.Generator | None = None) -> dict[str, Any]:
+        """The state of a prefilled sequence (e.g. imported from a prefill engine)."""
+        eos = (set(req.eos_token_ids) if req.eos_token_ids is not None
+               else set(self.config.eos_token_ids))
+        return dict(req=req, seq=seq, rng=rng or np.random.default_rng(req.seed), gen=[first],
+                    eos=eos, hit=hit, prompt=[int(t) for t in req.prompt], id=request_id)
+
     def _generate(self, reqs: list[Request], first_id: int) -> list[RequestOutput]:
-        mgr, eos_default = self.manager, set(self.config.eos_token_ids)
-        state = []
-        for j, req in enumerate(reqs):
-            if req.temperature > 0.0 and req.top_p < 1.0:
-                raise ValueError("top_p: speculative sampling here samples the full "
-                                 "distribution (top_p must be 1.0)")
-            prompt = np.asarray(req.prompt, np.int32)
-            seq = mgr.add_sequence(prompt)
-            rng = np.random.default_rng(req.seed)
-            hit = seq.num_reused_tokens
-            first = self._next(self._prefill(seq, prompt), req, rng)
-            eos = set(req.eos_token_ids) if req.eos_token_ids is not None else eos_default
-            state.append(dict(req=req, seq=seq, rng=rng, gen=[first], eos=eos, hit=hit,
-                              prompt=[int(t) for t in prompt], id=first_id + j))
+        return self.finish([self.start(req, first_id + j) for j, req in enumerate(reqs)])
+
+    def finish(self, state: list[dict[str, Any]]) -> list[RequestOutput]:
+        """Decodes the started requests in lockstep to their end; closes their sequences."""
+        mgr = self.manager
         live = [s for s in state if not self._done(s)]
         while live:
             work, drafts = [], []

@@ -107,7 +107,7 @@ def test_bad_settings_are_refused(params):
         SpeculativeGenerator(params, CONFIG, ServeConfig(max_batch=8, max_tokens_per_step=16),
                              num_draft_tokens=4)
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpeculativeGenerator(params, CONFIG, num_draft_tokens=0)
+        SpeculativeGenerator(params, CONFIG, num_draft_tokens=-1)
     gen = SpeculativeGenerator(params, CONFIG, ServeConfig(max_batch=2, max_tokens_per_step=16))
     with pytest.raises(ValueError, match="top_p"):
         gen.generate([Request(prompt=[1, 2, 3], temperature=0.7, top_p=0.9)])
