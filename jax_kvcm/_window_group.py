@@ -67,7 +67,7 @@ class WindowGroups(GroupTables):
     kind = "window"
 
     def __init__(self, ids: list[int], windows: list[int], page_size: int, max_pages: int,
-                 max_chunk: int, ring: bool, num_groups: int) -> None:
+                 max_chunk: int, ring: bool, num_groups: int, slack: int = 0) -> None:
         widths = [ring_width(w, page_size, max_chunk, max_pages) if ring else max_pages
                   for w in windows]
         super().__init__(ids, widths)
@@ -77,6 +77,7 @@ class WindowGroups(GroupTables):
         self.window_of = np.zeros(num_groups, np.int64)  # [G]: 0 for other kinds
         self.window_of[self.ids] = self.windows
         self.num_groups = num_groups
+        self.slack = slack  # tokens kept beyond each window (KVCacheConfig.rollback_tokens)
         self._one_holder = [int(w > 0) for w in self.window_of]
         self.wrel = np.zeros((len(ids), 0), np.int64)
         # NOTE: wlru[g]: referenced device nodes whose page of group g no holder's window covers
@@ -107,6 +108,12 @@ class WindowGroups(GroupTables):
         return np.where(self.window_of > 0,
                         np.maximum(0, (num_tokens + 1 - self.window_of) // self.tpp), 0)
 
+    def needed_from(self, num_tokens: int) -> np.ndarray:
+        """``[G]``: the first page a sequence of ``num_tokens`` tokens attends to (its window
+        without the rollback slack; 0 outside window groups)."""
+        return np.where(self.window_of > 0, np.maximum(
+            0, (num_tokens + 1 - self.window_of + self.slack) // self.tpp), 0)
+
     def row_wrel(self, row: int) -> np.ndarray:
         """``[G]``: the pages released so far by ``row`` (0 outside window groups)."""
         out = np.zeros(self.num_groups, np.int64)
@@ -116,11 +123,15 @@ class WindowGroups(GroupTables):
     def view(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
         return np.where(j[None] >= self.wrel[:, rows], self.slots(rows, j), 0)
 
-    def write_row(self, row: int, slots: np.ndarray, num_tokens: int) -> None:
+    def write_row(self, row: int, slots: np.ndarray, num_tokens: int,
+                  released: np.ndarray | None = None) -> None:
         """The row of a sequence of ``num_tokens`` tokens whose pages are ``slots [K, n]``
-        (``NO_PAGE`` / 0: none): only the pages its windows still cover are entered."""
+        (``NO_PAGE`` / 0: none): only the pages its windows still cover are entered.
+        ``released`` (``[G]``): pages the row already released stay released (a truncation)."""
         super().clear_row(row)
         wr = self.wrel_at(num_tokens)[self.ids]
+        if released is not None:
+            wr = np.maximum(wr, released[self.ids])
         self.wrel[:, row] = wr
         n = slots.shape[1]
         for k in range(len(self)):
@@ -306,7 +317,9 @@ class WindowGroups(GroupTables):
     def check_row(self, row: int, num_tokens: int, num_pages: int, want: np.ndarray) -> None:
         """Invariants of an ACTIVE row: ``want [K, num_pages]`` its pages (0 where released)."""
         wr = self.wrel[:, row]
-        assert np.array_equal(wr, self.wrel_at(num_tokens)[self.ids]), (row, wr)
+        # NOTE: more than wrel_at only after a truncation, never into the window itself
+        assert (wr >= self.wrel_at(num_tokens)[self.ids]).all(), (row, wr)
+        assert (wr <= self.needed_from(num_tokens)[self.ids]).all(), (row, wr)
         for k in range(len(self)):
             # NOTE: the bound on what a windowed sequence holds, and the ring.
             held = num_pages - wr[k]

@@ -16,14 +16,15 @@ page's CRC-32, so bytes damaged in transit are refused.
 Addresses are ``host:port`` (default ``127.0.0.1:0``: loopback, a free port). An offer is
 served once: ``fetch`` pulls it, and the sender then drops it (:meth:`KVSender.forget`). The
 sender must stay up until the pull is done: a pull from a sender that went away does not return
-(the transfer server has no timeout), so a caller that cannot trust its peer runs ``fetch`` on a
-thread it can abandon.
+(the transfer server has no timeout): ``fetch(ticket, timeout=...)`` gives up with TimeoutError,
+and nothing was imported.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 from typing import Any
 
 import jax
@@ -74,8 +75,11 @@ class KVReceiver:
         self._server, self._device = _server(address, device)
         self._conns: dict[str, Any] = {}
 
-    def fetch(self, ticket: dict[str, Any]) -> SequenceExport:
-        """The export a :meth:`KVSender.offer` ticket names (its pages pulled here)."""
+    def fetch(self, ticket: dict[str, Any], timeout: float | None = None) -> SequenceExport:
+        """The export a :meth:`KVSender.offer` ticket names (its pages pulled here).
+        ``timeout`` (seconds): TimeoutError when the pages have not all arrived by then (a
+        sender that went away); nothing is imported, so the importing manager is untouched
+        (the abandoned pull's thread stays blocked, and its connection is not reused)."""
         addr = str(ticket["address"])
         conn = self._conns.get(addr)
         if conn is None:
@@ -83,5 +87,22 @@ class KVReceiver:
         sharding = jax.sharding.SingleDeviceSharding(self._device)
         specs = [jax.ShapeDtypeStruct(tuple(s), np.uint8, sharding=sharding)
                  for s in ticket["page_shapes"]]
-        arrays = conn.pull(int(ticket["transfer_id"]), specs)
-        return SequenceExport.from_parts(ticket, [np.asarray(a) for a in arrays])
+        box: list[Any] = []
+
+        def pull() -> None:
+            try:
+                box.append([np.asarray(a) for a in conn.pull(int(ticket["transfer_id"]),
+                                                               specs)])
+            except BaseException as e:  # noqa: BLE001  (re-raised in the caller)
+                box.append(e)
+
+        worker = threading.Thread(target=pull, daemon=True, name="kv-fetch")
+        worker.start()
+        worker.join(timeout)
+        if not box:
+            self._conns.pop(addr, None)
+            raise TimeoutError(f"fetch: the pages of transfer {ticket['transfer_id']} from "
+                               f"{addr} did not arrive in {timeout} s (is the sender up?)")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return SequenceExport.from_parts(ticket, box[0])

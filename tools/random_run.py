@@ -132,6 +132,7 @@ class RandomRun:
         else:
             extra = {"offload_ahead_pages": int(rng.choice([0, 0, 4])) if "host" in tiers
                      else 0}
+        rollback = int(rng.choice([0, 0, 4]))   # window slack for truncations
         cfg = tiny_config(device_pages=int(rng.choice([12, 16, 24])),
                           host_pages=int(rng.choice([4, 8])) if "host" in tiers else 0,
                           disk_dir=self.dir if "disk" in tiers else None,
@@ -139,7 +140,7 @@ class RandomRun:
                           windows=windows, same_layout="shared" in layout or hot == "arena",
                           max_batch=4, max_tokens=32, max_seq_len=MAX_SEQ_LEN, tpp=tpp,
                           ring_tables=ring, max_window_chunk=None if chunk is None else int(chunk),
-                          **extra)
+                          rollback_tokens=rollback, **extra)
         const_hash = rng.random() < self.const_hash_p
         kw = {"_hash_fn": (lambda b: b"k")} if const_hash else {}
         kw["record_events"] = False
@@ -149,7 +150,7 @@ class RandomRun:
         self.all_arena = len(cfg.arena_geometries()) == len(cfg.layer_groups)
         self.desc = (f"episode {self.episode}: hot={hot} tpp={tpp} groups={layout} window={w} "
                      f"ring={ring} chunk={chunk} tiers={tiers} device_pages={cfg.device_pages} "
-                     f"const_hash={const_hash}")
+                     f"const_hash={const_hash} rollback={rollback}")
         self.counts[f"episodes_{hot}"] += 1
         self.counts["windowed_episodes"] += any(windows)
         self.counts["ring_episodes"] += ring and any(windows)

@@ -20,6 +20,7 @@ K/V of the rejected drafts is truncated before the next step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,7 +97,10 @@ class SpeculativeGenerator:
                              f"{num_draft_tokens} + 1) tokens")
         self.params, self.config, self.serve = params, config, serve
         self.k, self.max_ngram = num_draft_tokens, max_ngram
-        self.kv_config = kv_cache_config(serve, config, config.num_key_value_heads)
+        # NOTE: window groups keep k tokens more, so rejected drafts can always be rolled back
+        self.kv_config = dataclasses.replace(
+            kv_cache_config(serve, config, config.num_key_value_heads),
+            rollback_tokens=num_draft_tokens)
         self.manager = KVCacheManager(self.kv_config)
         self.rings = tuple(w if g.sliding_window else 0 for g, w in
                            zip(self.kv_config.layer_groups, self.kv_config.table_widths))

@@ -136,6 +136,9 @@ class KVCacheConfig:
     sequence may add in one step when a window group exists (default ``max_tokens_per_step``;
     ``prepare_step`` raises beyond it); the rings are sized for it, so a runner that splits
     prefill into smaller chunks gets smaller rings (and a smaller peak per sequence).
+    ``rollback_tokens``: window groups keep this many tokens beyond their window, so
+    :meth:`KVCacheManager.truncate` can take back that many (speculative decoding's drafts);
+    the rings and peaks grow to match.
 
     Buckets default to powers of two up to the maxima (token buckets start at
     ``tokens_per_page``).
@@ -188,6 +191,7 @@ class KVCacheConfig:
     mesh: jax.sharding.Mesh | None = None
     mesh_axis: str = "tp"
     offload_ahead_pages: int = 0
+    rollback_tokens: int = 0
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -223,6 +227,7 @@ class KVCacheConfig:
             raise TypeError("ring_tables must be a bool")
         s(self, "max_window_chunk", self.max_tokens_per_step if self.max_window_chunk is None
           else check_count(self.max_window_chunk, "max_window_chunk", minimum=1))
+        check_count(self.rollback_tokens, "rollback_tokens", minimum=0)
         self._check_mesh()
         page_bytes = list(self.device_page_bytes())
         if not isinstance(self.hot, (PagedHot, ArenaHot)):
@@ -412,8 +417,14 @@ class KVCacheConfig:
         (and for windows without ``ring_tables``), the ring ``R = ceil((W + C - 2) / P) + 1``
         (``C = max_window_chunk``, at most ``pages_per_seq``) for a window ``W`` with them."""
         P = self.pages_per_seq
-        return tuple(ring_width(g.sliding_window, self.tokens_per_page, self.max_window_chunk, P)
-                     if g.sliding_window and self.ring_tables else P for g in self.layer_groups)
+        return tuple(ring_width(self.kept_window(g), self.tokens_per_page, self.max_window_chunk,
+                                P) if g.sliding_window and self.ring_tables else P
+                     for g in self.layer_groups)
+
+    def kept_window(self, group: LayerGroupConfig) -> int | None:
+        """The tokens a window group keeps behind a sequence's end: its window plus
+        ``rollback_tokens`` (None for full attention)."""
+        return group.sliding_window + self.rollback_tokens if group.sliding_window else None
 
     def max_num_sequences(self, seq_len: int) -> int:
         """How many sequences of ``seq_len`` tokens (clamped to ``max_seq_len``) fit in
@@ -428,5 +439,6 @@ class KVCacheConfig:
         step of ``n = min(seq_len, max_tokens_per_step, max_window_chunk)`` new tokens."""
         pages = -(-seq_len // self.tokens_per_page)
         n = min(seq_len, self.max_tokens_per_step, self.max_window_chunk)
-        return np.asarray([min(pages, window_peak_pages(g.sliding_window, self.tokens_per_page, n))
+        return np.asarray([min(pages, window_peak_pages(self.kept_window(g),
+                                                         self.tokens_per_page, n))
                            if g.sliding_window else pages for g in self.layer_groups], np.int64)

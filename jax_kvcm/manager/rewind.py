@@ -13,7 +13,9 @@
   page other sequences share is never written again;
 - token ids known past ``n`` are forgotten; the sequence commits its pages again as they fill;
 - sliding-window groups: refused (ValueError, nothing changed) when a window already released a
-  page the shorter sequence needs again.
+  page the shorter sequence attends to again; ``KVCacheConfig.rollback_tokens`` keeps that many
+  tokens beyond each window, so cuts of up to that many are always served (pages released
+  before the cut stay released).
 
 Refusals are values (False, nothing changed): the private copy of a shared page finds no device
 page; on an arena, another sequence reads a page at or past the cut where this sequence's range
@@ -67,8 +69,8 @@ class Rewinder:
             rows.restore(r, rows.num_pages(r), old, min(rows.num_known(r), old))
             return True
         wr = rows.row_wrel(r)
-        if rows.win is not None and (wr > rows.wrel_at(num_tokens)).any():
-            g = int(np.argmax(wr > rows.wrel_at(num_tokens)))
+        if rows.win is not None and (wr > rows.win.needed_from(num_tokens)).any():
+            g = int(np.argmax(wr > rows.win.needed_from(num_tokens)))
             raise ValueError(f"num_tokens: {num_tokens} needs pages the sliding window of layer "
                              f"group {g} already released (it holds pages from "
                              f"{int(wr[g])}, tokens from {int(wr[g]) * tpp})")
@@ -111,7 +113,7 @@ class Rewinder:
         self._ledger.defer_free(np.where(gone > 0, gone, -1).astype(np.int32), seq.seq_id)
         rows.set_ncommit(r, len(nodes))
         rows.restore(r, keep, num_tokens, min(rows.num_known(r), num_tokens))
-        rows.write_row(seq, np.where(table[:, :keep] > 0, table[:, :keep], -1))
+        rows.write_row(seq, np.where(table[:, :keep] > 0, table[:, :keep], -1), wr)
         self._stats.num_truncated_tokens += old - num_tokens
         return True
 

@@ -67,9 +67,10 @@ class RowTable:
         wins = [g for g, lg in enumerate(config.layer_groups) if lg.sliding_window]
         #: the group managers: full attention, sliding windows (None when absent)
         self.full = FullGroups(full, [self.pages_per_seq] * len(full)) if full else None
-        self.win = (WindowGroups(wins, [config.layer_groups[g].sliding_window for g in wins],
+        self.win = (WindowGroups(wins, [config.kept_window(config.layer_groups[g]) for g in wins],
                                  self.tpp, self.pages_per_seq, config.max_window_chunk,
-                                 config.ring_tables, G) if wins else None)
+                                 config.ring_tables, G, config.rollback_tokens)
+                    if wins else None)
         self.kinds: list[GroupTables] = [k for k in (self.full, self.win) if k is not None]
         self.widths = np.asarray(config.table_widths, np.int64)
         self.width = int(self.widths.max())  # StepBatch.page_table's last axis
@@ -227,16 +228,18 @@ class RowTable:
         t = self.row_pages(r, len(seq._nodes), self.num_pages(r))
         return np.where(t > 0, t, -1).astype(np.int32)
 
-    def write_row(self, seq: Sequence, slots: np.ndarray) -> None:
+    def write_row(self, seq: Sequence, slots: np.ndarray,
+                  released: np.ndarray | None = None) -> None:
         """Writes the page-table row of an ACTIVE sequence from ``slots [G, npages]`` (-1 ->
-        the null page; window groups enter only the pages their windows still cover)."""
+        the null page; window groups enter only the pages their windows still cover, and
+        ``released [G]`` pages they already released stay released)."""
         r = seq._row
         slots = np.maximum(slots, 0)
         if self.full:
             self.full.clear_row(r)
             self.full.table[:, r, :slots.shape[1]] = slots[self.full.ids]
         if self.win:
-            self.win.write_row(r, slots[self.win.ids], self.num_tokens(r))
+            self.win.write_row(r, slots[self.win.ids], self.num_tokens(r), released)
 
     def wrel_at(self, num_tokens: int) -> np.ndarray:
         """``[G]``: leading window-released pages of a holder of ``num_tokens`` tokens."""

@@ -1,7 +1,8 @@
 """The prefill side of tests/manager/test_handoff.py's two-process handoff: a manager runs a
 prompt (the fake model of test_manager.py writes its K/V), exports the sequence, offers its pages
 on a jax_kvcm.handoff.KVSender and prints the ticket (one JSON line); it stays up until a line
-arrives on stdin (the receiver pulled), then prints OK."""
+arrives on stdin (the receiver pulled), then prints OK. ``--crash``: exits at once after printing
+the ticket, as a sender that dies before the pull."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def main() -> None:
     sender = KVSender()
     ticket = sender.offer(h.mgr.export_sequence(s, "tiny"))
     print(json.dumps(ticket), flush=True)
+    if "--crash" in sys.argv:
+        os._exit(3)              # gone before the receiver pulls
     sys.stdin.readline()
     sender.forget(ticket)
     print("OK handed over", flush=True)

@@ -129,6 +129,48 @@ def test_header_round_trip():
     b.check()
 
 
+def _sender(prompt, *flags):
+    import os
+    import subprocess
+    import sys
+    worker = os.path.join(os.path.dirname(__file__), "handoff_worker.py")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, worker, ",".join(map(str, prompt)), *flags],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_sender_that_dies_before_the_pull_leaves_the_receiver_clean():
+    """The sender exits right after its offer: fetch gives up (TimeoutError, or the
+    transport's error), the importing manager is untouched, and the same receiver then takes
+    a sequence from a live sender."""
+    import json
+
+    from jax_kvcm.handoff import KVReceiver
+    dead = _sender(list(range(3, 16)), "--crash")
+    ticket = json.loads(dead.stdout.readline())
+    dead.wait(timeout=60)
+    b = make(cfg("paged"))
+    before = state(b)
+    receiver = KVReceiver()
+    with pytest.raises(Exception) as e:
+        receiver.fetch(ticket, timeout=5)
+    print("fetch from a dead sender:", repr(e.value))
+    assert state(b) == before
+    live = _sender(list(range(3, 16)))
+    try:
+        exp = receiver.fetch(json.loads(live.stdout.readline()), timeout=60)
+        live.stdin.write("pulled\n")
+        live.stdin.flush()
+    finally:
+        live.stdin.close()
+        live.wait(timeout=60)
+    t = b.mgr.import_sequence(exp, "tiny")
+    b.tokens[t.seq_id] = [int(x) for x in exp.token_ids]
+    b.check()
+
+
 def test_pages_move_between_processes_through_jax_transfer():
     """Two processes: the worker prefills and offers its pages on a KVSender (JAX's transfer
     server, loopback); this one pulls them with a KVReceiver, imports the sequence, and every

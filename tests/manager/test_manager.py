@@ -148,9 +148,10 @@ class Harness:
                 pos = np.arange(n)
                 pages = seq.page_ids(g)
                 if lg.sliding_window:  # pages outside every future query's window: released
-                    first = max(0, (n + 1 - lg.sliding_window) // tpp)
-                    assert (pages[:first] == 0).all() and (pages[first:] > 0).all(), pages
-                    pos = pos[first * tpp:]
+                    first = max(0, (n + 1 - mgr.config.kept_window(lg)) // tpp)
+                    need = max(0, (n + 1 - lg.sliding_window) // tpp)  # (a truncation may
+                    assert (pages[:first] == 0).all() and (pages[need:] > 0).all(), pages
+                    pos = pos[pages[pos // tpp] > 0]   # leave released pages in between)
                 slots = pages[pos // tpp] * tpp + pos % tpp
                 want = expected_values(prefix_hashes(toks)[pos], pos, lg.num_layers,
                                        lg.num_kv_heads, lg.head_dim)

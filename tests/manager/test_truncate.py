@@ -18,7 +18,7 @@ from test_arena_hot import arena_config
 from test_manager import make, tiny_config
 
 from jax_kvcm._types import CacheLevel
-from jax_kvcm.manager import SequenceState, StepInFlightError, SuspendResult
+from jax_kvcm.manager import OutOfPagesError, SequenceState, StepInFlightError, SuspendResult
 
 D, H = CacheLevel.DEVICE, CacheLevel.HOST
 
@@ -135,6 +135,17 @@ def test_a_window_refuses_a_cut_before_its_retained_pages():
     h.check()
     h.run([(a, 6)], as_ids=[True])
     h.check()
+    # rollback_tokens: the window keeps 8 tokens more, so a cut of 8 is served
+    h = make(tiny_config(device_pages=40, max_seq_len=64, windows=(None, 8), rollback_tokens=8))
+    a = h.add(list(range(1, 30)))
+    h.run([(a, 29)], as_ids=[True])
+    h.check()
+    cut(h, a, 21)
+    h.check()
+    h.run([(a, 9)], as_ids=[True])
+    h.check()
+    with pytest.raises(ValueError, match="sliding window"):
+        h.mgr.truncate(a, 10)
 
 
 @pytest.mark.parametrize("hot", ["paged", "arena"])
@@ -150,7 +161,7 @@ def test_random_truncations_keep_every_value(hot, tmp_path):
     prefixes = [list(rng.integers(0, 40, size=int(rng.integers(4, 14)))) for _ in range(3)]
     live = []
     ops = {"add": 0, "step": 0, "truncate": 0, "close": 0, "suspend": 0, "resume": 0,
-           "refused": 0}
+           "refused": 0, "out_of_pages": 0}
     for i in range(400):
         op = rng.choice(["add", "step", "step", "truncate", "truncate", "close", "suspend",
                          "resume"])
@@ -164,8 +175,11 @@ def test_random_truncations_keep_every_value(hot, tmp_path):
             elif op == "step" and active:
                 pick = [s for s in active if s.num_tokens < 56][:3]
                 if pick:
-                    h.run([(s, int(rng.integers(1, 7))) for s in pick],
-                          as_ids=[bool(rng.integers(0, 4)) for _ in pick])
+                    try:
+                        h.run([(s, int(rng.integers(1, 7))) for s in pick],
+                              as_ids=[bool(rng.integers(0, 4)) for _ in pick])
+                    except OutOfPagesError:   # a refusal: nothing scheduled, nothing changed
+                        ops["out_of_pages"] += 1
             elif op == "truncate" and active:
                 s = active[int(rng.integers(len(active)))]
                 n = int(rng.integers(max(0, s.num_tokens - 12), s.num_tokens + 1))

@@ -131,3 +131,30 @@ def test_cli_speculate_matches_the_plain_runner(capsys):
             == [d["generated_ids"] for d in sorted(plain, key=key)])
     report = json.loads(lines[-1])["speculation_report"]
     assert report["steps"] > 0 and report["drafted"] > 0, report
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_greedy_speculation_equals_transformers(kind, tmp_path):
+    """A random HF Llama / Mistral (sliding window 8: its window group holds no slack, so a
+    rejected draft's cut must stay inside it) saved as a checkpoint and loaded back; each
+    speculative greedy generation is the argmax of HF's teacher-forced logits at every
+    position (HF's greedy decoding, by induction)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from conftest import random_hf_llama, random_prompt
+    from test_llama_serve import BASE, CONFIGS, _check_greedy
+
+    from examples.llama import loader
+    _, extra = CONFIGS[kind]
+    hf = random_hf_llama(kind, {**BASE, **extra}, 11)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    config, params, _ = loader.load_checkpoint(tmp_path, dtype="float32", progress=False)
+    rng = np.random.default_rng(2)
+    prompts = [random_prompt(rng, 9) * 2, random_prompt(rng, 14)]   # one repeats: drafts
+    gen = SpeculativeGenerator(params, config, ServeConfig(page_size=4, device_pages=64,
+                                                           max_batch=2, max_tokens_per_step=16,
+                                                           max_seq_len=128), num_draft_tokens=3)
+    outs = gen.generate([Request(p, 16) for p in prompts])
+    for p, o in zip(prompts, outs):
+        _check_greedy(hf, p, o.generated_ids, 16, f"{kind} speculative")
+    assert gen.stats["drafted"] > 0, gen.stats
