@@ -1,8 +1,15 @@
 """benchmarks/bench_handoff.py runs (a tiny shape on CPU) and reports every phase."""
 
 import json
+import sys
+from pathlib import Path
 
-from benchmarks import bench_handoff
+import jax_kvcm  # noqa: F401  (the installed package before the repo root goes on sys.path)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
+
+from benchmarks import bench_handoff  # noqa: E402
 
 
 def test_quick_run_reports_each_phase(tmp_path, capsys):
