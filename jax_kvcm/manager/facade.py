@@ -208,16 +208,17 @@ class KVCacheManager:
                 self._committer.commit([seq], np.array([seq._row], np.int64))
 
     def truncate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Keeps the first ``num_tokens`` tokens of an ACTIVE sequence and drops the K/V of the
-        rest (e.g. rejected draft tokens): pages past the cut are freed (committed ones stay
-        cached for other sequences), and a committed page the cut falls in becomes the
-        sequence's own (a copy when other sequences share it: a shared page is never written
-        again). False, with nothing changed, when that copy finds no device page. Raises
+        """Keeps the first ``num_tokens`` tokens of a sequence and drops the K/V of the rest
+        (e.g. rejected draft tokens): pages past the cut are freed (committed ones stay cached
+        for other sequences), and a committed page the cut falls in becomes the sequence's own
+        (a copy when other sequences share it: a shared page is never written again). False,
+        with nothing changed, when that copy finds no device page (and, SUSPENDED, when it
+        would need a copy in a cold tier, or with window groups: resume first). Raises
         :class:`StepInFlightError` between ``prepare_step`` and ``complete_step``, ValueError
         for ``num_tokens`` outside ``[0, seq.num_tokens]`` or before a sliding window's
         retained pages. Example: ``mgr.truncate(seq, seq.num_tokens - num_rejected)``."""
         with self._lock:
-            self._check_seq(seq, SequenceState.ACTIVE)
+            self._check_seq(seq, SequenceState.ACTIVE, SequenceState.SUSPENDED)
             if self._ledger.in_step is not None:
                 raise StepInFlightError("truncate: a step is in flight: call complete_step "
                                         "first")

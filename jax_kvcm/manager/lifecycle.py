@@ -285,7 +285,8 @@ class Lifecycle:
         k = len(seq._nodes)
         slots = np.concatenate([node_slots(seq._nodes) if k else
                                 np.zeros((self._rows.num_groups, 0), np.int32), back], axis=1)
-        self._rows.write_row(seq, slots)
+        self._rows.write_row(seq, slots, self._rows.row_wrel(seq._row))  # (after a truncation
+        #                                          pages before its window may stay released)
         self._stats.num_resumed += 1
         self._emit(ManagerEvent("resumed", sum(map(len, cold)) + parked.shape[1], D))
         return True

@@ -1,6 +1,7 @@
 """Truncation: a sequence drops the K/V of its last tokens (speculative decoding's rejected drafts).
 
-``truncate(seq, n)`` keeps the first ``n`` tokens of an ACTIVE sequence, between steps:
+``truncate(seq, n)`` keeps the first ``n`` tokens of a sequence, between steps (a SUSPENDED one:
+:meth:`Rewinder._truncate_parked`; an ACTIVE one as follows):
 
 - pages past the new last page: private ones are freed once the last step that may have read
   them completed; committed ones are released (they stay cached: their K/V is right for their
@@ -30,7 +31,7 @@ import numpy as np
 
 from jax_kvcm._prefix_tree import BlockNode, PrefixTree
 from jax_kvcm._types import CacheLevel
-from jax_kvcm.manager.api import Sequence
+from jax_kvcm.manager.api import Sequence, SequenceState
 from jax_kvcm.manager.ledger import StepLedger
 from jax_kvcm.manager.observers import Stats
 from jax_kvcm.manager.planner import TierPlanner
@@ -77,6 +78,8 @@ class Rewinder:
         keep, whole = -(-num_tokens // tpp), num_tokens // tpp
         nodes = seq._nodes
         cut = whole if whole < keep and whole < len(nodes) else None
+        if seq.state is SequenceState.SUSPENDED:
+            return self._truncate_parked(seq, num_tokens, keep, whole, cut, wr, old)
         in_place = cut is not None and self._own_in_place(seq, nodes[cut], cut)
         in_way: list[BlockNode] = []
         if self._arena is not None and cut is not None and not in_place \
@@ -114,6 +117,38 @@ class Rewinder:
         rows.set_ncommit(r, len(nodes))
         rows.restore(r, keep, num_tokens, min(rows.num_known(r), num_tokens))
         rows.write_row(seq, np.where(table[:, :keep] > 0, table[:, :keep], -1), wr)
+        self._stats.num_truncated_tokens += old - num_tokens
+        return True
+
+    def _truncate_parked(self, seq: Sequence, num_tokens: int, keep: int, whole: int,
+                         cut: int | None, wr: np.ndarray, old: int) -> bool:
+        """A SUSPENDED sequence: its parked pages (all at one cold level) past the cut are
+        freed there; a committed cut page joins them when only this sequence holds it at that
+        level, else the cut is refused (False: a copy in a cold tier is not done here); window
+        groups are refused too (False: resume first)."""
+        rows, nodes = self._rows, seq._nodes
+        level, parked = seq._parked
+        if rows.win is not None or (cut is not None and (nodes[cut].refcount != 1
+                                                         or nodes[cut].level is not level)):
+            return False
+        first = len(nodes)                  # parked column i is page first + i
+        for j in range(len(nodes) - 1, whole - 1, -1):
+            self._drop_hold(nodes[j], j, wr)
+        columns = []
+        if cut is not None:
+            node = nodes[cut]
+            for child in list(node.children.values()):
+                self._planner.drop(child)
+            columns.append(node.slots.copy()[:, None])
+            self._tree.remove_subtree(node)
+        kept = max(0, keep - first)
+        gone = parked[:, kept:]
+        for g in range(gone.shape[0]):
+            self._storage.free(level, g, gone[g][gone[g] >= 0])
+        seq._parked = (level, np.concatenate(columns + [parked[:, :kept]], axis=1))
+        del nodes[whole:]
+        rows.set_ncommit(seq._row, len(nodes))
+        rows.restore(seq._row, keep, num_tokens, min(rows.num_known(seq._row), num_tokens))
         self._stats.num_truncated_tokens += old - num_tokens
         return True
 

@@ -112,10 +112,37 @@ def test_truncate_refusals_change_nothing(tmp_path):
         h.mgr.truncate(a, 3)
     h.mgr.complete_step(h.write(batch, spans))
     assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
-    with pytest.raises(ValueError, match="suspended"):
+    h.mgr.close(a)
+    with pytest.raises(ValueError, match="closed"):
         h.mgr.truncate(a, 3)
+    h.check()
+
+
+@pytest.mark.parametrize("hot", ["paged", "arena"])
+def test_a_suspended_sequence_is_truncated_where_it_is_parked(hot, tmp_path):
+    """Suspended to the host (and to disk): a cut inside its parked pages frees the rest there;
+    a cut inside a committed page only it holds makes that page parked; resumed, its values are
+    right and it decodes on. A cut into a page another sequence shares is refused (False)."""
+    h = make(config(hot, host_pages=24, disk_dir=str(tmp_path), disk_pages=24))
+    a = h.add(list(range(1, 14)))
+    h.run([(a, 13)], as_ids=[True])
+    h.run([(a, 6)], as_ids=[True])              # 19 tokens: pages 0-3 committed, 4 private
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    host_used = h.mgr.stats()["pages_per_pool"]["host"][0]["referenced"]
+    assert cut(h, a, 17)                         # inside page 4 (parked): page 4 kept
+    assert cut(h, a, 14)                         # inside page 3 (committed, only a): parked
+    assert h.mgr.stats()["pages_per_pool"]["host"][0]["referenced"] <= host_used
+    h.check()
     assert h.mgr.resume(a)
-    assert a.num_tokens == before[0] + 1 and (a.page_ids(0)[:3] == before[1][:3]).all()
+    h.check()
+    h.run([(a, 7)], as_ids=[True])
+    h.check()
+    b = h.add(h.tokens[a.seq_id][:9] + [77])     # shares a's pages 0 and 1
+    h.run([(b, 10 - b.num_reused_tokens)], as_ids=[True])
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    assert not cut(h, a, 6, may_refuse=True)     # page 1 is shared: refused
+    h.check()
+    assert h.mgr.resume(a)
     h.check()
 
 
@@ -180,10 +207,11 @@ def test_random_truncations_keep_every_value(hot, tmp_path):
                               as_ids=[bool(rng.integers(0, 4)) for _ in pick])
                     except OutOfPagesError:   # a refusal: nothing scheduled, nothing changed
                         ops["out_of_pages"] += 1
-            elif op == "truncate" and active:
-                s = active[int(rng.integers(len(active)))]
+            elif op == "truncate" and live:
+                s = live[int(rng.integers(len(live)))]
                 n = int(rng.integers(max(0, s.num_tokens - 12), s.num_tokens + 1))
-                if not cut(h, s, n, may_refuse=hot == "arena"):
+                refusable = hot == "arena" or s.state is SequenceState.SUSPENDED
+                if not cut(h, s, n, may_refuse=refusable):
                     ops["refused"] += 1
             elif op == "close" and live:
                 s = live.pop(int(rng.integers(len(live))))
