@@ -107,6 +107,7 @@ def test_truncate_refusals_change_nothing(tmp_path):
     for bad, err in ((10, ValueError), (-1, ValueError), (2.0, TypeError)):
         with pytest.raises(err, match="num_tokens"):
             h.mgr.truncate(a, bad)
+    assert a.num_tokens == before[0] and (a.page_ids(0) == before[1]).all()
     batch, spans = h.prepare([(a, 1)], [True])
     with pytest.raises(StepInFlightError, match="truncate"):
         h.mgr.truncate(a, 3)
