@@ -254,3 +254,49 @@ def test_a_cut_inside_an_adopted_page_copies_it(hot):
     h.check()
     h.run([(a, 3)], as_ids=[True])
     h.check()
+
+
+@pytest.mark.parametrize("hot", ["paged", "arena"])
+def test_fp8_pools_copy_the_cut_page_byte_for_byte(hot):
+    """float8_e4m3fn pools: a and b compute the same prompt in one step (b adopts a's pages);
+    b is cut inside page 1: its private copy holds the very bytes of a's page at the kept
+    positions, and a's pages are not touched (raw bytes before and after)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    import jax_kvcm
+    from test_manager import read_tokens
+    base = config(hot)
+    cfg = dataclasses.replace(base, layer_groups=tuple(
+        dataclasses.replace(g, kv_dtype=jnp.float8_e4m3fn) for g in base.layer_groups))
+    h = make(cfg)
+    mgr, tpp = h.mgr, cfg.tokens_per_page
+    prompt = np.arange(1, 14, dtype=np.int32)
+    a, b = mgr.add_sequence(prompt), mgr.add_sequence(prompt)
+    batch = mgr.prepare_step([(a, prompt), (b, prompt)])
+    (k, v), = mgr.caches
+    rng = np.random.default_rng(3)
+    lg = cfg.layer_groups[0]
+    T = batch.slot_mapping.shape[0]
+    new = jnp.asarray(rng.standard_normal((T, lg.num_kv_heads, lg.head_dim)), jnp.float32)
+    scale = jnp.full((lg.num_layers, lg.num_kv_heads), 0.5, jnp.float32)
+    for layer in range(lg.num_layers):
+        k, v = jax_kvcm.write_kv(k, v, new, -new, batch.slot_mapping, layer=layer,
+                                 k_scale=scale, v_scale=scale)
+    mgr.complete_step([(k, v)])
+    assert (b.page_ids(0)[:3] == a.page_ids(0)[:3]).all()     # adopted
+
+    def raw(seq, n):
+        pages = seq.page_ids(0)
+        slots = pages[np.arange(n) // tpp] * tpp + np.arange(n) % tpp
+        return [np.asarray(x).view(np.uint8).copy() for x in read_tokens(mgr, 0, slots)]
+
+    a_before = raw(a, 13)
+    assert mgr.truncate(b, 6)
+    assert b.page_ids(0)[1] != a.page_ids(0)[1]
+    for x, y in zip(raw(b, 6), a_before):
+        assert np.array_equal(x, y[:, :6])
+    for x, y in zip(raw(a, 13), a_before):
+        assert np.array_equal(x, y)
+    mgr.check_invariants()
