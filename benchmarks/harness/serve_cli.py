@@ -92,6 +92,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="with --hot-backend: run paged and each other backend N times, "
                         "interleaved (paged, arena, paged, arena, ...), and report the median "
                         "ratio and its spread (default: %(default)s)")
+    p.add_argument("--request-rate", type=float, metavar="R",
+                   help="paged runs: requests arrive as a Poisson process of R per second "
+                        "(seeded by --seed), not all at once (default: all at once)")
     p.add_argument("--no-shared", action="store_true", help="skip the shared-prefix workload")
     p.add_argument("--no-random", action="store_true", help="skip the random workload")
     p.add_argument("--pool-pages", type=int, metavar="N",
@@ -180,6 +183,10 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         if args.pool_pages < 1:
             raise SystemExit("--pool-pages must be >= 1")
         over["pool_pages_override"] = args.pool_pages
+    if args.request_rate is not None:
+        if not args.request_rate > 0:
+            raise SystemExit("--request-rate must be > 0")
+        over["request_rate"] = args.request_rate
     if args.ab_rounds < 1:
         raise SystemExit("--ab-rounds must be >= 1")
     over["ab_rounds"] = args.ab_rounds

@@ -104,8 +104,12 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     pool = mgr.device_capacity_pages
     progress = Progress(label, total)
     n_compiles = COMPILES["n"]
-    for r in requests:
-        server.submit(r)
+    arrivals = arrival_times(len(requests), setup.request_rate, setup.seed)
+    queue = list(zip(arrivals, requests))
+    if setup.request_rate is None:
+        for r in requests:
+            server.submit(r)
+        queue = []
     outs: dict[int, serve.RequestOutput] = {}
     peak_pages = peak_active = steps = 0
     decode_ms: list[float] = []
@@ -114,7 +118,13 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     arena_half: dict | None = None
     arena_peak = 0
     t0 = time.perf_counter()
-    while server.has_work():
+    while server.has_work() or queue:
+        now = time.perf_counter() - t0 - paused
+        while queue and queue[0][0] <= now:      # the requests that arrived by now
+            server.submit(queue.pop(0)[1])
+        if not server.has_work():                # idle until the next arrival
+            time.sleep(max(0.0, queue[0][0] - now))
+            continue
         n_dec = server.counters["decode_steps"]
         if window is not None:   # starting the trace is outside the clock
             ts = time.perf_counter()
@@ -201,7 +211,8 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
-        warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits, **extra_profile,
+        warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits,
+        request_rate=setup.request_rate, **extra_profile,
         **extra)
     done = [outs[i] for i in sorted(outs)]
     res["generated_digests"] = loop_profile.digests(done)   # runs of a chunk sweep compare
@@ -210,6 +221,16 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     del server, mgr
     gc.collect()
     return res, done
+
+
+def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
+    """Seconds from the start at which ``n`` requests arrive: a Poisson process of ``rate``
+    per second (exponential gaps, the first at 0), or all at 0 with no rate."""
+    if rate is None:
+        return [0.0] * n
+    gaps = np.random.default_rng(seed + 7919).exponential(1.0 / rate, n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
 
 
 def fence_waits(mgr: Any) -> dict[str, float]:

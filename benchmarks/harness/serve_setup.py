@@ -88,6 +88,9 @@ class Setup:
     hot_backends: tuple[str, ...] = ("paged",)
     ab_rounds: int = 1                   # paged / other backend runs, interleaved, per row
     pool_pages_override: int | None = None  # --pool-pages
+    # --request-rate: requests arrive as a Poisson process of this many per second (seeded),
+    # so TTFT is what a user sees, not queueing behind every request submitted at once
+    request_rate: float | None = None
     run_random: bool = True
     # --profile: a jax.profiler trace of profile_steps steady-state steps of every paged run
     # under this directory (benchmarks/_loop_profile.py), and the device time per step kind.
