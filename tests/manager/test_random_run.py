@@ -3,8 +3,8 @@
 
 Fixed seeds (printed), a few thousand operations over both hot tiers: windows (absolute rows
 and rings), prefix reuse, the device, host and disk tiers, suspend and resume, failed and
-aborted steps, cancellations mid-step, raising observers, disk faults, with a new random
-configuration every few hundred operations. After every operation the manager's invariants and
+aborted steps, cancellations mid-step, truncations, raising observers, disk faults, with a new
+random configuration every few hundred operations. After every operation the manager's invariants and
 the content oracle of ``test_manager.py`` (every cached K/V value of every active sequence equals
 what the fake model wrote) hold. The last test breaks one guard (the prefix tree's token check,
 under colliding keys) and requires the run to fail, naming its seed.
@@ -24,7 +24,9 @@ from tools.random_run import RandomRun, RunFailure
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:KVCacheManager")]
 
 
-@pytest.mark.parametrize("hot,seed,ops", [("paged", 103, 1500), ("arena", 102, 1500)])
+# NOTE: seeds chosen so that every feature below does real work (a change to the run's random
+# choices reshuffles them: pick again with the loop in this test's history if one stops covering)
+@pytest.mark.parametrize("hot,seed,ops", [("paged", 103, 1500), ("arena", 103, 1500)])
 def test_short_random_run(hot, seed, ops):
     print("seed", seed, "hot", hot)
     run = RandomRun(seed, hot, episode_ops=300)
@@ -36,7 +38,7 @@ def test_short_random_run(hot, seed, ops):
                 "closed", "compacted", "oop", "values_checked", "ring_checked",
                 "num_window_released_pages", "evicted_to_host", "evicted_to_disk",
                 "num_onboarded_pages", "num_observer_errors", "num_disk_write_errors",
-                "windowed_episodes", "ring_episodes", f"episodes_{hot}"):
+                "windowed_episodes", "ring_episodes", f"episodes_{hot}", "truncated"):
         assert counts[key] > 0, (key, dict(counts))
     if hot == "paged":
         assert counts["lost"] > 0                    # consumed pools lose the device
