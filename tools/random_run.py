@@ -405,8 +405,8 @@ class RandomRun:
             self.counts["closed"] += 1
 
     def op_truncate(self) -> None:
-        """Rolls back up to 8 tokens of an active or suspended sequence; a refusal (False, or ValueError for
-        a cut a sliding window cannot serve) must change nothing."""
+        """Rolls back up to 8 tokens of an active or suspended sequence; a refusal (False, or
+        ValueError for a cut a sliding window cannot serve) must change nothing."""
         seqs = self.seqs(SequenceState.ACTIVE) + self.seqs(SequenceState.SUSPENDED)
         if not seqs:
             return

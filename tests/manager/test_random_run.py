@@ -4,9 +4,9 @@
 Fixed seeds (printed), a few thousand operations over both hot tiers: windows (absolute rows
 and rings), prefix reuse, the device, host and disk tiers, suspend and resume, failed and
 aborted steps, cancellations mid-step, truncations, raising observers, disk faults, with a new
-random configuration every few hundred operations. After every operation the manager's invariants and
-the content oracle of ``test_manager.py`` (every cached K/V value of every active sequence equals
-what the fake model wrote) hold. The last test breaks one guard (the prefix tree's token check,
+random configuration every few hundred operations. After every operation the manager's
+invariants and the content oracle of ``test_manager.py`` (every cached K/V value of every active
+sequence equals what the fake model wrote) hold. The last test breaks one guard (the prefix tree's token check,
 under colliding keys) and requires the run to fail, naming its seed.
 """
 
