@@ -300,3 +300,26 @@ def test_fp8_pools_copy_the_cut_page_byte_for_byte(hot):
     for x, y in zip(raw(a, 13), a_before):
         assert np.array_equal(x, y)
     mgr.check_invariants()
+
+
+def test_a_cut_while_the_step_that_read_the_pages_still_runs():
+    """The overlapped loop: the device still runs the step that read a's last pages when the
+    host learns the drafts were rejected. The pages past the cut wait for that step (pending,
+    never handed out before it completes); the next step then waits for it rather than write
+    into a page it may still read, and every value is right."""
+    from test_manager import NotReadyFence
+    h = make(tiny_config(device_pages=6, prefix=False))
+    mgr = h.mgr
+    a = h.add(list(range(1, 9)))
+    h.run([(a, 8)], as_ids=[True])
+    h.run([(a, 12)], as_ids=[True])              # 20 tokens: 5 pages
+    mgr._ledger._fence = NotReadyFence()         # that step has not finished on the device
+    mgr._ledger._ready_upto = 0
+    assert cut(h, a, 9)                          # pages 3, 4 past the cut: pending
+    assert mgr.stats()["pages"]["device"]["pending"] == 2
+    mgr._planner.reclaim()
+    assert mgr.stats()["pages"]["device"]["pending"] == 2   # not before the step completes
+    b = h.add(list(range(40, 44)))
+    h.run([(b, 4), (a, 7)], as_ids=[True, True])  # needs them: waits for the step, reuses
+    assert mgr._stats.num_fence_waits == 1
+    h.check()
