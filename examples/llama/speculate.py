@@ -176,7 +176,8 @@ class SpeculativeGenerator:
         eos = (set(req.eos_token_ids) if req.eos_token_ids is not None
                else set(self.config.eos_token_ids))
         return dict(req=req, seq=seq, rng=rng or np.random.default_rng(req.seed), gen=[first],
-                    eos=eos, hit=hit, prompt=[int(t) for t in req.prompt], id=request_id)
+                    eos=eos, ended=first in eos, hit=hit, prompt=[int(t) for t in req.prompt],
+                    id=request_id)
 
     def _generate(self, reqs: list[Request], first_id: int) -> list[RequestOutput]:
         return self.finish([self.start(req, first_id + j) for j, req in enumerate(reqs)])
@@ -203,7 +204,9 @@ class SpeculativeGenerator:
                     raise RuntimeError(f"request {s['id']}: the manager refused to roll back "
                                        f"{len(d) - a} rejected drafts (an arena range another "
                                        "sequence reads)")
-                s["gen"].extend(d[:a] + [nxt])
+                new = d[:a] + [nxt]
+                s["gen"].extend(new)
+                s["ended"] = s["ended"] or any(t in s["eos"] for t in new)
                 self.stats["drafted"] += len(d)
                 self.stats["accepted"] += a
             self.stats["steps"] += 1
@@ -220,7 +223,7 @@ class SpeculativeGenerator:
 
     @staticmethod
     def _done(s: dict) -> bool:
-        return len(s["gen"]) >= s["req"].max_new_tokens or any(t in s["eos"] for t in s["gen"])
+        return len(s["gen"]) >= s["req"].max_new_tokens or s["ended"]
 
     @staticmethod
     def _trim(s: dict) -> tuple[list[int], str]:

@@ -20,7 +20,7 @@ from jax_kvcm._types import CacheLevel
 from jax_kvcm.manager.api import ManagerEvent, Sequence, SequenceState, SuspendResult
 from jax_kvcm.manager.ledger import StepLedger
 from jax_kvcm.manager.observers import Stats
-from jax_kvcm.manager.planner import TierPlanner, node_slots
+from jax_kvcm.manager.planner import TierPlanner, hit_by, node_slots
 from jax_kvcm.manager.rows import RowTable, prompt_array
 
 __all__ = ["Lifecycle"]
@@ -164,9 +164,7 @@ class Lifecycle:
                 try:
                     out = planner.move(parts, places)
                 except CorruptPageError as e:  # a miss; nothing moved; bad pages dropped below
-                    bad = set(e.slots.tolist())
-                    corrupt = [nodes[lower[i]] for i in cols[e.level == "HOST"]
-                               if int(nodes[lower[i]].slots[e.layer_group]) in bad]
+                    corrupt = hit_by(e, [nodes[j] for j in lower])
         except BaseException:
             for j, n in enumerate(nodes):
                 self.drop_hold(n, j, wr)

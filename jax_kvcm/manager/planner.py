@@ -36,6 +36,13 @@ D, H, K = CacheLevel.DEVICE, CacheLevel.HOST, CacheLevel.DISK
 DISK_DEGRADED_AFTER = 3  # consecutive failed disk writes after which the disk tier takes no more
 
 
+def hit_by(error: CorruptPageError, nodes: list[BlockNode]) -> list[BlockNode]:
+    """The nodes of ``nodes`` whose page ``error`` names (at its level, in its layer group)."""
+    bad, level = set(error.slots.tolist()), H if error.level == "HOST" else K
+    return [n for n in nodes if n.alive and n.level is level
+            and int(n.slots[error.layer_group]) in bad]
+
+
 def node_slots(nodes: list[BlockNode]) -> np.ndarray:
     """``[G, n]`` slots of ``nodes`` (their current level)."""
     if not nodes:
@@ -369,9 +376,8 @@ class TierPlanner:
             except CorruptPageError as e:
                 if e.level != "HOST":
                     raise
-                bad = set(e.slots.tolist())
-                for v in victims:
-                    if v.alive and v.level is H and int(v.slots[e.layer_group]) in bad:
+                for v in hit_by(e, victims):
+                    if v.alive:  # dropping one drops its subtree
                         self.drop(v)
                 victims = [v for v in victims if v.alive and v.level is H]
 

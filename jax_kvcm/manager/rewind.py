@@ -104,20 +104,15 @@ class Rewinder:
         old_pages = rows.num_pages(r)
         table = rows.row_pages(r, 0, old_pages)
         private_from = len(nodes)
-        for j in range(len(nodes) - 1, whole - 1, -1):  # committed pages past the whole ones
-            node = nodes[j]
-            self._drop_hold(node, j, wr)
-            if j == cut:
-                table[:, j] = self._take_cut(node, copy_to)
-        del nodes[whole:]
+        self._release(seq, whole, wr)
+        if cut is not None:
+            table[:, cut] = self._take_cut(nodes[cut], copy_to)
+        self._shorten(seq, whole, keep, num_tokens, old)
         self._evict([n for n in in_way if n.refcount == 0], nodes)  # its own, released
         # private pages past the new last one (their content may be read by no later step)
         gone = table[:, max(keep, private_from):old_pages]
         self._ledger.defer_free(np.where(gone > 0, gone, -1).astype(np.int32), seq.seq_id)
-        rows.set_ncommit(r, len(nodes))
-        rows.restore(r, keep, num_tokens, min(rows.num_known(r), num_tokens))
         rows.write_row(seq, np.where(table[:, :keep] > 0, table[:, :keep], -1), wr)
-        self._stats.num_truncated_tokens += old - num_tokens
         return True
 
     def _truncate_parked(self, seq: Sequence, num_tokens: int, keep: int, whole: int,
@@ -132,24 +127,14 @@ class Rewinder:
                                                          or nodes[cut].level is not level)):
             return False
         first = len(nodes)                  # parked column i is page first + i
-        for j in range(len(nodes) - 1, whole - 1, -1):
-            self._drop_hold(nodes[j], j, wr)
-        columns = []
-        if cut is not None:
-            node = nodes[cut]
-            for child in list(node.children.values()):
-                self._planner.drop(child)
-            columns.append(node.slots.copy()[:, None])
-            self._tree.remove_subtree(node)
+        self._release(seq, whole, wr)
+        columns = [] if cut is None else [self._uncommit(nodes[cut])[:, None]]
         kept = max(0, keep - first)
         gone = parked[:, kept:]
         for g in range(gone.shape[0]):
             self._storage.free(level, g, gone[g][gone[g] >= 0])
         seq._parked = (level, np.concatenate(columns + [parked[:, :kept]], axis=1))
-        del nodes[whole:]
-        rows.set_ncommit(seq._row, len(nodes))
-        rows.restore(seq._row, keep, num_tokens, min(rows.num_known(seq._row), num_tokens))
-        self._stats.num_truncated_tokens += old - num_tokens
+        self._shorten(seq, whole, keep, num_tokens, old)
         return True
 
     def _evict(self, victims: list[BlockNode], chain: list[BlockNode]) -> None:
@@ -179,8 +164,27 @@ class Rewinder:
                 if node.slots[g] >= 0:
                     self._storage.copy_device_pages(g, node.slots[g:g + 1], copy_to[g])
             return copy_to[:, 0]
+        return self._uncommit(node)
+
+    def _uncommit(self, node: BlockNode) -> np.ndarray:
+        """Takes released ``node`` out of the prefix tree, its cached descendants dropped
+        (unreachable without it); its page ``[G]`` (at its level) is the caller's now."""
         for child in list(node.children.values()):
-            self._planner.drop(child)     # unreachable once their parent leaves the tree
+            self._planner.drop(child)
         slots = node.slots.copy()
         self._tree.remove_subtree(node)
         return slots
+
+    def _release(self, seq: Sequence, whole: int, wr: np.ndarray) -> None:
+        """Gives back the sequence's holds on its committed pages past the whole ones."""
+        for j in range(len(seq._nodes) - 1, whole - 1, -1):
+            self._drop_hold(seq._nodes[j], j, wr)
+
+    def _shorten(self, seq: Sequence, whole: int, keep: int, num_tokens: int, old: int) -> None:
+        """The row of a sequence cut to ``num_tokens``: ``whole`` committed pages, ``keep`` in
+        all, ids known past the cut forgotten."""
+        r = seq._row
+        del seq._nodes[whole:]
+        self._rows.set_ncommit(r, len(seq._nodes))
+        self._rows.restore(r, keep, num_tokens, min(self._rows.num_known(r), num_tokens))
+        self._stats.num_truncated_tokens += old - num_tokens
