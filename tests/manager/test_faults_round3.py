@@ -494,13 +494,9 @@ def test_arena_binding_keeps_the_admitted_prompts_lower_tier_hit():
 # -- found by the random run (tests/manager/test_random_run.py, seed 102, arena, operation 404) ---------
 
 
-def test_a_refused_arena_resume_evicts_nothing():
-    """A suspended sequence's resume binds the only parked range, where cached pages sit in
-    its way, while a bound sequence holds the rest of the budget: the device cannot take it,
-    so resume returns False, and a refusal changes nothing, not even where cached pages are.
-    (Binding used to evict the pages in the way before the room was planned, so the refused
-    resume had moved them to the host.)"""
-    from test_manager import _state
+def _parked_range_and_a_suspended_sequence():
+    """Two ranges of 3 chunks on a 12-page arena: range 0 parked with x's two cached pages; s
+    (5 pages, a fresh range) suspended to the host; y admitted (not yet stepped)."""
     h = make(arena_config(device_pages=12, head_dim=128, max_seq_len=32, max_sequences=2,
                           host_pages=8))
     x = h.add(list(range(1, 10)))
@@ -509,7 +505,17 @@ def test_a_refused_arena_resume_evicts_nothing():
     s = h.add(list(range(20, 37)))
     h.run([(s, 17)], as_ids=[True])              # a fresh range: 5 pages, 3 chunks
     assert h.mgr.suspend(s) is SuspendResult.SUSPENDED
-    y = h.add(list(range(40, 65)))
+    return h, s, h.add(list(range(40, 65)))
+
+
+def test_a_refused_arena_resume_evicts_nothing():
+    """A suspended sequence's resume binds the only parked range, where cached pages sit in
+    its way, while a bound sequence holds the rest of the budget: the device cannot take it,
+    so resume returns False, and a refusal changes nothing, not even where cached pages are.
+    (Binding used to evict the pages in the way before the room was planned, so the refused
+    resume had moved them to the host.)"""
+    from test_manager import _state
+    h, s, y = _parked_range_and_a_suspended_sequence()
     h.run([(y, 25)], as_ids=[True])              # adopts s's empty range: 7 pages, 4 chunks
     h.check()
     before = _state(h)
@@ -534,15 +540,7 @@ def test_a_refused_arena_step_evicts_nothing():
     from test_manager import _state
 
     from jax_kvcm.manager import OutOfPagesError
-    h = make(arena_config(device_pages=12, head_dim=128, max_seq_len=32, max_sequences=2,
-                          host_pages=8))
-    x = h.add(list(range(1, 10)))
-    h.run([(x, 9)], as_ids=[True])
-    h.mgr.close(x)                               # range 0 parked, x's two pages cached there
-    s = h.add(list(range(20, 37)))
-    h.run([(s, 17)], as_ids=[True])
-    assert h.mgr.suspend(s) is SuspendResult.SUSPENDED
-    y = h.add(list(range(40, 65)))
+    h, s, y = _parked_range_and_a_suspended_sequence()
     h.run([(y, 24)], as_ids=[True])              # adopts s's empty range
     batch, spans = h.prepare([(y, 1)])
     n = h.add(list(range(70, 87)))               # admitted mid-step: no range yet
