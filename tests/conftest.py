@@ -387,6 +387,23 @@ def random_hf_llama(kind: str, config_kwargs: dict, seed: int, *, embed_std: flo
     return model.to(torch.float32)
 
 
+def hf_checkpoint(hf, directory) -> tuple:
+    """``(config, params)`` of the HF model ``hf`` saved as a safetensors checkpoint under
+    ``directory`` and loaded back through examples/llama/loader.py in float32 (no tokenizer)."""
+    from examples.llama import loader
+    hf.save_pretrained(directory, safe_serialization=True)
+    config, params, tokenizer = loader.load_checkpoint(directory, dtype="float32", progress=False)
+    assert tokenizer is None
+    return config, params
+
+
+def hf_logits(hf, ids) -> np.ndarray:
+    """HF's float32 logits ``[len(ids), vocab]`` of one teacher-forced forward over ``ids``."""
+    import torch
+    with torch.no_grad():
+        return hf(torch.tensor([list(ids)]), use_cache=False).logits[0].float().numpy()
+
+
 def forget_failed_runtime_tokens() -> None:
     """Drops JAX's runtime tokens after a side-effecting custom call failed on purpose.
 

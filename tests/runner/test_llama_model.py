@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_hf_llama, random_prompt
+from conftest import hf_checkpoint, hf_logits, random_hf_llama, random_prompt
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -80,10 +80,7 @@ def _build_case(name, tmp_path_factory):
     kind, extra = CONFIGS[name]
     hf = _hf_model(kind, extra, seed=len(name), init=INIT.get(name, (1.0, 0.6)))
     path = tmp_path_factory.mktemp(f"hf_{name}")
-    hf.save_pretrained(path, safe_serialization=True)
-    config, params, tokenizer = llama_loader.load_checkpoint(path, dtype="float32",
-                                                             progress=False)
-    assert tokenizer is None
+    config, params = hf_checkpoint(hf, path)
     return dict(name=name, hf=hf, config=config, params=params, path=path)
 
 
@@ -92,10 +89,7 @@ def _rel_l2(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def _hf_logits(hf, ids) -> np.ndarray:
-    with torch.no_grad():
-        out = hf(torch.tensor([list(ids)]), use_cache=False)
-    return out.logits[0].float().numpy()
+_hf_logits = hf_logits
 
 
 def _check_greedy(hf, prompt, got, n, what="", logits=None) -> None:

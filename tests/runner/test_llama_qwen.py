@@ -22,12 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import random_hf_llama, random_prompt
+from conftest import hf_checkpoint, hf_logits, random_hf_llama, random_prompt
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.llama import loader as llama_loader  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 from examples.llama import serve  # noqa: E402
 
@@ -63,17 +62,13 @@ def case(request, tmp_path_factory):
     if name not in _CASES:
         kind, extra = CONFIGS[name]
         hf = random_hf_llama(kind, {**BASE, **extra}, seed=11 + len(name))
-        path = tmp_path_factory.mktemp(f"hf_{name}")
-        hf.save_pretrained(path, safe_serialization=True)
-        config, params, tok = llama_loader.load_checkpoint(path, dtype="float32", progress=False)
-        assert tok is None and config.model_type == kind
+        config, params = hf_checkpoint(hf, tmp_path_factory.mktemp(f"hf_{name}"))
+        assert config.model_type == kind
         _CASES[name] = dict(name=name, hf=hf, config=config, params=params)
     return _CASES[name]
 
 
-def _hf_logits(hf, ids) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([list(ids)]), use_cache=False).logits[0].float().numpy()
+_hf_logits = hf_logits
 
 
 def _check_greedy(hf, prompt, got, what="", logits=None) -> None:

@@ -141,14 +141,12 @@ def test_greedy_speculation_equals_transformers(kind, tmp_path):
     position (HF's greedy decoding, by induction)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from conftest import random_hf_llama, random_prompt
+    from conftest import hf_checkpoint, random_hf_llama, random_prompt
     from test_llama_serve import BASE, CONFIGS, _check_greedy
 
-    from examples.llama import loader
     _, extra = CONFIGS[kind]
     hf = random_hf_llama(kind, {**BASE, **extra}, 11)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    config, params, _ = loader.load_checkpoint(tmp_path, dtype="float32", progress=False)
+    config, params = hf_checkpoint(hf, tmp_path)
     rng = np.random.default_rng(2)
     prompts = [random_prompt(rng, 9) * 2, random_prompt(rng, 14)]   # one repeats: drafts
     gen = SpeculativeGenerator(params, config, ServeConfig(page_size=4, device_pages=64,
