@@ -106,9 +106,11 @@ class SpeculativeGenerator:
                            zip(self.kv_config.layer_groups, self.kv_config.table_widths))
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "generated": 0}
 
-    def _forward(self, work: list[tuple[Any, np.ndarray]]) -> list[np.ndarray]:
-        """One ragged step over ``work`` (``(seq, token ids)``); the float32 logits
-        ``[len(ids), V]`` of every fed token, per item."""
+    def _forward(self, work: list[tuple[Any, np.ndarray]], *, greedy: bool = False,
+                 last_only: bool = False) -> list[np.ndarray]:
+        """One ragged step over ``work`` (``(seq, token ids)``); per item, the float32 logits
+        ``[len(ids), V]`` of every fed token (``[1, V]``, its last one, with ``last_only``), or
+        with ``greedy`` their argmax (taken on the device: only the ids cross to the host)."""
         mgr = self.manager
         batch = mgr.prepare_step(work)
         T = batch.positions.shape[0]
@@ -117,10 +119,13 @@ class SpeculativeGenerator:
         k, v = model_caches(mgr.caches)
         logits, k, v = llama.forward_step(
             self.params, k, v, jnp.asarray(tokens), batch.positions, batch.slot_mapping,
-            batch.page_table, batch.seq_lens, batch.query_start, jnp.arange(T, dtype=jnp.int32),
-            config=self.config, rings=self.rings)
+            batch.page_table, batch.seq_lens, batch.query_start,
+            None if last_only else jnp.arange(T, dtype=jnp.int32), config=self.config,
+            rings=self.rings)
         mgr.complete_step(list(zip(k, v)) if isinstance(k, tuple) else [(k, v)])
-        logits = np.asarray(jax.device_get(logits))
+        logits = np.asarray(jax.device_get(llama.greedy_tokens(logits) if greedy else logits))
+        if last_only:
+            return [logits[b:b + 1] for b in range(len(work))]
         qs = np.asarray(batch.query_start)
         return [logits[qs[b]:qs[b] + ids.size] for b, (_, ids) in enumerate(work)]
 
@@ -130,7 +135,7 @@ class SpeculativeGenerator:
         pos, logits = seq.num_tokens, None
         while pos < prompt.size:
             chunk = prompt[pos:pos + budget]
-            logits = self._forward([(seq, chunk)])[0]
+            logits = self._forward([(seq, chunk)], last_only=True)[0]
             pos += chunk.size
         return logits[-1]  # the manager reuses at most all but the prompt's last token
 
@@ -193,9 +198,12 @@ class SpeculativeGenerator:
                 d = propose_ngram(s["prompt"] + s["gen"], min(self.k, room - 1), self.max_ngram)
                 drafts.append(d)
                 work.append((s["seq"], np.asarray([s["gen"][-1]] + d, np.int32)))
-            for s, d, logits in zip(live, drafts, self._forward(work)):
+            greedy = all(s["req"].temperature == 0.0 for s in live)
+            for s, d, logits in zip(live, drafts, self._forward(work, greedy=greedy)):
                 req = s["req"]
-                if req.temperature == 0.0:
+                if greedy:
+                    a, nxt = accept_greedy(d, logits)
+                elif req.temperature == 0.0:
                     a, nxt = accept_greedy(d, np.argmax(logits, axis=-1))
                 else:
                     a, nxt = accept_sampled(_softmax(logits, req.temperature), d, s["rng"])
