@@ -19,8 +19,12 @@ not assumed. Per batch size, on the same requests, three loops, greedy:
 
 Each loop runs once untimed on other prompts of the same shapes (compiles), then timed (the
 XLA compiles inside the timed passes are counted: ``compiles_while_timed``, 0 when clean). The
-token agreement of ``k=K`` with ``plain`` is reported (equal up to bf16 argmax ties between the
-ragged and the decode kernels).
+token agreement is reported (equal up to bf16 argmax ties between the
+ragged and the decode kernels, and between GEMMs of different token counts: on a random bf16
+model the top logits are close, so one flipped argmax changes the rest of a row). It is the
+share of tokens before each row's first difference, reported for ``k=K`` against ``plain``,
+``k=0`` against ``plain`` (no drafts: the same effect without speculation) and ``k=K`` against
+``k=0``; exact equality is what the float32 tests check (tests/runner/test_speculate.py).
 """
 
 from __future__ import annotations
@@ -96,6 +100,18 @@ def timed_speculative(params, config, serve: ServeConfig, k: int, warm: list[Req
             "tokens": [o.generated_ids for o in outs]}
 
 
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of ``a``'s tokens before each row's first difference from ``b`` (greedy
+    continuations diverge for good after one flipped argmax)."""
+    same = 0
+    for x, y in zip(a, b):
+        i = 0
+        while i < min(len(x), len(y)) and x[i] == y[i]:
+            i += 1
+        same += i
+    return same / max(sum(len(x) for x in a), 1)
+
+
 def one_batch(params, config, batch: int, args) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed + batch)
     vocab = config.vocab_size
@@ -109,7 +125,6 @@ def one_batch(params, config, batch: int, args) -> dict[str, Any]:
     zero = timed_speculative(params, config, serve(0), 0, warm, reqs)
     spec = timed_speculative(params, config, serve(k), k, warm, reqs)
     n = sum(len(t) for t in plain_tokens)
-    same = sum(int(a == b) for p, s in zip(plain_tokens, spec["tokens"]) for a, b in zip(p, s))
     row = {"batch": batch, "num_draft_tokens": k, "generated_tokens": n,
            "plain_tok_per_s": n / plain_s,
            "k0_tok_per_s": zero["generated"] / zero["total_s"],
@@ -120,7 +135,9 @@ def one_batch(params, config, batch: int, args) -> dict[str, Any]:
            "accepted_per_step": spec["accepted"] / max(spec["steps"], 1) / batch,
            "tokens_per_row_step": spec["decode_tokens"] / max(spec["steps"], 1) / batch,
            "acceptance_rate": spec["accepted"] / max(spec["drafted"], 1),
-           "token_agreement_with_plain": same / max(n, 1),
+           "token_agreement_with_plain": agreement(plain_tokens, spec["tokens"]),
+           "k0_agreement_with_plain": agreement(plain_tokens, zero["tokens"]),
+           "spec_agreement_with_k0": agreement(zero["tokens"], spec["tokens"]),
            "compiles_while_timed": plain_compiles + zero["compiles"] + spec["compiles"]}
     row["spec_over_plain"] = row["spec_tok_per_s"] / row["plain_tok_per_s"]
     row["spec_over_k0_decode"] = row["spec_decode_tok_per_s"] / row["k0_decode_tok_per_s"]
@@ -157,13 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         f"random model, prompt {args.prompt_len} (period {args.period}), {args.new_tokens} new "
         f"tokens, k={args.num_draft_tokens}, greedy")
     log("| batch | plain tok/s | spec tok/s | spec/plain | decode k=0 | decode k=K | ratio "
-        "| accepted/row-step | agreement |")
+        "| accepted/row-step | agreement k=K, k=0 vs plain |")
     log("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         log(f"| {r['batch']} | {r['plain_tok_per_s']:.0f} | {r['spec_tok_per_s']:.0f} | "
             f"{r['spec_over_plain']:.2f}x | {r['k0_decode_tok_per_s']:.0f} | "
             f"{r['spec_decode_tok_per_s']:.0f} | {r['spec_over_k0_decode']:.2f}x | "
-            f"{r['accepted_per_step']:.2f} | {r['token_agreement_with_plain']:.3f} |")
+            f"{r['accepted_per_step']:.2f} | {r['token_agreement_with_plain']:.3f}, "
+            f"{r['k0_agreement_with_plain']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev.device_kind, "platform": dev.platform,

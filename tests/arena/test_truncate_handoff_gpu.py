@@ -1,9 +1,9 @@
 """truncate and export / import on the GPU (issue 37; run with ``pytest -m gpu``), on paged pools
 and on the arena over CUDA VMM: the paths the CPU suite runs on memfd and host arrays.
 
-- A cut inside a page the sequence shares: the sharer's values stay, the cut sequence gets a
-  private copy (on the arena: through the codec and a device scratch region) holding the kept
-  tokens, and the tokens it writes after the cut read back as written.
+- A cut inside a page the sequence adopted from another: the sharer's values stay, the cut
+  sequence gets a private copy (on the arena: through the codec and a device scratch region)
+  holding the kept tokens, and the tokens it writes after the cut read back as written.
 - A suspended sequence (parked in pinned host memory) cut where it is parked resumes with the
   kept tokens' K/V byte-identical.
 - A sequence exported from one manager and imported into another (arena -> paged, paged ->
@@ -44,17 +44,24 @@ class Shadow:
         self.mgr, self.step, self.kv, self.seed = mgr, _step_fn(), {}, 0
 
     def write(self, seq, n: int) -> None:
-        batch = self.mgr.prepare_step([(seq, n)])
+        self.write_many([(seq, n)])
+
+    def write_many(self, work) -> None:
+        """One step writing ``n`` new tokens of each ``(seq, n)``."""
+        batch = self.mgr.prepare_step(work)
         self.seed += 1
         k, v = _kv(self.seed, jnp.asarray(batch.positions))
         q = jnp.zeros((batch.positions.shape[0], HQ, DIM), jnp.bfloat16)
         caches, _ = self.step(self.mgr.caches, batch, k, v, q)
         self.mgr.complete_step(caches)
-        k, v = (np.asarray(x[:, :n], np.float32) for x in (k, v))
-        old = self.kv.get(seq.seq_id)
-        start = seq.num_tokens - n
-        self.kv[seq.seq_id] = (k, v) if old is None else tuple(
-            np.concatenate([o[:, :start], x], axis=1) for o, x in zip(old, (k, v)))
+        k, v = np.asarray(k, np.float32), np.asarray(v, np.float32)
+        qs = np.asarray(batch.query_start)
+        for b, (seq, n) in enumerate(work):
+            new = (k[:, qs[b]:qs[b] + n], v[:, qs[b]:qs[b] + n])
+            old = self.kv.get(seq.seq_id)
+            start = seq.num_tokens - n
+            self.kv[seq.seq_id] = new if old is None else tuple(
+                np.concatenate([o[:, :start], x], axis=1) for o, x in zip(old, new))
 
     def cut(self, seq, n: int) -> None:
         assert self.mgr.truncate(seq, n)
@@ -87,23 +94,27 @@ def read_tokens(mgr: KVCacheManager, seq) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("hot", ["paged", "arena"])
 def test_a_cut_inside_a_shared_page_copies_it(hot):
+    """a and b compute one prompt in one step: b adopts a's committed pages. b is cut inside
+    the second: it gets a private copy (on the arena in its own range, through the codec and a
+    device scratch region) and a's page is never written."""
     mgr = manager(hot, host_bytes=32 << 20)
     sh = Shadow(mgr)
     prompt = np.arange(1, 41)                     # 2 full pages of 16 + 8 tokens
-    a = mgr.add_sequence(prompt)
-    sh.write(a, 40)
-    b = mgr.add_sequence(np.concatenate([prompt[:32], np.arange(500, 510)]))
-    assert b.num_reused_tokens == 32
-    sh.kv[b.seq_id] = tuple(x[:, :32] for x in sh.kv[a.seq_id])
-    sh.write(b, 10)
+    a, b = mgr.add_sequence(prompt), mgr.add_sequence(prompt)
+    sh.write_many([(a, 40), (b, 40)])
     shared = [int(p) for p in a.page_ids(0)[:2]]
+    assert [int(p) for p in b.page_ids(0)[:2]] == shared, "b adopts a's committed pages"
+    sh.kv[b.seq_id] = sh.kv[a.seq_id]             # what b reads now: a's pages
     sh.cut(b, 20)                                 # inside the second shared page
     assert int(b.page_ids(0)[1]) != shared[1], "the cut page must be a private copy"
+    assert [int(p) for p in a.page_ids(0)[:2]] == shared
+    sh.check(b, f"{hot}: b's copy holds the kept tokens")
     sh.write(b, 12)                               # different K/V after the cut
+    sh.write(a, 3)
     sh.check(a, f"{hot}: the sharer a")
     sh.check(b, f"{hot}: the cut sequence b")
     newcomer = mgr.add_sequence(prompt[:33])
-    assert newcomer.num_reused_tokens == 32       # the shared pages are still the prefix
+    assert newcomer.num_reused_tokens == 32       # a's pages are still the prefix
     mgr.check_invariants()
     mgr.shutdown()
 
