@@ -16,7 +16,14 @@ which the model passes to the ops when its caches are ``float8_e4m3fn`` (the cac
   AutoFP8);
 - ``model.layers.{i}.self_attn.kv_scale`` (one scale for K and V; older exports).
 
-Each is a scalar (one scale for every KV head, the usual per-tensor scale) or ``[Hkv]``; finite
+FP8 weights (``fp8_weights.py``): a layer's q/k/v/o and gate/up/down ``.weight`` tensors in
+``float8_e4m3fn`` (``[out, in]``) with ``.weight_scale`` beside each (float32; a scalar or
+``[1]`` per tensor as ModelOpt writes it, ``[out]`` / ``[out, 1]`` per channel as
+compressed-tensors writes it) and optionally ``.input_scale`` (a static activation scale; absent:
+dynamic per token), ``x = float32(x_fp8) * scale``, load as ``fp8_weights.Fp8Weight``; any other
+FP8 tensor is an error. ``load_checkpoint(quantize="fp8")`` quantizes a float checkpoint instead.
+
+Each K/V scale is a scalar (one scale for every KV head, the usual per-tensor scale) or ``[Hkv]``; finite
 and > 0 (at most 2**119: 448 * scale stays a finite float32) in float32, else CheckpointError
 naming the tensor. Either every layer has them or none does (a partial set is an error). A
 checkpoint without them gets no ``kv_scales`` and FP8 K/V then uses 1.0 (fine for the activations of most
@@ -34,6 +41,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from . import fp8_weights
 from .model import LlamaConfig, init_scales, param_shapes
 
 __all__ = ["load_checkpoint", "load_config", "load_tokenizer", "write_random_checkpoint",
@@ -69,7 +77,8 @@ _KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),
                    ("self_attn.kv_scale", "self_attn.kv_scale"))
 
 _RAW_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-               "F64": np.float64}
+               "F64": np.float64, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def load_config(path: str | Path, *, dtype: str | None = None) -> LlamaConfig:
@@ -152,7 +161,7 @@ def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, np.n
         for name, h, file in names:
             try:
                 arr = h.get_tensor(name)
-            except (TypeError, ValueError):  # a dtype this numpy/safetensors cannot map
+            except (TypeError, ValueError, AttributeError):  # a dtype numpy cannot map (FP8)
                 arr = _read_raw(file, name)
             bar.update(1)
             yield name, arr
@@ -183,10 +192,37 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[st
     def cast(a: np.ndarray):
         return jnp.asarray(np.ascontiguousarray(a), dtype)
 
+    def fp8_linear(i: int, parts: tuple[str, ...], want: tuple[int, ...]):
+        names = [f"model.layers.{i}.{hf}" for hf in parts]
+        if not any(n in tensors and tensors[n].dtype == _FP8 for n in names):
+            return None
+        rows = [out_dims.get(hf, want[1]) for hf in parts]
+        found = []
+        for n, r in zip(names, rows):
+            values = get(n, (want[0], r), True).T                    # HF's [out, in]
+            if values.dtype != _FP8:
+                raise CheckpointError(f"tensor {n!r} is {values.dtype}, but the other parts of "
+                                      "its fused weight are float8_e4m3fn")
+            stem = n.removesuffix("weight")
+            if stem + "weight_scale" not in tensors:
+                raise CheckpointError(f"checkpoint is missing tensor {stem + 'weight_scale'!r} "
+                                      f"(the scale of the FP8 weight {n!r})")
+            found.append((n, values, tensors[stem + "weight_scale"],
+                          tensors.get(stem + "input_scale")))
+        try:
+            return fp8_weights.from_checkpoint_parts(found)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+
     def layer(i: int) -> dict[str, Any]:
         out = {}
         for ours, want in shapes["layers"][i].items():
             parts, transpose = _LAYER_NAMES[ours]
+            if ours in fp8_weights.QUANTIZED_WEIGHTS:
+                quantized = fp8_linear(i, parts, want)
+                if quantized is not None:
+                    out[ours] = quantized
+                    continue
             if len(parts) == 1:
                 out[ours] = cast(get(f"model.layers.{i}.{parts[0]}", want, transpose))
             elif len(want) == 1:  # fused biases
@@ -205,6 +241,11 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[st
     }
     if not config.tie_word_embeddings:
         params["lm_head"] = cast(get("lm_head.weight", shapes["lm_head"], True))
+    stray = next((k for k, a in tensors.items() if a.dtype == _FP8 and not _in_fp8_linear(k)),
+                 None)
+    if stray is not None:
+        raise CheckpointError(f"tensor {stray!r} is float8_e4m3fn; FP8 is read for the layers' "
+                              "q/k/v/o and gate/up/down projection weights only")
     scales = kv_scales_from_tensors(tensors, config)
     if scales is not None:
         params["kv_scales"] = scales
@@ -213,6 +254,12 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[st
         raise CheckpointError(f"checkpoint has more layers than config.num_hidden_layers="
                               f"{config.num_hidden_layers} (e.g. {extra[0]!r})")
     return params
+
+
+def _in_fp8_linear(name: str) -> bool:
+    """Whether ``name`` is a weight :func:`hf_to_params` may read in FP8 (a layer's linear)."""
+    linears = [hf for ours in fp8_weights.QUANTIZED_WEIGHTS for hf in _LAYER_NAMES[ours][0]]
+    return name.startswith("model.layers.") and any(name.endswith("." + hf) for hf in linears)
 
 
 def kv_scales_from_tensors(tensors: dict[str, np.ndarray],
@@ -258,17 +305,26 @@ def _head_scales(name: str, arr: np.ndarray, num_kv_heads: int) -> np.ndarray:
     return np.broadcast_to(a, (num_kv_heads,)).copy()
 
 
-def load_checkpoint(path: str | Path, *, dtype: str | None = None,
-                    progress: bool = True) -> tuple[LlamaConfig, dict[str, Any], Any]:
+def load_checkpoint(path: str | Path, *, dtype: str | None = None, progress: bool = True,
+                    quantize: str | None = None) -> tuple[LlamaConfig, dict[str, Any], Any]:
     """Reads a HF checkpoint directory: ``(config, params, tokenizer_or_None)``.
 
     ``dtype`` ("float32", "bfloat16", "float16") overrides the checkpoint's ``torch_dtype``.
+    ``quantize`` ("fp8": per-channel weight scales, "fp8-tensor": per tensor; None: as stored)
+    quantizes the layers' linear weights at load time (``fp8_weights.quantize_params``); an
+    FP8 checkpoint's weights load as FP8 either way.
     """
+    if quantize is not None and quantize not in fp8_weights.QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {sorted(fp8_weights.QUANTIZE_CHOICES)} or "
+                         f"None, got {quantize!r}")
     path = Path(path)
     config = load_config(path, dtype=dtype)
     files = _safetensors_files(path)
     tensors = dict(_iter_tensors(files, progress))
     params = hf_to_params(tensors, config)
+    del tensors
+    if quantize is not None:
+        params = fp8_weights.quantize_params(params, fp8_weights.QUANTIZE_CHOICES[quantize])
     return config, params, load_tokenizer(path)
 
 

@@ -11,6 +11,9 @@ layer, so every layer's weights are their own buffers)::
      "lm_head": [D, V],          # absent when config.tie_word_embeddings (embed.T is used)
      "kv_scales": {"k": [L, Hkv], "v": [L, Hkv]}}   # optional, float32: FP8 K/V scales
 
+The four linear weights may instead be ``fp8_weights.Fp8Weight`` (FP8 values ``[out, in]`` with
+float32 scales; ``--quantize fp8`` or an FP8 checkpoint): :func:`_mm` runs them as FP8 GEMMs.
+
 ``wqkv`` is ``[wq | wk | wv]`` and ``w_gate_up`` is ``[w_gate | w_up]`` along the output axis: one
 GEMM each instead of three and two. Qwen2 layers add ``"bqkv": [(H + 2*Hkv)*Dh]`` (the q/k/v
 projection biases, fused like ``wqkv``); Qwen3 layers add ``"q_norm": [Dh], "k_norm": [Dh]`` (an
@@ -77,6 +80,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kvcm
+
+from . import fp8_weights
 
 __all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "kv_scales", "forward_step",
            "decode_step", "bind", "rope_inv_freq", "param_shapes", "sample_tokens",
@@ -301,7 +306,8 @@ def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
     arrays, which :func:`forward_step` / :func:`decode_step` run under ``lax.scan`` (the layout
     that copies each layer's weights out of the stack every step; for comparison only)."""
     layers = params["layers"]
-    stacked = {name: jnp.stack([lp[name] for lp in layers]) for name in layers[0]}
+    stacked = {name: jax.tree.map(lambda *xs: jnp.stack(xs), *[lp[name] for lp in layers])
+               for name in layers[0]}   # (a tree map: FP8 weights are pytrees)
     return {**params, "layers": stacked}
 
 
@@ -429,6 +435,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def _mm(x, w):
+    if isinstance(w, fp8_weights.Fp8Weight):  # FP8 weights: an FP8 GEMM, scales after it
+        return fp8_weights.fp8_matmul(x, w)
     # HIGHEST keeps float32 models out of TF32; bf16/f16 products are exact in the default
     # precision already (f32 accumulation), and HIGHEST could only cost there.
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None

@@ -5,6 +5,7 @@ generation and the KV report.
     python examples/llama/run.py --model DIR --prompt "Hello" --max-new-tokens 64
     python examples/llama/run.py --prompt-ids 1,5,9 --prompt-ids 1,5,7 --json
     python examples/llama/run.py --kv-dtype fp8      # K/V pools in float8_e4m3fn
+    python examples/llama/run.py --quantize fp8      # FP8 weights and GEMMs (fp8_weights.py)
     python examples/llama/run.py --tensor-parallel 2  # split over 2 devices (examples/llama/tp.py)
 
 With no ``--model``, a small Llama (2 layers, hidden 128, vocab 512) with deterministic random
@@ -44,6 +45,7 @@ if not __package__:  # run as a script (python examples/llama/run.py): import th
 
 import numpy as np  # noqa: E402
 
+from . import fp8_weights  # noqa: E402
 from . import loader  # noqa: E402  (safetensors etc. are imported on use)
 from . import model as llama  # noqa: E402
 from . import serve  # noqa: E402
@@ -174,6 +176,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
       help="K/V cache dtype: auto (the model's) or fp8 (float8_e4m3fn, scales from the "
            "checkpoint's k_scale/v_scale tensors, else 1.0; needs --cold-codec concat) "
            "(default: %(default)s)")
+    a("--quantize", choices=sorted(fp8_weights.QUANTIZE_CHOICES), default=None,
+      help="quantize the layers' linear weights at load time to float8_e4m3fn and run FP8 "
+           "GEMMs: fp8 (a scale per output channel), fp8-tensor (one per weight); activations "
+           "per token; an FP8 checkpoint loads in FP8 without it; one device only "
+           "(default: as stored)")
     a("--max-batch", type=count(1), default=8, metavar="N",
       help="most sequences per step (default: %(default)s)")
     a("--max-tokens-per-step", type=count(1), default=64, metavar="N",
@@ -242,6 +249,10 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
             p.error(f"argument --disk-dir: {d} is not writable")
     else:
         args.disk_bytes = 0
+    if args.quantize and args.tensor_parallel > 1:
+        p.error(f"argument --quantize: {args.quantize} weights are not split for tensor "
+                "parallelism (examples/llama/tp.py shards float weights only); drop "
+                "--tensor-parallel or --quantize")
     if args.tensor_parallel > 1:
         import jax
         if args.tensor_parallel > jax.device_count():
@@ -288,10 +299,12 @@ def main(argv=None) -> int:
 
     if not args.json:
         kv = "fp8" + (" (checkpoint scales)" if "kv_scales" in params else " (scales 1.0)")
+        weights = "fp8" if fp8_weights.has_fp8_weights(params) else config.dtype
         print(f"model: {'built-in random Llama' if default_model else path} "
               f"({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
               f"{config.vocab_size}, {config.dtype}, K/V "
-              f"{kv if args.kv_dtype == 'fp8' else config.dtype}); loaded in {load_s:.2f}s; "
+              f"{kv if args.kv_dtype == 'fp8' else config.dtype}, weights {weights}); loaded "
+              f"in {load_s:.2f}s; "
               f"{len(prompts)} requests", flush=True)
 
     def emit(out) -> None:
@@ -396,11 +409,15 @@ def load_model(p: argparse.ArgumentParser, args: argparse.Namespace, *, progress
         path = Path(args.model)
     try:
         config, params, tokenizer = loader.load_checkpoint(path, dtype=args.dtype,
-                                                           progress=progress)
+                                                           progress=progress,
+                                                           quantize=args.quantize)
     except (ValueError, OSError) as e:
         if tmp is not None:
             tmp.cleanup()
         p.error(f"cannot load {path}: {e}")
+    if args.tensor_parallel > 1 and fp8_weights.has_fp8_weights(params):
+        p.error(f"argument --tensor-parallel: {path} has FP8 weights, which are not split for "
+                "tensor parallelism (examples/llama/tp.py); use --tensor-parallel 1")
     return path, config, params, tokenizer, tmp
 
 

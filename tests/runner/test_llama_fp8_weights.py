@@ -1,0 +1,345 @@
+"""FP8 weights in the example runner (examples/llama/fp8_weights.py): quantization and the FP8
+matmul against numpy, the accuracy of the tiny oracle model with FP8 weights against itself in
+bf16 / float32, FP8 checkpoints in the ModelOpt and compressed-tensors layouts through the loader
+against HF transformers with the dequantized weights, the CLI flag, and (GPU) the compiled decode
+step's cuBLASLt FP8 GEMMs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import hf_logits, random_hf_llama
+import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from examples.llama import fp8_weights as f8  # noqa: E402
+from examples.llama import loader as llama_loader  # noqa: E402
+from examples.llama import model as llama  # noqa: E402
+from examples.llama import serve  # noqa: E402
+from test_llama_fp8 import BASE, _compare, _prompts  # noqa: E402  (the FP8 K/V tests' helpers)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+NP_FP8 = ml_dtypes.float8_e4m3fn
+
+
+def _np_quantize(w_in_out: np.ndarray, per_channel: bool):
+    """numpy oracle of ``quantize_weight``: ``(values [out, in] fp8, scale [out])``."""
+    wt = np.asarray(w_in_out, np.float32).T
+    amax = np.abs(wt).max(axis=1)
+    if not per_channel:
+        amax = np.full_like(amax, amax.max())
+    scale = np.maximum(amax / np.float32(448), np.finfo(np.float32).tiny).astype(np.float32)
+    return np.clip(wt / scale[:, None], -448, 448).astype(NP_FP8), scale
+
+
+@pytest.mark.parametrize("scaling", ["channel", "tensor"])
+def test_quantize_and_matmul_against_numpy(scaling):
+    seed = 3
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((48, 80)).astype(np.float32) * np.linspace(0.1, 3, 80)  # [in, out]
+    x = rng.standard_normal((5, 48)).astype(np.float32) * np.asarray([[1], [10], [0.1], [3],
+                                                                       [0]])
+    q = f8.quantize_weight(jnp.asarray(w), scaling)
+    values, scale = _np_quantize(w, scaling == "channel")
+    assert q.values.dtype == jnp.float8_e4m3fn and q.values.shape == (80, 48)
+    assert q.shape == (48, 80)
+    np.testing.assert_array_equal(np.asarray(q.values).view(np.uint8), values.view(np.uint8))
+    np.testing.assert_allclose(np.asarray(q.scale), scale, rtol=3e-7)  # (XLA: x * (1/448))
+    # e4m3 keeps 3 mantissa bits: each element within 1/16 of its channel's range.
+    err = np.abs(np.asarray(f8.dequantize(q)) - w) / (np.abs(w).max(0 if scaling == "channel"
+                                                                    else None) / 448 * 32)
+    assert err.max() <= 1.0 + 1e-6
+    # The matmul: x quantized per row (a zero row stays zero), exact fp8 products, float32 sums.
+    sx = np.maximum(np.abs(x).max(1, keepdims=True) / 448, np.finfo(np.float32).tiny)
+    xq = np.clip(x / sx, -448, 448).astype(NP_FP8).astype(np.float64)
+    want = (xq @ values.astype(np.float64).T) * sx * scale
+    got = np.asarray(jax.jit(f8.fp8_matmul)(jnp.asarray(x), q))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.all(got[4] == 0)
+    # A static input scale replaces the per-row one.
+    static = f8.Fp8Weight(q.values, q.scale, jnp.float32(0.05))
+    xs = np.clip(x / np.float32(0.05), -448, 448).astype(NP_FP8).astype(np.float64)
+    np.testing.assert_allclose(np.asarray(f8.fp8_matmul(jnp.asarray(x), static)),
+                               (xs @ values.astype(np.float64).T) * 0.05 * scale,
+                               rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accuracy on the tiny oracle model (tests/runner/test_llama_fp8.py's checkpoint, HF-checked).
+
+# Measured on CPU (the test prints them; the report quotes them): per-step greedy agreement
+# ~0.97-1.0 and max |logit error| ~0.03-0.05 over logits spanning about +-2. A wrong weight scale
+# (the values read without it, a channel's scale on the wrong row) or a dropped activation
+# scale moves the logits by whole units and flips most tokens.
+MAX_LOGIT_ERR = 0.15
+MIN_STEP_AGREEMENT = 0.9
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf = random_hf_llama("llama", BASE, seed=8)
+    path = tmp_path_factory.mktemp("hf_fp8_weights")
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf, path
+
+
+def _generate(params, config, prompts, n_new=24):
+    srv = serve.Server(params, config, serve.ServeConfig(
+        page_size=4, device_pages=64, max_batch=4, max_tokens_per_step=16, max_seq_len=128,
+        record_logits=True))
+    return srv.generate([serve.Request(p, n_new, eos_token_ids=()) for p in prompts])
+
+
+@pytest.mark.parametrize("dtype,quantize", [("bfloat16", "fp8"), ("float32", "fp8"),
+                                            ("float32", "fp8-tensor")])
+def test_fp8_weights_accuracy(checkpoint, dtype, quantize):
+    """The model with FP8 weights against itself unquantized (same dtype), greedy: per-step
+    argmax agreement on the same context and the max logit error there."""
+    _, path = checkpoint
+    prompts = _prompts(21)
+    config, params, _ = llama_loader.load_checkpoint(path, dtype=dtype, progress=False)
+    _, quantized, _ = llama_loader.load_checkpoint(path, dtype=dtype, progress=False,
+                                                   quantize=quantize)
+    assert isinstance(quantized["layers"][0]["wqkv"], f8.Fp8Weight)
+    assert not isinstance(quantized["lm_head"], f8.Fp8Weight)
+    want, got = _generate(params, config, prompts), _generate(quantized, config, prompts)
+    same, before, total, err, peak = _compare(want, got)
+    steps = before + (len(prompts) - same)
+    agreement = before / steps
+    print(f"{dtype} model, {quantize} weights vs {dtype} weights, {len(prompts)} greedy requests "
+          f"x 24 tokens: {same}/{len(prompts)} identical, per-step argmax agreement "
+          f"{before}/{steps} = {agreement:.3f}, max |logit error| {err:.4f} (logits up to "
+          f"{peak:.2f})")
+    assert err <= MAX_LOGIT_ERR and agreement >= MIN_STEP_AGREEMENT
+
+
+def test_stacked_fp8_layers_match(checkpoint):
+    """``stack_layers`` stacks FP8 weights (pytrees) and the scan path gives the same logits."""
+    _, path = checkpoint
+    config, params, _ = llama_loader.load_checkpoint(path, dtype="float32", progress=False,
+                                                     quantize="fp8")
+    stacked = llama.stack_layers(params)
+    assert stacked["layers"]["wo"].values.shape == (2, 64, 64)
+    T = 9
+    tokens = jnp.asarray(np.random.default_rng(2).integers(3, 128, T), jnp.int32)
+    args = (tokens, jnp.arange(T, dtype=jnp.int32), jnp.arange(4, 4 + T, dtype=jnp.int32),
+            jnp.asarray([[1, 2, 3]], jnp.int32), jnp.asarray([T], jnp.int32),
+            jnp.asarray([0, T], jnp.int32))
+    out = [np.asarray(llama.forward_step(p, *llama.make_caches(config, 4, 4), *args,
+                                         config=config)[0]) for p in (params, stacked)]
+    np.testing.assert_allclose(out[0], out[1], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 checkpoints.
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _input_amax(hf, ids) -> dict[str, float]:
+    """Calibration as ModelOpt does it: the largest |input| of each linear over a prompt."""
+    amax: dict[str, float] = {}
+    hooks = []
+    for name, mod in hf.named_modules():
+        if name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in _LINEARS:
+            def hook(_, args, name=name):
+                amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+            hooks.append(mod.register_forward_pre_hook(hook))
+    hf_logits(hf, ids)
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def _write_fp8_checkpoint(hf, path: Path, layout: str, calibration) -> dict[str, np.ndarray]:
+    """``hf`` saved in FP8: ``layout="modelopt"``: per-tensor ``weight_scale`` (scalar) and a
+    calibrated static ``input_scale``; ``"compressed-tensors"``: per-channel ``weight_scale
+    [out, 1]`` in bf16, no input scale (dynamic). Returns the dequantized linear weights, by
+    name, that the checkpoint stands for (float32, HF's [out, in])."""
+    from safetensors.numpy import save_file
+    hf.save_pretrained(path, safe_serialization=True)
+    tensors = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    amax = _input_amax(hf, calibration) if layout == "modelopt" else {}
+    dequantized = {}
+    for name in list(tensors):
+        stem = name.removesuffix(".weight")
+        if not (name.startswith("model.layers.") and stem.rsplit(".", 1)[-1] in _LINEARS):
+            continue
+        values, scale = _np_quantize(tensors[name].T, layout != "modelopt")
+        dequantized[name] = values.astype(np.float32) * scale[:, None]
+        tensors[name] = values
+        if layout == "modelopt":
+            tensors[stem + ".weight_scale"] = np.asarray(scale[0], np.float32)
+            tensors[stem + ".input_scale"] = np.asarray(amax[stem] / 448, np.float32)
+        else:
+            tensors[stem + ".weight_scale"] = scale[:, None].astype(ml_dtypes.bfloat16)
+            dequantized[name] = values.astype(np.float32) * tensors[
+                stem + ".weight_scale"].astype(np.float32)
+    (path / "model.safetensors").unlink()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = (
+        {"quant_method": "modelopt", "quant_algo": "FP8"} if layout == "modelopt" else
+        {"quant_method": "compressed-tensors", "format": "float-quantized"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_fp8_checkpoint_round_trip(checkpoint, tmp_path, layout):
+    """An FP8 checkpoint loads as FP8 weights equal to the checkpoint's (dequantized exactly),
+    and its logits are those of HF transformers running the dequantized weights, up to the
+    activations' FP8 rounding (bounded like the accuracy test)."""
+    hf, _ = checkpoint
+    rng = np.random.default_rng(11)
+    print("seed 11")
+    ids = [1] + rng.integers(3, 128, 15).tolist()
+    dequantized = _write_fp8_checkpoint(hf, tmp_path, layout, ids)
+    config, params, _ = llama_loader.load_checkpoint(tmp_path, dtype="float32", progress=False)
+    lp = params["layers"][1]
+    assert all(isinstance(lp[n], f8.Fp8Weight) for n in f8.QUANTIZED_WEIGHTS)
+    assert (lp["wqkv"].input_scale is not None) == (layout == "modelopt")
+    want_qkv = np.concatenate([dequantized[f"model.layers.1.self_attn.{n}_proj.weight"]
+                               for n in "qkv"]).T
+    np.testing.assert_array_equal(np.asarray(f8.dequantize(lp["wqkv"])), want_qkv)
+    np.testing.assert_array_equal(np.asarray(f8.dequantize(lp["w_down"])),
+                                  dequantized["model.layers.1.mlp.down_proj.weight"].T)
+
+    reference = random_hf_llama("llama", BASE, seed=8)
+    with torch.no_grad():
+        for name, w in dequantized.items():
+            reference.get_parameter(name).copy_(torch.from_numpy(w))
+    want = hf_logits(reference, ids)
+    kc, vc = llama.make_caches(config, 8, 4)
+    T = len(ids)
+    got, _, _ = llama.forward_step(
+        params, kc, vc, jnp.asarray(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32),
+        jnp.arange(4, 4 + T, dtype=jnp.int32), jnp.asarray([[1, 2, 3, 4]], jnp.int32),
+        jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32),
+        logits_index=jnp.arange(T), config=config)
+    err = float(np.max(np.abs(np.asarray(got) - want)))
+    print(f"{layout}: max |logit error| against HF with the dequantized weights {err:.4f} "
+          f"(logits up to {np.abs(want).max():.2f})")
+    assert err <= MAX_LOGIT_ERR / 2
+
+
+def test_fp8_checkpoint_errors(checkpoint, tmp_path):
+    """Each malformed FP8 checkpoint is refused with a CheckpointError naming the tensor."""
+    from safetensors.torch import load_file, save_file
+    hf, _ = checkpoint
+    _write_fp8_checkpoint(hf, tmp_path, "compressed-tensors", None)
+    base = load_file(str(tmp_path / "model.safetensors"))
+
+    def load_with(change):
+        tensors = dict(base)
+        change(tensors)
+        save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        return llama_loader.load_checkpoint(tmp_path, progress=False)
+
+    stem = "model.layers.0.self_attn.k_proj."
+    cases = [
+        (lambda t: t.pop(stem + "weight_scale"), f"missing tensor '{stem}weight_scale'"),
+        (lambda t: t.__setitem__(stem + "weight_scale", torch.ones(3)),
+         f"'{stem}weight_scale' has shape"),
+        (lambda t: t.__setitem__(stem + "weight_scale", -t[stem + "weight_scale"]),
+         "must be finite and > 0"),
+        (lambda t: t.__setitem__(stem + "weight", t[stem + "weight"].float()),
+         "but the other parts of its fused weight are float8_e4m3fn"),
+        (lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].to(torch.float8_e4m3fn)),
+         "'lm_head.weight' is float8_e4m3fn"),
+        (lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.input_scale",
+                                 torch.tensor(0.1)),
+         f"missing tensor '{stem}input_scale'"),
+    ]
+    for change, message in cases:
+        with pytest.raises(llama_loader.CheckpointError, match=message.replace("[", r"\[")):
+            load_with(change)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        llama_loader.load_checkpoint(tmp_path, progress=False, quantize="int4")
+
+
+def test_layer_errors_tool():
+    """The per-layer error report on a tiny bf16 model: the errors are FP8-sized (a few
+    percent of the layers' updates) and a wrong quantization shows."""
+    config = llama.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, dtype="bfloat16")
+    params = llama.init_params(config, seed=1)
+    tokens = list(range(3, 19))
+    rows = f8.layer_errors(params, f8.quantize_params(params), config, tokens)
+    print(rows)
+    assert [r["layer"] for r in rows] == [0, 1, 2]
+    assert all(0 < r["layer_update_rel_l2"] < 0.1 and r["stack_rel_l2"] < 0.1 for r in rows)
+    broken = f8.quantize_params(params)
+    broken["layers"][1]["w_down"] = f8.Fp8Weight(broken["layers"][1]["w_down"].values,
+                                                 2 * broken["layers"][1]["w_down"].scale)
+    bad = f8.layer_errors(params, broken, config, tokens)
+    assert bad[1]["layer_update_rel_l2"] > 0.3 and bad[0] == rows[0]
+
+
+def test_cli_quantize():
+    """--quantize is checked before anything loads (refused with --tensor-parallel) and runs
+    the built-in model end to end."""
+    def cli(*args):
+        return subprocess.run([sys.executable, str(ROOT / "examples/llama/run.py"), *args],
+                              capture_output=True, text=True, timeout=180)
+    bad = cli("--quantize", "int4")
+    assert bad.returncode == 2 and "argument --quantize: invalid choice" in bad.stderr
+    bad = cli("--quantize", "fp8", "--tensor-parallel", "2")
+    assert bad.returncode == 2 and "argument --quantize: fp8 weights are not split" in bad.stderr
+    ok = cli("--quantize", "fp8", "--max-new-tokens", "4")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "weights fp8" in ok.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the compiled step's GEMMs.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+def test_fp8_decode_step_uses_cublaslt_fp8_gemms(backend):
+    """The bf16 decode step with FP8 weights compiled for the GPU (Hopper): each layer's four
+    linear GEMMs are cuBLASLt FP8 custom calls (``__cublas$lt$matmul$f8``), and no instruction
+    materializes a weight (no transpose for the GEMM's layout, no dequantized bf16 copy)."""
+    from benchmarks.harness.device_profile import weight_copy_ops
+    if backend.device is None:
+        pytest.fail(f"no GPU: {backend.error}")
+    config = llama.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536,
+                               num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                               head_dim=64, dtype="bfloat16")
+    params = jax.device_put(f8.quantize_params(llama.init_params(config)), backend.device)
+    kc, vc = backend.put(*llama.make_caches(config, 33, 16))
+    B = 16
+    args = backend.put(np.zeros(B, np.int32), np.full(B, 20, np.int32),
+                       (np.arange(B, dtype=np.int32) * 2 + 2) * 16 + 4,
+                       (np.arange(2 * B, dtype=np.int32) + 1).reshape(B, 2),
+                       np.full(B, 21, np.int32))
+    hlo = llama.decode_step.lower(params, kc, vc, *args, config=config).compile().as_text()
+    calls = hlo.count('custom_call_target="__cublas$lt$matmul$f8"')
+    print(f"{calls} FP8 GEMM custom calls")
+    assert calls == 4 * config.num_hidden_layers, [
+        ln.strip()[:200] for ln in hlo.splitlines() if "custom_call_target" in ln]
+    # Weight-shaped buffers in either orientation ([in, out]: a transpose; [out, in]: a copy or
+    # a dequantizing fusion).
+    shapes = {"layers": [{f"{n}{t}": jax.ShapeDtypeStruct(s[::-1] if t else s, jnp.int8)
+                          for n, s in ((n, lp[n].shape) for n in f8.QUANTIZED_WEIGHTS)
+                          for t in (0, 1)} for lp in params["layers"]]}
+    assert weight_copy_ops(hlo, shapes) == []
+    logits, _, _ = llama.decode_step(params, kc, vc, *args, config=config)
+    assert np.all(np.isfinite(np.asarray(logits)))
