@@ -285,4 +285,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
 
 
 if __name__ == "__main__":
-    main()
+    # NOTE: python -m runs this file as __main__, a second copy of the module whose Fp8Weight
+    # model._mm does not know: run the package's copy.
+    from examples.llama import fp8_weights
+    fp8_weights.main()
