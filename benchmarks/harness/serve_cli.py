@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from benchmarks.harness.serve_setup import KV_MEMORY_FRACTION, WORKLOADS, Setup
+from examples.llama import fp8_weights
 from examples.llama import serve
 from examples.llama import tp
 
@@ -29,12 +30,19 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "prefix set; trtllm: the seed workload (1,024/1,024, concurrency 256, 15 "
                         "system prompts of ~512 + unique suffixes, prefix reuse and a pinned "
                         "host tier on, 2,500 requests, --quick 512), then random 1,024/1,024 "
-                        "at concurrency 256, paged and dense")
+                        "at concurrency 256, paged and dense; trtllm-bench: TensorRT-LLM's "
+                        "published protocol, random 1,000/1,000, 3,000 requests (--quick 1,000) "
+                        "at once, paged only, concurrency as large as memory allows after the "
+                        "weights (--kv-memory-fraction of it for K/V; printed)")
     p.add_argument("--kv-dtype", choices=sorted(serve.KV_DTYPES), default="auto",
                    help="the paged runs' K/V pools: auto (the model dtype) or fp8 "
                         "(float8_e4m3fn, scales 1.0: the random weights have none); dense "
                         "keeps the model dtype, so paged/dense agreement is reported, not "
                         "enforced, with fp8")
+    p.add_argument("--quantize", choices=sorted(fp8_weights.QUANTIZE_CHOICES), default=None,
+                   help="every run's linear weights in float8_e4m3fn with FP8 GEMMs "
+                        "(examples/llama/fp8_weights.py): fp8 (per-channel scales), fp8-tensor "
+                        "(per tensor); activations per token; one device (default: bf16)")
     p.add_argument("--prefill-chunk", type=int, nargs="+", metavar="N",
                    help="paged prompt tokens per step (ServeConfig.prefill_chunk_tokens); the "
                         "step's token budget becomes the largest concurrency + N unless "
@@ -133,6 +141,9 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
     if len(tps) > 1 and args.prefill_chunk is not None and len(args.prefill_chunk) > 1:
         raise SystemExit("several --tensor-parallel values and several --prefill-chunk values: "
                          "sweep one of them at a time")
+    if args.quantize is not None and max(tps) > 1:
+        raise SystemExit(f"--quantize {args.quantize}: FP8 weights are not split for tensor "
+                         "parallelism (examples/llama/tp.py); use --tensor-parallel 1")
     for n in tps:
         if not 1 <= n <= jax.device_count():
             raise SystemExit(f"--tensor-parallel must be in [1, {jax.device_count()}] (the "
@@ -146,6 +157,10 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
     if args.device_memory_gib is not None and args.device_memory_gib <= 0:
         raise SystemExit(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
     over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
+                            "quantize": args.quantize,
+                            "kv_memory_fraction": args.kv_memory_fraction,
+                            "device_memory_bytes": (None if args.device_memory_gib is None
+                                                    else int(args.device_memory_gib * 2**30)),
                             "tensor_parallel": tps[0] if tensor_parallel is None
                             else tensor_parallel}
     if args.prefill_chunk is not None:
@@ -169,6 +184,8 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         v = getattr(args, arg)
         if v is not None:
             over[field] = tuple(v) if isinstance(v, list) else v
+    if args.concurrency is not None:   # a fixed concurrency instead of the largest that fits
+        over["auto_concurrency"] = False
     if args.no_equal_memory:
         over["equal_memory_run"] = False
     if args.no_dense:
@@ -221,8 +238,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
 def estimate(setup: Setup) -> str:
     """The run's output tokens per part and a time estimate at the issue's target rates (paged
     9,500 tok/s, dense 3,300 tok/s on the H200; progress lines give the measured pace)."""
-    n_rand = sum(int(round(c * setup.requests_factor)) * setup.output_len
-                 for c in setup.concurrencies)
+    n_rand = sum(setup.requests_at(c) * setup.output_len for c in setup.concurrencies)
     n_shared = (setup.shared_requests * setup.shared_output_len * len(setup.shared_runs)
                 if setup.run_shared else 0)
     n_dense = n_rand if setup.run_dense else 0

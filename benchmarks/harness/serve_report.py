@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness.serve_setup import ANCHOR, Setup
+from benchmarks.harness.serve_setup import (ANCHOR, ANCHOR_TRTLLM_BENCH, TARGET_TRTLLM_BENCH_H200,
+                                            Setup)
 from examples.llama import serve
 from examples.llama import tp
 
@@ -119,6 +120,7 @@ def markdown(out: dict[str, Any]) -> str:
                  else f"dense max_len {r['max_len']}")
         hit = f"{r['prefix_hit_rate']:.1%}" if managed else "-"
         path = r["path"] + (" (fp8 K/V)" if r.get("kv_dtype") == "float8_e4m3fn" else "")
+        path += f" ({r['weights']} weights)" if r.get("weights", "").startswith("fp8") else ""
         lines.append(
             f"| {r['name']} | {path} | {r['workload']} | {r['concurrency']} | "
             f"{r['requests']} | {r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
@@ -191,6 +193,12 @@ def markdown(out: dict[str, Any]) -> str:
 
 
 def anchor_line(setup: Setup | None = None) -> str:
+    if setup is not None and setup.name.endswith("trtllm-bench"):
+        b = ANCHOR_TRTLLM_BENCH
+        return (f"Anchor: {b['system']}, {b['model']} on {b['gpu']}, {b['input_len']:,}/"
+                f"{b['output_len']:,}, {b['requests']:,} requests: {b['output_tokens_per_s']:,.0f} "
+                f"output tok/s ({b['source']}; FP8 weights and K/V, not measured here); target "
+                f"{TARGET_TRTLLM_BENCH_H200:,.0f} on an H200 with --quantize fp8 --kv-dtype fp8")
     a = ANCHOR
     ratio = a["output_len"] / setup.output_len if setup is not None else 4
     note = (f"; {ratio:g}x our random workload's output length" if ratio != 1

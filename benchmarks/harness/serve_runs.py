@@ -210,6 +210,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         pages_onboarded=rep["pages_onboarded"], host_bytes=setup.host_bytes,
         prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
+        weights=setup.quantize or setup.model.dtype,
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
         warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits,
         request_rate=setup.request_rate, **extra_profile,

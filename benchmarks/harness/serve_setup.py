@@ -15,6 +15,7 @@ import numpy as np
 
 import jax_kvcm
 from benchmarks.harness.run_log import log, mem_gib
+from examples.llama import fp8_weights
 from examples.llama import model as llama
 from examples.llama import serve
 
@@ -22,6 +23,14 @@ ANCHOR = {"system": "TensorRT-LLM paged KV", "model": "Llama-3.1-8B", "gpu": "on
           "input_len": 1024, "output_len": 1024, "concurrency": 256,
           "output_tokens_per_s": 8563.0, "source": "TensorRT-LLM PR 'Contiguous primary KV cache (P0)', trtllm-bench, paged v2 baseline",
           "h200_over_h100_bandwidth": 1.4}
+# --workload trtllm-bench's anchor: TensorRT-LLM's published throughput table (trtllm-bench
+# throughput, FP8 weights and activations, 3,000 requests at an unbounded rate, 0.95 of free
+# memory for K/V; docs/source/performance/perf-overview.md, v1.0 edition).
+ANCHOR_TRTLLM_BENCH = {"system": "TensorRT-LLM", "model": "Llama-3.1-8B FP8", "gpu": "one H200",
+                       "input_len": 1000, "output_len": 1000, "requests": 3000,
+                       "output_tokens_per_s": 17744.0,
+                       "source": "perf-overview.md (v1.0), trtllm-bench throughput"}
+TARGET_TRTLLM_BENCH_H200 = 18000.0   # issue 38: FP8 weights and K/V, one H200
 TARGET_PAGED_OVER_DENSE = 0.95
 TARGET_ARENA_OVER_PAGED = 1.0   # the arena at least as fast as paged, in equal memory
 TARGET_TP2_OVER_TP1 = 1.6       # issue 15: output tokens/s at --tensor-parallel 2 over 1
@@ -96,6 +105,17 @@ class Setup:
     # under this directory (benchmarks/_loop_profile.py), and the device time per step kind.
     profile_dir: str | None = None
     profile_steps: int = 64
+    # --quantize: the layers' linear weights in FP8 ("fp8": per-channel scales, "fp8-tensor":
+    # per tensor; examples/llama/fp8_weights.py), for every run of the setup; None: as drawn.
+    quantize: str | None = None
+    # Random-workload requests (None: concurrency x requests_factor).
+    num_requests: int | None = None
+    # The random rows' concurrency is the largest the device memory left after the weights holds
+    # (serve_capacity.py; computed when the run starts, printed); concurrencies is then only
+    # the fallback where the device reports no memory and --device-memory-gib gives none.
+    auto_concurrency: bool = False
+    kv_memory_fraction: float = KV_MEMORY_FRACTION   # of the memory left after the weights
+    device_memory_bytes: int | None = None           # --device-memory-gib (CPU: none reported)
 
     @property
     def max_total_len(self) -> int:
@@ -113,6 +133,12 @@ class Setup:
     def paged_kv_itemsize(self) -> int:
         """Bytes per K/V element of the paged runs' pools (1 with FP8 K/V)."""
         return 1 if self.kv_dtype == "fp8" else jnp.dtype(self.model.jnp_dtype).itemsize
+
+    def requests_at(self, concurrency: int) -> int:
+        """Random-workload requests at ``concurrency``."""
+        if self.num_requests is not None:
+            return self.num_requests
+        return int(round(concurrency * self.requests_factor))
 
     def pool_pages(self, concurrency: int) -> int:
         """Every running request at its longest, plus a page each of slack (a preempted request
@@ -152,7 +178,20 @@ TINY_TRTLLM = dataclasses.replace(
     shared_total_len=40, shared_output_len=16, shared_concurrency=8, shared_requests=24,
     shared_runs=("on",), shared_first=True, step_tokens=8 + 16, prefill_chunk=16,
     host_bytes=1 << 20, offload_ahead_pages=8, equal_memory_run=False)
-WORKLOADS = {"default": (FULL, QUICK, TINY_SETUP), "trtllm": (TRTLLM, TRTLLM_QUICK, TINY_TRTLLM)}
+# TensorRT-LLM's published protocol (ANCHOR_TRTLLM_BENCH): random 1,000/1,000, 3,000 requests
+# submitted at once, concurrency as large as memory allows; paged only, no host tier, no prefix
+# sharing to find. --quick: 1,000 requests (a short GPU run); --tiny: the tiny model.
+TRTLLM_BENCH = dataclasses.replace(
+    FULL, name="trtllm-bench", input_len=1000, output_len=1000, concurrencies=(256,),
+    num_requests=3000, auto_concurrency=True, run_shared=False, run_dense=False,
+    equal_memory_run=False, step_tokens=256 + 2048, prefill_chunk=2048)
+TRTLLM_BENCH_QUICK = dataclasses.replace(TRTLLM_BENCH, num_requests=1000)
+TINY_TRTLLM_BENCH = dataclasses.replace(
+    TINY_SETUP, name="tiny-trtllm-bench", input_len=20, output_len=20, concurrencies=(8,),
+    num_requests=30, auto_concurrency=True, run_shared=False, run_dense=False,
+    equal_memory_run=False, step_tokens=8 + 16, prefill_chunk=16)
+WORKLOADS = {"default": (FULL, QUICK, TINY_SETUP), "trtllm": (TRTLLM, TRTLLM_QUICK, TINY_TRTLLM),
+             "trtllm-bench": (TRTLLM_BENCH, TRTLLM_BENCH_QUICK, TINY_TRTLLM_BENCH)}
 # The device check before an 8B run: the tiny model, one concurrency, no equal-memory run.
 CHECK_SETUP = dataclasses.replace(TINY_SETUP, name="tiny-check", concurrencies=(8,),
                                   equal_memory_run=False)
@@ -211,13 +250,18 @@ def preflight(tiny: bool) -> None:
 
 
 def random_params(setup: Any) -> Any:
-    """``setup.model``'s params drawn with ``jax.random`` on the device (``setup.seed``)."""
+    """``setup.model``'s params drawn with ``jax.random`` on the device (``setup.seed``), the
+    layers' linear weights quantized to FP8 with ``setup.quantize``."""
     t = time.perf_counter()
     params = llama.init_params(setup.model, seed=setup.seed, on_device=True)
     params = jax.block_until_ready(params)
+    quantize = getattr(setup, "quantize", None)
+    if quantize is not None:
+        params = fp8_weights.quantize_params(params, fp8_weights.QUANTIZE_CHOICES[quantize])
     n = sum(x.size for x in jax.tree_util.tree_leaves(params))
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-    log(f"params: {n / 1e9:.2f} B parameters, {nbytes / 2**30:.1f} GiB {setup.model.dtype} "
+    kind = f"{setup.model.dtype}{f', layers {quantize}' if quantize else ''}"
+    log(f"params: {n / 1e9:.2f} B parameters, {nbytes / 2**30:.1f} GiB {kind} "
         f"(jax.random on {jax.devices()[0].platform}) in {time.perf_counter() - t:.1f} s"
         f"{mem_gib()}")
     return params
