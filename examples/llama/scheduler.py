@@ -54,7 +54,8 @@ class Server:
         self._waiting: collections.deque[RequestState] = collections.deque()
         self._running: list[RequestState] = []
         self._suspended: collections.deque[RequestState] = collections.deque()
-        self._closing: list[RequestState] = []  # reached max_new_tokens, last token unread
+        # reached max_new_tokens, last token unread (sequence closed unless Request.keep_sequence)
+        self._closing: list[RequestState] = []
         self._done: dict[int, RequestOutput] = {}
         self._next_id = 0
         self._order = 0
@@ -92,6 +93,45 @@ class Server:
     # -- requests ----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> int:
+        prompt = self._checked_prompt(request)
+        rid = self._next_id
+        self._next_id += 1
+        self._waiting.append(RequestState(rid, request, prompt, self._eos(request),
+                                  list(prompt), submitted_at=time.perf_counter()))
+        return rid
+
+    def submit_prefilled(self, request: Request, sequence: Any, first_token: int) -> int:
+        """Admits a request another engine prefilled: ``sequence`` (this manager's, e.g. from
+        ``import_sequence``) holds the prompt's K/V, ``first_token`` is the token sampled after
+        it; the loop decodes the rest and closes the sequence when the request ends. It goes
+        ahead of the waiting requests (its pages are here already) as soon as the batch has
+        room. ValueError, the sequence untouched, for a bad request, a sequence that is not the
+        prompt's, or a first token that ends the request (nothing left to decode)."""
+        prompt = self._checked_prompt(request)
+        eos, first = self._eos(request), int(first_token)
+        if first in eos or request.max_new_tokens < 2:
+            raise ValueError("the first token ends the request: nothing left to decode")
+        if not 0 <= first < self.config.vocab_size:
+            raise ValueError(f"first token {first} out of range [0, {self.config.vocab_size})")
+        if sequence.num_tokens != len(prompt):
+            raise ValueError(f"the prefilled sequence holds {sequence.num_tokens} tokens, the "
+                             f"prompt has {len(prompt)}")
+        rid = self._next_id
+        self._next_id += 1
+        r = RequestState(rid, request, prompt, eos, prompt + [first], seq=sequence,
+                         first_admit=False, submitted_at=time.perf_counter())
+        r.token_times.append(0.0)           # the first token came with the submission
+        self._waiting.appendleft(r)
+        self.counters["prefilled_requests"] += 1
+        return rid
+
+    def _eos(self, request: Request) -> frozenset[int]:
+        eos = (self.config.eos_token_ids if request.eos_token_ids is None
+               else request.eos_token_ids)
+        return frozenset(int(e) for e in eos)
+
+    def _checked_prompt(self, request: Request) -> list[int]:
+        """The prompt's ids; ValueError for a request that is invalid or can never fit."""
         prompt = [int(t) for t in request.prompt]
         if not prompt:
             raise ValueError("empty prompt")
@@ -109,13 +149,7 @@ class Server:
         if self.manager.max_num_sequences(total) < 1:
             raise ValueError(f"a sequence of {total} tokens needs more than the "
                              f"{self.manager.device_capacity_pages} device pages")
-        eos = (self.config.eos_token_ids if request.eos_token_ids is None
-               else request.eos_token_ids)
-        rid = self._next_id
-        self._next_id += 1
-        self._waiting.append(RequestState(rid, request, prompt, frozenset(int(e) for e in eos),
-                                  list(prompt), submitted_at=time.perf_counter()))
-        return rid
+        return prompt
 
     @property
     def num_running(self) -> int:
@@ -167,6 +201,12 @@ class Server:
             self._running.append(r)
         while self._waiting and len(self._running) < mb:
             r = self._waiting[0]
+            if r.seq is not None:       # prefilled elsewhere (submit_prefilled): pages here
+                self._waiting.popleft()
+                self._order += 1
+                r.order = self._order
+                self._running.append(r)
+                continue
             if self._running and self._pages(len(r.tokens) + 1) > self._device_room():
                 return
             self._waiting.popleft()
@@ -285,7 +325,8 @@ class Server:
         for r, _ in new.rows:      # done by length: nothing to read first (EOS may come late)
             if r.finish_reason is None and r.seq is not None and (
                     r.num_generated >= r.req.max_new_tokens):
-                self._close_seq(r)
+                if not r.req.keep_sequence:
+                    self._close_seq(r)
                 self._running.remove(r)
                 self._closing.append(r)
         dt = time.perf_counter() - t0
@@ -395,11 +436,15 @@ class Server:
         r.seq = None
 
     def _finish(self, r: RequestState) -> RequestOutput:
+        kept = None
+        if r.req.keep_sequence and r.seq is not None and r.seq.state is SequenceState.ACTIVE:
+            kept, r.seq = r.seq, None          # handed to the caller, who closes it
         self._close_seq(r)
         for queue in (self._running, self._closing, self._waiting, self._suspended):
             if r in queue:
                 queue.remove(r)
         out = self._output(r)
+        out.sequence = kept
         self._done[r.rid] = out
         return out
 

@@ -33,6 +33,9 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     eos_token_ids: Sequence[int] | None = None
+    # The sequence stays open when the request finishes: RequestOutput.sequence holds it and the
+    # caller closes it (the prefill side of a K/V handoff exports it first).
+    keep_sequence: bool = False
 
 
 @dataclasses.dataclass
@@ -50,11 +53,12 @@ class RequestOutput:
     # are the inter-token latencies).
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None           # what failed, when finish_reason == "error"
+    sequence: Any = None               # the open sequence, with Request.keep_sequence
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable (without the logits and token times)."""
+        """JSON-serializable (without the logits, token times and sequence)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("logits", "token_times_s")}
+                if f.name not in ("logits", "token_times_s", "sequence")}
 
 
 @dataclasses.dataclass(frozen=True)
