@@ -7,6 +7,12 @@ and the device); the asyncio side only opens, cancels and reads requests through
   reason)`` with reason ``eos``, ``length`` or ``cancelled``. A bounded number of requests may be
   open at once (running + queued); :meth:`open` returns None beyond it (the caller answers 429).
 - :meth:`Engine.cancel` (event loop, any time, idempotent) ends a request before the next step.
+- Disaggregated prefill (:mod:`._http_roles`): :meth:`Engine.open` with ``submit=False`` holds a
+  slot while the prompt is prefilled elsewhere; :meth:`Engine.submit` then hands the request in
+  with its ``prefilled`` K/V (admitted in the engine thread by ``prefilled.admit(server)``), or
+  :meth:`Engine.end_unsubmitted` answers it with the tokens it already has. On the prefill side
+  a request with ``keep_sequence`` gets ``("kept", export)`` before its end: its sequence
+  exported (``export_sequence(seq, model_id)``, or the exception) and closed.
 - The thread loops: take commands (submit, cancel, snapshot), run one ``Server.step``, hand every
   request's new tokens to its loop in one ``call_soon_threadsafe`` per step.
 - :meth:`Engine.begin_shutdown` / :meth:`Engine.stop` (blocking): stop admission, let running
@@ -50,6 +56,8 @@ class Handle:
     opened_at: float
     rid: int | None = None
     last_token_at: float | None = None
+    submitted: bool = False            # handed to the engine thread (see Engine.open)
+    prefilled: Any = None              # K/V prefilled elsewhere: .admit(server) -> request id
     done: bool = False                 # a terminal item was delivered (event loop side)
     ended: bool = False                # the engine is done with it (engine side)
 
@@ -57,14 +65,16 @@ class Handle:
 class Engine:
     """See the module doc. ``max_open``: requests open at once (running + queued) before
     :meth:`open` refuses; ``metrics``: an object with ``ttft`` and ``itl`` histograms
-    (``observe(seconds)``) or None."""
+    (``observe(seconds)``) or None; ``model_id``: what exported sequences are labelled with."""
 
-    def __init__(self, server: serve.Server, *, max_open: int, metrics: Any = None):
+    def __init__(self, server: serve.Server, *, max_open: int, metrics: Any = None,
+                 model_id: str = ""):
         if max_open < 1:
             raise ValueError(f"max_open must be >= 1, got {max_open}")
         self.server = server
         self.max_open = max_open
         self.metrics = metrics
+        self.model_id = model_id
         self.num_open = 0                  # event-loop side count of open handles
         self.healthy = True
         self.last_error: str | None = None
@@ -93,19 +103,44 @@ class Engine:
     def accepting(self) -> bool:
         return not self._stopping.is_set() and self.healthy
 
-    def open(self, request: serve.Request) -> Handle | None:
-        """Queues ``request``; None when ``max_open`` requests are open already."""
+    def open(self, request: serve.Request, *, submit: bool = True) -> Handle | None:
+        """Queues ``request``; None when ``max_open`` requests are open already. With
+        ``submit=False`` it only takes a slot: :meth:`submit` or :meth:`end_unsubmitted` follow
+        (or :meth:`cancel`, which frees the slot)."""
         if self.num_open >= self.max_open:
             return None
         self.num_open += 1
         h = Handle(request, asyncio.Queue(), time.perf_counter())
-        self._command("submit", h)
+        if submit:
+            self.submit(h)
         return h
 
+    def submit(self, h: Handle, prefilled: Any = None) -> None:
+        """Hands an open handle to the engine thread (no-op once it ended), with the K/V
+        another engine ``prefilled`` (an object whose ``admit(server)`` returns the request id
+        it submitted, or raises ValueError; a ``status`` attribute gives the HTTP status)."""
+        if h.done or h.submitted:
+            return
+        h.submitted, h.prefilled = True, prefilled
+        self._command("submit", h)
+
+    def end_unsubmitted(self, h: Handle, tokens: list[int], reason: str) -> None:
+        """Answers an unsubmitted handle with ``tokens`` and ends it (``reason``: ``eos`` or
+        ``length``), e.g. a request the prefill engine's first token already finished."""
+        if h.done or h.submitted:
+            return
+        h.submitted = True
+        self._command("answer", (h, tokens, reason))
+
     def cancel(self, h: Handle) -> None:
-        """Ends ``h`` within one step (no-op once it ended)."""
-        if not h.done:
-            self._command("cancel", h)
+        """Ends ``h`` within one step (no-op once it ended); an unsubmitted one at once."""
+        if h.done:
+            return
+        if not h.submitted:
+            h.submitted = h.ended = h.done = True
+            self.num_open -= 1
+            return
+        self._command("cancel", h)
 
     async def snapshot(self, timeout: float = 30.0) -> dict[str, Any]:
         """The engine's report and request counts, taken between two steps."""
@@ -170,8 +205,16 @@ class Engine:
                 self._submit(arg, items)
             elif kind == "cancel":
                 self._cancel(arg, items)
+            elif kind == "answer":
+                self._answer(*arg, items)
             else:
                 self._snapshot(arg)
+
+    def _answer(self, h: Handle, tokens: list[int], reason: str, items: list) -> None:
+        """:meth:`end_unsubmitted` in the engine thread (the finish counters live here)."""
+        h.ended = True
+        self.finished[reason] += 1
+        items += [(h, "ok", None), (h, "tokens", tokens), (h, "end", reason)]
 
     def _submit(self, h: Handle, items: list) -> None:
         if self._stopping.is_set() or not self.healthy:
@@ -180,9 +223,10 @@ class Engine:
             h.ended = True
             return
         try:
-            h.rid = self.server.submit(h.request)
-        except ValueError as e:         # can never fit, or bad values
-            items.append((h, "error", (400, str(e))))
+            h.rid = (self.server.submit(h.request) if h.prefilled is None
+                     else h.prefilled.admit(self.server))
+        except ValueError as e:         # can never fit, bad values, or a refused handoff
+            items.append((h, "error", (getattr(e, "status", 400), str(e))))
             h.ended = True
             return
         self._by_rid[h.rid] = h
@@ -196,11 +240,12 @@ class Engine:
             self.finished["cancelled"] += 1
         self._end(h, "cancelled", items)
 
-    def _end(self, h: Handle, reason: str, items: list) -> None:
+    def _end(self, h: Handle, reason: str, items: list, error: str | None = None) -> None:
         h.ended = True
         self._live.discard(h)
         self._by_rid.pop(h.rid, None)
-        items.append((h, "end", reason))
+        items.append((h, "error", (500, f"the request failed: {error}")) if reason == "error"
+                     else (h, "end", reason))
 
     def _step(self, items: list) -> None:
         try:
@@ -222,9 +267,25 @@ class Engine:
         for out in finished:
             self.server.pop_output(out.request_id)
             h = self._by_rid.get(out.request_id)
+            if out.sequence is not None:
+                exported = self._export_and_close(out.sequence, h is not None)
+                if h is not None:
+                    items.append((h, "kept", exported))
             if h is not None:
                 self.finished[out.finish_reason] += 1
-                self._end(h, out.finish_reason, items)
+                self._end(h, out.finish_reason, items, out.error)
+
+    def _export_and_close(self, seq: Any, wanted: bool) -> Any:
+        """A kept sequence (``Request.keep_sequence``) exported (if ``wanted``; the exception if
+        that failed), then closed."""
+        mgr = self.server.manager
+        try:
+            return mgr.export_sequence(seq, self.model_id) if wanted else None
+        except Exception as e:  # noqa: BLE001  (answered to its request)
+            log.exception("export_sequence failed")
+            return e
+        finally:
+            mgr.close(seq)
 
     def _flush(self, items: list) -> None:
         if items and self._loop is not None and not self._loop.is_closed():
@@ -259,6 +320,8 @@ class Engine:
             kind, arg = self._cmds.popleft()
             if kind == "submit":
                 items.append((arg, "error", (503, "the server is shutting down")))
+            elif kind == "answer":
+                self._answer(*arg, items)
             elif kind == "snapshot":
                 self._loop.call_soon_threadsafe(_resolve, arg, RuntimeError("engine stopped"))
         self._flush(items)

@@ -20,6 +20,12 @@ Endpoints:
   (``tokenizer_config.json``); 400 when the model has none.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
+Disaggregated prefill (:mod:`._http_roles`): ``--role prefill`` adds the internal routes
+``POST /internal/prefill`` and ``/internal/forget``; ``--role decode --prefill-url URL`` serves
+the endpoints above and has that server prefill each prompt, pulls its K/V
+(``--handoff-timeout``), imports it and decodes (503 while the prefill server is down, 502 for
+K/V the import refuses). ``--role both`` (the default) prefills and decodes here.
+
 One engine thread owns the serving loop (:mod:`._http_engine`): handlers only queue requests and
 read their token streams; tokenizing and chat templating run in a worker pool
 (``--tokenizer-workers``), so a long prompt never stalls another request's stream. A request
@@ -59,6 +65,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from . import _http_roles as roles
 from . import run, serve
 from ._http_engine import Engine, Handle
 from ._http_text import ChatTemplate, Detokenizer, StopText, load_chat_template
@@ -97,13 +104,15 @@ class _State:
         self.chat, self.model_name, self.max_seq_len = chat, model_name, max_seq_len
         self.clients, self.request_timeout, self.pool = clients, request_timeout, pool
         self.created = int(time.time())
+        self.decode: roles.DecodeSide | None = None     # --role decode
 
 
 def create_app(server: serve.Server, *, tokenizer: Any = None, chat_template: ChatTemplate | None
                = None, model_name: str = DEFAULT_MODEL_NAME, max_queue: int = 256,
                shutdown_timeout: float = 0.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_requests_per_client: int = 0, request_timeout: float = 0.0,
-               tokenizer_workers: int = 2) -> FastAPI:
+               tokenizer_workers: int = 2, role: str = "both", prefill_url: str | None = None,
+               handoff_timeout: float = 30.0) -> FastAPI:
     """The ASGI app over ``server`` (which it then owns: its engine thread starts with the app's
     lifespan and shuts the manager down when the app shuts down). ``max_queue``: accepted
     requests waiting beyond the ``max_batch`` running ones; ``shutdown_timeout``: seconds
@@ -111,15 +120,25 @@ def create_app(server: serve.Server, *, tokenizer: Any = None, chat_template: Ch
     already waited for connections by then); ``max_body_bytes`` (0: none): larger bodies get
     413; ``max_requests_per_client`` (0: none): open requests per client address before 429;
     ``request_timeout`` (0: none): seconds a request may take in all (408); ``tokenizer_workers``:
-    threads that tokenize and render chat templates (off the event loop)."""
+    threads that tokenize and render chat templates (off the event loop). ``role``
+    (:mod:`._http_roles`): "both", "prefill" (adds the internal routes a decode server calls)
+    or "decode" (prefills each prompt on the server at ``prefill_url``); ``handoff_timeout``:
+    seconds a prefill call or a K/V pull may take, and an offer waits to be pulled."""
+    if role not in roles.ROLES or (role == "decode") != (prefill_url is not None):
+        raise ValueError(f"role {role!r} with prefill_url {prefill_url!r}: one of "
+                         f"{roles.ROLES}, and a prefill_url exactly with 'decode'")
     metrics = Metrics()
-    engine = Engine(server, max_open=server.serve.max_batch + max_queue, metrics=metrics)
+    engine = Engine(server, max_open=server.serve.max_batch + max_queue, metrics=metrics,
+                    model_id=model_name)
     # The longest sequence that fits alone (max_seq_len, or fewer when the device pool is small):
     # the default max_tokens of a chat request and the model's max_model_len.
     longest = server.manager.max_seq_len_for(1)
     pool = ThreadPoolExecutor(max(1, tokenizer_workers), thread_name_prefix="kvcm-tokenize")
     st = _State(engine, metrics, tokenizer, chat_template, model_name, longest,
                 ClientSlots(max_requests_per_client), request_timeout, pool)
+    side = (roles.PrefillSide(st, handoff_timeout) if role == "prefill" else
+            roles.DecodeSide(st, prefill_url, handoff_timeout) if role == "decode" else None)
+    st.decode = side if role == "decode" else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -128,6 +147,8 @@ def create_app(server: serve.Server, *, tokenizer: Any = None, chat_template: Ch
             yield
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+            if side is not None:
+                side.close()
             await asyncio.to_thread(engine.stop, shutdown_timeout)
 
     app = FastAPI(title="jax_kvcm Llama server", lifespan=lifespan)
@@ -135,6 +156,8 @@ def create_app(server: serve.Server, *, tokenizer: Any = None, chat_template: Ch
     app.add_middleware(BodyLimit, limit=max_body_bytes,
                        on_refuse=lambda: metrics.rejected.labels("body_too_large").inc())
     install_error_handlers(app, metrics)
+    if role == "prefill":
+        side.add_routes(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -260,11 +283,14 @@ async def _generate(st: _State, c: Client, body: Sampling, prompt: list[int],
         raise ApiError(503, "the server is shutting down" if engine.healthy
                        else f"the engine failed: {engine.last_error}", reason="unavailable")
     h = engine.open(serve.Request(prompt, max_tokens, temperature=body.temperature,
-                                  top_p=body.top_p, seed=body.seed or 0))
+                                  top_p=body.top_p, seed=body.seed or 0),
+                    submit=st.decode is None)
     if h is None:
         raise ApiError(429, f"too many requests: {engine.max_open} open (max_batch + "
                             "max_queue); retry later", {"Retry-After": "1"}, reason="queue_full")
     c.attach(h)
+    if st.decode is not None:          # --role decode: the prompt is prefilled elsewhere
+        await st.decode.hand_in(c, h)
     first = await h.queue.get()
     if first[0] == "disconnected":
         raise Gone
@@ -272,7 +298,7 @@ async def _generate(st: _State, c: Client, body: Sampling, prompt: list[int],
         raise c.timeout_error()
     if first[0] == "error":
         raise ApiError(first[1], first[2],
-                       reason="too_long" if first[1] == 400 else "unavailable")
+                       reason={400: "too_long", 502: "handoff"}.get(first[1], "unavailable"))
     gen = _Generation(st, c, h, prompt, stops, chat, body)
     if body.stream:
         c.handed = True
@@ -457,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
       help="uvicorn's and the engine's log level (default: %(default)s)")
     a("--access-log", action="store_true", help="log every HTTP request (default: off)")
+    roles.add_role_args(p)
     return p
 
 
@@ -469,6 +496,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"argument --request-timeout: must be >= 0, got {args.request_timeout}")
     if args.port > 65535:
         p.error(f"argument --port: must be <= 65535, got {args.port}")
+    roles.check_role_args(p, args)
     run.check_engine_args(p, args)
 
 
@@ -490,6 +518,9 @@ def main(argv=None) -> int:
     check_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     cfg = run.serve_config(parser, args)
+    if args.role == "prefill" and not cfg.host_bytes:
+        parser.error("argument --role: prefill needs a host tier (--host-bytes): "
+                     "export_sequence copies the pages through it")
     path, config, params, tokenizer, tmp = run.load_model(parser, args, progress=False,
                                                           write_default=write_default_model)
     try:
@@ -504,10 +535,12 @@ def main(argv=None) -> int:
                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                          max_requests_per_client=args.max_requests_per_client,
                          request_timeout=args.request_timeout,
-                         tokenizer_workers=args.tokenizer_workers)
-        print(f"serving {name} ({config.num_hidden_layers} layers, vocab {config.vocab_size}, "
-              f"tokenizer {'yes' if tokenizer else 'no'}, chat {'yes' if chat else 'no'}) on "
-              f"http://{args.host}:{args.port}", flush=True)
+                         tokenizer_workers=args.tokenizer_workers, role=args.role,
+                         prefill_url=args.prefill_url, handoff_timeout=args.handoff_timeout)
+        role = "" if args.role == "both" else f" as the {args.role} server"
+        print(f"serving {name}{role} ({config.num_hidden_layers} layers, vocab "
+              f"{config.vocab_size}, tokenizer {'yes' if tokenizer else 'no'}, chat "
+              f"{'yes' if chat else 'no'}) on http://{args.host}:{args.port}", flush=True)
         # The engine cancels what still runs a little before uvicorn's graceful timeout, so
         # every stream ends with a final chunk instead of a cancelled task.
         margin = min(1.0, args.shutdown_timeout / 4)

@@ -34,10 +34,11 @@ log = logging.getLogger("examples.llama.server")
 
 # Why a request was refused (the label of kvcm_requests_rejected_total).
 REJECT_REASONS = ("bad_json", "invalid", "not_found", "body_too_large", "too_long",
-                  "queue_full", "client_limit", "timeout", "unavailable")
+                  "queue_full", "client_limit", "timeout", "unavailable", "handoff")
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           408: "timeout_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 503: "service_unavailable"}
+          429: "rate_limit_error", 502: "bad_gateway", 503: "service_unavailable",
+          504: "gateway_timeout"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +364,9 @@ class Metrics:
                                 ["reason"], registry=self.registry)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
+        # Disaggregated prefill (examples/llama/_http_roles.py), by outcome.
+        self.handoffs = Counter("kvcm_handoffs", "K/V handoffs between a prefill and a decode "
+                                "server, by outcome", ["outcome"], registry=self.registry)
         self.snap: dict[str, Any] | None = None
         self.registry.register(self)
 
