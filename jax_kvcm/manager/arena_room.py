@@ -164,13 +164,15 @@ class ArenaRoom:
         base = self._base(r)
         first, affine = self._in_place(r, nodes)
         if not affine:
-            # NOTE: past the committed pages the range starts with (a previous holder's prompt,
-            # likely another prefix's canonical pages), as far as the holder's first write
-            # allows: they stay cached where they are, and the holder's own pages land on the
-            # chunks its predecessor used (no map call).
+            # NOTE: past the pages other sequences read at the range's start (another prefix's
+            # canonical pages, likely), as far as the holder's first write allows; cached pages
+            # there are evicted like any in the way. Skipping those too kept a predecessor's
+            # layout but shifted every later holder by its prompt: a range needed one chunk
+            # more than its pages, and at full budget each such chunk was mapped again.
             low = int(writes.min()) if writes.size else len(nodes)
             lead = 0
-            while lead < low and base + lead in self._node_at:
+            while lead < low and (n := self._node_at.get(base + lead)) is not None \
+                    and n.refcount > 0:
                 lead += 1
             first = low - lead
         if writes.size and (writes.min() < first

@@ -122,7 +122,7 @@ class Lifecycle:
                 rows.win.wanted(nodes, lower, slots, wr, wanted)
             need = np.count_nonzero(wanted, axis=1)
             at = None if self._arena is None else self._arena.place(seq, np.asarray(lower))
-            if planner.fits(D, need) or planner.room(D, need, self._kept(nodes, wr)):
+            if planner.plan_device(need, at, keep=self._kept(nodes, wr)):
                 if self._onboard_lower(nodes, lower, wr, np.where(wanted, slots, NO_PAGE), at):
                     return nodes
         nodes = self._usable_prefix(nodes[:lower[0]] if lower else nodes)

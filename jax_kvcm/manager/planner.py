@@ -232,16 +232,18 @@ class TierPlanner:
     # -- the device ------------------------------------------------------------------------------
 
     def plan_device(self, need: np.ndarray, at: dict[int, np.ndarray] | None = None,
-                    evicted: set[int] | None = None) -> bool:
+                    evicted: set[int] | None = None, keep: np.ndarray | None = None) -> bool:
         """:meth:`reserve_device`'s plan alone (nothing changes); ``evicted``: arena slots
-        whose cached pages the caller evicts first."""
+        whose cached pages the caller evicts first; ``keep``: as in :meth:`room`. Arena groups
+        are planned by their slots (a free slot in a mapped chunk costs no budget), the others
+        by free pages and governor bytes."""
         need = need.copy()
         arena = self.arena_room
         if arena is not None:
             need[arena.groups] = 0
             if not arena.plan(at or {}, evicted):
                 return False
-        return not need.any() or self.fits(D, need) or self.room(D, need)
+        return not need.any() or self.fits(D, need) or self.room(D, need, keep)
 
     def reserve_device(self, need: np.ndarray, at: dict[int, np.ndarray] | None = None) -> bool:
         """Makes ``need[g]`` device pages of every layer group allocatable (``at[g]``: the

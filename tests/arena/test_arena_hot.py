@@ -177,16 +177,14 @@ def test_prefix_affine_adoption_needs_no_map_call():
     assert st["num_map_calls"] == maps and st["num_unmap_calls"] == 0
 
 
-def test_steady_state_makes_no_map_or_unmap_call():
-    """Rounds of unique prompts at the budget's edge: after the first round every admission
-    adopts a parked range whose chunks are mapped."""
-    h = make(arena_config(device_pages=4 * 8, max_sequences=8, host_pages=64))
-    rng = np.random.default_rng(3)
+def rounds_of_map_calls(h: Harness, prompts, rounds: int, decode: int) -> list[tuple[int, int]]:
+    """Rounds of ``prompts()`` (lists of token ids) computed together, decoded ``decode`` steps
+    and closed; ``(map calls, unmap calls)`` after each round."""
     counts = []
-    for _ in range(6):
-        seqs = [h.add(rng.integers(0, 50, 8).tolist()) for _ in range(4)]
-        h.run([(s, 8) for s in seqs], as_ids=[True] * 4)
-        for _ in range(20):
+    for _ in range(rounds):
+        seqs = [h.add(p) for p in prompts()]
+        h.run([(s, s.num_known_tokens - s.num_tokens) for s in seqs], as_ids=[True] * len(seqs))
+        for _ in range(decode):
             h.run([(s, 1) for s in seqs])
         h.check()
         for s in seqs:
@@ -194,6 +192,16 @@ def test_steady_state_makes_no_map_or_unmap_call():
         st = arena_stats(h)
         counts.append((st["num_map_calls"], st["num_unmap_calls"]))
     print("map/unmap calls per round", counts)
+    return counts
+
+
+def test_steady_state_makes_no_map_or_unmap_call():
+    """Rounds of unique prompts at the budget's edge: after the first round every admission
+    adopts a parked range whose chunks are mapped."""
+    h = make(arena_config(device_pages=4 * 8, max_sequences=8, host_pages=64))
+    rng = np.random.default_rng(3)
+    counts = rounds_of_map_calls(h, lambda: [rng.integers(0, 50, 8).tolist() for _ in range(4)],
+                                 rounds=6, decode=20)
     assert counts[-1] == counts[1], counts
     assert arena_stats(h)["adoptions"] >= 16
 
@@ -348,3 +356,46 @@ def test_the_governor_counts_mapped_chunks():
     assert gov.usage(D).committed == st["mapped_chunks"] * st["chunk_bytes"]
     assert gov.limit(D) == (16 // 2) * st["chunk_bytes"]
     assert h.mgr.stats()["pages"]["device"]["capacity"] == 16
+
+
+def test_reused_prefixes_do_not_shift_the_ranges_they_leave():
+    """A system prompt of one page, read in place from its holder's range by every request:
+    each request's own pages (1..4) start at its range's base, whatever the previous holder
+    left cached there. Three ranges of two chunks and the holder's one fill the budget of 7
+    chunks exactly; a range shifted by the previous holder's cached page needs a third chunk,
+    and the second round ran out of device pages (red before the fix)."""
+    h = make(arena_config(device_pages=14, head_dim=128, max_seq_len=24, max_sequences=8,
+                          host_pages=64))
+    system = [7, 8, 9, 10]
+    holder = h.add(system + [11])
+    h.run([(holder, 5)], as_ids=[True])
+    rng = np.random.default_rng(5)
+
+    def prompts():
+        return [system + rng.integers(20, 50, 4).tolist() for _ in range(3)]
+    counts = rounds_of_map_calls(h, prompts, rounds=5, decode=12)
+    assert arena_stats(h)["shared_pages"] == 15          # the system page, read in place
+    assert counts[-1] == counts[0], counts   # every round after the first adopts, maps nothing
+
+
+def test_a_host_hit_onboards_into_mapped_free_slots_at_full_budget():
+    """Every chunk of the budget mapped (the governor has no DEVICE byte left) and a prefix
+    hit on the host: its pages go to free slots of mapped chunks, which cost no budget, so the
+    hit is onboarded (planned by slots, not by governor bytes: red before the fix)."""
+    h = make(arena_config(device_pages=8, head_dim=128, max_seq_len=32, max_sequences=2,
+                          host_pages=16))
+    prompt = list(range(1, 18))
+    a = h.add(prompt)
+    h.run([(a, 17)], as_ids=[True])
+    h.mgr.close(a)
+    b = h.add(list(range(40, 57)))                  # reclaims a's chunks: a's pages to host
+    h.run([(b, 17)], as_ids=[True])
+    h.mgr.close(b)
+    st = h.mgr.stats()
+    print(st["pages"], arena_stats(h))
+    assert st["pages"]["host"]["cached"] >= 4
+    c = h.add(prompt + [3])
+    assert c.num_reused_tokens == 16, (c.num_reused_tokens, h.mgr.stats()["pages"])
+    assert h.mgr.stats()["num_onboarded_pages"] >= 4
+    h.run([(c, 2)], as_ids=[True])
+    h.check()

@@ -233,9 +233,14 @@ def test_arena_observer_that_raises_cannot_corrupt_ranges(kind, diskdir):
             h.run([(s, 21)], as_ids=[True])
             mgr.close(s)
             h.check()
-        e = h.add(prompts[1][:16] + [3])     # its pages went down a tier: onboarded
+        onboarded = mgr.stats()["num_onboarded_pages"]
+        lower = [p for p in prompts if (chain := mgr.tree.match(
+            np.asarray(p[:16], np.int32), b"", 4, 4)) and all(n.level is not D for n in chain)]
+        assert lower, "some prompt's pages went down a tier"
+        e = h.add(lower[-1][:16] + [3])      # its pages went down a tier: onboarded
         assert e.num_reused_tokens > 0
         h.run([(e, e.num_known_tokens - e.num_tokens)])
+        assert mgr.stats()["num_onboarded_pages"] > onboarded
         h.check()
     print(kind, sorted(set(seen)))
     assert kind in seen, (kind, sorted(set(seen)))
