@@ -124,6 +124,23 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     lines.append((f"Arena / paged, c256 shared-prefix workload in equal pages{card}, tok/s, "
                   "median of the rounds (host ms per decode step, p50)",
                   f"{ratio:.2f}x ({a['decode_host_p50_ms']} / {p['decode_host_p50_ms']})", n))
+    n = max(k for k in results if "arena_vs_paged_c64" in k)
+    c = results[n]["summary"]
+    lines.append(("Arena / paged, c64 shared-prefix workload, 4 waves of requests (adoption) "
+                  "(H100), tok/s (steady-state map / unmap calls)",
+                  f"{c['arena_over_paged_tok_s']:.2f}x ({c['steady_map_calls'][0]} / "
+                  f"{c['steady_unmap_calls'][0]})", n))
+    n, d = _latest(results, "speculate")
+    lines.append(("Speculative decoding (prompt lookup, 4 drafts) / plain decoding, 8B random "
+                  "model, batch " + "/".join(str(r["batch"]) for r in d["rows"]) + " (H100)",
+                  " / ".join(f"{r['spec_over_plain']:.2f}x" for r in d["rows"]), n))
+    n, d = _latest(results, "handoff_transports")
+    two = next(r for r in d["rows"] if r.get("mooncake_transport_gb_per_s")
+               and r["what"].startswith("handoff, 2"))
+    lines.append(("K/V handoff between two processes, 1k-token 8B sequence: JAX transfer "
+                  "server / Mooncake TCP (H100 machine; host-staged)",
+                  f"{two['jax_transport_gb_per_s']} / {two['mooncake_transport_gb_per_s']} GB/s",
+                  n))
     n, d = _latest(results, "arena_churn")
     mine = [r for r in d["rows"] if r["hot"] == "arena"]
     paged = [r for r in d["rows"] if r["hot"] == "paged"]
