@@ -1,4 +1,5 @@
-"""Device pages as bytes, in and out, staged through the host tier (sequence export and import).
+"""Device pages as bytes, in and out, staged through the host tier (sequence export and import),
+and page copies between any two tiers (a truncated suspended sequence's private copy).
 
 :class:`PageIO` is a mixin of :class:`~jax_kvcm._storage.StorageManager` (the same object). A
 page leaves as its cold-page bytes (the codec's host format: the same bytes whichever hot
@@ -67,3 +68,11 @@ class PageIO:
             self._host_fences[g][slots] = fence  # the next writer of these slots waits for it
         finally:
             self.free(H, lg, slots)
+
+    def copy_pages(self: Any, moves: Any) -> list[np.ndarray] | None:
+        """Copies ``(lg, src_level, src_slots [n], dst_level)`` as one transaction, like
+        :meth:`migrate_many` (every destination allocated before anything is submitted; None
+        when one cannot be, a failure raises; either way nothing changed) except that the
+        sources stay allocated and unchanged. Returns the destination slots of each copy."""
+        out = self._migrate(moves, ahead=False, keep=True)
+        return None if out is None else out[0]

@@ -447,8 +447,9 @@ class StorageManager(TransferPaths, PageIO):
                              ahead=True)
 
     def _migrate(self, moves: Sequence[tuple[int, CacheLevel, np.ndarray, CacheLevel]], *,
-                 ahead: bool) -> tuple[list[np.ndarray], Any] | None:
-        """migrate_many (ahead=False; the fence is None) or offload_ahead (ahead=True)."""
+                 ahead: bool, keep: bool = False) -> tuple[list[np.ndarray], Any] | None:
+        """migrate_many (ahead=False; the fence is None), offload_ahead (ahead=True) or, with
+        ``keep``, copy_pages (the sources stay; the destinations are "stored")."""
         self._check_open()
         plan = []
         for move in moves:
@@ -541,8 +542,9 @@ class StorageManager(TransferPaths, PageIO):
             self._stats.num_pages_migrated += src.size
             self._stats.bytes_migrated += src.size * self.page_bytes(dst_level, lg)
             if self._observers:
-                self._emit(StorageEvent("migrated", lg, dst_level, dst, src_level, src))
-            if not ahead:  # NOTE: ahead: the caller frees the sources once the fence is ready
+                self._emit(StorageEvent("stored", lg, dst_level, dst) if keep else
+                           StorageEvent("migrated", lg, dst_level, dst, src_level, src))
+            if not (ahead or keep):  # NOTE: ahead: the caller frees them once the fence is ready
                 self.free(src_level, lg, src)
         return dsts, fence
 

@@ -211,9 +211,9 @@ class KVCacheManager:
         """Keeps the first ``num_tokens`` tokens of a sequence and drops the K/V of the rest
         (e.g. rejected draft tokens): pages past the cut are freed (committed ones stay cached
         for other sequences), and a committed page the cut falls in becomes the sequence's own
-        (a copy when other sequences share it: a shared page is never written again). False,
-        with nothing changed, when that copy finds no device page (and, SUSPENDED, when it
-        would need a copy in a cold tier, or with window groups: resume first). Raises
+        (a copy when other sequences share it: a shared page is never written again; for a
+        SUSPENDED sequence, at its parked level). False, with nothing changed, when that copy
+        finds no page (and, SUSPENDED, with window groups: resume first). Raises
         :class:`StepInFlightError` between ``prepare_step`` and ``complete_step``, ValueError
         for ``num_tokens`` outside ``[0, seq.num_tokens]`` or before a sliding window's
         retained pages. Example: ``mgr.truncate(seq, seq.num_tokens - num_rejected)``."""

@@ -19,8 +19,9 @@
   before the cut stay released).
 
 Refusals are values (False, nothing changed): the private copy of a shared page finds no device
-page; on an arena, another sequence reads a page at or past the cut where this sequence's range
-keeps it (page ``j`` at ``base + j``), so it could not write there again.
+page (a SUSPENDED sequence's: no page at its parked level); on an arena, another sequence reads a
+page at or past the cut where this sequence's range keeps it (page ``j`` at ``base + j``), so it
+could not write there again; a SUSPENDED sequence with window groups (resume first).
 """
 
 from __future__ import annotations
@@ -119,16 +120,29 @@ class Rewinder:
                          cut: int | None, wr: np.ndarray, old: int) -> bool:
         """A SUSPENDED sequence: its parked pages (all at one cold level) past the cut are
         freed there; a committed cut page joins them when only this sequence holds it at that
-        level, else the cut is refused (False: a copy in a cold tier is not done here); window
-        groups are refused too (False: resume first)."""
+        level, else a copy of it at that level does (from wherever it is: the device, host or
+        disk; False when that level has no room, nothing changed). Window groups are refused
+        (False: resume first)."""
         rows, nodes = self._rows, seq._nodes
         level, parked = seq._parked
-        if rows.win is not None or (cut is not None and (nodes[cut].refcount != 1
-                                                         or nodes[cut].level is not level)):
+        if rows.win is not None:
             return False
+        copy = None
+        if cut is not None and (nodes[cut].refcount != 1 or nodes[cut].level is not level):
+            node = nodes[cut]
+            groups = [g for g in range(node.slots.size) if node.slots[g] >= 0]
+            got = self._storage.copy_pages([(g, node.level, node.slots[g:g + 1], level)
+                                            for g in groups])
+            if got is None:
+                return False
+            copy = np.full(node.slots.size, -1, np.int32)
+            copy[groups] = [int(d[0]) for d in got]
         first = len(nodes)                  # parked column i is page first + i
         self._release(seq, whole, wr)
-        columns = [] if cut is None else [self._uncommit(nodes[cut])[:, None]]
+        if cut is not None:
+            columns = [(self._uncommit(nodes[cut]) if copy is None else copy)[:, None]]
+        else:
+            columns = []
         kept = max(0, keep - first)
         gone = parked[:, kept:]
         for g in range(gone.shape[0]):

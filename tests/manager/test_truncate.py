@@ -123,7 +123,9 @@ def test_truncate_refusals_change_nothing(tmp_path):
 def test_a_suspended_sequence_is_truncated_where_it_is_parked(hot, tmp_path):
     """Suspended to the host (and to disk): a cut inside its parked pages frees the rest there;
     a cut inside a committed page only it holds makes that page parked; resumed, its values are
-    right and it decodes on. A cut into a page another sequence shares is refused (False)."""
+    right and it decodes on. A cut into a page another sequence shares gets a private copy at
+    the parked level: the sharer's values stay, and the cut sequence writes other tokens after
+    the cut once resumed."""
     h = make(config(hot, host_pages=24, disk_dir=str(tmp_path), disk_pages=24))
     a = h.add(list(range(1, 14)))
     h.run([(a, 13)], as_ids=[True])
@@ -141,9 +143,18 @@ def test_a_suspended_sequence_is_truncated_where_it_is_parked(hot, tmp_path):
     b = h.add(h.tokens[a.seq_id][:9] + [77])     # shares a's pages 0 and 1
     h.run([(b, 10 - b.num_reused_tokens)], as_ids=[True])
     assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
-    assert not cut(h, a, 6, may_refuse=True)     # page 1 is shared: refused
+    copies = h.mgr.stats()["num_truncated_tokens"]
+    assert cut(h, a, 6)                          # page 1 is shared (on the device): copied
+    assert h.mgr.stats()["num_truncated_tokens"] > copies
     h.check()
     assert h.mgr.resume(a)
+    h.check()
+    h.run([(a, 9)], as_ids=[True])               # other tokens from position 6 on
+    h.run([(b, 2)], as_ids=[True])
+    h.check()
+    c = h.add(h.tokens[b.seq_id][:9] + [55])     # the shared pages are still b's prefix
+    assert c.num_reused_tokens == 8
+    h.run([(c, 2)], as_ids=[True])
     h.check()
 
 

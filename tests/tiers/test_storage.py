@@ -619,3 +619,26 @@ def test_bad_source_slots_are_refused_by_name(tmp_path, bad):
         assert snapshot(m) == before
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("src,dst", [(a, b) for a in (D, H, K) for b in (H, K)])
+def test_copy_pages_keeps_the_source(tmp_path, src, dst):
+    """copy_pages between tiers: the copy reads back as the source did and the source stays
+    allocated and unchanged; when the destination has no room the answer is None and nothing
+    changed."""
+    m = make_manager(tmp_path)
+    slots, want = place(m, 0, src, 3, seed=7)
+    got = m.copy_pages([(0, src, slots, dst)])
+    assert got is not None and got[0].size == 3
+    assert src is not dst or not set(got[0].tolist()) & set(slots.tolist())
+    copy = read_back(m, 0, dst, got[0])
+    np.testing.assert_array_equal(read_back(m, 0, src, slots), want)
+    np.testing.assert_array_equal(copy, want)
+    slots, want = place(m, 0, src, 2, seed=8)
+    while m.allocate(dst, 0, 1) is not None:       # fill the destination tier
+        pass
+    before = snapshot(m)
+    assert m.copy_pages([(0, src, slots, dst)]) is None
+    assert snapshot(m) == before
+    np.testing.assert_array_equal(read_back(m, 0, src, slots), want)
+    m.close()
