@@ -428,6 +428,9 @@ class RandomRun:
             return
         del self.h.tokens[s.seq_id][n:]
         self.counts["truncated"] += 1
+        if s.state is SequenceState.SUSPENDED:
+            windowed = any(g.sliding_window for g in self.mgr.config.layer_groups)
+            self.counts["truncated_parked_windowed" if windowed else "truncated_parked"] += 1
 
     def op_compact(self) -> None:
         seqs = self.seqs()

@@ -213,7 +213,7 @@ class KVCacheManager:
         for other sequences), and a committed page the cut falls in becomes the sequence's own
         (a copy when other sequences share it: a shared page is never written again; for a
         SUSPENDED sequence, at its parked level). False, with nothing changed, when that copy
-        finds no page (and, SUSPENDED, with window groups: resume first). Raises
+        finds no page. Raises
         :class:`StepInFlightError` between ``prepare_step`` and ``complete_step``, ValueError
         for ``num_tokens`` outside ``[0, seq.num_tokens]`` or before a sliding window's
         retained pages. Example: ``mgr.truncate(seq, seq.num_tokens - num_rejected)``."""

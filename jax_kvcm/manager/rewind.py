@@ -21,7 +21,7 @@
 Refusals are values (False, nothing changed): the private copy of a shared page finds no device
 page (a SUSPENDED sequence's: no page at its parked level); on an arena, another sequence reads a
 page at or past the cut where this sequence's range keeps it (page ``j`` at ``base + j``), so it
-could not write there again; a SUSPENDED sequence with window groups (resume first).
+could not write there again.
 """
 
 from __future__ import annotations
@@ -121,12 +121,11 @@ class Rewinder:
         """A SUSPENDED sequence: its parked pages (all at one cold level) past the cut are
         freed there; a committed cut page joins them when only this sequence holds it at that
         level, else a copy of it at that level does (from wherever it is: the device, host or
-        disk; False when that level has no room, nothing changed). Window groups are refused
-        (False: resume first)."""
-        rows, nodes = self._rows, seq._nodes
+        disk; False when that level has no room, nothing changed). Window groups: the cut was
+        checked against their released pages (as for an ACTIVE one); the resume writes their
+        rows with those pages still released."""
+        nodes = seq._nodes
         level, parked = seq._parked
-        if rows.win is not None:
-            return False
         copy = None
         if cut is not None and (nodes[cut].refcount != 1 or nodes[cut].level is not level):
             node = nodes[cut]

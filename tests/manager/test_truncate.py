@@ -187,6 +187,29 @@ def test_a_window_refuses_a_cut_before_its_retained_pages():
         h.mgr.truncate(a, 10)
 
 
+def test_a_suspended_sequence_with_a_window_group_is_cut_where_it_is_parked():
+    """A full-attention group and a window of 8 with 8 tokens of rollback slack, suspended to
+    the host: a cut the window still serves frees the parked pages past it in both groups;
+    resumed, every value is right and the sequence decodes on; a cut before the window's
+    retained pages raises ValueError for the parked sequence too, nothing changed."""
+    h = make(tiny_config(device_pages=40, max_seq_len=64, windows=(None, 8), rollback_tokens=8,
+                         host_pages=32))
+    a = h.add(list(range(1, 30)))
+    h.run([(a, 29)], as_ids=[True])
+    h.run([(a, 3)], as_ids=[True])              # 32 tokens
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    host = h.mgr.stats()["pages"]["host"]["referenced"]
+    with pytest.raises(ValueError, match="sliding window"):
+        h.mgr.truncate(a, 10)
+    assert cut(h, a, 23)                         # inside page 5, within the slack
+    assert h.mgr.stats()["pages"]["host"]["referenced"] < host
+    h.check()
+    assert h.mgr.resume(a)
+    h.check()
+    h.run([(a, 9)], as_ids=[True])               # other tokens from position 23 on
+    h.check()
+
+
 @pytest.mark.parametrize("hot", ["paged", "arena"])
 def test_random_truncations_keep_every_value(hot, tmp_path):
     """Random steps, truncations, closes, suspends and resumes over prompts with shared
