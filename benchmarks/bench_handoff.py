@@ -1,7 +1,7 @@
 """Handing a sequence's K/V between managers: export, transport, import (disaggregated prefill).
 
     python -m benchmarks.bench_handoff [--tokens 1024 4096] [--repeats 3] [--json out.json]
-        [--transport jax mooncake] [--processes 1|2]
+        [--transport jax mooncake] [--processes 1|2] [--device-probe MIB]
 
 For each sequence length, on JAX's default device (the GPU when there is one), at the 8B shape
 (32 layers, 8 KV heads of 128, bfloat16, 16 tokens a page: 2 MiB a page): a prefill manager
@@ -19,6 +19,10 @@ holds one sequence; the median of ``--repeats`` rounds of
   is compared with the exported one (byte-exact, outside the timing);
 - import: ``import_sequence`` into a second manager (checksums, device pages, decode, commit) of
   the first transport's pages.
+
+``--device-probe MIB``: a device buffer moved between two transfer servers on the default device
+(no host staging, no checksums), beside a device copy: what a device-to-device handoff could
+reach (:func:`device_probe`).
 
 Prints a table (GB/s of page bytes) and writes the rows as JSON: ``transport_ms`` and
 ``transport_gb_per_s`` are the first transport's (named by ``transport``), ``transport_<name>_ms``
@@ -191,6 +195,41 @@ def one_length(tokens: int, repeats: int, layers: int, transports: tuple[str, ..
     return row
 
 
+def device_probe(mib: int, repeats: int) -> dict[str, Any]:
+    """JAX's transfer server moving a device buffer between two servers on JAX's default device
+    (one process): no host staging, no checksums; the bound a device-to-device handoff could
+    reach, next to a copy of the same bytes on the device (read + write counted)."""
+    from jax.experimental import transfer
+    dev = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    src = jax.device_put(np.random.default_rng(1).integers(0, 256, mib << 20, dtype=np.uint8),
+                         dev)
+    a = transfer.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
+    b = transfer.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
+    conn = b.connect(a.address())
+    spec = [jax.ShapeDtypeStruct(src.shape, src.dtype, sharding=sharding)]
+    copy = jax.jit(lambda x: x + np.uint8(0))
+    moved, copied = [], []
+    for r in range(repeats + 1):            # round 0 warms the connection and the copy
+        a.await_pull(r + 1, [src])
+        t0 = time.perf_counter()
+        got, = conn.pull(r + 1, spec)
+        got.block_until_ready()
+        t1 = time.perf_counter()
+        copy(src).block_until_ready()
+        t2 = time.perf_counter()
+        if not bool(jnp.array_equal(got, src)):
+            raise AssertionError("device probe: the pulled buffer differs")
+        if r:
+            moved.append(t1 - t0)
+            copied.append(t2 - t1)
+    nbytes = src.nbytes
+    return {"what": "device buffer, JAX transfer server, 1 process", "bytes": nbytes,
+            "device": dev.device_kind,
+            "transfer_gb_per_s": round(nbytes / statistics.median(moved) / 1e9, 2),
+            "device_copy_gb_per_s": round(2 * nbytes / statistics.median(copied) / 1e9, 1)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_handoff",
                                  description=__doc__.split("\n")[0])
@@ -202,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "mooncake-transfer-engine, see benchmarks/harness/mooncake_transport.py)")
     ap.add_argument("--processes", type=int, choices=(1, 2), default=1,
                     help="2: each transport's sender in a second process (spawned, JAX on CPU)")
+    ap.add_argument("--device-probe", type=int, default=0, metavar="MIB",
+                    help="also move a MIB-MiB device buffer through JAX's transfer server "
+                         "(no host staging) beside a device copy (default: off)")
     ap.add_argument("--json", default=None)
     return ap
 
@@ -223,10 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['tokens']} | {r['bytes'] / 2**20:.0f} | "
               + " | ".join(f"{r[k + '_ms']} ({r[k + '_gb_per_s']})" for k in keys) + " |")
+    probe = device_probe(args.device_probe, args.repeats) if args.device_probe else None
+    if probe:
+        print(f"device buffer of {probe['bytes'] >> 20} MiB through JAX's transfer server: "
+              f"{probe['transfer_gb_per_s']} GB/s (device copy {probe['device_copy_gb_per_s']} "
+              "GB/s, read + write)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-                       "rows": rows}, f, indent=2)
+                       "rows": rows, "device_probe": probe}, f, indent=2)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""benchmarks/bench_handoff.py runs (a tiny shape on CPU) and reports every phase."""
+"""benchmarks/bench_handoff.py runs (a tiny shape on CPU) and reports every phase, and the
+device-buffer probe moves its bytes exactly (it checks them itself)."""
 
 import json
 import sys
@@ -15,8 +16,11 @@ from benchmarks import bench_handoff  # noqa: E402
 def test_quick_run_reports_each_phase(tmp_path, capsys):
     out = tmp_path / "h.json"
     assert bench_handoff.main(["--tokens", "64", "--repeats", "1", "--layers", "2",
-                               "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+                               "--device-probe", "4", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    rows = got["rows"]
+    probe = got["device_probe"]
+    assert probe["bytes"] == 4 << 20 and probe["transfer_gb_per_s"] > 0, probe
     assert rows[0]["tokens"] == 64 and rows[0]["pages"] == 4
     assert all(rows[0][f"{k}_ms"] > 0 for k in ("export", "transport", "import"))
     assert "| 64 |" in capsys.readouterr().out
