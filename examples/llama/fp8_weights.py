@@ -26,10 +26,12 @@ every step. Stored ``[out, in]`` and contracted on its last axis (``dot_general`
 
 **The GEMM** (:func:`fp8_matmul`): ``dot_general(x_fp8, w_fp8, preferred_element_type=the
 compute dtype)``, then ``out * x_scale[:, None] * w_scale[None, :]`` in float32, cast back. XLA's
-GPU compiler (``gemm_rewriter``, Ada/Hopper, CUDA >= 12) rewrites a ``dot`` of two FP8 operands
-into the cuBLASLt custom call ``__cublas$lt$matmul$f8`` (FP8 tensor cores, 1 byte per weight
-read); the scale multiply is an elementwise op that XLA fuses with the GEMM's consumer. On the
-CPU the same program runs with FP8 values upcast (exact products, float32 sums): the reference.
+GPU compiler (``gemm_rewriter``, Ada/Hopper, CUDA >= 12) can rewrite a ``dot`` of two FP8
+operands into the cuBLASLt custom call ``__cublas$lt$matmul$f8`` (FP8 tensor cores, 1 byte per
+weight read), but not always: on an H100 (jax 0.11.2) 4-6 of the 8B decode step's 8 linear
+GEMMs were, by autotuning (docs/fp8.md). The scale multiply is an elementwise op that XLA fuses
+with the GEMM's consumer. On the CPU the same program runs with FP8 values upcast (exact
+products, float32 sums): the reference.
 
 **Which weight scale by default.** ``--quantize fp8`` is per channel: each output channel gets its
 own range (an outlier channel does not coarsen the others' rounding), and since the scales are
