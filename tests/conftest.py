@@ -253,6 +253,27 @@ def run_worker(worker: str, *args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
+def run_runner(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``examples/llama/run.py`` with ``args`` in a fresh Python (output captured)."""
+    run = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "examples", "llama", "run.py")
+    return subprocess.run([sys.executable, run, *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def decode_step_inputs(backend, config, batch: int = 16) -> tuple[Any, Any, tuple]:
+    """``(k_cache, v_cache, args)`` on ``backend`` for ``model.decode_step(params, k, v, *args,
+    config=config)``: 33 pages of 16 tokens, ``batch`` rows at position 20, two pages each."""
+    from examples.llama import model as llama
+    kc, vc = backend.put(*llama.make_caches(config, 33, 16))
+    B = batch
+    args = backend.put(np.zeros(B, np.int32), np.full(B, 20, np.int32),
+                       (np.arange(B, dtype=np.int32) * 2 + 2) * 16 + 4,
+                       (np.arange(2 * B, dtype=np.int32) + 1).reshape(B, 2),
+                       np.full(B, 21, np.int32))
+    return kc, vc, args
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -8,7 +8,6 @@ transformers); here it is loaded in bfloat16 for the accuracy check.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_hf_llama
+from conftest import random_hf_llama, run_runner
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,14 +263,11 @@ def test_serve_config_kv_dtype_checks():
 
 def test_cli_kv_dtype():
     """--kv-dtype is checked before anything loads; fp8 runs the built-in model end to end."""
-    def cli(*args):
-        return subprocess.run([sys.executable, str(ROOT / "examples/llama/run.py"), *args],
-                              capture_output=True, text=True, timeout=180)
-    bad = cli("--kv-dtype", "fp16")
+    bad = run_runner("--kv-dtype", "fp16")
     assert bad.returncode == 2 and "argument --kv-dtype: invalid choice" in bad.stderr
-    bad = cli("--kv-dtype", "fp8", "--cold-codec", "int8")
+    bad = run_runner("--kv-dtype", "fp8", "--cold-codec", "int8")
     assert bad.returncode == 2 and "fp8 needs --cold-codec concat" in bad.stderr, bad.stderr
-    ok = cli("--kv-dtype", "fp8", "--max-new-tokens", "6")
+    ok = run_runner("--kv-dtype", "fp8", "--max-new-tokens", "6")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "K/V fp8 (scales 1.0)" in ok.stdout and "K/V float8_e4m3fn" in ok.stdout
     assert "suspends:" in ok.stdout

@@ -8,7 +8,6 @@ step's cuBLASLt FP8 GEMMs.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import hf_logits, random_hf_llama
+from conftest import decode_step_inputs, hf_logits, random_hf_llama, run_runner
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -295,14 +294,11 @@ def test_layer_errors_tool():
 def test_cli_quantize():
     """--quantize is checked before anything loads (refused with --tensor-parallel) and runs
     the built-in model end to end."""
-    def cli(*args):
-        return subprocess.run([sys.executable, str(ROOT / "examples/llama/run.py"), *args],
-                              capture_output=True, text=True, timeout=180)
-    bad = cli("--quantize", "int4")
+    bad = run_runner("--quantize", "int4")
     assert bad.returncode == 2 and "argument --quantize: invalid choice" in bad.stderr
-    bad = cli("--quantize", "fp8", "--tensor-parallel", "2")
+    bad = run_runner("--quantize", "fp8", "--tensor-parallel", "2")
     assert bad.returncode == 2 and "argument --quantize: fp8 weights are not split" in bad.stderr
-    ok = cli("--quantize", "fp8", "--max-new-tokens", "4")
+    ok = run_runner("--quantize", "fp8", "--max-new-tokens", "4")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "weights fp8" in ok.stdout
 
@@ -323,12 +319,7 @@ def _compiled_fp8_decode_step(backend):
         pytest.fail(f"no GPU: {backend.error}")
     config = GEMM_CONFIG
     params = jax.device_put(f8.quantize_params(llama.init_params(config)), backend.device)
-    kc, vc = backend.put(*llama.make_caches(config, 33, 16))
-    B = 16
-    args = backend.put(np.zeros(B, np.int32), np.full(B, 20, np.int32),
-                       (np.arange(B, dtype=np.int32) * 2 + 2) * 16 + 4,
-                       (np.arange(2 * B, dtype=np.int32) + 1).reshape(B, 2),
-                       np.full(B, 21, np.int32))
+    kc, vc, args = decode_step_inputs(backend, config)
     hlo = llama.decode_step.lower(params, kc, vc, *args, config=config).compile().as_text()
     return hlo, params, lambda: llama.decode_step(params, kc, vc, *args, config=config)
 

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import hf_checkpoint, hf_logits, random_hf_llama, random_prompt
+from conftest import (decode_step_inputs, hf_checkpoint, hf_logits, random_hf_llama,
+                      random_prompt)
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -409,12 +410,7 @@ def test_decode_step_copies_no_weights_gpu(backend):
                                num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
                                head_dim=64, dtype="bfloat16")
     params = jax.device_put(llama.init_params(config), backend.device)
-    kc, vc = backend.put(*llama.make_caches(config, 33, 16))
-    B = 16
-    args = backend.put(np.zeros(B, np.int32), np.full(B, 20, np.int32),
-                       (np.arange(B, dtype=np.int32) * 2 + 2) * 16 + 4,
-                       (np.arange(2 * B, dtype=np.int32) + 1).reshape(B, 2),
-                       np.full(B, 21, np.int32))
+    kc, vc, args = decode_step_inputs(backend, config)
     hlo = llama.decode_step.lower(params, kc, vc, *args, config=config).compile().as_text()
     assert weight_copy_ops(hlo, params) == []
     stacked = llama.decode_step.lower(llama.stack_layers(params), kc, vc, *args,
