@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_kvcm.manager.handoff import SequenceExport
+from jax_kvcm.manager.handoff import SequenceExport, page_checksums
 
 __all__ = ["MooncakeReceiver", "MooncakeSender", "check_pages", "mooncake_available"]
 
@@ -72,11 +72,10 @@ def _register(engine: Any, arrays: list[np.ndarray]) -> None:
 def check_pages(ticket: dict[str, Any], pages: list[np.ndarray]) -> None:
     """ValueError naming the first page whose CRC-32 differs from the ticket's."""
     for g, (p, crcs) in enumerate(zip(pages, ticket["checksums"])):
-        for i, want in enumerate(crcs):
-            got = zlib.crc32(p[i].tobytes())
-            if got != int(want):
-                raise ValueError(f"layer group {g} page {i}: CRC-32 {got:#010x}, the sender "
-                                 f"had {int(want):#010x}")
+        got, want = page_checksums(p), np.asarray(crcs, np.uint32)
+        for i in np.flatnonzero(got != want)[:1].tolist():
+            raise ValueError(f"layer group {g} page {i}: CRC-32 {int(got[i]):#010x}, the "
+                             f"sender had {int(want[i]):#010x}")
 
 
 class _Peer:

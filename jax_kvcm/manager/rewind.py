@@ -138,10 +138,9 @@ class Rewinder:
             copy[groups] = [int(d[0]) for d in got]
         first = len(nodes)                  # parked column i is page first + i
         self._release(seq, whole, wr)
-        if cut is not None:
-            columns = [(self._uncommit(nodes[cut]) if copy is None else copy)[:, None]]
-        else:
-            columns = []
+        if cut is not None and copy is None:
+            copy = self._uncommit(nodes[cut])
+        columns = [] if copy is None else [copy[:, None]]
         kept = max(0, keep - first)
         gone = parked[:, kept:]
         for g in range(gone.shape[0]):
