@@ -140,13 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=count(0), default=0, metavar="N", help="sampling seed (default: %(default)s)")
     a("--json", action="store_true",
       help="one JSON object per request, then one with the KV report (default: text)")
-    a("--speculate", choices=["none", "ngram"], default="none",
-      help="ngram: speculative decoding by prompt lookup (drafts from the request's own "
-           "tokens, verified in one step, rejected ones rolled back; greedy output unchanged; "
-           "requests run in lockstep, max_batch at a time, without preemption) "
-           "(default: %(default)s)")
+    a("--speculate", choices=["none", "ngram", "draft"], default="none",
+      help="speculative decoding: ngram (drafts by prompt lookup from the request's own "
+           "tokens) or draft (a draft model's greedy tokens, --draft-model); drafts verified "
+           "in one step, rejected ones rolled back; greedy output unchanged; requests run in "
+           "lockstep, max_batch at a time, without preemption (default: %(default)s)")
     a("--num-draft-tokens", type=count(1), default=4, metavar="K",
-      help="drafts per step with --speculate ngram (default: %(default)s)")
+      help="drafts per step with --speculate (default: %(default)s)")
+    a("--draft-model", default=None, metavar="DIR",
+      help="the draft model's checkpoint for --speculate draft (same vocabulary; default: the "
+           "model itself, which accepts every draft: a check, not a speed-up)")
     add_engine_args(p)
     return p
 
@@ -322,7 +325,7 @@ def main(argv=None) -> int:
             print(f"  text: {tokenizer.decode(out.generated_ids)!r}")
         sys.stdout.flush()
 
-    if args.speculate == "ngram":
+    if args.speculate != "none":
         return _speculate(parser, args, params, config, cfg, prompts, emit, tmp)
     try:
         server = serve.Server(params, config, cfg)
@@ -351,10 +354,24 @@ def main(argv=None) -> int:
 
 
 def _speculate(parser, args, params, config, cfg, prompts, emit, tmp) -> int:
-    """``--speculate ngram``: the requests through examples/llama/speculate.py."""
+    """``--speculate ngram|draft``: the requests through examples/llama/speculate.py."""
     from .speculate import SpeculativeGenerator
+    draft = None
+    if args.speculate == "draft":
+        draft = (params, config)
+        if args.draft_model is not None:
+            try:
+                dconfig, dparams, _ = loader.load_checkpoint(Path(args.draft_model),
+                                                             dtype=args.dtype, progress=False,
+                                                             quantize=args.quantize)
+            except (ValueError, OSError) as e:
+                parser.error(f"argument --draft-model: cannot load {args.draft_model}: {e}")
+            draft = (dparams, dconfig)
+    elif args.draft_model is not None:
+        parser.error("argument --draft-model: only with --speculate draft")
     try:
-        gen = SpeculativeGenerator(params, config, cfg, num_draft_tokens=args.num_draft_tokens)
+        gen = SpeculativeGenerator(params, config, cfg, num_draft_tokens=args.num_draft_tokens,
+                                   draft=draft)
         requests = [serve.Request(p, args.max_new_tokens, temperature=args.temperature,
                                   top_p=args.top_p, seed=args.seed) for p in prompts]
         for out in gen.generate(requests):
@@ -369,6 +386,8 @@ def _speculate(parser, args, params, config, cfg, prompts, emit, tmp) -> int:
         print(f"\nspeculation: {st['generated']} tokens in {st['steps']} verify steps, "
               f"{st['accepted']} of {st['drafted']} drafts accepted ({rate:.0%})")
     gen.manager.shutdown()
+    if gen.draft is not None:
+        gen.draft.manager.shutdown()
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -1,6 +1,7 @@
-"""Speculative decoding by prompt lookup on the KV-cache manager: n-gram drafts from a sequence's
-own tokens (no draft model), ``k`` verified at a time in one ragged step, the rejected ones
-rolled back with :meth:`KVCacheManager.truncate`.
+"""Speculative decoding on the KV-cache manager: drafts by prompt lookup (n-gram drafts from a
+sequence's own tokens) or from a small draft model, ``k`` verified at a time in one ragged step,
+the rejected ones rolled back with :meth:`KVCacheManager.truncate` (in the draft model's manager
+too).
 
 One step of a sequence feeds ``[last] + drafts`` (``last``: its newest token, not yet in the
 cache) and takes the logits of every fed position: position ``i`` predicts the token after
@@ -15,7 +16,11 @@ K/V of the rejected drafts is truncated before the next step.
 - :func:`accept_greedy`, :func:`accept_sampled`: how many drafts a step keeps, and the next token;
 - :class:`SpeculativeGenerator`: a batch of requests generated in lockstep (no preemption: the
   device pages must hold them; a simple loop for the example, next to the continuous-batching
-  :class:`~examples.llama.scheduler.Server`).
+  :class:`~examples.llama.scheduler.Server`). With ``draft=(params, config)`` (a model of the
+  same vocabulary) the drafts are that model's greedy tokens: it keeps its own sequence per
+  request in its own manager, fed one draft position a step for every request at once, and cut
+  back to the accepted tokens after each verification. Its drafts are point masses too, so the
+  sampling rule stays exact.
 """
 
 from __future__ import annotations
@@ -80,13 +85,17 @@ def accept_sampled(probs: np.ndarray, drafts: Sequence[int],
 
 
 class SpeculativeGenerator:
-    """Greedy or sampled generation with prompt-lookup drafts (see the module doc).
+    """Greedy or sampled generation with prompt-lookup or draft-model drafts (see the module
+    doc).
 
     ``serve``: the manager's shape (pages, ``max_batch``, ``max_tokens_per_step``, which must
-    hold ``max_batch x (num_draft_tokens + 1)`` tokens); ``num_draft_tokens``: ``k``."""
+    hold ``max_batch x (num_draft_tokens + 1)`` tokens; the draft model's manager gets the same);
+    ``num_draft_tokens``: ``k``; ``draft``: ``(params, config)`` of a draft model, or None for
+    n-gram lookup."""
 
     def __init__(self, params: Any, config: llama.LlamaConfig, serve: ServeConfig | None = None,
-                 *, num_draft_tokens: int = 4, max_ngram: int = 3) -> None:
+                 *, num_draft_tokens: int = 4, max_ngram: int = 3,
+                 draft: tuple[Any, llama.LlamaConfig] | None = None) -> None:
         serve = serve or ServeConfig()
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0 (0: plain decoding), got "
@@ -95,49 +104,15 @@ class SpeculativeGenerator:
             raise ValueError(f"max_tokens_per_step {serve.max_tokens_per_step} cannot hold "
                              f"max_batch {serve.max_batch} x (num_draft_tokens "
                              f"{num_draft_tokens} + 1) tokens")
+        if draft is not None and draft[1].vocab_size != config.vocab_size:
+            raise ValueError(f"draft: its vocabulary has {draft[1].vocab_size} tokens, the "
+                             f"model's {config.vocab_size}")
         self.params, self.config, self.serve = params, config, serve
         self.k, self.max_ngram = num_draft_tokens, max_ngram
-        # NOTE: window groups keep k tokens more, so rejected drafts can always be rolled back
-        self.kv_config = dataclasses.replace(
-            kv_cache_config(serve, config, config.num_key_value_heads),
-            rollback_tokens=num_draft_tokens)
-        self.manager = KVCacheManager(self.kv_config)
-        self.rings = tuple(w if g.sliding_window else 0 for g, w in
-                           zip(self.kv_config.layer_groups, self.kv_config.table_widths))
+        self.target = _Model(params, config, serve, num_draft_tokens)
+        self.draft = None if draft is None else _Model(*draft, serve, num_draft_tokens)
+        self.kv_config, self.manager = self.target.kv_config, self.target.manager
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "generated": 0}
-
-    def _forward(self, work: list[tuple[Any, np.ndarray]], *, greedy: bool = False,
-                 last_only: bool = False) -> list[np.ndarray]:
-        """One ragged step over ``work`` (``(seq, token ids)``); per item, the float32 logits
-        ``[len(ids), V]`` of every fed token (``[1, V]``, its last one, with ``last_only``), or
-        with ``greedy`` their argmax (taken on the device: only the ids cross to the host)."""
-        mgr = self.manager
-        batch = mgr.prepare_step(work)
-        T = batch.positions.shape[0]
-        tokens = np.zeros(T, np.int32)
-        tokens[:sum(ids.size for _, ids in work)] = np.concatenate([ids for _, ids in work])
-        k, v = model_caches(mgr.caches)
-        logits, k, v = llama.forward_step(
-            self.params, k, v, jnp.asarray(tokens), batch.positions, batch.slot_mapping,
-            batch.page_table, batch.seq_lens, batch.query_start,
-            None if last_only else jnp.arange(T, dtype=jnp.int32), config=self.config,
-            rings=self.rings)
-        mgr.complete_step(list(zip(k, v)) if isinstance(k, tuple) else [(k, v)])
-        logits = np.asarray(jax.device_get(llama.greedy_tokens(logits) if greedy else logits))
-        if last_only:
-            return [logits[b:b + 1] for b in range(len(work))]
-        qs = np.asarray(batch.query_start)
-        return [logits[qs[b]:qs[b] + ids.size] for b, (_, ids) in enumerate(work)]
-
-    def _prefill(self, seq: Any, prompt: np.ndarray) -> np.ndarray:
-        """Writes the prompt's K/V (past any reused prefix); the last position's logits."""
-        budget = self.serve.max_tokens_per_step
-        pos, logits = seq.num_tokens, None
-        while pos < prompt.size:
-            chunk = prompt[pos:pos + budget]
-            logits = self._forward([(seq, chunk)], last_only=True)[0]
-            pos += chunk.size
-        return logits[-1]  # the manager reuses at most all but the prompt's last token
 
     def generate(self, requests: Sequence[Request]) -> list[RequestOutput]:
         """Generates every request, in lockstep waves of at most ``max_batch`` whose pages fit
@@ -172,7 +147,7 @@ class SpeculativeGenerator:
         prompt = np.asarray(req.prompt, np.int32)
         seq = self.manager.add_sequence(prompt)
         rng = np.random.default_rng(req.seed)
-        first = self._next(self._prefill(seq, prompt), req, rng)
+        first = self._next(self.target.prefill(seq, prompt), req, rng)
         return self.state_of(req, request_id, seq, first, seq.num_reused_tokens, rng)
 
     def state_of(self, req: Request, request_id: int, seq: Any, first: int, hit: int = 0,
@@ -180,9 +155,14 @@ class SpeculativeGenerator:
         """The state of a prefilled sequence (e.g. imported from a prefill engine)."""
         eos = (set(req.eos_token_ids) if req.eos_token_ids is not None
                else set(self.config.eos_token_ids))
+        prompt = [int(t) for t in req.prompt]
+        dseq = None
+        if self.draft is not None:   # the draft model's own sequence, its prompt prefilled
+            dseq = self.draft.manager.add_sequence(np.asarray(prompt, np.int32))
+            self.draft.prefill(dseq, np.asarray(prompt, np.int32))
         return dict(req=req, seq=seq, rng=rng or np.random.default_rng(req.seed), gen=[first],
-                    eos=eos, ended=first in eos, hit=hit, prompt=[int(t) for t in req.prompt],
-                    id=request_id)
+                    eos=eos, ended=first in eos, hit=hit, prompt=prompt, id=request_id,
+                    dseq=dseq)
 
     def _generate(self, reqs: list[Request], first_id: int) -> list[RequestOutput]:
         return self.finish([self.start(req, first_id + j) for j, req in enumerate(reqs)])
@@ -192,14 +172,11 @@ class SpeculativeGenerator:
         mgr = self.manager
         live = [s for s in state if not self._done(s)]
         while live:
-            work, drafts = [], []
-            for s in live:
-                room = s["req"].max_new_tokens - len(s["gen"])
-                d = propose_ngram(s["prompt"] + s["gen"], min(self.k, room - 1), self.max_ngram)
-                drafts.append(d)
-                work.append((s["seq"], np.asarray([s["gen"][-1]] + d, np.int32)))
+            drafts = self._propose(live)
+            work = [(s["seq"], np.asarray([s["gen"][-1]] + d, np.int32))
+                    for s, d in zip(live, drafts)]
             greedy = all(s["req"].temperature == 0.0 for s in live)
-            for s, d, logits in zip(live, drafts, self._forward(work, greedy=greedy)):
+            for s, d, logits in zip(live, drafts, self.target.forward(work, greedy=greedy)):
                 req = s["req"]
                 if greedy:
                     a, nxt = accept_greedy(d, logits)
@@ -212,6 +189,10 @@ class SpeculativeGenerator:
                     raise RuntimeError(f"request {s['id']}: the manager refused to roll back "
                                        f"{len(d) - a} rejected drafts (an arena range another "
                                        "sequence reads)")
+                if s["dseq"] is not None:   # its K/V past the accepted drafts goes too
+                    self.draft.manager.truncate(
+                        s["dseq"], min(s["dseq"].num_tokens,
+                                       len(s["prompt"]) + len(s["gen"]) + a))
                 new = d[:a] + [nxt]
                 s["gen"].extend(new)
                 s["ended"] = s["ended"] or any(t in s["eos"] for t in new)
@@ -224,10 +205,32 @@ class SpeculativeGenerator:
             gen, reason = self._trim(s)
             self.stats["generated"] += len(gen)
             mgr.close(s["seq"])
+            if s["dseq"] is not None:
+                self.draft.manager.close(s["dseq"])
             outs.append(RequestOutput(request_id=s["id"], prompt_ids=s["prompt"],
                                       generated_ids=gen, finish_reason=reason,
                                       prefix_hit_tokens=s["hit"]))
         return outs
+
+    def _propose(self, live: list[dict]) -> list[list[int]]:
+        """Each live request's drafts (at most ``k``, and one fewer than the tokens it still
+        needs): n-gram lookup, or the draft model's greedy tokens, all rows in one step per
+        draft position (its first step feeds the tokens the draft model has not seen)."""
+        want = [min(self.k, s["req"].max_new_tokens - len(s["gen"]) - 1) for s in live]
+        if self.draft is None:
+            return [propose_ngram(s["prompt"] + s["gen"], n, self.max_ngram)
+                    for s, n in zip(live, want)]
+        drafts: list[list[int]] = [[] for _ in live]
+        feed = [np.asarray((s["prompt"] + s["gen"])[s["dseq"].num_tokens:], np.int32)
+                for s in live]
+        for i in range(max(want, default=0)):
+            rows = [b for b, n in enumerate(want) if n > i]
+            preds = self.draft.forward([(live[b]["dseq"], feed[b]) for b in rows],
+                                       greedy=True, last_only=True)
+            for b, p in zip(rows, preds):
+                drafts[b].append(int(p[0]))
+                feed[b] = np.asarray(drafts[b][-1:], np.int32)
+        return drafts
 
     @staticmethod
     def _done(s: dict) -> bool:
@@ -240,6 +243,53 @@ class SpeculativeGenerator:
             if t in s["eos"]:
                 return gen[:i + 1], "eos"
         return gen[:s["req"].max_new_tokens], "length"
+
+
+class _Model:
+    """A model with its own KV-cache manager (``rollback`` tokens of window slack) and its
+    ragged steps: the target of :class:`SpeculativeGenerator`, or its draft model."""
+
+    def __init__(self, params: Any, config: llama.LlamaConfig, serve: ServeConfig,
+                 rollback: int) -> None:
+        self.params, self.config, self.budget = params, config, serve.max_tokens_per_step
+        # NOTE: window groups keep `rollback` tokens more, so rejected drafts can be rolled back
+        self.kv_config = dataclasses.replace(
+            kv_cache_config(serve, config, config.num_key_value_heads), rollback_tokens=rollback)
+        self.manager = KVCacheManager(self.kv_config)
+        self.rings = tuple(w if g.sliding_window else 0 for g, w in
+                           zip(self.kv_config.layer_groups, self.kv_config.table_widths))
+
+    def forward(self, work: list[tuple[Any, np.ndarray]], *, greedy: bool = False,
+                last_only: bool = False) -> list[np.ndarray]:
+        """One ragged step over ``work`` (``(seq, token ids)``); per item, the float32 logits
+        ``[len(ids), V]`` of every fed token (``[1, V]``, its last one, with ``last_only``), or
+        with ``greedy`` their argmax (taken on the device: only the ids cross to the host)."""
+        mgr = self.manager
+        batch = mgr.prepare_step(work)
+        T = batch.positions.shape[0]
+        tokens = np.zeros(T, np.int32)
+        tokens[:sum(ids.size for _, ids in work)] = np.concatenate([ids for _, ids in work])
+        k, v = model_caches(mgr.caches)
+        logits, k, v = llama.forward_step(
+            self.params, k, v, jnp.asarray(tokens), batch.positions, batch.slot_mapping,
+            batch.page_table, batch.seq_lens, batch.query_start,
+            None if last_only else jnp.arange(T, dtype=jnp.int32), config=self.config,
+            rings=self.rings)
+        mgr.complete_step(list(zip(k, v)) if isinstance(k, tuple) else [(k, v)])
+        logits = np.asarray(jax.device_get(llama.greedy_tokens(logits) if greedy else logits))
+        if last_only:
+            return [logits[b:b + 1] for b in range(len(work))]
+        qs = np.asarray(batch.query_start)
+        return [logits[qs[b]:qs[b] + ids.size] for b, (_, ids) in enumerate(work)]
+
+    def prefill(self, seq: Any, prompt: np.ndarray) -> np.ndarray:
+        """Writes the prompt's K/V (past any reused prefix); the last position's logits."""
+        pos, logits = seq.num_tokens, None
+        while pos < prompt.size:
+            chunk = prompt[pos:pos + self.budget]
+            logits = self.forward([(seq, chunk)], last_only=True)[0]
+            pos += chunk.size
+        return logits[-1]  # the manager reuses at most all but the prompt's last token
 
 
 def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:

@@ -6,6 +6,7 @@ seeded, the seed printed); the n-gram proposer."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -131,6 +132,15 @@ def test_cli_speculate_matches_the_plain_runner(capsys):
             == [d["generated_ids"] for d in sorted(plain, key=key)])
     report = json.loads(lines[-1])["speculation_report"]
     assert report["steps"] > 0 and report["drafted"] > 0, report
+    # a draft model (the model itself: every draft accepted), the same tokens
+    assert run.main(["--json", "--max-new-tokens", "12", "--speculate", "draft",
+                     "--num-draft-tokens", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    drafted = [json.loads(x) for x in lines if '"request"' in x]
+    assert ([d["generated_ids"] for d in sorted(drafted, key=key)]
+            == [d["generated_ids"] for d in sorted(plain, key=key)])
+    report = json.loads(lines[-1])["speculation_report"]
+    assert report["drafted"] > 0 and report["accepted"] == report["drafted"], report
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
@@ -156,3 +166,27 @@ def test_greedy_speculation_equals_transformers(kind, tmp_path):
     for p, o in zip(prompts, outs):
         _check_greedy(hf, p, o.generated_ids, 16, f"{kind} speculative")
     assert gen.stats["drafted"] > 0, gen.stats
+
+
+def test_a_draft_model_speculates_and_greedy_output_is_unchanged(params):
+    """A draft model (another random model of the same vocabulary, and the model itself):
+    greedy tokens equal the Server's; the model as its own draft has every draft accepted;
+    the draft model's sequences are rolled back and closed with the target's."""
+    prompts = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 7, 8, 9], [11, 12, 13, 14, 15, 16]]
+    reqs = [Request(prompt=p, max_new_tokens=20) for p in prompts]
+    serve = ServeConfig(page_size=4, device_pages=128, max_batch=4, max_tokens_per_step=32,
+                        max_seq_len=64)
+    want = [o.generated_ids for o in Server(params, CONFIG, serve).generate(reqs)]
+    other = llama.init_params(CONFIG, seed=7)
+    for draft, every in ((other, False), (params, True)):
+        gen = SpeculativeGenerator(params, CONFIG, serve, num_draft_tokens=3,
+                                   draft=(draft, CONFIG))
+        assert [o.generated_ids for o in gen.generate(reqs)] == want
+        st = gen.stats
+        assert st["drafted"] > 0 and (st["accepted"] == st["drafted"]) == every, st
+        for m in (gen.manager, gen.draft.manager):
+            m.check_invariants()
+            assert m.stats()["pages"]["device"]["referenced"] == 0
+    with pytest.raises(ValueError, match="draft: its vocabulary"):
+        SpeculativeGenerator(params, CONFIG, serve, num_draft_tokens=3,
+                             draft=(other, dataclasses.replace(CONFIG, vocab_size=65)))
