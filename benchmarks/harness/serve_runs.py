@@ -265,7 +265,8 @@ def run_dense(params: Any, setup: Setup, requests: Sequence[serve.Request], *, b
     srv.warmup([len(r.prompt) for r in requests])
     warmup_s = time.perf_counter() - t
     progress = Progress(label, sum(r.max_new_tokens for r in requests))
-    srv.on_step = lambda: progress(srv.counters["generated_tokens"])
+    counters = srv.counters   # (not srv: the lambda outlives the `del srv` below)
+    srv.on_step = lambda: progress(counters["generated_tokens"])
     n_compiles = COMPILES["n"]
     t0 = time.perf_counter()
     outs = srv.generate(requests)
