@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from benchmarks.harness.serve_arrivals import request_rate
 from benchmarks.harness.serve_setup import KV_MEMORY_FRACTION, WORKLOADS, Setup
 from examples.llama import fp8_weights
 from examples.llama import serve
@@ -100,9 +101,14 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="with --hot-backend: run paged and each other backend N times, "
                         "interleaved (paged, arena, paged, arena, ...), and report the median "
                         "ratio and its spread (default: %(default)s)")
-    p.add_argument("--request-rate", type=float, metavar="R",
-                   help="paged runs: requests arrive as a Poisson process of R per second "
-                        "(seeded by --seed), not all at once (default: all at once)")
+    p.add_argument("--request-rate", type=request_rate, metavar="R",
+                   help="the paged runs' requests arrive as a Poisson process of R per second "
+                        "(exponential gaps of mean 1/R drawn with --arrival-seed), each "
+                        "submitted when the clock passes its arrival; TTFT counts from the "
+                        "arrival. The table adds the achieved arrival rate. Dense runs still "
+                        "submit all at once. Default (or inf): every request at once")
+    p.add_argument("--arrival-seed", type=int, default=0, metavar="S",
+                   help="the seed of --request-rate's arrival gaps (default 0)")
     p.add_argument("--no-shared", action="store_true", help="skip the shared-prefix workload")
     p.add_argument("--no-random", action="store_true", help="skip the random workload")
     p.add_argument("--pool-pages", type=int, metavar="N",
@@ -200,10 +206,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         if args.pool_pages < 1:
             raise SystemExit("--pool-pages must be >= 1")
         over["pool_pages_override"] = args.pool_pages
-    if args.request_rate is not None:
-        if not args.request_rate > 0:
-            raise SystemExit("--request-rate must be > 0")
-        over["request_rate"] = args.request_rate
+    over.update(request_rate=args.request_rate, arrival_seed=args.arrival_seed)
     if args.ab_rounds < 1:
         raise SystemExit("--ab-rounds must be >= 1")
     over["ab_rounds"] = args.ab_rounds
@@ -243,6 +246,12 @@ def estimate(setup: Setup) -> str:
                 if setup.run_shared else 0)
     n_dense = n_rand if setup.run_dense else 0
     secs = (n_rand + n_shared) / 9500 + n_dense / 3300
+    rate = ""
+    if setup.request_rate is not None:   # a paged run lasts at least until its last arrival
+        n = max([setup.requests_at(c) for c in setup.concurrencies if setup.run_random]
+                + [setup.shared_requests if setup.run_shared else 0])
+        rate = (f"; arrivals at {setup.request_rate:g} requests/s (seed {setup.arrival_seed}): "
+                f"a paged run of {n} requests lasts at least ~{n / setup.request_rate:.0f} s")
     return (f"output tokens: shared {n_shared:,}, random paged {n_rand:,}, dense {n_dense:,}; "
-            f"~{secs / 60:.1f} min at 9,500 (paged) / 3,300 (dense) tok/s plus warm-ups")
+            f"~{secs / 60:.1f} min at 9,500 (paged) / 3,300 (dense) tok/s plus warm-ups{rate}")
 

@@ -52,6 +52,11 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         # FP8's precision, not float32's (tests/runner/test_llama_fp8_weights.py bounds it).
         log("FP8 weights: token agreement between runs is reported, not enforced")
         min_identical = max_logits_rel_l2 = None
+    if setup.request_rate is not None:
+        log(f"arrivals: the paged runs' requests arrive as a Poisson process of "
+            f"{setup.request_rate:g} per second (arrival seed {setup.arrival_seed}), TTFT from "
+            "each request's arrival" + ("; the dense runs submit every request at once"
+                                        if setup.run_dense else ""))
     cmax = max(setup.concurrencies)
     n_random = max(setup.requests_at(c) for c in setup.concurrencies)
     rand = random_requests(setup, n_random)

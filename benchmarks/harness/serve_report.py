@@ -42,6 +42,11 @@ def format_result(r: dict) -> str:
                  f"/{r['pool_pages']}")
         if r["recomputes"] or r["suspends"]:
             extra += f", SUSPENDS {r['suspends']} RECOMPUTES {r['recomputes']}"
+    if r.get("request_rate") is not None:
+        extra += (f", arrivals {r['request_rate']:g}/s seed {r['arrival_seed']} (achieved "
+                  f"{_rate(r['achieved_arrival_rate'])}/s, TTFT from arrival; submitted behind "
+                  f"arrival p50 {r['submit_lag_ms_p50']:.1f} ms max "
+                  f"{r['submit_lag_ms_max']:.1f} ms)")
     flag = ""
     if r["compiles_in_timed_region"]:
         flag = (f"  WARNING: {r['compiles_in_timed_region']} compile(s) inside the timed region: "
@@ -51,6 +56,28 @@ def format_result(r: dict) -> str:
             f"{r['ttft_p90_s']:.3f} s, ITL p50 {r['itl_p50_ms']:.1f} ms p90 "
             f"{r['itl_p90_ms']:.1f} ms, decode step {r['decode_step_ms_p50']:.2f} ms{extra} "
             f"(warm-up {r['warmup_s']:.1f} s){flag}")
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def arrivals_table(results: Sequence[dict]) -> list[str]:
+    """The ``--request-rate`` runs' table (none without a rate): the arrival rate asked for, the
+    achieved one, output tok/s, TTFT (from each request's arrival) and ITL."""
+    rows = [r for r in results if r.get("request_rate") is not None]
+    if not rows:
+        return []
+    lines = ["", "| run (Poisson arrivals) | request rate /s | achieved /s | arrival seed | "
+             "output tok/s | TTFT p50 s | TTFT p90 s | ITL p50 ms | ITL p90 ms | submitted "
+             "behind arrival p50 / max ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['request_rate']:g} | "
+                     f"{_rate(r['achieved_arrival_rate'])} | {r['arrival_seed']} | "
+                     f"{r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
+                     f"{r['ttft_p90_s']:.3f} | {r['itl_p50_ms']:.1f} | {r['itl_p90_ms']:.1f} | "
+                     f"{r['submit_lag_ms_p50']:.1f} / {r['submit_lag_ms_max']:.1f} |")
+    return lines
 
 
 def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> dict[str, float]:
@@ -129,6 +156,7 @@ def markdown(out: dict[str, Any]) -> str:
             f"{hit} | {pages} | {r['cache_bytes'] / 2**30:.2f} |")
     for e in out.get("errors", []):
         lines.append(f"| {e['name']} | FAILED | | | | | | | | | | | | {e['error'][:120]} | |")
+    lines += arrivals_table(out["results"])
     lines += ["", "| run | step bytes (weights + K/V) | copy TB/s (r+w) | roofline ms | "
               "measured ms | fraction |", "|---|---:|---:|---:|---:|---:|"]
     for r in out["results"]:

@@ -15,6 +15,7 @@ from benchmarks.harness import dense_llama as dense
 from benchmarks.harness import loop_profile
 from benchmarks.harness.run_log import (COMPILES, COUNTING_COMPILES, Progress, compiled_between,
                                         pct)
+from benchmarks.harness.serve_arrivals import Arrivals
 from benchmarks.harness.serve_setup import Setup
 from examples.llama import serve
 
@@ -39,10 +40,14 @@ def serve_config(setup: Setup, concurrency: int, prefix: bool,
 def summary(label: str, path: str, workload: str, concurrency: int,
              requests: Sequence[serve.Request], outs: Sequence[serve.RequestOutput],
              seconds: float, compiles: tuple[int, int], warmup_s: float,
-             decode_ms: Sequence[float], **extra: Any) -> dict[str, Any]:
-    """One run's row; ``compiles``: ``COMPILES["n"]`` when its timed region began and ended."""
+             decode_ms: Sequence[float], ttft: Sequence[float] | None = None,
+             **extra: Any) -> dict[str, Any]:
+    """One run's row; ``compiles``: ``COMPILES["n"]`` when its timed region began and ended;
+    ``ttft``: each request's time to first token when not the server's (from submission), as
+    from its arrival with ``--request-rate``."""
     gen = sum(len(o.generated_ids) for o in outs)
-    ttft = [o.time_to_first_token_s for o in outs]
+    if ttft is None:
+        ttft = [o.time_to_first_token_s for o in outs]
     itl = np.concatenate([np.diff(o.token_times_s) for o in outs if len(o.token_times_s) > 1]
                          or [np.zeros(0)])
     return dict(
@@ -104,12 +109,12 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     pool = mgr.device_capacity_pages
     progress = Progress(label, total)
     n_compiles = COMPILES["n"]
-    arrivals = arrival_times(len(requests), setup.request_rate, setup.seed)
-    queue = list(zip(arrivals, requests))
+    arrivals = None   # all at once: submitted before the clock starts
     if setup.request_rate is None:
         for r in requests:
             server.submit(r)
-        queue = []
+    else:             # --request-rate: each once the clock passes its arrival
+        arrivals = Arrivals(requests, setup.request_rate, setup.arrival_seed)
     outs: dict[int, serve.RequestOutput] = {}
     peak_pages = peak_active = steps = 0
     decode_ms: list[float] = []
@@ -118,13 +123,16 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     arena_half: dict | None = None
     arena_peak = 0
     t0 = time.perf_counter()
-    while server.has_work() or queue:
-        now = time.perf_counter() - t0 - paused
-        while queue and queue[0][0] <= now:      # the requests that arrived by now
-            server.submit(queue.pop(0)[1])
-        if not server.has_work():                # idle until the next arrival
-            time.sleep(max(0.0, queue[0][0] - now))
-            continue
+
+    def clock() -> float:   # the run's clock: its pauses (outside the clock) excluded
+        return time.perf_counter() - t0 - paused
+
+    while server.has_work() or (arrivals is not None and arrivals.pending):
+        if arrivals is not None:
+            wait = arrivals.submit_due(server, clock)
+            if not server.has_work():   # idle: sleep until the next arrival
+                time.sleep(wait)
+                continue
         n_dec = server.counters["decode_steps"]
         if window is not None:   # starting the trace is outside the clock
             ts = time.perf_counter()
@@ -213,7 +221,8 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         weights=setup.quantize or setup.model.dtype,
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
         warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits,
-        request_rate=setup.request_rate, **extra_profile,
+        ttft=None if arrivals is None else arrivals.ttft_s(outs),
+        **({"request_rate": None} if arrivals is None else arrivals.stats()), **extra_profile,
         **extra)
     done = [outs[i] for i in sorted(outs)]
     res["generated_digests"] = loop_profile.digests(done)   # runs of a chunk sweep compare
@@ -222,16 +231,6 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     del server, mgr
     gc.collect()
     return res, done
-
-
-def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
-    """Seconds from the start at which ``n`` requests arrive: a Poisson process of ``rate``
-    per second (exponential gaps, the first at 0), or all at 0 with no rate."""
-    if rate is None:
-        return [0.0] * n
-    gaps = np.random.default_rng(seed + 7919).exponential(1.0 / rate, n)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()
 
 
 def fence_waits(mgr: Any) -> dict[str, float]:

@@ -97,9 +97,11 @@ class Setup:
     hot_backends: tuple[str, ...] = ("paged",)
     ab_rounds: int = 1                   # paged / other backend runs, interleaved, per row
     pool_pages_override: int | None = None  # --pool-pages
-    # --request-rate: requests arrive as a Poisson process of this many per second (seeded),
-    # so TTFT is what a user sees, not queueing behind every request submitted at once
+    # --request-rate: the paged runs' requests arrive as a Poisson process of this many per
+    # second (exponential gaps from default_rng(arrival_seed); serve_arrivals.py), TTFT from each
+    # request's arrival, not behind every request submitted at once; None: all at once
     request_rate: float | None = None
+    arrival_seed: int = 0                # --arrival-seed
     run_random: bool = True
     # --profile: a jax.profiler trace of profile_steps steady-state steps of every paged run
     # under this directory (benchmarks/_loop_profile.py), and the device time per step kind.

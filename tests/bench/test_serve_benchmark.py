@@ -15,6 +15,7 @@ import gzip
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -115,6 +116,9 @@ def test_trtllm_preset_tiny(trtllm_tiny):
         assert f["step_bytes"] == f["weight_bytes"] + f["kv_bytes"] > 0
         assert f["copy_bytes_per_s"] > 0 and f["fraction_of_roofline"] > 0
     assert all(a["identical"] == a["requests"] > 0 for a in out["agreement"])
+    # all at once (no --request-rate): TTFT from submission, no arrivals table
+    assert all(r["request_rate"] is None for r in out["results"] if r["path"] == "paged")
+    assert "Poisson arrivals" not in bench.markdown(out)
     args = bench.parse_args(["--workload", "trtllm", "--quick"])
     quick = bench.setup_from_args(args)
     assert (quick.shared_requests, quick.shared_concurrency, quick.input_len,
@@ -667,19 +671,128 @@ def test_trtllm_tiny_with_write_back_ahead(trtllm_tiny):
     assert base["results"][0]["fence_waits"]["offload_ahead_moves"] == 0
 
 
-def test_request_rate_spreads_arrivals(tmp_path):
-    """--request-rate: requests arrive as a seeded Poisson process (exponential gaps), the run
-    lasts at least until the last arrival, and TTFT is reported from each request's own
-    arrival (so it stays far below the run's length)."""
-    from benchmarks.harness import serve_runs
-    times = serve_runs.arrival_times(2000, 100.0, 0)
+ARRIVAL_SEED = 3   # the arrival tests' seed (printed)
+
+
+def _seeded_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+    """The schedule --request-rate must follow, drawn here independently of the harness: 0,
+    then the running sum of n - 1 exponential gaps of mean 1 / rate from default_rng(seed)."""
+    return np.concatenate([[0.0], np.cumsum(np.random.default_rng(seed).exponential(1 / rate,
+                                                                                    n - 1))])
+
+
+def test_arrival_times_are_the_seeded_exponential_draws():
+    """--request-rate's schedule: the gaps are exactly the seeded generator's exponential draws
+    (another seed, other gaps); no rate: every request at 0."""
+    from benchmarks.harness import serve_arrivals
+    print(f"arrival seed {ARRIVAL_SEED}")
+    times = serve_arrivals.arrival_times(2000, 100.0, ARRIVAL_SEED)
+    np.testing.assert_array_equal(times, _seeded_arrivals(2000, 100.0, ARRIVAL_SEED))
     gaps = np.diff(times)
-    assert times[0] == 0.0 and (gaps >= 0).all()
     assert abs(gaps.mean() - 0.01) < 0.001 and abs(gaps.std() - 0.01) < 0.0015  # exponential
-    assert serve_runs.arrival_times(3, None, 0) == [0.0, 0.0, 0.0]
+    assert not np.array_equal(times, serve_arrivals.arrival_times(2000, 100.0, ARRIVAL_SEED + 1))
+    np.testing.assert_array_equal(serve_arrivals.arrival_times(3, None, 0), [0.0, 0.0, 0.0])
+    assert len(serve_arrivals.arrival_times(1, 5.0, 0)) == 1
+
+
+def test_request_rate_flag(capsys):
+    """--request-rate takes a rate > 0 or inf (all at once, the default mode); 0, a negative
+    rate, NaN and words are refused by argparse, naming the flag; --arrival-seed defaults to 0."""
+    for bad in ("0", "-2", "nan", "fast"):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--tiny", "--request-rate", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --request-rate" in err and repr(bad) in err, err
+    s = bench.setup_from_args(bench.parse_args(["--tiny", "--request-rate", "2.5"]))
+    assert (s.request_rate, s.arrival_seed) == (2.5, 0)
+    for argv in ([], ["--request-rate", "inf"]):
+        s = bench.setup_from_args(bench.parse_args(["--tiny", "--arrival-seed", "7", *argv]))
+        assert (s.request_rate, s.arrival_seed) == (None, 7)
+
+
+def test_arrivals_time_ttft_from_arrival():
+    """A request that arrives while a step runs is submitted after it: its TTFT is the server's
+    (from submission) plus that wait, on a made-up server and clock (steps of 50 ms; idle, the
+    clock jumps to the next arrival as the loop's sleep would)."""
+    from benchmarks.harness import serve_arrivals
+    clock = [0.0]
+    submitted: dict[int, float] = {}
+
+    class Server:
+        def submit(self, request):
+            submitted[100 + len(submitted)] = clock[0]
+            return 100 + len(submitted) - 1
+
+    arr = serve_arrivals.Arrivals(list(range(12)), 10.0, ARRIVAL_SEED)
+    server, steps_left = Server(), 0          # each request: 3 steps of work
+    while steps_left or arr.pending:          # run_paged's loop
+        before = len(arr.rids)
+        wait = arr.submit_due(server, lambda: clock[0])
+        steps_left += 3 * (len(arr.rids) - before)
+        if not steps_left:
+            clock[0] += wait                  # idle: sleep until the next arrival
+            continue
+        clock[0] += 0.05                      # a step
+        steps_left -= 1
+    outs = {rid: types.SimpleNamespace(time_to_first_token_s=0.01) for rid in submitted}
+    times = _seeded_arrivals(12, 10.0, ARRIVAL_SEED)
+    sub = np.array([submitted[rid] for rid in arr.rids])
+    assert arr.rids == sorted(submitted) and (sub >= times).all(), (sub, times)
+    np.testing.assert_allclose(arr.ttft_s(outs), 0.01 + sub - times)
+    assert (sub - times).max() > 0.01       # some waited: TTFT from submission would differ
+    st = arr.stats()
+    assert st["request_rate"] == 10.0 and st["arrival_seed"] == ARRIVAL_SEED
+    assert st["achieved_arrival_rate"] == pytest.approx(11 / (sub[-1] - sub[0]))
+
+
+def test_request_rate_run_tiny(monkeypatch, tmp_path, capsys):
+    """--request-rate 20 on the tiny seed workload (24 requests): each request is submitted to
+    the Server once the run's clock passes its seeded arrival time, never before; the loop
+    sleeps while idle (at most once per arrival) rather than spinning; TTFT is reported from
+    each request's arrival, far below the run's length (from the run's start it would be about
+    half of it); the table and the JSON carry the rate, the achieved rate and the seed."""
+    from examples.llama import serve
+    rate = 20.0
+    print(f"arrival seed {ARRIVAL_SEED}")
+    calls: list[tuple[int, float]] = []
+    submit = serve.Server.submit
+
+    def recorded(self, request):
+        calls.append((id(self), time.perf_counter()))
+        return submit(self, request)
+
+    monkeypatch.setattr(serve.Server, "submit", recorded)
+    sleeps: list[float] = []
+    sleep = time.sleep
+
+    def counted(s):
+        if sys._getframe(1).f_globals["__name__"] == serve_runs.__name__:
+            sleeps.append(s)
+        sleep(s)
+
+    monkeypatch.setattr(time, "sleep", counted)
+    path = tmp_path / "r.json"
     out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--no-random",
-                      "--request-rate", "20", "--json", str(tmp_path / "r.json")])
-    (r,) = [x for x in out["results"] if x["path"] == "paged"]
-    last = serve_runs.arrival_times(r["requests"], 20.0, 0)[-1]
-    assert r["request_rate"] == 20.0 and r["seconds"] >= last, (r["seconds"], last)
-    assert r["ttft_p50_s"] < r["seconds"] / 2, r
+                      "--request-rate", "20", "--arrival-seed", str(ARRIVAL_SEED),
+                      "--json", str(path)])
+    (r,) = out["results"]
+    n = r["requests"]
+    timed = np.array([t for s, t in calls if s == calls[-1][0]])   # the timed server's
+    assert len(timed) == n == serve_setup.TINY_TRTLLM.shared_requests
+    arrivals = _seeded_arrivals(n, rate, ARRIVAL_SEED)
+    since = timed - timed[0]          # the first arrives at 0, submitted as the clock starts
+    assert (since >= arrivals - 1e-3).all(), np.c_[since, arrivals]
+    assert (since <= arrivals + 0.5).all(), np.c_[since, arrivals]   # and the loop kept up
+    assert 1 <= len(sleeps) <= n and sum(sleeps) > 0.25 * arrivals[-1], sleeps
+    assert r["seconds"] >= arrivals[-1] and r["ttft_p90_s"] < r["seconds"] / 4, r
+    assert r["request_rate"] == rate and r["arrival_seed"] == ARRIVAL_SEED
+    assert r["achieved_arrival_rate"] == pytest.approx((n - 1) / (since[-1] - since[0]),
+                                                       rel=0.05)
+    assert 0 <= r["submit_lag_ms_p50"] <= r["submit_lag_ms_max"]
+    saved = json.loads(path.read_text())
+    assert saved["results"][0]["arrival_seed"] == ARRIVAL_SEED
+    assert saved["setup"]["request_rate"] == rate
+    md = bench.markdown(out)
+    assert "| run (Poisson arrivals) |" in md and f"| {r['name']} | 20 |" in md
+    assert f"arrival seed {ARRIVAL_SEED}" in capsys.readouterr().out
