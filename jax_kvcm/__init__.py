@@ -1,8 +1,9 @@
 """jax_kvcm: a KV-cache manager for LLM inference in JAX on NVIDIA GPUs.
 
 - Ops (XLA custom calls, C++ on CPU, CUDA on GPU, usable inside ``jax.jit``): :func:`write_kv`,
-  :func:`paged_attention`, :func:`ragged_paged_attention`; ``jax_kvcm.ops.reference`` holds
-  their pure-JAX oracles.
+  :func:`paged_attention`, :func:`ragged_paged_attention`, and
+  :func:`cascade_paged_attention` (shared prefixes read once per group, planned by
+  :func:`plan_cascade`); ``jax_kvcm.ops.reference`` holds their pure-JAX oracles.
 - Host side: :class:`KVCacheManager` (sequences, fixed-shape :class:`StepBatch` buffers, prefix
   reuse, eviction down the device / host / disk tiers, suspend/resume, capacity planning),
   configured by :class:`KVCacheConfig`; cold pages are encoded by a codec
@@ -36,6 +37,7 @@ def _find_installed_extension() -> None:
 _find_installed_extension()
 
 from jax_kvcm._arena_pool import ArenaPool
+from jax_kvcm._cascade_plan import CascadeBatch, cascade_group_size, plan_cascade
 from jax_kvcm._codec import (ColdPageCodec, ConcatCodec, Int8Codec,
                              create_default_cold_page_codec, make_cold_page_codec)
 from jax_kvcm._ffi import cuda_extension_available
@@ -46,11 +48,13 @@ from jax_kvcm.manager import (ArenaHot, KVCacheConfig, KVCacheManager, LayerGrou
                               OutOfPagesError, PagedHot, Sequence, SequenceExport, SequencePhase,
                               SequenceState, SequenceView, StepInFlightError, SuspendResult)
 from jax_kvcm.ops import paged_attention, ragged_paged_attention, write_kv
+from jax_kvcm.ops.cascade import cascade_paged_attention
 
 __all__ = [
     "ArenaHot",
     "ArenaPool",
     "CacheLevel",
+    "CascadeBatch",
     "ColdPageCodec",
     "ConcatCodec",
     "CorruptPageError",
@@ -69,10 +73,13 @@ __all__ = [
     "StepInFlightError",
     "SuspendResult",
     "UnreadablePageError",
+    "cascade_group_size",
+    "cascade_paged_attention",
     "create_default_cold_page_codec",
     "cuda_extension_available",
     "make_cold_page_codec",
     "paged_attention",
+    "plan_cascade",
     "ragged_paged_attention",
     "write_kv",
 ]

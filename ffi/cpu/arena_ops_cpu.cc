@@ -31,7 +31,7 @@ ffi::Error AttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
                         const ffi::AnyBuffer* query_start, ffi::AnyBuffer layer,
                         ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
                         float scale, int32_t window, float soft_cap, bool ring,
-                        bool slot_major);  // attention_cpu.cc
+                        bool slot_major, ffi::AnyBuffer* lse);  // attention_cpu.cc
 
 namespace {
 
@@ -71,7 +71,8 @@ ffi::Error ArenaAttention(ffi::AnyBuffer q, ffi::AnyBuffer page_table, ffi::AnyB
   for (auto [t, name] : {std::pair{&after_k, "after_k"}, {&after_v, "after_v"}})
     if (auto err = CheckToken(*t, name); err.failure()) return err;
   return AttentionCpu(q, p.k(), p.v(), page_table, seq_lens, query_start, layer, k_scale,
-                      v_scale, out, scale, window, soft_cap, ring, p.slot_major());
+                      v_scale, out, scale, window, soft_cap, ring, p.slot_major(),
+                      nullptr);
 }
 
 ffi::Error ArenaPagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer page_table,

@@ -9,6 +9,10 @@
 // logit, so the row's output is NaN (a soft cap would otherwise turn inf into a finite logit);
 // a non-finite V at an attended position makes the output non-finite; nothing outside the
 // attended positions is read.
+//
+// The log-sum-exp output (paged_attention's return_lse; decode only): lse[row, h] = the natural
+// log of sum_j exp(logit_j) over the attended positions, -inf with none, NaN with a NaN logit.
+// Two partial attentions over disjoint positions merge exactly through it (ops/cascade.py).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -42,8 +46,9 @@ class RowAttender {
       : s_(s), k_(k), v_(v), k_scale_(k_scale), v_scale_(v_scale), page_table_(page_table),
         p_(p), logits_(), acc_(size_t(s.cache.head_dim)) {}
 
-  // q_row, out_row: [num_heads, head_dim]. Attends all heads of one query token.
-  void Attend(const T* q_row, int64_t b, int64_t pos, T* out_row) {
+  // q_row, out_row: [num_heads, head_dim]; lse_row: [num_heads] or nullptr. Attends all heads
+  // of one query token.
+  void Attend(const T* q_row, int64_t b, int64_t pos, T* out_row, float* lse_row = nullptr) {
     const int64_t D = s_.cache.head_dim, P = s_.cache.page_size;
     const int64_t lo = p_.window > 0 ? std::max<int64_t>(0, pos + 1 - p_.window) : 0;
     const int32_t* pages = page_table_ + b * s_.max_pages;
@@ -67,6 +72,7 @@ class RowAttender {
       T* oh = out_row + h * D;
       if (nan) {
         for (int64_t d = 0; d < D; ++d) oh[d] = FromFloat<T>(NAN);
+        if (lse_row) lse_row[h] = NAN;
         continue;
       }
       std::fill(acc_.begin(), acc_.end(), 0.f);
@@ -79,11 +85,16 @@ class RowAttender {
       }
       // denom >= 1 here (the largest logit contributes exp(0)); 0 only with no position at all.
       for (int64_t d = 0; d < D; ++d) oh[d] = FromFloat<T>(denom == 0.f ? 0.f : acc_[d] / denom);
+      if (lse_row)
+        lse_row[h] = denom == 0.f ? -std::numeric_limits<float>::infinity()
+                                  : max_logit + std::log(denom);
     }
   }
 
-  void Zero(T* out_row) {
+  void Zero(T* out_row, float* lse_row = nullptr) {
     for (int64_t i = 0; i < s_.num_heads * s_.cache.head_dim; ++i) out_row[i] = FromFloat<T>(0.f);
+    if (lse_row)
+      std::fill(lse_row, lse_row + s_.num_heads, -std::numeric_limits<float>::infinity());
   }
 
  private:
@@ -149,7 +160,7 @@ template <typename T, typename KV>
 void RunAttention(const AttentionShape& s, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_cache,
                   const ffi::AnyBuffer& v_cache, const float* k_scale, const float* v_scale,
                   const int32_t* page_table, const int32_t* seq_lens, const int32_t* query_start,
-                  int32_t layer, AttentionParams p, ffi::AnyBuffer out) {
+                  int32_t layer, AttentionParams p, ffi::AnyBuffer out, float* lse) {
   const KV* k = static_cast<const KV*>(k_cache.untyped_data()) + layer * s.cache.layer_stride;
   const KV* v = static_cast<const KV*>(v_cache.untyped_data()) + layer * s.cache.layer_stride;
   const T* qd = static_cast<const T*>(q.untyped_data());
@@ -160,8 +171,9 @@ void RunAttention(const AttentionShape& s, const ffi::AnyBuffer& q, const ffi::A
                               v_scale ? v_scale + layer * hkv : nullptr, page_table, p);
   if (query_start == nullptr) {  // decode: row b is the last token of sequence b
     for (int64_t b = 0; b < s.batch; ++b) {
-      if (seq_lens[b] == 0) attender.Zero(od + b * row);
-      else attender.Attend(qd + b * row, b, seq_lens[b] - 1, od + b * row);
+      float* lse_row = lse ? lse + b * s.num_heads : nullptr;
+      if (seq_lens[b] == 0) attender.Zero(od + b * row, lse_row);
+      else attender.Attend(qd + b * row, b, seq_lens[b] - 1, od + b * row, lse_row);
     }
     return;
   }
@@ -181,11 +193,17 @@ ffi::Error AttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
                         ffi::AnyBuffer page_table, ffi::AnyBuffer seq_lens,
                         const ffi::AnyBuffer* query_start, ffi::AnyBuffer layer,
                         ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
-                        float scale, int32_t window, float soft_cap, bool ring, bool slot_major) {
+                        float scale, int32_t window, float soft_cap, bool ring, bool slot_major,
+                        ffi::AnyBuffer* lse) {
   auto shape = ParseAttention(q, k_cache, v_cache, page_table, seq_lens, query_start, layer, out,
                               slot_major);
   if (shape.has_error()) return shape.error();
   if (auto err = CheckScales(shape->cache, k_scale, v_scale); err.failure()) return err;
+  if (lse != nullptr) {
+    if (query_start != nullptr) return Invalid("lse is for decode calls only");
+    if (auto err = CheckLse(*shape, *lse); err.failure()) return err;
+  }
+  float* lse_data = lse ? static_cast<float*>(lse->untyped_data()) : nullptr;
   const auto* pt = static_cast<const int32_t*>(page_table.untyped_data());
   const auto* sl = static_cast<const int32_t*>(seq_lens.untyped_data());
   const auto* qs = query_start ? static_cast<const int32_t*>(query_start->untyped_data()) : nullptr;
@@ -197,9 +215,10 @@ ffi::Error AttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer
   auto run = [&](auto t) {
     using T = decltype(t);
     if (shape->fp8())
-      RunAttention<T, fp8e4m3_t>(*shape, q, k_cache, v_cache, ks, vs, pt, sl, qs, li, p, out);
+      RunAttention<T, fp8e4m3_t>(*shape, q, k_cache, v_cache, ks, vs, pt, sl, qs, li, p, out, lse_data);
     else
-      RunAttention<T, T>(*shape, q, k_cache, v_cache, nullptr, nullptr, pt, sl, qs, li, p, out);
+      RunAttention<T, T>(*shape, q, k_cache, v_cache, nullptr, nullptr, pt, sl, qs, li, p, out,
+                               lse_data);
   };
   switch (shape->q_dtype) {
     case DType::kF32: run(float{}); break;
@@ -220,7 +239,20 @@ ffi::Error PagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::
                                  bool ring_table, bool check_indices, bool slot_major) {
   (void)check_indices;  // the CPU handler always checks
   return AttentionCpu(q, k_cache, v_cache, page_table, seq_lens, nullptr, layer, k_scale, v_scale,
-                      *out, scale, sliding_window, soft_cap, ring_table, slot_major);
+                      *out, scale, sliding_window, soft_cap, ring_table, slot_major, nullptr);
+}
+
+ffi::Error PagedAttentionLseCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                                    ffi::AnyBuffer v_cache, ffi::AnyBuffer page_table,
+                                    ffi::AnyBuffer seq_lens, ffi::AnyBuffer layer,
+                                    ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> lse, float scale,
+                                    int32_t sliding_window, float soft_cap, bool ring_table,
+                                    bool check_indices, bool slot_major) {
+  (void)check_indices;  // the CPU handler always checks
+  return AttentionCpu(q, k_cache, v_cache, page_table, seq_lens, nullptr, layer, k_scale, v_scale,
+                      *out, scale, sliding_window, soft_cap, ring_table, slot_major, &*lse);
 }
 
 ffi::Error RaggedPagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
@@ -232,7 +264,8 @@ ffi::Error RaggedPagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                        bool ring_table, bool check_indices, bool slot_major) {
   (void)check_indices;  // the CPU handler always checks
   return AttentionCpu(q, k_cache, v_cache, page_table, seq_lens, &query_start, layer, k_scale,
-                      v_scale, *out, scale, sliding_window, soft_cap, ring_table, slot_major);
+                      v_scale, *out, scale, sliding_window, soft_cap, ring_table, slot_major,
+                      nullptr);
 }
 
 }  // namespace
@@ -241,16 +274,9 @@ ffi::Error RaggedPagedAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
 namespace xffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCpu, kvcm::PagedAttentionCpuImpl,
-                              kvcm::BindAttentionAttrs(xffi::Ffi::Bind()
-                                  .Arg<xffi::AnyBuffer>()  // q [B, H, D]
-                                  .Arg<xffi::AnyBuffer>()  // k_cache (layout: slot_major)
-                                  .Arg<xffi::AnyBuffer>()  // v_cache
-                                  .Arg<xffi::AnyBuffer>()  // page_table [B, P]
-                                  .Arg<xffi::AnyBuffer>()  // seq_lens [B]
-                                  .Arg<xffi::AnyBuffer>()  // layer []
-                                  .Arg<xffi::AnyBuffer>()  // k_scale [L, Hkv] f32 (fp8) or []
-                                  .Arg<xffi::AnyBuffer>()  // v_scale
-                                  .Ret<xffi::AnyBuffer>())  // out [B, H, D]
+                              kvcm::BindAttentionAttrs(
+                                  kvcm::BindDecodeOperands(xffi::Ffi::Bind())
+                                      .Ret<xffi::AnyBuffer>())  // out [B, H, D]
                                   .Attr<bool>("slot_major"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCpu, kvcm::RaggedPagedAttentionCpuImpl,
@@ -265,4 +291,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCpu, kvcm::RaggedPagedAtte
                                   .Arg<xffi::AnyBuffer>()  // k_scale [L, Hkv] f32 (fp8) or []
                                   .Arg<xffi::AnyBuffer>()  // v_scale
                                   .Ret<xffi::AnyBuffer>())  // out [T, H, D]
+                                  .Attr<bool>("slot_major"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionLseCpu, kvcm::PagedAttentionLseCpuImpl,
+                              kvcm::BindAttentionAttrs(
+                                  kvcm::BindDecodeOperands(xffi::Ffi::Bind())
+                                      .Ret<xffi::AnyBuffer>()   // out [B, H, D]
+                                      .Ret<xffi::AnyBuffer>())  // lse [B, H] f32
                                   .Attr<bool>("slot_major"));

@@ -9,6 +9,7 @@ extern "C" {
 XLA_FFI_Error* KvcmWriteKvCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmRaggedPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KvcmPagedAttentionLseCpu(XLA_FFI_CallFrame* call_frame);
 // The same ops over the CPU arena's pools given by address (arena_ops_cpu.cc).
 XLA_FFI_Error* KvcmArenaWriteKvCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmArenaPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
@@ -33,6 +34,7 @@ NB_MODULE(_kvcm_cpu, m) {
     d["kvcm_write_kv"] = Capsule(KvcmWriteKvCpu);
     d["kvcm_paged_attention"] = Capsule(KvcmPagedAttentionCpu);
     d["kvcm_ragged_paged_attention"] = Capsule(KvcmRaggedPagedAttentionCpu);
+    d["kvcm_paged_attention_lse"] = Capsule(KvcmPagedAttentionLseCpu);
     d["kvcm_arena_write_kv"] = Capsule(KvcmArenaWriteKvCpu);
     d["kvcm_arena_paged_attention"] = Capsule(KvcmArenaPagedAttentionCpu);
     d["kvcm_arena_ragged_paged_attention"] = Capsule(KvcmArenaRaggedPagedAttentionCpu);

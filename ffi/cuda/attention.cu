@@ -65,6 +65,22 @@ ffi::Error PagedAttentionCudaImpl(cudaStream_t stream,
   return Run(stream, *a, "paged_attention", check_indices);
 }
 
+ffi::Error PagedAttentionLseCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                                     ffi::AnyBuffer v_cache, ffi::AnyBuffer page_table,
+                                     ffi::AnyBuffer seq_lens, ffi::AnyBuffer layer,
+                                     ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                                     ffi::Result<ffi::AnyBuffer> out,
+                                     ffi::Result<ffi::AnyBuffer> lse, float scale,
+                                     int32_t sliding_window, float soft_cap, bool ring_table,
+                                     bool check_indices, bool slot_major) {
+  auto a = MakeArgs(q, k_cache, v_cache, page_table, seq_lens, nullptr, layer, k_scale, v_scale,
+                    *out, scale, sliding_window, soft_cap, ring_table, slot_major);
+  if (a.has_error()) return a.error();
+  if (auto err = CheckLse(a->shape, *lse); err.failure()) return err;
+  a->lse = static_cast<float*>(lse->untyped_data());
+  return Run(stream, *a, "paged_attention", check_indices);
+}
+
 ffi::Error RaggedPagedAttentionCudaImpl(cudaStream_t stream,
                                         ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                         ffi::AnyBuffer v_cache, ffi::AnyBuffer page_table,
@@ -84,24 +100,12 @@ ffi::Error RaggedPagedAttentionCudaImpl(cudaStream_t stream,
 
 namespace xffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmPagedAttentionCuda, kvcm::cuda::PagedAttentionCudaImpl,
-                              xffi::Ffi::Bind()
-                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xffi::AnyBuffer>()  // q [B, H, D]
-                                  .Arg<xffi::AnyBuffer>()  // k_cache (layout: slot_major)
-                                  .Arg<xffi::AnyBuffer>()  // v_cache
-                                  .Arg<xffi::AnyBuffer>()  // page_table [B, P]
-                                  .Arg<xffi::AnyBuffer>()  // seq_lens [B]
-                                  .Arg<xffi::AnyBuffer>()  // layer []
-                                  .Arg<xffi::AnyBuffer>()  // k_scale [L, Hkv] f32 (fp8) or []
-                                  .Arg<xffi::AnyBuffer>()  // v_scale
-                                  .Ret<xffi::AnyBuffer>()  // out [B, H, D]
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<bool>("ring_table")
-                                  .Attr<bool>("check_indices")
-                                  .Attr<bool>("slot_major"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvcmPagedAttentionCuda, kvcm::cuda::PagedAttentionCudaImpl,
+    kvcm::BindAttentionAttrs(
+        kvcm::BindDecodeOperands(xffi::Ffi::Bind().Ctx<xffi::PlatformStream<cudaStream_t>>())
+            .Ret<xffi::AnyBuffer>())  // out [B, H, D]
+        .Attr<bool>("slot_major"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCuda,
                               kvcm::cuda::RaggedPagedAttentionCudaImpl,
@@ -123,3 +127,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvcmRaggedPagedAttentionCuda,
                                   .Attr<bool>("ring_table")
                                   .Attr<bool>("check_indices")
                                   .Attr<bool>("slot_major"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvcmPagedAttentionLseCuda, kvcm::cuda::PagedAttentionLseCudaImpl,
+    kvcm::BindAttentionAttrs(
+        kvcm::BindDecodeOperands(xffi::Ffi::Bind().Ctx<xffi::PlatformStream<cudaStream_t>>())
+            .Ret<xffi::AnyBuffer>()   // out [B, H, D]
+            .Ret<xffi::AnyBuffer>())  // lse [B, H] f32
+        .Attr<bool>("slot_major"));

@@ -19,8 +19,11 @@ __global__ void SimpleAttentionKernel(AttentionArgs a) {
   const int64_t row = warp / s.num_heads, h = warp % s.num_heads;
   const int64_t D = s.cache.head_dim, P = s.cache.page_size;
   T* out = static_cast<T*>(a.out) + (row * s.num_heads + h) * D;
+  // lse (decode calls only): NaN with the NaN output, -inf with nothing attended.
+  float* lse = a.lse != nullptr ? a.lse + row * s.num_heads + h : nullptr;
   auto write_fill = [&](float value) {
     for (int64_t d = lane; d < D; d += 32) out[d] = Tr::from_float(value);
+    if (lse != nullptr && lane == 0) *lse = value == 0.f ? -INFINITY : NAN;
   };
 
   int64_t b = row, pos = 0;
@@ -110,6 +113,7 @@ __global__ void SimpleAttentionKernel(AttentionArgs a) {
     const int64_t d = lane + 32 * i;
     if (d < D) out[d] = Tr::from_float(acc[i] * inv);
   }
+  if (lse != nullptr && lane == 0) *lse = l == 0.f ? -INFINITY : m + logf(l);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@ extern "C" {
 XLA_FFI_Error* KvcmWriteKvCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KvcmRaggedPagedAttentionCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KvcmPagedAttentionLseCuda(XLA_FFI_CallFrame* call_frame);
 }
 
 // Cold-tier pieces, each in its own file.
@@ -29,6 +30,7 @@ NB_MODULE(_kvcm_cuda, m) {
     d["kvcm_write_kv"] = Capsule(KvcmWriteKvCuda);
     d["kvcm_paged_attention"] = Capsule(KvcmPagedAttentionCuda);
     d["kvcm_ragged_paged_attention"] = Capsule(KvcmRaggedPagedAttentionCuda);
+    d["kvcm_paged_attention_lse"] = Capsule(KvcmPagedAttentionLseCuda);
     AddCodecRegistrationsCuda(d);
     return d;
   }, "Handler capsules by FFI target name.");

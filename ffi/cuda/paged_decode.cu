@@ -44,6 +44,7 @@ namespace kvcm::cuda {
 namespace {
 
 constexpr int kTile = 16;  // tokens per tile
+constexpr float kLn2 = 0.6931471805599453f;  // lse: log2-domain softmax state -> natural log
 constexpr int kWarps = 4;  // warps that compute tiles (tile i of a CTA's: warp i % kWarps)
 
 // How a CTA's tiles reach shared memory, per cache dtype (measured on the H200, 2026-12-02;
@@ -665,6 +666,9 @@ __global__ void __launch_bounds__(CtaThreads<kFp8>(), MinCtasPerSm<D, kFp8>())
       // den is 0 only with nothing attended; NaN (a NaN logit) must stay NaN.
       static_cast<T*>(a.out)[(qrow * s.num_heads + head) * D + d] =
           DTypeTraits<T>::from_float(den == 0.f ? (bad ? NAN : 0.f) : num / den);
+      if (a.lse != nullptr && d == 0)  // natural log: (log2 max + log2 den) * ln 2
+        a.lse[qrow * s.num_heads + head] =
+            bad ? NAN : (den == 0.f ? -INFINITY : (mx + log2f(den)) * kLn2);
     } else {  // partials are indexed by sequence b (the combine kernel maps b to its q row)
       const int64_t ph = (int64_t(split) * s.batch + b) * s.num_heads + head;
       p.part_o[ph * D + d] = num;
@@ -737,7 +741,11 @@ __global__ void __launch_bounds__(kCombineThreads) CombineSplitsKernel(
     }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) den += __shfl_xor_sync(0xffffffffu, den, off);
-    if (lane == 0) den_shared = den;
+    if (lane == 0) {
+      den_shared = den;
+      if (a.lse != nullptr)
+        a.lse[out_row] = den != den ? NAN : (den == 0.f ? -INFINITY : (mx + log2f(den)) * kLn2);
+    }
   }
   __syncthreads();
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -94,7 +94,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_t
                     seq_lens: jax.Array, *, layer: Any = None, scale: float | None = None,
                     sliding_window: int | None = None, soft_cap: float | None = None,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                    ring_table: bool = False, check_indices: bool | None = None) -> jax.Array:
+                    ring_table: bool = False, return_lse: bool = False,
+                    check_indices: bool | None = None) -> Any:
     """Decode attention over paged K/V: one query token per sequence.
 
     Args:
@@ -114,10 +115,14 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_t
       ring_table: the table is a ring of ``P`` entries: position ``p`` lives in page
         ``page_table[b, (p // page_size) % P]``. The positions a row reads (its window) must span
         at most ``P`` pages (the CPU handler refuses more).
+      return_lse: also return the log-sum-exp of each row's logits, float32 ``[B, H]`` (natural
+        log of ``sum_j exp(logit_j)`` over the attended positions; -inf with none, NaN with a NaN
+        logit). Two calls over disjoint positions of the same queries merge exactly with
+        :func:`jax_kvcm.ops.cascade.merge_attention_states`. Not on by-address (CPU arena) pools.
       check_indices: see the module docstring.
 
     Returns:
-      ``[B, H, D]`` in q's dtype (float32 accumulation).
+      ``[B, H, D]`` in q's dtype (float32 accumulation); ``(out, lse)`` with ``return_lse``.
     """
     form = _arena_pool.pool_pair_form(k_cache, v_cache)
     cache_shape = _checks.check_attention(q, k_cache, v_cache, page_table, seq_lens, None)
@@ -125,10 +130,18 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_t
     ks, vs = _checks.scale_operands(k_scale, v_scale, cache_shape, k_cache.dtype)
     attrs = _attention_attrs(scale, sliding_window, soft_cap, cache_shape, ring_table,
                              check_indices)
+    return_lse = _checks.check_flag(return_lse, "return_lse")
     if form == "address":
+        if return_lse:
+            raise ValueError("return_lse is not supported on by-address (CPU arena) pools")
         return _arena_pool.attention_by_address("kvcm_paged_attention", q, k_cache, v_cache,
                                                 (page_table, seq_lens, layer_arr, ks, vs), attrs)
-    call = jax.ffi.ffi_call("kvcm_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if return_lse:
+        call = jax.ffi.ffi_call("kvcm_paged_attention_lse",
+                                (out_type, jax.ShapeDtypeStruct(q.shape[:2], np.float32)))
+    else:
+        call = jax.ffi.ffi_call("kvcm_paged_attention", out_type)
     kc, vc = _arena_pool.physical_pair(k_cache, v_cache, form)
     return call(q, kc, vc, page_table, seq_lens, layer_arr, ks, vs,
                 slot_major=np.bool_(form == "array"), **attrs)

@@ -85,7 +85,8 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layer=None, k_scale=None, 
     return scatter(k_cache, k), scatter(v_cache, v)
 
 
-def _attend(q, k_seq, v_seq, kv_pos, q_pos, kv_len, scale, sliding_window, soft_cap):
+def _attend(q, k_seq, v_seq, kv_pos, q_pos, kv_len, scale, sliding_window, soft_cap,
+            return_lse=False):
     """One query q [H, D] at position q_pos over k_seq/v_seq [S, Hkv, D] (float32) holding the
     positions kv_pos [S] (only those in [0, kv_len) are valid).
 
@@ -111,7 +112,11 @@ def _attend(q, k_seq, v_seq, kv_pos, q_pos, kv_len, scale, sliding_window, soft_
     logits = jnp.where(mask[None, :], logits, -jnp.inf)
     weights = jax.nn.softmax(logits, axis=-1)
     weights = jnp.where(mask[None, :], weights, 0.0)  # rows with no attended position: zeros
-    return jnp.einsum("hs,shd->hd", weights, v, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum("hs,shd->hd", weights, v, precision=jax.lax.Precision.HIGHEST)
+    if not return_lse:
+        return out
+    # -inf with nothing attended, NaN with a NaN logit (as the kernels).
+    return out, jax.nn.logsumexp(logits, axis=-1)
 
 
 def _gather(cache, page_table_row, kv_len, scale, ring_table):
@@ -152,16 +157,20 @@ def _prepare(q, k_cache, v_cache, layer, scale, k_scale, v_scale, ring_table):
 
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, *, layer=None, scale=None,
                     sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-                    ring_table=False, check_indices=None):
+                    ring_table=False, return_lse=False, check_indices=None):
     """Reference of :func:`jax_kvcm.ops.paged_attention` (gather pages, masked softmax)."""
     del check_indices
     scale, gather = _prepare(q, k_cache, v_cache, layer, scale, k_scale, v_scale, ring_table)
 
     def one(qb, row, length):
         k, v, kv_pos = gather(row, length)
-        return _attend(qb, k, v, kv_pos, length - 1, length, scale, sliding_window, soft_cap)
+        return _attend(qb, k, v, kv_pos, length - 1, length, scale, sliding_window, soft_cap,
+                       return_lse)
 
-    return jax.vmap(one)(q, page_table, seq_lens).astype(q.dtype)
+    if not return_lse:
+        return jax.vmap(one)(q, page_table, seq_lens).astype(q.dtype)
+    out, lse = jax.vmap(one)(q, page_table, seq_lens)
+    return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
 def ragged_paged_attention(q, k_cache, v_cache, page_table, seq_lens, query_start, *, layer=None,

@@ -36,6 +36,22 @@ enum class DType { kF32, kBF16, kF16, kF8E4M3 };
 // The attributes every attention handler binds, in this order (after its operands and result):
 // scale, sliding_window, soft_cap, ring_table, check_indices. Usage:
 // BindAttentionAttrs(ffi::Ffi::Bind().Arg<...>()...Ret<...>()).
+// The operands of a decode attention handler (paged_attention, with or without lse), in order:
+// q [B, H, D], k_cache, v_cache (layout: slot_major), page_table [B, P], seq_lens [B], layer [],
+// k_scale, v_scale ([L, Hkv] f32 for fp8 caches, else []).
+template <typename Binding>
+auto BindDecodeOperands(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>();
+}
+
 template <typename Binding>
 auto BindAttentionAttrs(Binding&& binding) {
   return std::move(binding)
@@ -244,6 +260,17 @@ inline ffi::ErrorOr<AttentionShape> ParseAttention(const ffi::AnyBuffer& q,
       out.element_type() != q.element_type())
     return Fail("out must have the shape and dtype of q");
   return s;
+}
+
+// The optional log-sum-exp output of paged_attention: float32 [num_queries, num_heads].
+inline ffi::Error CheckLse(const AttentionShape& s, const ffi::AnyBuffer& lse) {
+  auto d = lse.dimensions();
+  if (d.size() != 2 || d[0] != s.num_queries || d[1] != s.num_heads ||
+      lse.element_type() != ffi::DataType::F32)
+    return Invalid("lse must be float32 [num_queries, num_heads] = [" +
+                   std::to_string(s.num_queries) + ", " + std::to_string(s.num_heads) +
+                   "], got shape " + DimsToString(d));
+  return ffi::Error::Success();
 }
 
 // Shape checks for write_kv; returns the cache geometry.

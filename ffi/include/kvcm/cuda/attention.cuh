@@ -14,6 +14,7 @@ struct AttentionArgs {
   const void* k_cache = nullptr;  // [L?, num_pages, ...] or slot-major [num_pages, L, ...]
   const void* v_cache = nullptr;
   void* out = nullptr;            // like q
+  float* lse = nullptr;  // [num_queries, num_heads] natural-log sum of exp(logits); null: none
   const int32_t* page_table = nullptr;   // [batch, max_pages]
   const int32_t* seq_lens = nullptr;     // [batch]
   const int32_t* query_start = nullptr;  // [batch + 1]; nullptr for decode
