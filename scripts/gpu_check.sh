@@ -19,19 +19,22 @@
 #                   its prefill and decode (bf16, fp8) timed against ours in turns (tools/prefill_ab.py)
 #   --serve=ARGS    the serve step's arguments instead of the seed workload's default
 #   --spec=ARGS     the spec step's arguments (benchmarks/bench_speculate.py; default: its own)
+#   --cascade=ARGS  the cascade step's arguments (benchmarks/bench_cascade.py; default: its own)
 # Anchors: with a .anchors/ folder of wheels in the repo root (see benchmarks/harness/anchors.py), they
 # are installed into /tmp/anchors, FlashInfer's JIT cache is warmed in the background from the
 # start (benchmarks/harness/anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
 # benchmark and the profile step measure them side by side with ours.
 # Steps: verify pytest kab attention profile migration arena run manager decode serve http handoff spec
+#   cascade
 #   (profile: Nsight Compute over tools/decode_profile.py at B256 S1024, ours and, with the
 #   anchors, FlashInfer's; ours with fp8 K/V at B64 S4096, with its per-instruction (SASS) stall
 #   samples as CSV; tools/prefill_profile.py at B8 S2048 causal; off unless named in --only)
 #   (http: benchmarks/bench_serve_http.py --quick; it needs fastapi/uvicorn: with no network, install
 #   them first from a wheel folder, e.g. `pip install --no-index --find-links DIR fastapi uvicorn`).
 #   (handoff: benchmarks/bench_handoff.py, a sequence's K/V between two managers on the GPU;
-#   spec: benchmarks/bench_speculate.py, speculative vs plain decoding, 8B-shaped; both off
-#   unless named in --only)
+#   spec: benchmarks/bench_speculate.py, speculative vs plain decoding, 8B-shaped; cascade:
+#   benchmarks/bench_cascade.py, shared-prefix decode attention vs plain, op and 8B decode step;
+#   all three off unless named in --only)
 # One ~10-minute call fits about: build (~45 s) and pytest (964 tests, ~8 min: 625 ran in 300 s
 # on 2026-12-03), or build, serve --quick (~3.5 min) and the benchmarks.
 # Logs and JSON results go to $OUT (default /tmp/kvcm_out); the profile step's reports go into
@@ -45,12 +48,14 @@ source "$(dirname "$0")/_bundle_logs.sh"
 trap 'bundle_logs profile.tgz' EXIT
 export PYTHONUNBUFFERED=1
 declare -A want=([verify]=1 [pytest]=1 [kab]=0 [attention]=1 [profile]=0 [migration]=1 [arena]=1
-                 [run]=1 [manager]=1 [decode]=1 [serve]=1 [http]=0 [handoff]=0 [spec]=0)
+                 [run]=1 [manager]=1 [decode]=1 [serve]=1 [http]=0 [handoff]=0 [spec]=0
+                 [cascade]=0)
 workers=0
 pytest_timeout=0
 kab_tar=
 serve_args=
 spec_args=
+cascade_args=
 serve_size=--quick
 pytest_args=.
 attention_args=
@@ -78,13 +83,14 @@ for arg in "$@"; do
     --kernel-ab=*) kab_tar=${arg#--kernel-ab=}; want[kab]=1 ;;
     --serve=*) serve_args=${arg#--serve=} ;;
     --spec=*) spec_args=${arg#--spec=} ;;
+    --cascade=*) cascade_args=${arg#--cascade=} ;;
     --dry-run) dry_run=1 ;;
     *) echo "unknown flag $arg"; exit 2 ;;
   esac
 done
 if [ $dry_run = 1 ]; then
   for k in verify pytest kab attention profile migration arena run manager decode serve http \
-           handoff spec; do
+           handoff spec cascade; do
     [ ${want[$k]} = 1 ] && echo "would run: $k"
   done
   echo "serve size: ${serve_size:-full}"
@@ -228,6 +234,12 @@ if [ ${want[spec]} = 1 ]; then
   step spec spec.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.bench_speculate \
     $spec_args --json "$OUT/spec.json"
   grep -E "^\| |^speculative" "$OUT/spec.log" | tail -8
+fi
+if [ ${want[cascade]} = 1 ]; then
+  # shellcheck disable=SC2086  # cascade_args is a list of words
+  step cascade cascade.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.bench_cascade \
+    $cascade_args --json "$OUT/cascade.json"
+  grep -E "^\| |groups of" "$OUT/cascade.log" | tail -8
 fi
 echo
 echo "step           rc     time  log (in \$OUT)"

@@ -554,6 +554,18 @@ def decode_attend(seq_lens):
     return attend
 
 
+def cascade_attend(cascade):
+    """The ``attend`` of :func:`_paged` for decode steps that read shared prefixes once per
+    group (``cascade_paged_attention`` with the step's :class:`jax_kvcm.CascadeBatch`)."""
+    def attend(q, kc, vc, table, layer, window, ring, scales):
+        del table  # the cascade's prefix and suffix tables replace it
+        if window is not None or ring:
+            raise ValueError("cascade attention needs full attention (no sliding window, no "
+                             "ring table)")
+        return jax_kvcm.cascade_paged_attention(q, kc, vc, cascade, layer=layer, **scales)
+    return attend
+
+
 def _logits(params, config: LlamaConfig, h):
     x = rms_norm(h, params["norm"], config.rms_norm_eps)
     if config.tie_word_embeddings:
@@ -599,17 +611,25 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
 
 @functools.partial(jax.jit, static_argnames=("config", "rings"),
                    donate_argnames=("k_cache", "v_cache"))
-def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens, *,
-                config: LlamaConfig, rings: tuple[int, ...] | None = None):
+def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens,
+                cascade=None, *, config: LlamaConfig, rings: tuple[int, ...] | None = None):
     """Pure decode: one new token per sequence (``tokens [B]`` at ``positions = seq_lens - 1``),
     attention by ``paged_attention``. Padded rows: ``seq_lens[b] = 0`` and ``slot_mapping[b] = -1``
     (``[..., b]`` with several KV groups; ``rings`` as in :func:`forward_step`).
 
+    ``cascade``: None, or the step's :class:`jax_kvcm.CascadeBatch` (``jax_kvcm.plan_cascade``
+    of ``page_table`` and ``seq_lens``): attention by ``cascade_paged_attention``, which reads
+    each shared prefix once per group. One KV group of full attention only.
+
     Returns ``(logits [B, vocab] float32, k_cache, v_cache)`` (caches donated).
     """
+    if cascade is not None and len(config.kv_groups()) != 1:
+        raise ValueError("cascade attention needs one KV group (a model without sliding-window "
+                         "layers)")
+    attend = decode_attend(seq_lens) if cascade is None else cascade_attend(cascade)
     h, k_cache, v_cache = _decoder(
         params, config, k_cache, v_cache, tokens, positions,
-        _paged(config, slot_mapping, page_table, rings, decode_attend(seq_lens),
+        _paged(config, slot_mapping, page_table, rings, attend,
                kv_scales(params, config, k_cache)))
     return _logits(params, config, h), k_cache, v_cache
 

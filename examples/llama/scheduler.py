@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jax_kvcm import CacheLevel, KVCacheManager, OutOfPagesError, SuspendResult
-from jax_kvcm import CorruptPageError, SequenceState
+from jax_kvcm import CorruptPageError, SequenceState, cascade_group_size
 
 from . import model as llama
 from . import tp as tensor_parallel
@@ -48,6 +48,17 @@ class Server:
         self.manager.add_observer(self._on_event)
         rings = tuple(w if g.sliding_window else 0 for g, w in
                       zip(self.kv_config.layer_groups, self.kv_config.table_widths))
+        # ServeConfig.cascade: (page size, members a group) for step_inputs' plan_cascade.
+        self._cascade = None
+        if serve.cascade:
+            if len(self.kv_config.layer_groups) != 1 or any(rings):
+                raise ValueError("cascade needs one KV group of full attention (this model has "
+                                 "sliding-window layers)")
+            if serve.hot_backend != "paged" and jax.default_backend() != "gpu":
+                raise ValueError("cascade on the arena needs the CUDA arena (the CPU arena's "
+                                 "pools are read by address, without a log-sum-exp output)")
+            self._cascade = (serve.page_size, cascade_group_size(config.num_attention_heads,
+                                                              config.num_key_value_heads))
         # NOTE: the device step; a test seam (a fault hook wraps it from outside the class).
         self._model_step = functools.partial(model_step, config=config, rings=rings,
                                              mesh=self.mesh)
@@ -341,7 +352,7 @@ class Server:
     def _dispatch(self, work, batch, t_start: float = 0.0) -> Dispatched:
         """Builds the host inputs, dispatches the device step (nothing waits for it) and hands
         the pools back to the manager. ``t_start``: when the step began (StepRecord)."""
-        inputs = step_inputs(work, batch, self.serve.paged_decode)
+        inputs = step_inputs(work, batch, self.serve.paged_decode, self._cascade)
         decode, greedy, due, rows = inputs.decode, inputs.greedy, inputs.due, inputs.rows
         Bb, Tb = batch.seq_lens.shape[0], batch.positions.shape[0]
         T = sum(n for _, n in work)
@@ -352,7 +363,8 @@ class Server:
         k, v = model_caches(self.manager.caches)
         tokens, logits, k, v = self._model_step(
             self.params, k, v, self._prev_tokens, inputs.gather, inputs.host_tokens, batch,
-            inputs.sampling, decode=decode, greedy=greedy, with_logits=with_logits)
+            inputs.sampling, inputs.cascade, decode=decode, greedy=greedy,
+            with_logits=with_logits)
         self.manager.complete_step(list(zip(k, v)) if isinstance(k, tuple) else [(k, v)])
         tokens.copy_to_host_async()
         if logits is not None:

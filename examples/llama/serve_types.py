@@ -83,6 +83,10 @@ class ServeConfig:
     max_step_retries: int = 1          # failed steps in a row a request survives (then "error")
     max_seq_len: int = 512
     paged_decode: bool = True          # pure-decode steps through paged_attention
+    # Pure-decode steps read each shared prefix once per group of up to N rows instead of once
+    # per row (jax_kvcm.cascade_paged_attention; N: jax_kvcm.cascade_group_size): one device, one
+    # KV group of full attention, the paged or the CUDA arena hot tier.
+    cascade: bool = False
     enable_prefix_reuse: bool = True
     record_logits: bool = False        # keep each sampled token's float32 logits (tests)
     # The manager's shape buckets (None: powers of two up to max_batch / max_tokens_per_step);
@@ -126,6 +130,9 @@ class ServeConfig:
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got "
                              f"{self.tensor_parallel!r}")
+        if self.cascade and (self.tensor_parallel > 1 or not self.paged_decode):
+            raise ValueError("cascade needs tensor_parallel 1 and paged_decode (it is a "
+                             "decode-step attention on one device)")
         if self.tensor_parallel > 1 and self.hot_backend != "paged":
             raise ValueError("tensor_parallel > 1 needs hot_backend 'paged' (the arena is one "
                              "device)")

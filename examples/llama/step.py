@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_kvcm
+
 from . import model as llama
 from . import tp as tensor_parallel
 from .serve_types import RequestState, StepRecord
@@ -31,7 +33,8 @@ def _fit(x, n: int, fill: int):
 @functools.partial(jax.jit, static_argnames=("config", "rings", "decode", "greedy",
                                              "with_logits", "mesh"),
                    donate_argnames=("k_cache", "v_cache"))
-def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch, sampling, *,
+def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch, sampling,
+               cascade=None, *,
                config: llama.LlamaConfig, rings: tuple[int, ...] | None = None, decode: bool,
                greedy: bool, with_logits: bool, mesh: jax.sharding.Mesh | None = None):
     """One serving step on the device: input tokens, the model, sampling.
@@ -44,6 +47,8 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
       batch: the manager's :class:`StepBatch` (``[B]`` rows, ``[T]`` tokens).
       sampling: ``(temperature, top_p, seed, stream, counter)`` ``[B]`` each (see
         :func:`model.sample_tokens`); ignored when ``greedy``.
+      cascade: None, or (decode steps, one device) the step's :class:`jax_kvcm.CascadeBatch`:
+        shared prefixes read once per group (``ServeConfig.cascade``).
       decode: one token per row (``T`` new tokens = the ``B`` rows): ``decode_step``
         (``paged_attention``); else ``forward_step`` (``ragged_paged_attention``).
       k_cache, v_cache, rings: the model's pools (tuples with several KV groups) and ring widths
@@ -60,13 +65,17 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
     B = batch.seq_lens.shape[0]
     step_fns = llama if mesh is None else tensor_parallel
     on_mesh = {} if mesh is None else {"mesh": mesh}
+    if cascade is not None and (mesh is not None or not decode):
+        raise ValueError("cascade attention is for decode steps on one device")
     if decode:
         slots = batch.slot_mapping  # [T], or [G, T] with several KV groups
         slots = (_fit(slots, B, -1) if slots.ndim == 1
                  else jax.vmap(lambda s: _fit(s, B, -1))(slots))
         logits, k_cache, v_cache = step_fns.decode_step(
             params, k_cache, v_cache, _fit(tokens, B, 0), _fit(batch.positions, B, 0),
-            slots, batch.page_table, batch.seq_lens, config=config, rings=rings, **on_mesh)
+            slots, batch.page_table, batch.seq_lens,
+            **({} if cascade is None else {"cascade": cascade}), config=config, rings=rings,
+            **on_mesh)
     else:
         logits, k_cache, v_cache = step_fns.forward_step(
             params, k_cache, v_cache, tokens, batch.positions, batch.slot_mapping,
@@ -110,14 +119,16 @@ class StepInputs:
     rows: list[RequestState]           # their requests
     greedy: bool                       # every due row greedy: no sampling inputs
     sampling: tuple | None             # (temperature, top_p, seed, stream, counter) [B bucket]
+    cascade: Any = None                # decode steps with ServeConfig.cascade: the CascadeBatch
 
 
 def step_inputs(work: list[tuple[RequestState, int]], batch: Any,
-                paged_decode: bool) -> StepInputs:
+                paged_decode: bool, cascade: tuple[int, int] | None = None) -> StepInputs:
     """What :func:`model_step` takes for ``work`` (``(request, new tokens)`` per row, in the
     order given to ``prepare_step``) and the manager's ``batch``: each row's new tokens (an
     unread token is gathered from the previous step's output on the device), the rows whose last
-    token is due a sample, and the sampling parameters of those rows."""
+    token is due a sample, and the sampling parameters of those rows. ``cascade``: ``(page_size,
+    max_members)`` to plan a decode step's shared-prefix groups (``jax_kvcm.plan_cascade``)."""
     counts = [n for _, n in work]
     B, T = len(work), sum(counts)
     Bb, Tb = batch.seq_lens.shape[0], batch.positions.shape[0]
@@ -149,4 +160,10 @@ def step_inputs(work: list[tuple[RequestState, int]], batch: Any,
         stream[due] = [r.rid for r in rows]
         counter[due] = [r.num_generated for r in rows]
         sampling = (temp, top_p, seed, stream, counter)
-    return StepInputs(paged_decode and T == B, host_tokens, gather, due, rows, greedy, sampling)
+    decode = paged_decode and T == B
+    plan = None
+    if decode and cascade is not None:
+        page_size, members = cascade
+        plan = jax_kvcm.plan_cascade(batch.page_table, batch.seq_lens, page_size=page_size,
+                                     max_members=members)
+    return StepInputs(decode, host_tokens, gather, due, rows, greedy, sampling, plan)
