@@ -91,38 +91,52 @@ def plan_cascade(page_table: np.ndarray, seq_lens: np.ndarray, *, page_size: int
         raise ValueError(f"min_prefix_pages must be >= 1, got {min_prefix_pages}")
     B, P = table.shape
     G, N = max(1, B // 2), max_members
-    prefix_table = np.zeros((G, P), np.int32)
-    prefix_lens = np.zeros(G, np.int32)
-    members = np.zeros((G, N), np.int32)
-    member_slot = np.full(B, -1, np.int32)
-    prefix_pages = np.zeros(B, np.int64)
     # Shareable pages of a row: those wholly before the page of its last position.
     limit = np.where(lens > 0, (lens.astype(np.int64) - 1) // page_size, 0).clip(max=P)
     rows = np.flatnonzero(limit >= min_prefix_pages)
     rows = rows[np.argsort(table[rows, 0], kind="stable")]
+    # Buckets: runs of one first page. A bucket of n rows splits into k = ceil(n / N) chunks
+    # as even as possible (np.array_split's sizes: the first n % k of n // k + 1 rows).
     first = table[rows, 0]
-    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
-    ends = np.r_[starts[1:], len(rows)]
-    g = 0
-    for lo, hi in zip(starts, ends):
-        n = hi - lo
-        if n < 2:
-            continue
-        chunks = -(-n // N)  # as even as possible: every chunk of >= 2 members
-        for bucket in np.array_split(rows[lo:hi], chunks):
-            if g == G or len(bucket) < 2:
-                break
-            sub = table[bucket]
-            same = (sub == sub[0]).all(axis=0)
-            k = int(min(np.argmin(same) if not same.all() else P, limit[bucket].min()))
-            if k < min_prefix_pages:
-                continue
-            prefix_table[g, :k] = sub[0, :k]
-            prefix_lens[g] = k * page_size
-            members[g, :len(bucket)] = bucket
-            member_slot[bucket] = g * N + np.arange(len(bucket))
-            prefix_pages[bucket] = k
-            g += 1
+    new_bucket = np.r_[True, first[1:] != first[:-1]] if len(rows) else np.zeros(0, bool)
+    bucket = np.cumsum(new_bucket) - 1
+    start = np.flatnonzero(new_bucket)
+    n = np.bincount(bucket, minlength=len(start))[bucket]
+    i = np.arange(len(rows)) - start[bucket]
+    k = -(-n // N)
+    small, extra = n // k, n % k
+    cut = extra * (small + 1)
+    chunk_in_bucket = np.where(i < cut, i // (small + 1), extra + (i - cut) // np.maximum(small, 1))
+    chunk_size = np.where(chunk_in_bucket < extra, small + 1, small)
+    new_chunk = np.r_[True, (bucket[1:] != bucket[:-1])
+                      | (chunk_in_bucket[1:] != chunk_in_bucket[:-1])] if len(rows) else new_bucket
+    chunk = np.cumsum(new_chunk) - 1
+    chunk_start = np.flatnonzero(new_chunk)
+    # Shared pages of a chunk: the first column where a member differs from the chunk's first
+    # row, at most every member's limit.
+    same = table[rows] == table[rows[chunk_start[chunk]]]
+    agree = np.where(same.all(axis=1), P, np.argmin(same, axis=1))
+    shared = np.minimum(agree, limit[rows])
+    lcp = np.minimum.reduceat(shared, chunk_start) if len(rows) else shared
+    keep = (chunk_size[chunk_start] >= 2) & (lcp >= min_prefix_pages)
+    group_of_chunk = np.where(keep, np.cumsum(keep) - 1, -1)
+    group_of_chunk[group_of_chunk >= G] = -1   # more groups than G: the rest read whole
+    g = group_of_chunk[chunk]
+    member = np.flatnonzero(g >= 0)
+    rows_in, g_in, n_in = rows[member], g[member], (i - (chunk_start[chunk] - start[bucket]))[member]
+    kept = np.flatnonzero(group_of_chunk >= 0)
+    num_groups = len(kept)
+    prefix_lens = np.zeros(G, np.int32)
+    prefix_lens[:num_groups] = lcp[kept] * page_size
+    prefix_table = np.zeros((G, P), np.int32)
+    lead = table[rows[chunk_start[kept]]]
+    prefix_table[:num_groups] = np.where(np.arange(P)[None, :] < lcp[kept][:, None], lead, 0)
+    members = np.zeros((G, N), np.int32)
+    members[g_in, n_in] = rows_in
+    member_slot = np.full(B, -1, np.int32)
+    member_slot[rows_in] = g_in * N + n_in
+    prefix_pages = np.zeros(B, np.int64)
+    prefix_pages[rows_in] = lcp[kept][g_in]
     suffix_table = np.zeros_like(table, dtype=np.int32)
     cols = np.arange(P)[None, :] + prefix_pages[:, None]
     inside = cols < P

@@ -40,6 +40,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "(float8_e4m3fn, scales 1.0: the random weights have none); dense "
                         "keeps the model dtype, so paged/dense agreement is reported, not "
                         "enforced, with fp8")
+    p.add_argument("--cascade", action="store_true",
+                   help="the paged runs' decode steps read shared prefixes once per group "
+                        "(ServeConfig.cascade: jax_kvcm.cascade_paged_attention); one device")
     p.add_argument("--quantize", choices=sorted(fp8_weights.QUANTIZE_CHOICES), default=None,
                    help="every run's linear weights in float8_e4m3fn with FP8 GEMMs "
                         "(examples/llama/fp8_weights.py): fp8 (per-channel scales), fp8-tensor "
@@ -163,7 +166,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
     if args.device_memory_gib is not None and args.device_memory_gib <= 0:
         raise SystemExit(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
     over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
-                            "quantize": args.quantize,
+                            "quantize": args.quantize, "cascade": args.cascade,
                             "kv_memory_fraction": args.kv_memory_fraction,
                             "device_memory_bytes": (None if args.device_memory_gib is None
                                                     else int(args.device_memory_gib * 2**30)),

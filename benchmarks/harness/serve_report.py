@@ -148,6 +148,7 @@ def markdown(out: dict[str, Any]) -> str:
         hit = f"{r['prefix_hit_rate']:.1%}" if managed else "-"
         path = r["path"] + (" (fp8 K/V)" if r.get("kv_dtype") == "float8_e4m3fn" else "")
         path += f" ({r['weights']} weights)" if r.get("weights", "").startswith("fp8") else ""
+        path += " (cascade)" if r.get("cascade") else ""
         lines.append(
             f"| {r['name']} | {path} | {r['workload']} | {r['concurrency']} | "
             f"{r['requests']} | {r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "

@@ -34,7 +34,7 @@ def serve_config(setup: Setup, concurrency: int, prefix: bool,
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
         batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
         record_logits=setup.record_logits, kv_dtype=setup.kv_dtype,
-        tensor_parallel=setup.tensor_parallel, record_steps=True)
+        tensor_parallel=setup.tensor_parallel, record_steps=True, cascade=setup.cascade)
 
 
 def summary(label: str, path: str, workload: str, concurrency: int,
@@ -218,7 +218,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         pages_onboarded=rep["pages_onboarded"], host_bytes=setup.host_bytes,
         prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
-        weights=setup.quantize or setup.model.dtype,
+        weights=setup.quantize or setup.model.dtype, cascade=scfg.cascade,
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
         warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits,
         ttft=None if arrivals is None else arrivals.ttft_s(outs),

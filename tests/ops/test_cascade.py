@@ -135,6 +135,51 @@ def test_plan_cascade_groups_only_shared_whole_pages(seed, max_members):
         assert np.all(c.suffix_table[r, P - k:] == 0)
 
 
+def loop_plan(table, lens, page_size, N, min_pages=1):
+    """An independent, row-by-row plan: (member_slot, prefix_lens, prefix_table) as
+    plan_cascade documents them (buckets by first page, even chunks of at most N)."""
+    B, P = table.shape
+    G = max(1, B // 2)
+    limit = [min((int(n) - 1) // page_size, P) if n > 0 else 0 for n in lens]
+    slot, plens, ptable = np.full(B, -1), np.zeros(G, int), np.zeros((G, P), int)
+    rows = sorted((r for r in range(B) if limit[r] >= min_pages), key=lambda r: table[r, 0])
+    buckets: dict[int, list[int]] = {}
+    for r in rows:
+        buckets.setdefault(int(table[r, 0]), []).append(r)
+    g = 0
+    for _, bucket in sorted(buckets.items(), key=lambda kv: rows.index(kv[1][0])):
+        for chunk in np.array_split(bucket, -(-len(bucket) // N)):
+            if len(chunk) < 2 or g == G:
+                continue
+            k = 0
+            while k < min(limit[r] for r in chunk) and all(
+                    table[r, k] == table[chunk[0], k] for r in chunk):
+                k += 1
+            if k < min_pages:
+                continue
+            for j, r in enumerate(chunk):
+                slot[r] = g * N + j
+            plens[g], ptable[g, :k] = k * page_size, table[chunk[0], :k]
+            g += 1
+    return slot, plens, ptable
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_cascade_equals_a_row_by_row_plan(seed):
+    rng = np.random.default_rng(100 + seed)
+    batch, N = int(rng.integers(1, 40)), int(rng.integers(2, 6))
+    table, lens, _ = shared_prefix_batch(rng, batch=batch + 2, page_size=4, max_pages=7,
+                                         num_prefixes=int(rng.integers(1, 5)))
+    if seed % 3 == 0:  # forks: rows with identical tables
+        table[1::3], lens[1::3] = table[0], lens[0]
+    c = jax_kvcm.plan_cascade(table, lens, page_size=4, max_members=N,
+                              min_prefix_pages=1 + seed % 2)
+    slot, plens, ptable = loop_plan(table, lens, 4, N, 1 + seed % 2)
+    np.testing.assert_array_equal(c.member_slot, slot, err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(c.prefix_lens, plens, err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(c.prefix_table, ptable, err_msg=f"seed={seed}")
+
+
 def test_plan_cascade_leaves_unshared_rows_whole():
     table = np.array([[1, 2, 0], [3, 4, 0], [5, 0, 0], [0, 0, 0]], np.int32)
     lens = np.array([12, 16, 3, 0], np.int32)
