@@ -120,7 +120,7 @@ def test_bare_flag_spans_belong_to_a_command():
         "benchmarks.bench_attention", "benchmarks.bench_migration", "benchmarks.bench_arena_map",
         "benchmarks.bench_decode_step", "benchmarks.bench_manager_overhead",
         "benchmarks.bench_serve_http", "benchmarks.bench_soak_http", "benchmarks.report",
-        "benchmarks.bench_handoff", "benchmarks.bench_speculate",
+        "benchmarks.bench_handoff", "benchmarks.bench_speculate", "benchmarks.bench_cascade",
         "tools.prefill_ab", "tools.random_run",
         "tools.prefill_profile", "tools.sass_regions", "tools.kernel_gaps",
         "tools.sim_sm90_prefill_protocol", "scripts/gpu_check.sh", "tools/gpu_ab.sh")))
