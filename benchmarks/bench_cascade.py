@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--kv-dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    ap.add_argument("--members", type=int, nargs="+", default=None,
+                    help="rows a group at most, one run each (default: cascade_group_size)")
     ap.add_argument("--no-model", action="store_true", help="the op only, not the model step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="the tiny float32 model (CPU)")
@@ -101,22 +103,23 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     table, lens, num_pages = layout(args, rng)
     Hkv, H, D, L = c.num_key_value_heads, c.num_attention_heads, c.head_dim, c.num_hidden_layers
-    members = jax_kvcm.cascade_group_size(H, Hkv)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        plan = jax_kvcm.plan_cascade(table, lens, page_size=args.page_size, max_members=members)
-    plan_ms = (time.perf_counter() - t0) / 20 * 1e3
-    plain_tokens = int(lens.sum())
-    cascade_tokens = int(plan.prefix_lens.sum() + plan.suffix_lens.sum())
     dev = jax.devices()[0]
     print(f"{dev.device_kind}, B {args.batch}, {args.prefixes} prefixes of {args.prefix_tokens}, "
-          f"lengths [{args.min_len}, {args.max_len}), page {args.page_size}, groups of <= "
-          f"{members}: {int((plan.prefix_lens > 0).sum())} groups, plan {plan_ms:.2f} ms (host)")
+          f"lengths [{args.min_len}, {args.max_len}), page {args.page_size}")
+    plain_tokens = int(lens.sum())
     params = None if args.no_model else llama.init_params(
         c, on_device=jax.default_backend() != "cpu")
     model_dtype = jnp.dtype(c.jnp_dtype)
     rows = []
-    for kv in args.kv_dtype:
+    for kv, members in [(kv, m) for kv in args.kv_dtype
+                        for m in (args.members or [jax_kvcm.cascade_group_size(
+                            H, Hkv, kv_dtype=FP8 if kv == "fp8" else None)])]:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            plan = jax_kvcm.plan_cascade(table, lens, page_size=args.page_size,
+                                         max_members=members)
+        plan_ms = (time.perf_counter() - t0) / 20 * 1e3
+        cascade_tokens = int(plan.prefix_lens.sum() + plan.suffix_lens.sum())
         dtype = FP8 if kv == "fp8" else model_dtype
         itemsize = jnp.dtype(dtype).itemsize
         per_token = 2 * Hkv * D * itemsize
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                                       jnp.asarray(plan.prefix_lens))])["ms"]
         op_suffix = time_jax(plain, [(q, kc, vc, jnp.asarray(plan.suffix_table),
                                       jnp.asarray(plan.suffix_lens))])["ms"]
-        row = {"kv_dtype": kv, "batch": args.batch, "groups": int((plan.prefix_lens > 0).sum()),
+        row = {"kv_dtype": kv, "batch": args.batch, "members": members,
+               "groups": int((plan.prefix_lens > 0).sum()),
                "max_abs_diff": diff, "plan_host_ms": plan_ms,
                "kv_gb_per_step_plain": plain_tokens * per_token * L / 1e9,
                "kv_gb_per_step_cascade": cascade_tokens * per_token * L / 1e9,
@@ -173,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
             state.clear()
         rows.append(row)
         print(json.dumps(row))
-    print("| K/V | K/V GB/step plain | cascade | op ms plain | cascade (prefix + suffix "
-          "kernels) | op x | step ms plain | cascade | step x | max abs diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| K/V | members (groups) | K/V GB/step plain | cascade | op ms plain | cascade (prefix "
+          "+ suffix kernels) | op x | step ms plain | cascade | step x | max abs diff |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         step = (f"{r['step_ms_plain']:.2f} | {r['step_ms_cascade']:.2f} | "
                 f"{r['step_speedup']:.3f}x" if "step_ms_plain" in r else "- | - | -")
-        print(f"| {r['kv_dtype']} | {r['kv_gb_per_step_plain']:.1f} | "
+        print(f"| {r['kv_dtype']} | {r['members']} ({r['groups']}) | "
+              f"{r['kv_gb_per_step_plain']:.1f} | "
               f"{r['kv_gb_per_step_cascade']:.1f} | {r['op_ms_plain']:.3f} | "
               f"{r['op_ms_cascade']:.3f} ({r['op_ms_prefix_kernel']:.3f} + "
               f"{r['op_ms_suffix_kernel']:.3f}) | {r['op_speedup']:.3f}x | {step} | "

@@ -24,8 +24,10 @@ once per bucket (:class:`jax_kvcm.StepBatch`'s rule).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["CascadeBatch", "plan_cascade", "cascade_group_size"]
@@ -55,13 +57,17 @@ class CascadeBatch:
         return int(((counts - 1).clip(min=0) * lens).sum())
 
 
-def cascade_group_size(num_heads: int, num_kv_heads: int) -> int:
-    """Members a group for ``num_heads / num_kv_heads`` query heads per kv head: the most whose
-    packed heads (members x heads per kv head) fit the CUDA decode kernel's 16, at least 2."""
+def cascade_group_size(num_heads: int, num_kv_heads: int, kv_dtype: Any = None) -> int:
+    """Members a group (at least 2) for ``num_heads / num_kv_heads`` query heads per kv head:
+    the most whose packed heads fit one pass of the CUDA decode kernel without costing it
+    compute, 16 for 16-bit caches and 8 for float8_e4m3fn caches (whose kernel converts every
+    element it reads and, at 16 heads, ran at a third of the copy bandwidth: see
+    benchmarks/bench_cascade.py)."""
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
-    return max(2, 16 // (num_heads // num_kv_heads))
+    fp8 = kv_dtype is not None and np.dtype(kv_dtype) == np.dtype(jnp.float8_e4m3fn)
+    return max(2, (8 if fp8 else 16) // (num_heads // num_kv_heads))
 
 
 def plan_cascade(page_table: np.ndarray, seq_lens: np.ndarray, *, page_size: int,

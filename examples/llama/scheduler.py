@@ -57,8 +57,9 @@ class Server:
             if serve.hot_backend != "paged" and jax.default_backend() != "gpu":
                 raise ValueError("cascade on the arena needs the CUDA arena (the CPU arena's "
                                  "pools are read by address, without a log-sum-exp output)")
-            self._cascade = (serve.page_size, cascade_group_size(config.num_attention_heads,
-                                                              config.num_key_value_heads))
+            self._cascade = (serve.page_size, cascade_group_size(
+                config.num_attention_heads, config.num_key_value_heads,
+                kv_dtype=self.manager.caches[0][0].dtype))
         # NOTE: the device step; a test seam (a fault hook wraps it from outside the class).
         self._model_step = functools.partial(model_step, config=config, rings=rings,
                                              mesh=self.mesh)

@@ -20,7 +20,8 @@ query attends are never read. Not for sliding windows or ring tables (positions 
 
 Cost: the prefix pass runs ``G = max(1, B // 2)`` rows of ``N * H`` heads, the suffix pass ``B``
 rows. The CUDA decode kernel covers up to 16 query heads per kv head, so ``N <= 16 / (H / Hkv)``
-(4 at Llama-3.1-8B's 32 / 8); :func:`jax_kvcm.plan_cascade` picks that by default.
+(4 at Llama-3.1-8B's 32 / 8), and with fp8 caches 8 / (H / Hkv) is what costs it no compute:
+:func:`jax_kvcm.cascade_group_size`.
 """
 
 from __future__ import annotations

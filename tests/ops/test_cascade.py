@@ -199,6 +199,15 @@ def test_plan_cascade_never_shares_the_page_a_row_writes():
     assert c.suffix_table[:, 0].tolist() == [5, 5, 7]
 
 
+def test_cascade_group_size():
+    assert jax_kvcm.cascade_group_size(32, 8) == 4
+    assert jax_kvcm.cascade_group_size(32, 8, kv_dtype=jnp.float8_e4m3fn) == 2
+    assert jax_kvcm.cascade_group_size(4, 2, kv_dtype=jnp.bfloat16) == 8
+    assert jax_kvcm.cascade_group_size(64, 4) == 2   # 16 heads a kv head: still pairs
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        jax_kvcm.cascade_group_size(6, 4)
+
+
 def test_plan_cascade_refuses_bad_arguments():
     t, n = np.zeros((2, 3), np.int32), np.zeros(2, np.int32)
     with pytest.raises(ValueError, match="max_members"):
