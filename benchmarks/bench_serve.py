@@ -22,7 +22,9 @@ with ``jax.random`` directly on the device (``model.init_params(on_device=True)`
 checkpoint, no download). Both paths run ``examples/llama/model.py``'s layers on the same params.
 
 **Workloads.** Every request is submitted at t=0 (an offline burst: at most ``concurrency``
-requests run at once, the rest queue), greedy, EOS ignored (each generates exactly its output
+requests run at once, the rest queue; TTFT counts the queueing), unless ``--request-rate R``:
+then the paged runs' requests arrive as a Poisson process of R per second (``--arrival-seed``)
+and TTFT counts from each arrival. Greedy, EOS ignored (each generates exactly its output
 length); prompts are random token ids (fixed seed).
 
 - ``random``: input 1,024 / output 256 tokens at each ``--concurrency`` (default 64 and 256),
