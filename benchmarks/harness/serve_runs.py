@@ -219,6 +219,8 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
         weights=setup.quantize or setup.model.dtype, cascade=scfg.cascade,
+        decode_kv_tokens=rep["decode_kv_tokens"], cascade_tokens_saved=rep["cascade_tokens_saved"],
+        cascade_grouped_rows=rep["cascade_grouped_rows"],
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
         warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits,
         ttft=None if arrivals is None else arrivals.ttft_s(outs),

@@ -364,8 +364,9 @@ class Server:
         k, v = model_caches(self.manager.caches)
         tokens, logits, k, v = self._model_step(
             self.params, k, v, self._prev_tokens, inputs.gather, inputs.host_tokens, batch,
-            inputs.sampling, inputs.cascade, decode=decode, greedy=greedy,
-            with_logits=with_logits)
+            inputs.sampling, decode=decode, greedy=greedy, with_logits=with_logits,
+            # NOTE: only when planned: the seam's wrappers (multihost.publish) take the rest.
+            **({} if inputs.cascade is None else {"cascade": inputs.cascade}))
         self.manager.complete_step(list(zip(k, v)) if isinstance(k, tuple) else [(k, v)])
         tokens.copy_to_host_async()
         if logits is not None:
@@ -373,6 +374,11 @@ class Server:
         self._prev_tokens = tokens
         self._num_dispatched += 1
         self.counters["decode_steps" if decode else "mixed_steps"] += 1
+        if decode:
+            self.counters["decode_kv_tokens"] += int(np.asarray(batch.seq_lens).sum())
+        if inputs.cascade is not None:
+            self.counters["cascade_grouped_rows"] += int((inputs.cascade.member_slot >= 0).sum())
+            self.counters["cascade_tokens_saved"] += inputs.cascade.tokens_saved
         self.counters["steps"] += 1
         self.counters["step_tokens"] += T
         for r, _ in work:

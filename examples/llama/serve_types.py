@@ -246,6 +246,10 @@ def kv_report(manager: Any, serve: ServeConfig, counters: Any, busy_s: float, st
         "steps": c["steps"],
         "decode_steps": c["decode_steps"],
         "mixed_steps": c["mixed_steps"],
+        # Decode steps' K/V reads in tokens (per layer), and what ServeConfig.cascade saved.
+        "decode_kv_tokens": c["decode_kv_tokens"],
+        "cascade_grouped_rows": c["cascade_grouped_rows"],
+        "cascade_tokens_saved": c["cascade_tokens_saved"],
         "generated_tokens": c["generated_tokens"],
         "step_tokens": c["step_tokens"],
         "seconds": busy_s,

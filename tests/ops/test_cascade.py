@@ -128,6 +128,7 @@ def test_plan_cascade_groups_only_shared_whole_pages(seed, max_members):
         assert np.all(c.prefix_table[g, n_pages:] == 0)
         grouped += len(rows)
     assert grouped >= 4, f"the batch's shared prefixes formed no groups (seed={seed})"
+    assert c.tokens_saved == int(lens.sum()) - int(c.prefix_lens.sum() + c.suffix_lens.sum()) > 0
     for r in range(B):
         k = int(c.prefix_lens[c.member_slot[r] // N]) // page_size if c.member_slot[r] >= 0 else 0
         assert c.suffix_lens[r] == lens[r] - k * page_size

@@ -70,6 +70,10 @@ def test_cascade_serving_equals_plain_and_hf(model, monkeypatch):
     assert got == want, "cascade changed the greedy tokens"
     grouped = [p for _, _, p in plans if (p.member_slot >= 0).any()]
     assert grouped, "no decode step formed a shared-prefix group"
+    rep = srv.report()
+    assert rep["cascade_grouped_rows"] == sum(int((p.member_slot >= 0).sum()) for _, _, p in plans)
+    assert rep["cascade_tokens_saved"] == sum(p.tokens_saved for _, _, p in plans) > 0
+    assert rep["decode_kv_tokens"] == sum(int(n.sum()) for _, n, _ in plans)
     for table, lens, p in plans:   # each plan's prefixes are pages its members hold
         for b in np.flatnonzero(p.member_slot >= 0):
             g = p.member_slot[b] // p.members.shape[1]
