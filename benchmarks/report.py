@@ -134,6 +134,16 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     lines.append(("Speculative decoding (prompt lookup, 4 drafts) / plain decoding, 8B random "
                   "model, batch " + "/".join(str(r["batch"]) for r in d["rows"]) + " (H100)",
                   " / ".join(f"{r['spec_over_plain']:.2f}x" for r in d["rows"]), n))
+    n, d = _latest(results, "cascade")
+    c = d["summary"]["bf16_members4"]
+    lines.append(("Cascade (shared-prefix) decode, bf16 K/V, B256 seed layout: K/V GB per step "
+                  "plain / cascade, 8B decode step speed-up (H100; fp8 K/V: slower)",
+                  f"{c['kv_gb_per_step'][0]} / {c['kv_gb_per_step'][1]}, "
+                  f"{c['step_speedup']:.2f}x", n))
+    n = next(k for k in sorted(results) if "serve_cascade" in k)
+    lines.append(("Serving with cascade / without, seed workload c128, 384 requests (H100, bf16 "
+                  "K/V; 33% prefix hits)",
+                  f"{results[n]['summary']['cascade_over_plain_tok_s']:.3f}x", n))
     n, d = _latest(results, "handoff_transports")
     two = next(r for r in d["rows"] if r.get("mooncake_transport_gb_per_s")
                and r["what"].startswith("handoff, 2"))
