@@ -80,6 +80,21 @@ def arrivals_table(results: Sequence[dict]) -> list[str]:
     return lines
 
 
+def cascade_table(results: Sequence[dict]) -> list[str]:
+    """The ``--cascade`` runs' share of decode K/V reads saved (none without cascade)."""
+    rows = [r for r in results if r.get("cascade")]
+    if not rows:
+        return []
+    lines = ["", "| run (cascade) | decode K/V token reads | saved by the cascade | grouped "
+             "rows per decode step |", "|---|---:|---:|---:|"]
+    for r in rows:
+        total, saved = r.get("decode_kv_tokens", 0), r.get("cascade_tokens_saved", 0)
+        steps = max(1, r.get("decode_steps", 1))
+        lines.append(f"| {r['name']} | {total:,} | {saved / max(total, 1):.1%} | "
+                     f"{r.get('cascade_grouped_rows', 0) / steps:.1f} |")
+    return lines
+
+
 def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> dict[str, float]:
     """Device copy bandwidth (bytes read + written per second) of a large elementwise copy
     (``x ^ 1`` over uint32, which XLA cannot elide), median of ``repeats`` after warm-up: the
@@ -158,6 +173,7 @@ def markdown(out: dict[str, Any]) -> str:
     for e in out.get("errors", []):
         lines.append(f"| {e['name']} | FAILED | | | | | | | | | | | | {e['error'][:120]} | |")
     lines += arrivals_table(out["results"])
+    lines += cascade_table(out["results"])
     lines += ["", "| run | step bytes (weights + K/V) | copy TB/s (r+w) | roofline ms | "
               "measured ms | fraction |", "|---|---:|---:|---:|---:|---:|"]
     for r in out["results"]:

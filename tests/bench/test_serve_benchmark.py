@@ -796,3 +796,18 @@ def test_request_rate_run_tiny(monkeypatch, tmp_path, capsys):
     md = bench.markdown(out)
     assert "| run (Poisson arrivals) |" in md and f"| {r['name']} | 20 |" in md
     assert f"arrival seed {ARRIVAL_SEED}" in capsys.readouterr().out
+
+
+def test_cascade_run_tiny(trtllm_tiny):
+    """``--cascade``: the shared-prefix run reads shared prefixes once per group: the report
+    counts the decode steps' K/V token reads and the share the cascade saved, and the greedy
+    tokens equal the run without it (the float32 tiny model)."""
+    out = bench.main(["--workload", "trtllm", "--tiny", "--no-dense", "--no-random",
+                      "--no-check", "--cascade"])
+    (r,) = out["results"]
+    assert r["cascade"] and r["decode_kv_tokens"] > r["cascade_tokens_saved"] > 0
+    assert r["cascade_grouped_rows"] > 0
+    assert "| run (cascade) |" in bench.markdown(out)
+    plain = trtllm_tiny["results"][0]
+    assert not plain["cascade"] and plain["cascade_tokens_saved"] == 0
+    assert r["generated_digests"] == plain["generated_digests"]
