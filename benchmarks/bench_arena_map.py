@@ -103,20 +103,23 @@ def print_churn(spec: ChurnSpec, rows: list[dict]) -> None:
           f"{spec.concurrency} at a time, {rows[0]['device_pages']} pages of "
           f"{spec.tokens_per_page} tokens; host us per step")
     print("| hot | steps | preempted | median | p90 | p99 | mean | vs paged (mean) | admit | "
-          "prepare | complete | close | map / unmap calls | quiesces | adoptions / fresh | "
-          "peak pages in use / physical |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
+          "prepare | complete | close | map / unmap calls | by quarter of the steps | quiesces | "
+          "adoptions / fresh | peak pages in use / physical |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|")
     for r in rows:
         calls = (f"{r['arena_num_map_calls']} / {r['arena_num_unmap_calls']}"
                  if "arena_num_map_calls" in r else "-")
         adopt = (f"{r['arena_adoptions']} / {r['arena_fresh_ranges']}"
                  if "arena_adoptions" in r else "-")
         quiesces = r.get("arena_num_quiesces", "-")
+        quarters = ("-" if "arena_map_calls_by_quarter" not in r else " ".join(
+            f"{m}/{u}" for m, u in zip(r["arena_map_calls_by_quarter"],
+                                       r["arena_unmap_calls_by_quarter"])))
         print(f"| {r['hot']} | {r['steps']} | {r['preemptions']} | {r['median_us']:.0f} | "
               f"{r['p90_us']:.0f} | {r['p99_us']:.0f} | {r['mean_us']:.0f} | "
               f"{r['mean_us'] / paged['mean_us']:.2f}x | {r['admit_us_per_step']:.0f} | "
               f"{r['prepare_us_per_step']:.0f} | {r['complete_us_per_step']:.0f} | "
-              f"{r['close_us_per_step']:.0f} | {calls} | {quiesces} | {adopt} | "
+              f"{r['close_us_per_step']:.0f} | {calls} | {quarters} | {quiesces} | {adopt} | "
               f"{r['peak_used_pages']} / {r['peak_physical_pages']} |", flush=True)
 
 
@@ -134,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-churn", action="store_true", help="only the native timings")
     ap.add_argument("--requests", type=int, default=768)
     ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--unique-tokens", type=int, nargs=2, default=[64, 512], metavar=("LO", "HI"),
+                    help="the churn's unique prompt tokens, drawn from [LO, HI)")
+    ap.add_argument("--output-tokens", type=int, nargs=2, default=[64, 256], metavar=("LO", "HI"),
+                    help="the churn's generated tokens, drawn from [LO, HI)")
     ap.add_argument("--device-pages", type=int, nargs="+", default=[0],
                     help="the churn's device pages, one table each (0: 3/4 of what the running "
                          "sequences need at their longest)")
@@ -153,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for pages in args.device_pages:
             spec = ChurnSpec(concurrency=args.concurrency,
                              requests=args.requests // 4 if args.quick else args.requests,
-                             device_pages=pages)
+                             device_pages=pages, unique_tokens=tuple(args.unique_tokens),
+                             output_tokens=tuple(args.output_tokens))
             rows = churn_rows(spec)
             print_churn(spec, rows)
             result["churn"] += rows

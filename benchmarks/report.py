@@ -158,6 +158,11 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
                   "(quiesces)",
                   " and ".join(f"{a['mean_us'] / b['mean_us']:.2f}x ({a['arena_num_quiesces']})"
                                for a, b in zip(mine, paged)), n))
+    n, d = _latest(results, "arena_churn_steady")
+    q = d["summary"]["map_calls_by_quarter_640"]
+    lines.append(("Arena map calls by quarter of a 10-wave c64 seed-shape run, manager alone "
+                  "(CPU; unmaps 0): the budget fills, then none",
+                  " / ".join(f"{x:,}" for x in q), n))
     n, d = _latest(results, "migration")
     rate = {(r["method"].split(" ")[0], r["direction"]): r["gb_per_s"] for r in d["rows"]}
     lines.append(("Offload hot <-> host, concat codec / contiguous pinned copy",

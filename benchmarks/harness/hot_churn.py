@@ -95,6 +95,7 @@ def churn(spec: ChurnSpec, hot: str) -> dict:
     times: list[float] = []
     parts = {"admit": 0.0, "prepare": 0.0, "complete": 0.0, "close": 0.0}
     preemptions = steps = generated = peak_used = peak_mapped = 0
+    calls: list[tuple[int, int]] = []   # arena: (map, unmap) calls so far, after each step
     while waiting or running:
         t_step = 0.0
         t0 = time.perf_counter()
@@ -173,6 +174,7 @@ def churn(spec: ChurnSpec, hot: str) -> dict:
         if hot == "arena":
             a = mgr.stats()["arena"]
             peak_mapped = max(peak_mapped, a["mapped_chunks"] * a["pages_per_chunk"])
+            calls.append((a["num_map_calls"], a["num_unmap_calls"]))
     stats = mgr.stats()
     mgr.shutdown()
     t = np.asarray(times) * 1e6
@@ -184,6 +186,12 @@ def churn(spec: ChurnSpec, hot: str) -> dict:
                prefix_hit_tokens=int(stats["num_prefix_hit_tokens"]),
                peak_used_pages=peak_used,
                peak_physical_pages=peak_mapped if hot == "arena" else spec.pages())
+    if calls:
+        # Map / unmap calls in each quarter of the run's steps: a budget still filling maps in
+        # the early quarters; churn maps (and unmaps) in the late ones too.
+        marks = np.asarray([(0, 0)] + calls)[np.linspace(0, len(calls), 5).astype(int)]
+        out["arena_map_calls_by_quarter"] = np.diff(marks[:, 0]).tolist()
+        out["arena_unmap_calls_by_quarter"] = np.diff(marks[:, 1]).tolist()
     if "arena" in stats:
         a = stats["arena"]
         out.update({f"arena_{k}": a[k] for k in ("num_map_calls", "num_unmap_calls",
