@@ -198,6 +198,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
            "reservations mapped on demand, a contiguous range per sequence; one device; "
            "sliding-window layers stay paged); --device-pages pages either way "
            "(default: %(default)s)")
+    a("--cascade", action="store_true",
+      help="decode steps read each shared prefix (a system prompt the prefix cache shares) "
+           "once per group of rows instead of once per row (cascade attention; one device, "
+           "no sliding-window layers)")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -409,7 +413,8 @@ def serve_config(p: argparse.ArgumentParser, args: argparse.Namespace,
             disk_dir=args.disk_dir, disk_bytes=args.disk_bytes, cold_codec=args.cold_codec,
             max_batch=args.max_batch, max_tokens_per_step=args.max_tokens_per_step,
             max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype,
-            tensor_parallel=args.tensor_parallel, hot_backend=args.hot_backend, **overrides)
+            tensor_parallel=args.tensor_parallel, hot_backend=args.hot_backend,
+            cascade=args.cascade, **overrides)
     except ValueError as e:
         p.error(str(e))
 

@@ -187,3 +187,20 @@ def test_weight_map_in_directory_still_loads(tmp_path):
     d = small_checkpoint(tmp_path, shards=2)
     config, params, _ = llama_loader.load_checkpoint(d, progress=False)
     assert config.num_hidden_layers == 2
+
+
+def test_cascade_flag_keeps_the_generations():
+    """``--cascade`` on the built-in run (requests sharing a system prompt): the same generated
+    tokens as without, and the report counts what the cascade saved."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    outs = []
+    for extra in ([], ["--cascade"]):
+        p = subprocess.run([sys.executable, RUN, "--json", *extra], capture_output=True,
+                           text=True, env=env, cwd=ROOT, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append([json.loads(line) for line in p.stdout.splitlines()])
+    plain, cascade = outs
+    gen = [sorted((d["request"], d["generated_ids"]) for d in o[:-1]) for o in outs]
+    assert gen[0] == gen[1] and len(gen[0]) == 5
+    assert plain[-1]["kv_report"]["cascade_tokens_saved"] == 0
+    assert cascade[-1]["kv_report"]["cascade_tokens_saved"] > 0
