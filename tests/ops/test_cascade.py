@@ -326,3 +326,17 @@ def test_cascade_compiles_once_per_shape(backend, compile_counter):
         with compile_counter.counting():
             fn(*args).block_until_ready()
     assert compile_counter.count == 0, f"{compile_counter.count} recompiles of a fixed shape"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cascade_over_slot_major_arena_pools(backend, dtype):
+    """The CUDA arena's pools (``ArenaPool.over_array``, slot-major ``[S, L, P, Hkv, D]``): the
+    cascade over them equals plain decode attention over the layer-major caches."""
+    seed = 7
+    rng = np.random.default_rng(seed)
+    q, k, v, table, lens, plan = cascade_inputs(rng, (16, 128, 2, 4, 16, 6), dtype)
+    pools = [jax_kvcm.ArenaPool.over_array(jnp.transpose(backend.put(c), (1, 0, 2, 3, 4)))
+             for c in (k, v)]
+    got = _cascade(backend.put(q), *pools, jax.device_put(plan, backend.device), layer=1)
+    want = reference("paged_attention", q, k, v, table, lens, layer=1)
+    assert_close(got, want, dtype, "cascade over arena pools vs plain", seed)
