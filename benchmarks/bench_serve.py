@@ -31,8 +31,10 @@ length); prompts are random token ids (fixed seed).
   ``concurrency x --requests-factor`` requests.
 - ``shared``: 15 system prompts of 512 +- 32 tokens; request ``i`` = system prompt ``i % 15`` +
   a unique 512-token suffix, output 256; concurrency 64, 128 requests; prefix reuse on and off.
-  Requests admitted in the same step cannot reuse each other's pages (nothing is committed yet):
-  the first wave computes the system prompts, the second wave finds them. A third run ("warm")
+  Requests admitted in the same step cannot reuse each other's pages (nothing is committed yet),
+  so a request whose system prompt another running request is still writing waits until it is
+  written (``ServeConfig.defer_shared_prompts``; ``--no-defer-shared-prompts``: the first wave
+  computes every copy of the system prompts, the second wave finds them). A third run ("warm")
   serves the 15 system prompts once before the clock starts, as a running server has them
   cached, so every timed request can hit. Hit rates count the timed requests only.
 

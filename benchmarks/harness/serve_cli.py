@@ -40,6 +40,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "(float8_e4m3fn, scales 1.0: the random weights have none); dense "
                         "keeps the model dtype, so paged/dense agreement is reported, not "
                         "enforced, with fp8")
+    p.add_argument("--no-defer-shared-prompts", action="store_true",
+                   help="admit requests in order even when a running request is still writing "
+                        "a prompt prefix they share (ServeConfig.defer_shared_prompts off; on, "
+                        "they wait a step or two and reuse those pages)")
     p.add_argument("--cascade", action="store_true",
                    help="the paged runs' decode steps read shared prefixes once per group "
                         "(ServeConfig.cascade: jax_kvcm.cascade_paged_attention); one device")
@@ -167,6 +171,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         raise SystemExit(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
     over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
                             "quantize": args.quantize, "cascade": args.cascade,
+                            "defer_shared_prompts": not args.no_defer_shared_prompts,
                             "kv_memory_fraction": args.kv_memory_fraction,
                             "device_memory_bytes": (None if args.device_memory_gib is None
                                                     else int(args.device_memory_gib * 2**30)),

@@ -34,7 +34,8 @@ def serve_config(setup: Setup, concurrency: int, prefix: bool,
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
         batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
         record_logits=setup.record_logits, kv_dtype=setup.kv_dtype,
-        tensor_parallel=setup.tensor_parallel, record_steps=True, cascade=setup.cascade)
+        tensor_parallel=setup.tensor_parallel, record_steps=True, cascade=setup.cascade,
+        defer_shared_prompts=setup.defer_shared_prompts)
 
 
 def summary(label: str, path: str, workload: str, concurrency: int,
@@ -220,6 +221,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
         weights=setup.quantize or setup.model.dtype, cascade=scfg.cascade,
         decode_kv_tokens=rep["decode_kv_tokens"], cascade_tokens_saved=rep["cascade_tokens_saved"],
+        deferred_admissions=rep["deferred_admissions"],
         cascade_grouped_rows=rep["cascade_grouped_rows"],
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
         warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits,

@@ -211,7 +211,52 @@ class Server:
             self._suspended.popleft()
             self.counters["resumes"] += 1
             self._running.append(r)
-        while self._waiting and len(self._running) < mb:
+        deferred: list[RequestState] = []
+        try:
+            self._admit(finished, deferred)
+        finally:   # deferred requests keep their place at the head of the queue
+            self._waiting.extendleft(reversed(deferred))
+
+    def _prefilling(self) -> dict[tuple, list[RequestState]] | None:
+        """Running requests still writing their prompt, by their first page of tokens (the
+        leaders :meth:`_shares_uncomputed_prefix` checks); None when deferral is off."""
+        if not (self.serve.defer_shared_prompts and self.serve.enable_prefix_reuse):
+            return None
+        ps, out = self.serve.page_size, {}
+        for o in self._running:
+            if o.seq is not None and len(o.prompt) > ps and o.seq.num_tokens < len(o.prompt):
+                out.setdefault(tuple(o.prompt[:ps]), []).append(o)
+        return out
+
+    def _shares_uncomputed_prefix(self, r: RequestState,
+                                  prefilling: dict[tuple, list[RequestState]] | None) -> bool:
+        """Whether a running request is still writing the pages of a prompt prefix ``r`` shares
+        (at least its first page): admitted now, ``r`` would compute that prefix again; admitted
+        once those pages are written (the next steps), it reuses them."""
+        ps = self.serve.page_size
+        if prefilling is None or len(r.tokens) <= ps:
+            return False
+        leaders = prefilling.get(tuple(r.tokens[:ps]))
+        if not leaders:
+            return False
+        mine = np.asarray(r.tokens[:-1])   # the last token is always computed
+        for o in leaders:
+            theirs = np.asarray(o.prompt[:len(mine)])
+            n = len(theirs)
+            diff = np.flatnonzero(mine[:n] != theirs)
+            shared = (int(diff[0]) if diff.size else n) // ps * ps
+            if o.seq.num_tokens < shared:
+                return True
+        return False
+
+    def _admit(self, finished: list[RequestOutput], deferred: list[RequestState]) -> None:
+        """Admits waiting requests, in order, while the batch and the device have room; a
+        request whose prompt prefix another running request is still writing waits in
+        ``deferred`` (``ServeConfig.defer_shared_prompts``; at most ``max_batch`` a round, so
+        a long queue is not scanned to its end)."""
+        mb, ps = self.serve.max_batch, self.serve.page_size
+        prefilling = self._prefilling()
+        while self._waiting and len(self._running) < mb and len(deferred) < mb:
             r = self._waiting[0]
             if r.seq is not None:       # prefilled elsewhere (submit_prefilled): pages here
                 self._waiting.popleft()
@@ -221,6 +266,10 @@ class Server:
                 continue
             if self._running and self._pages(len(r.tokens) + 1) > self._device_room():
                 return
+            if self._shares_uncomputed_prefix(r, prefilling):
+                deferred.append(self._waiting.popleft())
+                self.counters["deferred_admissions"] += 1
+                continue
             self._waiting.popleft()
             try:
                 r.seq = self.manager.add_sequence(np.asarray(r.tokens, np.int32))
@@ -238,6 +287,8 @@ class Server:
             self._order += 1
             r.order = self._order
             self._running.append(r)
+            if prefilling is not None and len(r.prompt) > ps and r.seq.num_tokens < len(r.prompt):
+                prefilling.setdefault(tuple(r.prompt[:ps]), []).append(r)
 
     def _drop_for_recompute(self, r: RequestState) -> None:
         self._close_seq(r)

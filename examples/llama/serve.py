@@ -3,7 +3,9 @@
 - **Requests** (prompt ids, ``max_new_tokens``, sampling params) wait in a FIFO queue and are
   admitted while the batch has room and the device has pages for the prompt (free + cached +
   pending pages, less one page of growth headroom per running sequence); a request that could
-  never fit alone on the device is refused at submission.
+  never fit alone on the device is refused at submission. A request whose prompt shares whole
+  pages with a prompt a running request is still writing waits (keeping its place) until those
+  pages are written, then reuses them (``ServeConfig.defer_shared_prompts``).
 - **Steps** pack every running sequence's pending tokens: one per decoding sequence, then prompt
   chunks (chunked prefill: prompts stream in while the others decode) up to
   ``prefill_chunk_tokens`` prompt tokens and ``max_tokens_per_step`` tokens in all. The manager's

@@ -88,6 +88,11 @@ class ServeConfig:
     # KV group of full attention, the paged or the CUDA arena hot tier.
     cascade: bool = False
     enable_prefix_reuse: bool = True
+    # A waiting request whose prompt shares at least a page with a running request's prompt
+    # that is still being written waits until those pages are (the next steps) and then reuses
+    # them, instead of computing the same prefix beside it (requests admitted together cannot
+    # reuse each other's pages). Only prefix reuse benefits; off: admit in order regardless.
+    defer_shared_prompts: bool = True
     record_logits: bool = False        # keep each sampled token's float32 logits (tests)
     # The manager's shape buckets (None: powers of two up to max_batch / max_tokens_per_step);
     # fewer buckets, fewer compiled programs (the serving benchmark uses one of each).
@@ -248,6 +253,7 @@ def kv_report(manager: Any, serve: ServeConfig, counters: Any, busy_s: float, st
         "mixed_steps": c["mixed_steps"],
         # Decode steps' K/V reads in tokens (per layer), and what ServeConfig.cascade saved.
         "decode_kv_tokens": c["decode_kv_tokens"],
+        "deferred_admissions": c["deferred_admissions"],
         "cascade_grouped_rows": c["cascade_grouped_rows"],
         "cascade_tokens_saved": c["cascade_tokens_saved"],
         "generated_tokens": c["generated_tokens"],

@@ -382,7 +382,10 @@ def test_stream_and_cancel_hooks(case, overlap):
     seed = 21
     print("seed", seed)
     _, reqs = _workload(np.random.default_rng(seed))
-    srv = _server(case, overlap=overlap, max_tokens_per_step=12, prefill_chunk_tokens=6)
+    # NOTE: admission in submission order (no deferral of requests sharing a prompt still being
+    # written), so that requests 4 and 5 are the ones that wait.
+    srv = _server(case, overlap=overlap, max_tokens_per_step=12, prefill_chunk_tokens=6,
+                  defer_shared_prompts=False)
     rids = [srv.submit(r) for r in reqs]       # max_batch 4: rids 4, 5 wait
     streamed = {rid: [] for rid in rids}
     finished, cancelled = {}, {}
