@@ -144,6 +144,12 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     lines.append(("Serving with cascade / without, seed workload c128, 384 requests (H100, bf16 "
                   "K/V; 33% prefix hits)",
                   f"{results[n]['summary']['cascade_over_plain_tok_s']:.3f}x", n))
+    n, d = _latest(results, "serve_defer")
+    c = d["summary"]
+    lines.append(("Deferring requests whose system prompt is still being written, tiny model c32, "
+                  "128 requests (CPU): steps / prefix hits, in order -> deferred",
+                  f"{c['steps'][0]} -> {c['steps'][1]} / {c['prefix_hit_rate'][0]:.0%} -> "
+                  f"{c['prefix_hit_rate'][1]:.0%}", n))
     n, d = _latest(results, "handoff_transports")
     two = next(r for r in d["rows"] if r.get("mooncake_transport_gb_per_s")
                and r["what"].startswith("handoff, 2"))
