@@ -418,6 +418,19 @@ def hf_checkpoint(hf, directory) -> tuple:
     return config, params
 
 
+# A small Llama (two layers, GQA 2) for serving-loop tests against HF.
+SMALL_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                   rope_theta=10000.0)
+
+
+def small_llama_checkpoint(directory, seed: int) -> tuple:
+    """``(hf, config, params)``: a random :data:`SMALL_LLAMA` through a real checkpoint."""
+    hf = random_hf_llama("llama", SMALL_LLAMA, seed)
+    return (hf, *hf_checkpoint(hf, directory))
+
+
 def hf_logits(hf, ids) -> np.ndarray:
     """HF's float32 logits ``[len(ids), vocab]`` of one teacher-forced forward over ``ids``."""
     import torch

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import hf_checkpoint, hf_logits, random_hf_llama, random_prompt
+from conftest import hf_logits, random_prompt, small_llama_checkpoint
 import jax_kvcm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,16 +27,10 @@ from examples.llama import step as serve_step  # noqa: E402
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    hf = random_hf_llama("llama", {**BASE, "rope_theta": 10000.0}, seed=21)
-    config, params = hf_checkpoint(hf, tmp_path_factory.mktemp("hf_cascade"))
-    return hf, config, params
+    return small_llama_checkpoint(tmp_path_factory.mktemp("hf_cascade"), seed=21)
 
 
 def _serve(model, cascade: bool, prompts, n_new=12):
