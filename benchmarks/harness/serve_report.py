@@ -89,9 +89,8 @@ def cascade_table(results: Sequence[dict]) -> list[str]:
              "rows per decode step |", "|---|---:|---:|---:|"]
     for r in rows:
         total, saved = r.get("decode_kv_tokens", 0), r.get("cascade_tokens_saved", 0)
-        steps = max(1, r.get("decode_steps", 1))
         lines.append(f"| {r['name']} | {total:,} | {saved / max(total, 1):.1%} | "
-                     f"{r.get('cascade_grouped_rows', 0) / steps:.1f} |")
+                     f"{r.get('cascade_grouped_rows_per_step', 0.0):.1f} |")
     return lines
 
 

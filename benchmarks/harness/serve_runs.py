@@ -223,6 +223,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         decode_kv_tokens=rep["decode_kv_tokens"], cascade_tokens_saved=rep["cascade_tokens_saved"],
         deferred_admissions=rep["deferred_admissions"],
         cascade_grouped_rows=rep["cascade_grouped_rows"],
+        cascade_grouped_rows_per_step=rep["cascade_grouped_rows"] / max(1, rep["decode_steps"]),
         compiled_programs=len(rep["compiled_shapes"]), warmup_compiles=warm_compiles["n"],
         warmup_compile_s=warm_compiles["s"], loop=loop, fence_waits=waits,
         ttft=None if arrivals is None else arrivals.ttft_s(outs),

@@ -222,11 +222,17 @@ class Server:
         leaders :meth:`_shares_uncomputed_prefix` checks); None when deferral is off."""
         if not (self.serve.defer_shared_prompts and self.serve.enable_prefix_reuse):
             return None
-        ps, out = self.serve.page_size, {}
+        out: dict[tuple, list[RequestState]] = {}
         for o in self._running:
-            if o.seq is not None and len(o.prompt) > ps and o.seq.num_tokens < len(o.prompt):
-                out.setdefault(tuple(o.prompt[:ps]), []).append(o)
+            self._note_prefilling(o, out)
         return out
+
+    def _note_prefilling(self, r: RequestState, prefilling: dict[tuple, list[RequestState]]
+                         ) -> None:
+        """Files ``r`` under its first page of prompt tokens while it still writes its prompt."""
+        ps = self.serve.page_size
+        if r.seq is not None and len(r.prompt) > ps and r.seq.num_tokens < len(r.prompt):
+            prefilling.setdefault(tuple(r.prompt[:ps]), []).append(r)
 
     def _shares_uncomputed_prefix(self, r: RequestState,
                                   prefilling: dict[tuple, list[RequestState]] | None) -> bool:
@@ -254,7 +260,9 @@ class Server:
         request whose prompt prefix another running request is still writing waits in
         ``deferred`` (``ServeConfig.defer_shared_prompts``; at most ``max_batch`` a round, so
         a long queue is not scanned to its end)."""
-        mb, ps = self.serve.max_batch, self.serve.page_size
+        mb = self.serve.max_batch
+        if not self._waiting or len(self._running) >= mb:
+            return   # nothing to admit: no per-step scan of the running requests
         prefilling = self._prefilling()
         while self._waiting and len(self._running) < mb and len(deferred) < mb:
             r = self._waiting[0]
@@ -287,8 +295,8 @@ class Server:
             self._order += 1
             r.order = self._order
             self._running.append(r)
-            if prefilling is not None and len(r.prompt) > ps and r.seq.num_tokens < len(r.prompt):
-                prefilling.setdefault(tuple(r.prompt[:ps]), []).append(r)
+            if prefilling is not None:
+                self._note_prefilling(r, prefilling)
 
     def _drop_for_recompute(self, r: RequestState) -> None:
         self._close_seq(r)
