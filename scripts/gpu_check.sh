@@ -20,12 +20,15 @@
 #   --serve=ARGS    the serve step's arguments instead of the seed workload's default
 #   --spec=ARGS     the spec step's arguments (benchmarks/bench_speculate.py; default: its own)
 #   --cascade=ARGS  the cascade step's arguments (benchmarks/bench_cascade.py; default: its own)
+#   --stepmem=ARGS  the stepmem step's arguments (tools/step_memory.py; default: its own)
 # Anchors: with a .anchors/ folder of wheels in the repo root (see benchmarks/harness/anchors.py), they
 # are installed into /tmp/anchors, FlashInfer's JIT cache is warmed in the background from the
 # start (benchmarks/harness/anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
 # benchmark and the profile step measure them side by side with ours.
 # Steps: verify pytest kab attention profile migration arena run manager decode serve http handoff spec
-#   cascade
+#   cascade stepmem
+#   (stepmem: tools/step_memory.py, XLA's memory analysis of the 8B serving step (does it copy
+#   the pools?), compile only, in the background beside the other steps; off unless named.)
 #   (profile: Nsight Compute over tools/decode_profile.py at B256 S1024, ours and, with the
 #   anchors, FlashInfer's; ours with fp8 K/V at B64 S4096, with its per-instruction (SASS) stall
 #   samples as CSV; tools/prefill_profile.py at B8 S2048 causal; off unless named in --only)
@@ -49,13 +52,14 @@ trap 'bundle_logs profile.tgz' EXIT
 export PYTHONUNBUFFERED=1
 declare -A want=([verify]=1 [pytest]=1 [kab]=0 [attention]=1 [profile]=0 [migration]=1 [arena]=1
                  [run]=1 [manager]=1 [decode]=1 [serve]=1 [http]=0 [handoff]=0 [spec]=0
-                 [cascade]=0)
+                 [cascade]=0 [stepmem]=0)
 workers=0
 pytest_timeout=0
 kab_tar=
 serve_args=
 spec_args=
 cascade_args=
+stepmem_args=
 serve_size=--quick
 pytest_args=.
 attention_args=
@@ -84,13 +88,14 @@ for arg in "$@"; do
     --serve=*) serve_args=${arg#--serve=} ;;
     --spec=*) spec_args=${arg#--spec=} ;;
     --cascade=*) cascade_args=${arg#--cascade=} ;;
+    --stepmem=*) stepmem_args=${arg#--stepmem=} ;;
     --dry-run) dry_run=1 ;;
     *) echo "unknown flag $arg"; exit 2 ;;
   esac
 done
 if [ $dry_run = 1 ]; then
   for k in verify pytest kab attention profile migration arena run manager decode serve http \
-           handoff spec cascade; do
+           handoff spec cascade stepmem; do
     [ ${want[$k]} = 1 ] && echo "would run: $k"
   done
   echo "serve size: ${serve_size:-full}"
@@ -133,6 +138,13 @@ step() {  # step NAME LOG CMD...: runs CMD, keeps its output in $OUT/LOG, notes 
 # The tests and small benchmarks allocate on demand (the arena maps CUDA VMM memory outside
 # XLA's pool); the 8B serving runs preallocate (see below).
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ ${want[stepmem]} = 1 ]; then  # compiles only (CPU-bound): beside the other steps
+  t_stepmem=$SECONDS
+  # shellcheck disable=SC2086  # stepmem_args is a list of words
+  python3 -m tools.step_memory $stepmem_args --json "$OUT/step_memory.json" \
+    > "$OUT/step_memory.log" 2>&1 &
+  stepmem_pid=$!
+fi
 if [ ${want[verify]} = 1 ]; then
   step verify verify.log python3 scripts/gpu_verify.py
   grep -E "FAIL|gpu_verify|seed" "$OUT/verify.log" | tail -40
@@ -240,6 +252,12 @@ if [ ${want[cascade]} = 1 ]; then
   step cascade cascade.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.bench_cascade \
     $cascade_args --json "$OUT/cascade.json"
   grep -E "^\| |groups of" "$OUT/cascade.log" | tail -8
+fi
+if [ ${want[stepmem]} = 1 ]; then
+  wait "$stepmem_pid"; rc=$?
+  [ $rc -ne 0 ] && status=1
+  summary+=("$(printf '%-14s rc=%-3s %5d s  %s' stepmem "$rc" "$((SECONDS - t_stepmem))" step_memory.log)")
+  tail -30 "$OUT/step_memory.log"
 fi
 echo
 echo "step           rc     time  log (in \$OUT)"
