@@ -171,6 +171,9 @@ class ArenaMemory:
     def quiesce(self) -> None:
         """Waits for every device access to the pools that may still run."""
         self.num_quiesces += 1
+        self._wait_for_device()
+
+    def _wait_for_device(self) -> None:
         for t in [*self._uses, *(p.data for p in self._pools)]:
             try:
                 t.block_until_ready()
@@ -215,7 +218,10 @@ class ArenaMemory:
     # -- host access (tests, checks) -------------------------------------------------------------
 
     def read_page(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of K and V page ``slot`` (``[L, P, Hkv, D]`` each, raw bytes as uint8)."""
+        """Host copies of K and V page ``slot`` (``[L, P, Hkv, D]`` each, raw bytes as uint8),
+        after every dispatched device access is done (the copy does not order itself after
+        XLA's stream)."""
+        self._wait_for_device()
         geo = self.geometry
         out = []
         for i in range(2):
