@@ -83,8 +83,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     warm = serve.Server(params, setup.model, scfg)
     warm.generate([serve.Request(prompt=list(range(1, setup.page_size + 2)), max_new_tokens=2,
                                  eos_token_ids=[])])
-    if arena:
-        warm.manager.shutdown()   # its reservation, before the timed run's
+    warm.manager.shutdown()   # its pools (or reservation), before the timed run's
     del warm
     gc.collect()   # its pool (a cycle through the manager's observer) before the next one
     warmup_s = time.perf_counter() - t

@@ -93,6 +93,12 @@ class PagedTier:
         return False
 
     def close(self) -> None:
+        """Frees the pools' device memory now, not when the last reference to them goes (a
+        reference cycle or a stray holder would keep gigabytes alive into the next manager)."""
+        for pair in self._pools.values():
+            for arr in pair:
+                if not arr.is_deleted():
+                    arr.delete()
         self._pools = {}
 
 
