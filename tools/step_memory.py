@@ -54,7 +54,7 @@ def abstract_inputs(config, pages: int, page_size: int, kv_dtype, batch: int, to
 # one that is not the aliased pool itself shows up as a temporary in the analysis instead).
 def pool_copies(hlo: str, pool_shape: tuple[int, ...]) -> list[str]:
     dims = ",".join(map(str, pool_shape))
-    pat = re.compile(r"\[" + re.escape(dims) + r"\][^=]*=.*\bcopy\(")
+    pat = re.compile(r"=\s*\w+\[" + re.escape(dims) + r"\]\S*\s+copy\(")
     return [line.strip()[:200] for line in hlo.splitlines() if pat.search(line)]
 
 
@@ -90,7 +90,7 @@ def analyse(config, quantize, kv_dtype, pages, page_size, batch, chunk, width, d
     return row
 
 
-def main(argv=None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, nargs="+", default=[1000, 14000])
     ap.add_argument("--page-size", type=int, default=16)
@@ -104,7 +104,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", nargs="+", choices=["decode", "mixed"], default=["decode", "mixed"])
     ap.add_argument("--dump", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
     config = LLAMA_31_8B
     if args.layers is not None:
         config = llama.LlamaConfig(**{**config.__dict__, "num_hidden_layers": args.layers})
