@@ -198,8 +198,10 @@ def test_shutdown_waits_closes_and_removes_files(tmp_path):
     m._ledger._fence = fence = NotReadyFence()
     m.close(a)
     assert not any(p.closed for p in m.storage.disk_pools + m.storage.host_pools)
+    pools = [x for pair in m.storage.pools for x in pair]
     m.shutdown()
     assert fence.ready  # waited for the last step
+    assert all(x.is_deleted() for x in pools)  # device memory freed now, not at the last ref
     assert m.stats()["pages"]["device"]["pending"] == 0
     assert not os.listdir(tmp_path)  # no disk file left (unlinked at creation, closed now)
     assert all(p.closed for p in m.storage.disk_pools + m.storage.host_pools)
