@@ -39,6 +39,18 @@ def device_memory(params: Any) -> tuple[int | None, int, str]:
     return None, device_weight_bytes(params, dev), "--device-memory-gib - the weights' bytes"
 
 
+def largest_free_block() -> int | None:
+    """The allocator's largest contiguous free block on the first device (BFC's
+    ``largest_free_block_bytes``), or None where it reports none. Each K/V pool is one
+    allocation: free bytes in pieces smaller than a pool do not hold it."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001  (backends without memory stats raise)
+        return None
+    n = stats.get("largest_free_block_bytes")
+    return None if n is None else int(n)
+
+
 def resolve_concurrency(setup: Setup, params: Any,
                         log: Callable[[str], None]) -> tuple[Setup, dict[str, Any] | None]:
     """``setup`` with its random rows' concurrency set to the largest the memory holds (at most
@@ -67,13 +79,18 @@ def resolve_concurrency(setup: Setup, params: Any,
                 f"no sequence of {setup.max_total_len} tokens fits: "
                 f"{(limit - in_use) / 2**30:.2f} GiB free after the weights ({source})")
         c = min(row["max_concurrency"], setup.requests_at(row["max_concurrency"]))
-        row.update(kind="max_concurrency", source=source, concurrency=c)
+        row.update(kind="max_concurrency", source=source, concurrency=c,
+                   largest_free_block_bytes=largest_free_block())
         log(f"concurrency {c} (as large as memory allows): {limit / 2**30:.2f} GiB limit - "
             f"{in_use / 2**30:.2f} GiB in use with the weights ({source}), x "
             f"{setup.kv_memory_fraction} = {row['kv_budget_bytes'] / 2**30:.2f} GiB of K/V = "
             f"{row['pool_pages_fit']} pages of {row['page_bytes_per_device'] / 2**20:.2f} MiB; "
             f"{setup.pages_per_seq} + 1 pages per sequence of {setup.max_total_len} tokens -> "
             f"{row['max_concurrency']} sequences"
-            + (f", capped at the {c} requests" if c < row["max_concurrency"] else ""))
+            + (f", capped at the {c} requests" if c < row["max_concurrency"] else "")
+            + ("" if row["largest_free_block_bytes"] is None else
+               f"; largest free block {row['largest_free_block_bytes'] / 2**30:.2f} GiB (each "
+               f"of the K and V pools is one allocation of "
+               f"{c * (setup.pages_per_seq + 1) * row['page_bytes_per_device'] / 2 / 2**30:.2f} GiB)"))
     setup = dataclasses.replace(setup, concurrencies=(c,), step_tokens=c + setup.prefill_chunk)
     return setup, row

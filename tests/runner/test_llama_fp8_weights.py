@@ -127,6 +127,25 @@ def test_fp8_weights_accuracy(checkpoint, dtype, quantize):
     assert err <= MAX_LOGIT_ERR and agreement >= MIN_STEP_AGREEMENT
 
 
+def test_compact_on_device_keeps_every_value_and_frees_the_old_buffers(backend):
+    """The params after quantization, moved host-and-back into one run of device memory
+    (``compact_on_device``): same tree, same bytes and shardings; the given arrays deleted (their
+    memory is what the compaction gives back)."""
+    backend.device  # noqa: B018  (fails here when the backend cannot run)
+    config = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, dtype="bfloat16")
+    params = f8.quantize_params(llama.init_params(config, seed=2), "channel")
+    want = jax.device_get(params)
+    old = jax.tree_util.tree_leaves(params)
+    got = f8.compact_on_device(params)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert all(x.is_deleted() for x in old)
+    for g, w, o in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), old):
+        assert g.dtype == w.dtype and g.sharding == o.sharding
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
 def test_stacked_fp8_layers_match(checkpoint):
     """``stack_layers`` stacks FP8 weights (pytrees) and the scan path gives the same logits."""
     _, path = checkpoint
