@@ -26,7 +26,10 @@
 # start (benchmarks/harness/anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
 # benchmark and the profile step measure them side by side with ours.
 # Steps: verify pytest kab attention profile migration arena run manager decode serve http handoff spec
-#   cascade stepmem
+#   cascade stepmem tbench
+#   (tbench: benchmarks/serve.py --workload trtllm-bench --quick with FP8 weights and K/V at the
+#   largest concurrency memory allows, TensorRT-LLM's published protocol; off unless named;
+#   --tbench=ARGS replaces its arguments.)
 #   (stepmem: tools/step_memory.py, XLA's memory analysis of the 8B serving step (does it copy
 #   the pools?), compile only, in the background beside the other steps; off unless named.)
 #   (profile: Nsight Compute over tools/decode_profile.py at B256 S1024, ours and, with the
@@ -52,7 +55,7 @@ trap 'bundle_logs profile.tgz' EXIT
 export PYTHONUNBUFFERED=1
 declare -A want=([verify]=1 [pytest]=1 [kab]=0 [attention]=1 [profile]=0 [migration]=1 [arena]=1
                  [run]=1 [manager]=1 [decode]=1 [serve]=1 [http]=0 [handoff]=0 [spec]=0
-                 [cascade]=0 [stepmem]=0)
+                 [cascade]=0 [stepmem]=0 [tbench]=0)
 workers=0
 pytest_timeout=0
 kab_tar=
@@ -60,6 +63,7 @@ serve_args=
 spec_args=
 cascade_args=
 stepmem_args=
+tbench_args=
 serve_size=--quick
 pytest_args=.
 attention_args=
@@ -89,13 +93,14 @@ for arg in "$@"; do
     --spec=*) spec_args=${arg#--spec=} ;;
     --cascade=*) cascade_args=${arg#--cascade=} ;;
     --stepmem=*) stepmem_args=${arg#--stepmem=} ;;
+    --tbench=*) tbench_args=${arg#--tbench=} ;;
     --dry-run) dry_run=1 ;;
     *) echo "unknown flag $arg"; exit 2 ;;
   esac
 done
 if [ $dry_run = 1 ]; then
   for k in verify pytest kab attention profile migration arena run manager decode serve http \
-           handoff spec cascade stepmem; do
+           handoff spec cascade stepmem tbench; do
     [ ${want[$k]} = 1 ] && echo "would run: $k"
   done
   echo "serve size: ${serve_size:-full}"
@@ -252,6 +257,13 @@ if [ ${want[cascade]} = 1 ]; then
   step cascade cascade.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.bench_cascade \
     $cascade_args --json "$OUT/cascade.json"
   grep -E "^\| |groups of" "$OUT/cascade.log" | tail -8
+fi
+if [ ${want[tbench]} = 1 ]; then
+  # shellcheck disable=SC2086  # tbench_args is a list of words
+  step tbench tbench.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.serve \
+    ${tbench_args:---workload trtllm-bench --quick --quantize fp8 --kv-dtype fp8 --no-check} \
+    --json "$OUT/tbench.json"
+  grep -E "^concurrency|^\| |RESOURCE" "$OUT/tbench.log" | tail -12
 fi
 if [ ${want[stepmem]} = 1 ]; then
   wait "$stepmem_pid"; rc=$?
