@@ -103,9 +103,10 @@ def print_churn(spec: ChurnSpec, rows: list[dict]) -> None:
           f"{spec.concurrency} at a time, {rows[0]['device_pages']} pages of "
           f"{spec.tokens_per_page} tokens; host us per step")
     print("| hot | steps | preempted | median | p90 | p99 | mean | vs paged (mean) | admit | "
-          "prepare | complete | close | map / unmap calls | by quarter of the steps | quiesces | "
-          "adoptions / fresh | peak pages in use / physical |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|")
+          "prepare | complete | close | map / unmap calls | by quarter of the steps | "
+          "maps per step p50 / p90 / max (steps with any) | quiesces | adoptions / fresh | "
+          "peak pages in use / physical |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|---|")
     for r in rows:
         calls = (f"{r['arena_num_map_calls']} / {r['arena_num_unmap_calls']}"
                  if "arena_num_map_calls" in r else "-")
@@ -115,11 +116,16 @@ def print_churn(spec: ChurnSpec, rows: list[dict]) -> None:
         quarters = ("-" if "arena_map_calls_by_quarter" not in r else " ".join(
             f"{m}/{u}" for m, u in zip(r["arena_map_calls_by_quarter"],
                                        r["arena_unmap_calls_by_quarter"])))
+        bursts = ("-" if "arena_map_calls_per_step_max" not in r else
+                  f"{r['arena_map_calls_per_step_p50']:.0f} / "
+                  f"{r['arena_map_calls_per_step_p90']:.0f} / "
+                  f"{r['arena_map_calls_per_step_max']} ({r['arena_steps_with_map_calls']})")
         print(f"| {r['hot']} | {r['steps']} | {r['preemptions']} | {r['median_us']:.0f} | "
               f"{r['p90_us']:.0f} | {r['p99_us']:.0f} | {r['mean_us']:.0f} | "
               f"{r['mean_us'] / paged['mean_us']:.2f}x | {r['admit_us_per_step']:.0f} | "
               f"{r['prepare_us_per_step']:.0f} | {r['complete_us_per_step']:.0f} | "
-              f"{r['close_us_per_step']:.0f} | {calls} | {quarters} | {quiesces} | {adopt} | "
+              f"{r['close_us_per_step']:.0f} | {calls} | {quarters} | {bursts} | {quiesces} | "
+              f"{adopt} | "
               f"{r['peak_used_pages']} / {r['peak_physical_pages']} |", flush=True)
 
 

@@ -192,6 +192,13 @@ def churn(spec: ChurnSpec, hot: str) -> dict:
         marks = np.asarray([(0, 0)] + calls)[np.linspace(0, len(calls), 5).astype(int)]
         out["arena_map_calls_by_quarter"] = np.diff(marks[:, 0]).tolist()
         out["arena_unmap_calls_by_quarter"] = np.diff(marks[:, 1]).tolist()
+        # Map calls per step (each a native map of one super-page: its host cost on the GPU is
+        # the bench's map_us): a step's burst is host time before that step can be dispatched.
+        per_step = np.diff(np.asarray([(0, 0)] + calls)[:, 0])
+        out["arena_map_calls_per_step_p50"] = float(np.percentile(per_step, 50))
+        out["arena_map_calls_per_step_p90"] = float(np.percentile(per_step, 90))
+        out["arena_map_calls_per_step_max"] = int(per_step.max())
+        out["arena_steps_with_map_calls"] = int(np.count_nonzero(per_step))
     if "arena" in stats:
         a = stats["arena"]
         out.update({f"arena_{k}": a[k] for k in ("num_map_calls", "num_unmap_calls",
