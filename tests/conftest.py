@@ -377,6 +377,16 @@ def random_prompt(rng: np.random.Generator, n: int, vocab: int = 128) -> list[in
     return [1] + rng.integers(3, vocab, n - 1).tolist()
 
 
+def shared_prefix_prompts(rng: np.random.Generator, system_lens: tuple[int, int], n: int,
+                          suffix: tuple[int, int], alone: int) -> list[list[int]]:
+    """``n`` prompts that alternate between two system prompts (:func:`random_prompt` of
+    ``system_lens``), each followed by ``[lo, hi)`` random ids (``suffix``), then one prompt of
+    ``alone`` tokens that shares nothing."""
+    systems = [random_prompt(rng, k) for k in system_lens]
+    return ([systems[i % 2] + rng.integers(3, 128, int(rng.integers(*suffix))).tolist()
+             for i in range(n)] + [random_prompt(rng, alone)])
+
+
 def random_hf_llama(kind: str, config_kwargs: dict, seed: int, *, embed_std: float = 1.0,
                     weight_scale: float = 0.6):
     """A float32 HF ``LlamaForCausalLM`` (``kind="llama"``), ``MistralForCausalLM``,

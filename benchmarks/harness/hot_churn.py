@@ -189,12 +189,13 @@ def churn(spec: ChurnSpec, hot: str) -> dict:
     if calls:
         # Map / unmap calls in each quarter of the run's steps: a budget still filling maps in
         # the early quarters; churn maps (and unmaps) in the late ones too.
-        marks = np.asarray([(0, 0)] + calls)[np.linspace(0, len(calls), 5).astype(int)]
+        totals = np.asarray([(0, 0)] + calls)   # [steps + 1, 2]: calls so far
+        marks = totals[np.linspace(0, len(calls), 5).astype(int)]
         out["arena_map_calls_by_quarter"] = np.diff(marks[:, 0]).tolist()
         out["arena_unmap_calls_by_quarter"] = np.diff(marks[:, 1]).tolist()
         # Map calls per step (each a native map of one super-page: its host cost on the GPU is
         # the bench's map_us): a step's burst is host time before that step can be dispatched.
-        per_step = np.diff(np.asarray([(0, 0)] + calls)[:, 0])
+        per_step = np.diff(totals[:, 0])
         out["arena_map_calls_per_step_p50"] = float(np.percentile(per_step, 50))
         out["arena_map_calls_per_step_p90"] = float(np.percentile(per_step, 90))
         out["arena_map_calls_per_step_max"] = int(per_step.max())

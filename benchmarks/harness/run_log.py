@@ -37,11 +37,16 @@ except Exception:  # noqa: BLE001
     COUNTING_COMPILES = False
 
 
-def mem_gib() -> str:
+def device_memory_stats() -> dict[str, Any]:
+    """The first device's allocator statistics (``{}`` where the backend keeps none)."""
     try:
-        st = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001
-        st = {}
+        return jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001  (backends without memory stats raise)
+        return {}
+
+
+def mem_gib() -> str:
+    st = device_memory_stats()
     if "bytes_in_use" not in st:
         return ""
     return (f" [device memory {st['bytes_in_use'] / 2**30:.1f} GiB in use, peak "

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import jax
 
+from benchmarks.harness.run_log import device_memory_stats
 from benchmarks.harness.serve_setup import Setup
 from benchmarks.harness.tp_scaling import device_weight_bytes, max_concurrency
 from examples.llama import tp
@@ -29,10 +30,7 @@ def device_memory(params: Any) -> tuple[int | None, int, str]:
     ``bytes_in_use`` (every live buffer: the weights, whatever else is held) where it reports
     them; else ``(None, the params' bytes there, ...)``."""
     dev = jax.devices()[0]
-    try:
-        stats = dev.memory_stats() or {}
-    except Exception:  # noqa: BLE001  (backends without memory stats raise)
-        stats = {}
+    stats = device_memory_stats()
     if "bytes_limit" in stats and "bytes_in_use" in stats:
         return (int(stats["bytes_limit"]), int(stats["bytes_in_use"]),
                 "the allocator's bytes_limit - bytes_in_use")
@@ -43,11 +41,7 @@ def largest_free_block() -> int | None:
     """The allocator's largest contiguous free block on the first device (BFC's
     ``largest_free_block_bytes``), or None where it reports none. Each K/V pool is one
     allocation: free bytes in pieces smaller than a pool do not hold it."""
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001  (backends without memory stats raise)
-        return None
-    n = stats.get("largest_free_block_bytes")
+    n = device_memory_stats().get("largest_free_block_bytes")
     return None if n is None else int(n)
 
 

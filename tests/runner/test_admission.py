@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import hf_logits, random_prompt, small_llama_checkpoint
+from conftest import (hf_logits, random_prompt, shared_prefix_prompts,
+                      small_llama_checkpoint)
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,9 +49,7 @@ def test_deferred_admission_reuses_the_prefix_and_keeps_the_tokens(model):
     seed = 41
     print("seed", seed)
     rng = np.random.default_rng(seed)
-    systems = [random_prompt(rng, 24), random_prompt(rng, 17)]        # 6 and 4 whole pages
-    prompts = [systems[i % 2] + rng.integers(3, 128, int(rng.integers(2, 9))).tolist()
-               for i in range(10)] + [random_prompt(rng, 11)]
+    prompts = shared_prefix_prompts(rng, (24, 17), 10, (2, 9), 11)   # 6 and 4 whole pages
     plain, rep_plain = _run(model, prompts, defer=False)
     got, rep = _run(model, prompts, defer=True)
     assert got == plain, "deferral changed the generated tokens"

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import hf_logits, random_prompt, small_llama_checkpoint
+from conftest import hf_logits, shared_prefix_prompts, small_llama_checkpoint
 import jax_kvcm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,9 +47,7 @@ def test_cascade_serving_equals_plain_and_hf(model, monkeypatch):
     seed = 31
     print("seed", seed)
     rng = np.random.default_rng(seed)
-    systems = [random_prompt(rng, 17), random_prompt(rng, 10)]   # 4 and 2 whole pages
-    prompts = [systems[i % 2] + rng.integers(3, 128, int(rng.integers(1, 7))).tolist()
-               for i in range(7)] + [random_prompt(rng, 9)]
+    prompts = shared_prefix_prompts(rng, (17, 10), 7, (1, 7), 9)   # 4 and 2 whole pages
     plans = []
     real_plan = jax_kvcm.plan_cascade
 
