@@ -52,7 +52,8 @@ def resolve_concurrency(setup: Setup, params: Any,
     and the arithmetic as a ``kind="max_concurrency"`` row; unchanged (and None) without
     ``auto_concurrency``. Memory: the device's allocator limit less what is in use with the
     params in place, or ``setup.device_memory_bytes`` less the params' bytes where the device
-    reports none (the CPU); with neither, the preset's concurrency. Budget:
+    reports none (the CPU); with neither, the preset's concurrency. That memory counts at most
+    the allocator's largest free block (each pool is one allocation). Budget:
     ``kv_memory_fraction`` of that, for a pool of ``c x (pages per sequence + 1)`` pages (as
     the run sizes it) plus the null page (``tp_scaling.max_concurrency``)."""
     if not setup.auto_concurrency:
@@ -66,25 +67,34 @@ def resolve_concurrency(setup: Setup, params: Any,
             f"--device-memory-gib gives none; the preset's")
         row = {"kind": "max_concurrency", "max_concurrency": c, "source": "the preset"}
     else:
-        row = max_concurrency(limit, in_use, page_bytes_per_device(setup), setup.pages_per_seq,
-                              setup.kv_memory_fraction)
+        block = largest_free_block()
+        # Each pool is one allocation: free bytes in pieces smaller than both pools together
+        # would let the second pool fail (as the H100's FP8 run did before the weights were
+        # compacted), so the budget counts at most the largest free block.
+        usable = limit - in_use if block is None else min(limit - in_use, block)
+        row = max_concurrency(limit, limit - usable, page_bytes_per_device(setup),
+                              setup.pages_per_seq, setup.kv_memory_fraction)
         if row["max_concurrency"] < 1:
             raise RuntimeError(
                 f"no sequence of {setup.max_total_len} tokens fits: "
                 f"{(limit - in_use) / 2**30:.2f} GiB free after the weights ({source})")
         c = min(row["max_concurrency"], setup.requests_at(row["max_concurrency"]))
         row.update(kind="max_concurrency", source=source, concurrency=c,
-                   largest_free_block_bytes=largest_free_block())
+                   largest_free_block_bytes=block, weight_bytes_per_device=in_use,
+                   usable_bytes=usable)
+        pool_bytes = c * (setup.pages_per_seq + 1) * row["page_bytes_per_device"] / 2
         log(f"concurrency {c} (as large as memory allows): {limit / 2**30:.2f} GiB limit - "
-            f"{in_use / 2**30:.2f} GiB in use with the weights ({source}), x "
-            f"{setup.kv_memory_fraction} = {row['kv_budget_bytes'] / 2**30:.2f} GiB of K/V = "
+            f"{in_use / 2**30:.2f} GiB in use with the weights ({source})"
+            + ("" if usable == limit - in_use else
+               f", of which the largest free block {usable / 2**30:.2f} GiB (each pool is one "
+               f"allocation: free bytes in pieces cannot hold both)")
+            + f", x {setup.kv_memory_fraction} = {row['kv_budget_bytes'] / 2**30:.2f} GiB of K/V = "
             f"{row['pool_pages_fit']} pages of {row['page_bytes_per_device'] / 2**20:.2f} MiB; "
             f"{setup.pages_per_seq} + 1 pages per sequence of {setup.max_total_len} tokens -> "
             f"{row['max_concurrency']} sequences"
             + (f", capped at the {c} requests" if c < row["max_concurrency"] else "")
-            + ("" if row["largest_free_block_bytes"] is None else
-               f"; largest free block {row['largest_free_block_bytes'] / 2**30:.2f} GiB (each "
-               f"of the K and V pools is one allocation of "
-               f"{c * (setup.pages_per_seq + 1) * row['page_bytes_per_device'] / 2 / 2**30:.2f} GiB)"))
+            + ("" if block is None else
+               f"; largest free block {block / 2**30:.2f} GiB, each of the K and V pools one "
+               f"allocation of {pool_bytes / 2**30:.2f} GiB"))
     setup = dataclasses.replace(setup, concurrencies=(c,), step_tokens=c + setup.prefill_chunk)
     return setup, row

@@ -261,8 +261,7 @@ def random_params(setup: Any) -> Any:
     params = jax.block_until_ready(params)
     quantize = getattr(setup, "quantize", None)
     if quantize is not None:
-        params = fp8_weights.compact_on_device(   # (the freed bf16 weights' holes: see there)
-            fp8_weights.quantize_params(params, fp8_weights.QUANTIZE_CHOICES[quantize]))
+        params = fp8_weights.quantize_on_device(params, fp8_weights.QUANTIZE_CHOICES[quantize])
     n = sum(x.size for x in jax.tree_util.tree_leaves(params))
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     kind = f"{setup.model.dtype}{f', layers {quantize}' if quantize else ''}"

@@ -324,8 +324,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None, progress: boo
     params = hf_to_params(tensors, config)
     del tensors
     if quantize is not None:
-        params = fp8_weights.compact_on_device(
-            fp8_weights.quantize_params(params, fp8_weights.QUANTIZE_CHOICES[quantize]))
+        params = fp8_weights.quantize_on_device(params, fp8_weights.QUANTIZE_CHOICES[quantize])
     return config, params, load_tokenizer(path)
 
 

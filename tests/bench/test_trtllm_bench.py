@@ -96,3 +96,32 @@ def test_trtllm_bench_presets_and_flags():
     from benchmarks.harness.serve_capacity import page_bytes_per_device
     assert full.pages_per_seq == 125
     assert page_bytes_per_device(full) == 2 * page_bytes_per_device(s) == 2 << 20
+
+
+def test_concurrency_counts_at_most_the_largest_free_block(monkeypatch):
+    """Each K/V pool is one allocation, so free bytes in pieces do not all hold pools: with the
+    allocator reporting a largest free block smaller than the free bytes, the budget is
+    ``kv_memory_fraction`` of the block (both pools fit in it, one after the other); with a block
+    as large as the free bytes, nothing changes."""
+    from benchmarks.harness import serve_capacity
+    s = serve_setup.TINY_TRTLLM_BENCH
+    page = serve_capacity.page_bytes_per_device(s)
+    limit, in_use = 4000 * page, 1000 * page
+    monkeypatch.setattr(serve_capacity, "device_memory", lambda params: (limit, in_use, "test"))
+
+    def concurrency(block):
+        monkeypatch.setattr(serve_capacity, "largest_free_block", lambda: block)
+        lines = []
+        got, row = serve_capacity.resolve_concurrency(s, None, lines.append)
+        assert got.concurrencies == (row["concurrency"],)
+        return row["max_concurrency"], lines[0]
+
+    def expected(usable):   # pages = 0.9 x usable bytes, less the null page
+        return (int(0.9 * usable) // page - 1) // (s.pages_per_seq + 1)
+
+    whole, line = concurrency(None)
+    assert whole == expected(3000 * page) and "largest free block" not in line
+    assert concurrency(3000 * page)[0] == whole
+    capped, line = concurrency(1200 * page)
+    assert capped == expected(1200 * page) < whole
+    assert "of which the largest free block" in line, line

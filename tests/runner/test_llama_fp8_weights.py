@@ -146,6 +146,28 @@ def test_compact_on_device_keeps_every_value_and_frees_the_old_buffers(backend):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
+def test_quantize_on_device_frees_each_bf16_weight_and_keeps_the_rest(backend):
+    """``quantize_on_device`` (the loader's and the serving benchmark's path) takes ownership:
+    every quantized bf16 weight is deleted (a caller's reference would otherwise keep the bf16
+    copy alive under the compaction, the H100's fragmentation), and the result equals
+    ``quantize_params`` of the same weights, byte for byte."""
+    backend.device  # noqa: B018  (fails here when the backend cannot run)
+    config = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, dtype="bfloat16")
+    params = llama.init_params(config, seed=3)
+    want = jax.device_get(f8.quantize_params(params, "channel"))
+    sources = [lp[name] for lp in params["layers"] for name in f8.QUANTIZED_WEIGHTS]
+    kept = [params["embed"], params["layers"][0]["attn_norm"]]
+    got = f8.quantize_on_device(params, "channel")
+    assert all(x.is_deleted() for x in sources)
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(got))
+    assert all(x.is_deleted() for x in kept)   # moved by the compaction, values kept
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
 def test_stacked_fp8_layers_match(checkpoint):
     """``stack_layers`` stacks FP8 weights (pytrees) and the scan path gives the same logits."""
     _, path = checkpoint
