@@ -30,6 +30,9 @@ admission, prepare_step, complete_step, close), preemptions, and the arena's map
 adoptions and fresh ranges.
 
     python -m benchmarks.bench_arena_map --churn [--concurrency 256] [--requests 768]
+
+``--under-load`` alone: map / unmap calls while a jitted program keeps the device busy, to see
+whether they stall it (``benchmarks/harness/map_under_load.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.harness import map_under_load
 from benchmarks.harness.hot_churn import ChurnSpec, churn
 
 
@@ -141,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--churn", action="store_true",
                     help="only the shared-prefix churn through the manager (paged vs arena)")
     ap.add_argument("--no-churn", action="store_true", help="only the native timings")
+    ap.add_argument("--under-load", action="store_true",
+                    help="only map / unmap calls under a running program (device stalls)")
     ap.add_argument("--requests", type=int, default=768)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--unique-tokens", type=int, nargs=2, default=[64, 512], metavar=("LO", "HI"),
@@ -156,12 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result: dict[str, Any] = {}
-    if not args.churn:
+    if args.under_load:
+        rows = under_load_result(args)
+        if rows is None:
+            return 1
+        result["under_load"] = rows
+    elif not args.churn:
         timing = timing_result(args)
         if timing is None:
             return 1
         result.update(timing)
-    if not args.no_churn:
+    if not (args.no_churn or args.under_load):
         result["churn"] = []
         for pages in args.device_pages:
             spec = ChurnSpec(concurrency=args.concurrency,
@@ -177,18 +188,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def timing_result(args: argparse.Namespace) -> dict | None:
-    """The native and arena-level timings (printed), or None without the CUDA extension."""
+def native_module(cpu: bool) -> Any:
+    """The extension whose ``Reservation`` is timed, or None (printed why) without CUDA."""
     from jax_kvcm import _ffi
 
+    if cpu:
+        return _ffi._kvcm_cpu
+    if _ffi._kvcm_cuda is None:
+        print(f"no CUDA extension: {_ffi.CUDA_IMPORT_ERROR} (use --cpu)", file=sys.stderr)
+    return _ffi._kvcm_cuda
+
+
+def under_load_result(args: argparse.Namespace) -> list[dict] | None:
+    """``map_under_load``'s rows (printed) at the 8B arena's super-page (2 MiB; 64 KiB on the
+    CPU), or None without the CUDA extension."""
+    native = native_module(args.cpu)
+    if native is None:
+        return None
+    rows = map_under_load.under_load_rows(native, (64 << 10) if args.cpu else (2 << 20),
+                                          target_ms=5.0 if args.quick else 20.0,
+                                          repeats=3 if args.quick else 7)
+    map_under_load.print_rows(rows, "cpu (memfd)" if args.cpu else "cuda (VMM)")
+    return rows
+
+
+def timing_result(args: argparse.Namespace) -> dict | None:
+    """The native and arena-level timings (printed), or None without the CUDA extension."""
+    native = native_module(args.cpu)
+    if native is None:
+        return None
     if args.cpu:
-        native = _ffi._kvcm_cpu
         sizes = [4 << 10, 64 << 10, 2 << 20]
     else:
-        native = _ffi._kvcm_cuda
-        if native is None:
-            print(f"no CUDA extension: {_ffi.CUDA_IMPORT_ERROR} (use --cpu)", file=sys.stderr)
-            return None
         sizes = [2 << 20, 4 << 20, 8 << 20, 16 << 20]
     pages = args.pages or (16 if args.quick else 256)
     result = {"backend": "cpu" if args.cpu else "cuda",
