@@ -205,10 +205,13 @@ def under_load_result(args: argparse.Namespace) -> list[dict] | None:
     native = native_module(args.cpu)
     if native is None:
         return None
-    rows = map_under_load.under_load_rows(native, (64 << 10) if args.cpu else (2 << 20),
-                                          target_ms=5.0 if args.quick else 20.0,
-                                          repeats=3 if args.quick else 7)
-    map_under_load.print_rows(rows, "cpu (memfd)" if args.cpu else "cuda (VMM)")
+    rows = []
+    for same in (False, True):
+        part = map_under_load.under_load_rows(
+            native, (64 << 10) if args.cpu else (2 << 20), target_ms=5.0 if args.quick else 20.0,
+            repeats=3 if args.quick else 7, same_reservation=same)
+        map_under_load.print_rows(part, "cpu (memfd)" if args.cpu else "cuda (VMM)")
+        rows += part
     return rows
 
 

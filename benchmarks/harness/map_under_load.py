@@ -27,15 +27,20 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 CALLS = (1, 8, 64)
+PROGRAM_N = 2048   # the program's [n, n] float32 operand on the GPU: 16 MiB
 
 
-def busy_program(target_ms: float) -> tuple[Callable[[jax.Array], jax.Array], jax.Array, float]:
-    """``(fn, x, ms)``: a jitted chain of ``[n, n]`` matmuls that takes about ``target_ms``
-    on the default device (calibrated here; ``ms`` the measured median)."""
-    n = 2048 if jax.default_backend() != "cpu" else 256
-    x = jnp.ones((n, n), jnp.float32) / n
+def busy_program(target_ms: float, x: jax.Array | None = None,
+                 ) -> tuple[Callable[[jax.Array], jax.Array], jax.Array, float]:
+    """``(fn, x, ms)``: a jitted chain of ``[n, n]`` matmuls by ``x`` (default: a new array)
+    that takes about ``target_ms`` on the default device (calibrated here; ``ms`` the measured
+    median)."""
+    if x is None:
+        n = PROGRAM_N if jax.default_backend() != "cpu" else 256
+        x = jnp.ones((n, n), jnp.float32) / n
 
     def make(iters: int):
         @jax.jit
@@ -63,16 +68,28 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def under_load_rows(native: Any, super_page_bytes: int, target_ms: float = 20.0,
-                    calls: tuple[int, ...] = CALLS, repeats: int = 7) -> list[dict]:
+                    calls: tuple[int, ...] = CALLS, repeats: int = 7,
+                    same_reservation: bool = False) -> list[dict]:
     """One row per (operation, k): map or unmap of ``k`` super-pages, idle and under a running
-    program (see the module doc)."""
-    fn, x, program_ms = busy_program(target_ms)
-    res = native.Reservation(max(calls) * super_page_bytes, super_page_bytes)
-    handles = res.create_physical_many(max(calls))
+    program (see the module doc). ``same_reservation``: the program's operand is the first
+    super-pages of the reservation the calls change (as the arena's step reads its pools while
+    other slots are mapped); else memory of its own."""
+    n = PROGRAM_N if jax.default_backend() != "cpu" else 256
+    resident = -(-n * n * 4 // super_page_bytes) if same_reservation else 0
+    res = native.Reservation((resident + max(calls)) * super_page_bytes, super_page_bytes)
+    handles = res.create_physical_many(resident + max(calls))
+    operand = None
+    if same_reservation:
+        res.map_many([i * super_page_bytes for i in range(resident)], handles[:resident])
+        fill = np.full((n, n), 1.0 / n, np.float32)
+        res.write(0, fill.ctypes.data, fill.nbytes)
+        operand = jax.dlpack.from_dlpack(res.dlpack(0, [n, n], "float32"))
+    fn, x, program_ms = busy_program(target_ms, operand)
+    handles = handles[resident:]
     rows = []
     try:
         for k in calls:
-            offs = [i * super_page_bytes for i in range(k)]
+            offs = [(resident + i) * super_page_bytes for i in range(k)]
             for op in ("map", "unmap"):
                 def prepare(op=op, offs=offs, k=k):   # the state before the timed calls
                     if op == "unmap":
@@ -90,9 +107,10 @@ def under_load_rows(native: Any, super_page_bytes: int, target_ms: float = 20.0,
                         for off in offs:
                             res.unmap(off)
                 rows.append(_measure(op, k, fn, x, program_ms, prepare, calls_, finish,
-                                     repeats) | {"super_page_bytes": super_page_bytes})
+                                     repeats) | {"super_page_bytes": super_page_bytes,
+                                                 "same_reservation": same_reservation})
     finally:
-        res.release_physical_many(handles)
+        del fn, x, operand
         res.close()
     return rows
 
@@ -138,9 +156,11 @@ def _measure(op: str, k: int, fn, x, program_ms: float, prepare, calls, finish,
 
 
 def print_rows(rows: list[dict], backend: str) -> None:
+    where = ("reading the same reservation" if rows[0]["same_reservation"] else
+             "on memory of its own")
     print(f"\n{backend}: map / unmap of k super-pages of "
           f"{rows[0]['super_page_bytes'] >> 10} KiB while a {rows[0]['program_ms']:.1f} ms "
-          f"program runs (medians)")
+          f"program runs, {where} (medians)")
     print("| op | k | idle ms | busy ms | program ms | with calls ms | next gap ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

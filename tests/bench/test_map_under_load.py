@@ -47,5 +47,5 @@ def test_under_load_flag_runs_only_that(tmp_path, capsys):
     assert bench_arena_map.main(["--cpu", "--quick", "--under-load", "--json", str(out)]) == 0
     import json
     got = json.loads(out.read_text())
-    assert set(got) == {"under_load"} and len(got["under_load"]) == 2 * len(map_under_load.CALLS)
+    assert set(got) == {"under_load"} and len(got["under_load"]) == 4 * len(map_under_load.CALLS)
     assert "program runs" in capsys.readouterr().out
