@@ -144,6 +144,18 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     lines.append(("Serving with cascade / without, seed workload c128, 384 requests (H100, bf16 "
                   "K/V; 33% prefix hits)",
                   f"{results[n]['summary']['cascade_over_plain_tok_s']:.3f}x", n))
+    n, d = _latest(results, "serve_cascade_fp8")
+    c = d["summary"]
+    lines.append(("Serving with cascade / without, seed workload c128, 384 requests, FP8 weights "
+                  "and K/V, deferred admission (H100): tok/s (prefix hits, K/V reads saved)",
+                  f"{c['cascade_over_plain_tok_s']:.3f}x ({c['prefix_hit_rate']:.0%}, "
+                  f"{c['kv_reads_saved']:.0%})", n))
+    n, d = _latest(results, "serve_trtllm_bench_fp8")
+    c = d["summary"]
+    lines.append(("trtllm-bench protocol (1,000/1,000; quick: 1,000 requests), FP8 weights and "
+                  f"K/V at the largest concurrency (c{c['concurrency']}), H100",
+                  f"{c['output_tokens_per_s']:,} output tok/s (TensorRT-LLM on one H200: "
+                  f"{c['tensorrt_llm_h200_published']:,})", n))
     n, d = _latest(results, "serve_defer")
     c = d["summary"]
     lines.append(("Deferring requests whose system prompt is still being written, tiny model c32, "
@@ -169,6 +181,12 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     lines.append(("Arena map calls by quarter of a 10-wave c64 seed-shape run, manager alone "
                   "(CPU; unmaps 0): the budget fills, then none",
                   " / ".join(f"{x:,}" for x in q), n))
+    n, d = _latest(results, "arena_map_under_load")
+    c = d["summary"]
+    lines.append(("Arena map / unmap calls under a running program (H100, 2 MiB super-pages, up "
+                  "to 64 calls): the program's slow-down, the gap before the next",
+                  f"{c['max_program_slowdown_ms']:+.2f} / {c['max_next_gap_ms']:+.2f} ms "
+                  "(no stall)", n))
     n, d = _latest(results, "migration")
     rate = {(r["method"].split(" ")[0], r["direction"]): r["gb_per_s"] for r in d["rows"]}
     lines.append(("Offload hot <-> host, concat codec / contiguous pinned copy",
