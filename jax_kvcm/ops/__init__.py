@@ -9,8 +9,10 @@ token ``i`` lives in page ``page_table[b, (i // page_size) % page_table.shape[1]
 FP8 K/V: caches may be ``float8_e4m3fn`` with float32 scales per (layer, kv head): ``write_kv``
 stores ``saturate(x / scale)`` (rounded to nearest even, clamped to +-448, NaN kept), the attention
 ops read ``float32(stored) * scale``. The scales are operands (they may be traced); they must be
-finite and > 0: concrete ones are checked (ValueError naming the argument), traced ones get a
-``checkify.debug_check`` (docs/fp8.md, "Scale values").
+finite and > 0: concrete ones are checked (ValueError naming the argument); traced ones are the
+caller's to check where it makes them, or, within :func:`check_traced_scales`, get a
+``checkify.debug_check`` (off by default: its effect slows every ``jax.jit`` dispatch of the
+step; docs/fp8.md, "Scale values").
 
 Non-finite values (one rule for the CPU handler, the CUDA kernels and the reference): a NaN or inf
 in a K or V row that a query attends to makes that query's output non-finite (NaN when a K is
@@ -46,8 +48,9 @@ import numpy as np
 from jax_kvcm import _arena_pool
 from jax_kvcm import _ffi  # noqa: F401  (registers the handlers)
 from jax_kvcm.ops import _checks
+from jax_kvcm.ops._checks import check_traced_scales
 
-__all__ = ["paged_attention", "ragged_paged_attention", "write_kv"]
+__all__ = ["check_traced_scales", "paged_attention", "ragged_paged_attention", "write_kv"]
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,

@@ -231,6 +231,26 @@ _SCALES_CHECKED_OUTSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "kvcm_scales_checked_outside", default=False)
 
 
+# NOTE: off by default. A checkify.debug_check puts an ErrorEffect on the traced function, and
+# jax.jit dispatches a function with effects through its Python path, not the C++ one: on the
+# H100 the 8B FP8 serving step (about 650 argument leaves) took ~11 ms of host time per decode
+# step, most of it in that path (a CPU microbenchmark, 300 arguments: 3.7 against 0.68 ms).
+_CHECK_TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvcm_check_traced_scales", default=False)
+
+
+@contextlib.contextmanager
+def check_traced_scales() -> Iterator[None]:
+    """Within it, the ops traced add a ``checkify.debug_check`` on traced fp8 scales, so that
+    ``checkify.checkify(step)`` reports a bad one by name. Trace the step inside (call it there
+    first; a ``jax.jit`` traced before reuses its cached trace, without the check)."""
+    token = _CHECK_TRACED.set(True)
+    try:
+        yield
+    finally:
+        _CHECK_TRACED.reset(token)
+
+
 @contextlib.contextmanager
 def scales_checked_outside() -> Iterator[None]:
     token = _SCALES_CHECKED_OUTSIDE.set(True)
@@ -246,12 +266,12 @@ def check_scale_values(x: Any, name: str) -> None:
     read NaN or inf): ValueError naming the
     argument and the bad entries when ``x`` is concrete (numpy, an eager ``jax.Array``, a
     constant closed over by a traced function). A traced ``x`` (an argument of a jitted
-    function) has no value here: it gets a ``checkify.debug_check``, which raises under
-    ``jax.experimental.checkify.checkify`` and compiles to nothing otherwise; such scales are
-    checked where they are produced (docs/fp8.md, "Scale values")."""
+    function) has no value here: such scales are checked where they are produced; within
+    :func:`check_traced_scales` it gets a ``checkify.debug_check``, which raises under
+    ``jax.experimental.checkify.checkify`` (docs/fp8.md, "Scale values")."""
     if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array)
                                           and not x.is_fully_addressable):
-        if _SCALES_CHECKED_OUTSIDE.get():
+        if _SCALES_CHECKED_OUTSIDE.get() or not _CHECK_TRACED.get():
             return
         ok = jnp.all(jnp.isfinite(x) & (x > 0) & (x <= FP8_SCALE_MAX))
         checkify.debug_check(ok, f"{name} must be finite and > 0, at most {FP8_SCALE_MAX:.4g} "

@@ -6,8 +6,10 @@ What is pinned (docs/fp8.md, "Scale values"):
   given to ``write_kv`` / ``paged_attention`` / ``ragged_paged_attention`` and to the
   ``jax_kvcm.sharded`` wrappers raise ValueError naming the argument and the bad entry, before
   anything runs (a ``write_kv`` leaves the cache's bytes as they were);
-- traced scales (arguments of a jitted step) are checked under ``checkify.checkify``: the error
-  names the argument; good scales give no error and the same output as the plain ``jax.jit``;
+- traced scales (arguments of a jitted step) traced within ``ops.check_traced_scales()`` are
+  checked under ``checkify.checkify``: the error names the argument; good scales give no error
+  and the same output as the plain ``jax.jit``; traced outside it, the step has no effect (the
+  effect would send every ``jax.jit`` dispatch through its slow Python path);
 - the loader (examples/llama/loader.py) refuses checkpoint scales that are not finite and > 0 in
   float32 (values that under- or overflow float32 included), naming the tensor.
 
@@ -127,7 +129,8 @@ def test_traced_scales_checked_under_checkify(op):
     kc, vc, k, v, q, idx = _args(rng)
     step = jax.jit(lambda ks, vs: _call(op, kc, vc, k, v, q, idx, ks, vs))
     good = jnp.asarray(_good(rng))
-    err, out = checkify.checkify(step)(good, good)
+    with ops.check_traced_scales():
+        err, out = checkify.checkify(step)(good, good)
     assert err.get() is None
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(step(good, good))):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
@@ -135,11 +138,28 @@ def test_traced_scales_checked_under_checkify(op):
         bad, _ = _with_bad(rng, value)
         name = ("k_scale", "v_scale")[i % 2]
         args = (bad, good) if name == "k_scale" else (good, bad)
-        err, _ = checkify.checkify(step)(*map(jnp.asarray, args))
+        with ops.check_traced_scales():
+            err, _ = checkify.checkify(step)(*map(jnp.asarray, args))
         msg = err.get()
         assert msg is not None and f"{name} must be finite and > 0" in msg, (value, msg)
         with pytest.raises(checkify.JaxRuntimeError, match=name):
             err.throw()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_traced_scales_add_no_effect_by_default(op):
+    """Outside ``check_traced_scales`` a jitted step with traced fp8 scales has no effect, so
+    ``jax.jit`` keeps its C++ dispatch path; inside, the check's effect is there (what the
+    default avoids)."""
+    rng = np.random.default_rng(_seed())
+    kc, vc, k, v, q, idx = _args(rng)
+    s = jnp.asarray(_good(rng))
+
+    def step():   # a new function each time: jax caches a function's trace
+        return lambda ks, vs: _call(op, kc, vc, k, v, q, idx, ks, vs)
+    assert jax.make_jaxpr(step())(s, s).effects == set()
+    with ops.check_traced_scales():
+        assert jax.make_jaxpr(step())(s, s).effects != set()
 
 
 def test_traced_check_compiles_to_nothing():
@@ -180,9 +200,11 @@ def test_sharded_wrappers_refuse_bad_scales(op):
             args = args[::-1]
         with pytest.raises(ValueError, match=_expected(name, value, pos)):
             call(*args)
-        err, _ = checkify.checkify(jax.jit(call))(*args)
+        with ops.check_traced_scales():
+            err, _ = checkify.checkify(jax.jit(call))(*args)
         assert f"{name} must be finite and > 0" in (err.get() or ""), (value, err.get())
-    err, _ = checkify.checkify(jax.jit(call))(good, good)
+    with ops.check_traced_scales():
+        err, _ = checkify.checkify(jax.jit(call))(good, good)
     assert err.get() is None
 
 
