@@ -142,6 +142,46 @@ def format_loop(name: str, s: dict[str, Any]) -> str:
 # The profiled window.
 
 
+def split_by_calls(step_ms: Sequence[float], decode: Sequence[bool],
+                   calls_after: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """The arena's decode steps split by its native calls (``--arena-step-calls``).
+
+    ``step_ms[i]``: the ``Server.step()`` call of step ``i`` (its host work, its map / create
+    calls included, and, overlapped, the read of step ``i - 1``'s tokens); ``calls_after[i]``:
+    the (map, create) calls made so far after it. A host cost of the calls shows in the step
+    that made them; a device stall they cause delays that step's execution, which the next
+    step's read waits for. So each decode step is put in one group by the calls of its own
+    step and in another by those of the step before. Per group: steps, p50 and p90 ms."""
+    made = np.diff(np.asarray([(0, 0)] + list(calls_after)), axis=0).sum(axis=1) > 0
+    ms, dec = np.asarray(step_ms), np.asarray(decode, bool)
+    before = np.concatenate([[False], made[:-1]])
+
+    def group(mask: np.ndarray) -> dict[str, float]:
+        x = ms[mask & dec]
+        return {"steps": int(x.size), "p50_ms": _pct(x, 50) if x.size else 0.0,
+                "p90_ms": _pct(x, 90) if x.size else 0.0}
+    p90 = _pct(ms[dec], 90) if dec.any() else 0.0
+    slow = dec & (ms > p90)
+    return {"with_calls": group(made), "without_calls": group(~made),
+            "after_calls": group(before), "after_none": group(~before),
+            "decode_p90_ms": p90, "slow_steps": int(slow.sum()),
+            "slow_with_or_after_calls": int((slow & (made | before)).sum())}
+
+
+def format_split(name: str, s: dict[str, Any]) -> str:
+    """:func:`split_by_calls` as a table."""
+    lines = [f"{name}: decode steps by the arena's map / create calls (--arena-step-calls; "
+             f"{s['slow_with_or_after_calls']} of the {s['slow_steps']} steps over the p90 "
+             f"{s['decode_p90_ms']:.2f} ms made calls or followed a step that did)",
+             "| group | steps | p50 ms | p90 ms |", "|---|---:|---:|---:|"]
+    for k, label in (("with_calls", "made calls"), ("without_calls", "made none"),
+                     ("after_calls", "after a step that made calls"),
+                     ("after_none", "after one that made none")):
+        g = s[k]
+        lines.append(f"| {label} | {g['steps']} | {g['p50_ms']:.2f} | {g['p90_ms']:.2f} |")
+    return "\n".join(lines)
+
+
 def _abstract(x: Any) -> Any:
     if isinstance(x, jax.Array):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)

@@ -1,11 +1,12 @@
 """Does an arena map stall the device? ``python -m benchmarks.bench_arena_map --under-load``.
 
 The arena's decode step p90 on the GPU is about twice paged's in the phase where fresh ranges
-grow (a map of each layer's pool per chunk), while the host time of those maps (tens of
+grow (fresh chunks created and mapped), while the host time of those maps (tens of
 microseconds each) is far too small to explain it. What is left is the device side, and this
 measures it directly: a jitted program that keeps the GPU busy for a few milliseconds (a chain
 of matmuls, on XLA's stream as a serving step is) is dispatched, and while it runs the host maps
-(or unmaps) ``k`` super-pages of a reservation it does not touch. Reported per ``k``:
+(or unmaps, or creates or releases the physical memory of) ``k`` super-pages of a reservation.
+Reported per operation and ``k``:
 
   idle ms        the ``k`` calls with the device idle
   busy ms        the same calls while the program runs: about the program's remaining time if
@@ -90,22 +91,7 @@ def under_load_rows(native: Any, super_page_bytes: int, target_ms: float = 20.0,
     try:
         for k in calls:
             offs = [(resident + i) * super_page_bytes for i in range(k)]
-            for op in ("map", "unmap"):
-                def prepare(op=op, offs=offs, k=k):   # the state before the timed calls
-                    if op == "unmap":
-                        res.map_many(offs, handles[:k])
-
-                def finish(op=op, offs=offs):         # back to all unmapped
-                    if op == "map":
-                        res.unmap_many(offs)
-
-                def calls_(op=op, offs=offs, k=k):
-                    if op == "map":
-                        for off, h in zip(offs, handles[:k]):
-                            res.map(off, h)
-                    else:
-                        for off in offs:
-                            res.unmap(off)
+            for op, (prepare, calls_, finish) in _operations(res, offs, handles[:k]).items():
                 rows.append(_measure(op, k, fn, x, program_ms, prepare, calls_, finish,
                                      repeats) | {"super_page_bytes": super_page_bytes,
                                                  "same_reservation": same_reservation})
@@ -113,6 +99,46 @@ def under_load_rows(native: Any, super_page_bytes: int, target_ms: float = 20.0,
         del fn, x, operand
         res.close()
     return rows
+
+
+def _operations(res: Any, offs: list[int], handles: list[int]) -> dict[str, tuple]:
+    """Per operation, ``(prepare, calls, finish)``: the state before the timed calls, the ``k``
+    native calls, and back to the start (every offset unmapped, ``handles`` created)."""
+    made: list[int] = []
+
+    def nothing():
+        pass
+
+    def map_all():
+        res.map_many(offs, handles)
+
+    def unmap_all():
+        res.unmap_many(offs)
+
+    def map_each():
+        for off, h in zip(offs, handles):
+            res.map(off, h)
+
+    def unmap_each():
+        for off in offs:
+            res.unmap(off)
+
+    def create_each():   # cuMemCreate: the physical memory of a fresh chunk
+        made.extend(res.create_physical() for _ in handles)
+
+    def release_made():
+        res.release_physical_many(made)
+        made.clear()
+
+    def create_all():
+        made.extend(res.create_physical_many(len(handles)))
+
+    def release_each():
+        while made:
+            res.release_physical(made.pop())
+    return {"map": (nothing, map_each, unmap_all), "unmap": (map_all, unmap_each, nothing),
+            "create": (nothing, create_each, release_made),
+            "release": (create_all, release_each, nothing)}
 
 
 def _measure(op: str, k: int, fn, x, program_ms: float, prepare, calls, finish,
@@ -158,7 +184,7 @@ def _measure(op: str, k: int, fn, x, program_ms: float, prepare, calls, finish,
 def print_rows(rows: list[dict], backend: str) -> None:
     where = ("reading the same reservation" if rows[0]["same_reservation"] else
              "on memory of its own")
-    print(f"\n{backend}: map / unmap of k super-pages of "
+    print(f"\n{backend}: map / unmap / create / release of k super-pages of "
           f"{rows[0]['super_page_bytes'] >> 10} KiB while a {rows[0]['program_ms']:.1f} ms "
           f"program runs, {where} (medians)")
     print("| op | k | idle ms | busy ms | program ms | with calls ms | next gap ms |")

@@ -104,6 +104,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--hot-backend", nargs="+", choices=("paged", "arena"), default=None,
                    help="hot backends side by side (paged always runs as the reference; "
                         "arena: CUDA VMM on a GPU, memfd on CPU)")
+    p.add_argument("--arena-step-calls", action="store_true",
+                   help="with --hot-backend arena: read the arena's map / create calls after "
+                        "every step and split its decode step times by them (a diagnostic: "
+                        "the reads, outside the clock, delay the next dispatch)")
     p.add_argument("--ab-rounds", type=int, default=1, metavar="N",
                    help="with --hot-backend: run paged and each other backend N times, "
                         "interleaved (paged, arena, paged, arena, ...), and report the median "
@@ -218,6 +222,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
     if args.ab_rounds < 1:
         raise SystemExit("--ab-rounds must be >= 1")
     over["ab_rounds"] = args.ab_rounds
+    over["arena_step_calls"] = args.arena_step_calls
     if args.sliding_window is not None:
         if args.sliding_window < 1 or args.full_every < 1:
             raise SystemExit("--sliding-window and --full-every must be >= 1")

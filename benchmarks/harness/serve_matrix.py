@@ -75,6 +75,8 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         log(format_roofline(res["name"], res["roofline"]))
         if "loop" in res:
             log(loop_profile.format_loop(res["name"], res["loop"]))
+        if "arena_step_calls" in res:
+            log(loop_profile.format_split(res["name"], res["arena_step_calls"]))
         if "fence_waits" in res:
             w = res["fence_waits"]
             log(f"  host waits for the device inside step(): {w['allocation_waits']} allocations "

@@ -122,6 +122,9 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     paused = 0.0
     arena_half: dict | None = None
     arena_peak = 0
+    step_calls = arena and setup.arena_step_calls
+    calls_after: list[tuple[int, int]] = []    # (map, create) calls so far, after each step
+    decode_flags: list[bool] = []
     t0 = time.perf_counter()
 
     def clock() -> float:   # the run's clock: its pauses (outside the clock) excluded
@@ -147,9 +150,15 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
             window.after(server)
             paused += time.perf_counter() - te
         step_ms.append(dt * 1e3)
-        if server.counters["decode_steps"] > n_dec:
+        decode_flags.append(server.counters["decode_steps"] > n_dec)
+        if decode_flags[-1]:
             decode_ms.append(dt * 1e3)
         steps += 1
+        if step_calls:   # outside the clock
+            ts = time.perf_counter()
+            a = mgr.stats()["arena"]
+            calls_after.append((a["num_map_calls"], a["num_create_calls"]))
+            paused += time.perf_counter() - ts
         if steps % 4 == 1:   # outside the clock
             ts = time.perf_counter()
             peak_pages = max(peak_pages, pool - mgr.num_obtainable_pages())   # referenced
@@ -203,6 +212,9 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
             arena_reclaimed_chunks=a["reclaimed_chunks"], arena_quiesces=a["num_quiesces"],
             arena_pages_per_chunk=a["pages_per_chunk"],
             arena_physical_bytes_peak=max(arena_peak, a["peak_physical_bytes"]))
+    if step_calls:
+        extra["arena_step_calls"] = loop_profile.split_by_calls(step_ms, decode_flags,
+                                                                calls_after)
     res = summary(
         label, hot_backend, workload, concurrency, requests, [outs[i] for i in sorted(outs)],
         seconds, compiles, warmup_s, decode_ms, prefix_reuse=prefix,

@@ -473,8 +473,9 @@ class ArenaRoom:
                    num_parked=book.num_parked, adoptions=book.num_adoptions,
                    fresh_ranges=book.num_fresh)
         per = [t.stats() for t in self._tiers]
-        for k in ("num_map_calls", "num_unmap_calls", "mapped_bytes", "physical_bytes",
-                  "peak_physical_bytes", "mapped_chunks", "num_quiesces"):
+        for k in ("num_map_calls", "num_unmap_calls", "num_create_calls", "num_release_calls",
+                  "mapped_bytes", "physical_bytes", "peak_physical_bytes", "mapped_chunks",
+                  "num_quiesces"):
             out[k] = sum(p[k] for p in per)
         out["pages_per_chunk"] = self._geo.pages_per_chunk
         out["chunk_bytes"] = self._geo.chunk_bytes

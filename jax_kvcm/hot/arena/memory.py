@@ -234,6 +234,8 @@ class ArenaMemory:
     def counters(self) -> dict[str, int]:
         r = self._res
         return {"num_map_calls": r.num_map_calls, "num_unmap_calls": r.num_unmap_calls,
+                "num_create_calls": r.num_create_calls,
+                "num_release_calls": r.num_release_calls,
                 "mapped_bytes": r.mapped_bytes, "physical_bytes": r.physical_bytes}
 
     def close(self) -> None:
