@@ -81,7 +81,8 @@ the host, median and p90 over all gaps; pages per tier at the end of the run (de
 **roofline**: the bytes one decode step must move (every weight once + the batch's K/V at the
 workload's mean decode context, prompt + half the output), the copy bandwidth measured in the
 same run (a large device-to-device elementwise copy, read + write), the ideal step time and the
-measured decode step's fraction of it.
+fraction of it that the decode steps run at the full batch reach (their p50; every decode step's
+where none ran at the full batch).
 
 **Compared**: paged / dense tokens/s at equal batch (target >= 0.95); prefix reuse on / off;
 equal memory: the paged pool of the largest concurrency against a dense cache of the same bytes

@@ -105,10 +105,18 @@ def loop_stats(records: Sequence[Any], full_batch: int, run_s: float,
                        "seconds": secs, "share": secs / total if total else 0.0,
                        "step_ms_mean": secs / len(rs) * 1e3,
                        "rows_mean": float(np.mean([r.rows for r in rs]))}
+    # Decode steps at the full batch: what a roofline at the full batch compares with (the
+    # decode p50 over all of them mixes in the ramp-up's and the tail's smaller batches).
+    full = [times[r.index] for r in records
+            if r.kind == "decode" and r.decode_rows >= full_batch and r.index in times]
+    full_decode = ({} if not full else
+                   {"steps": len(full), "step_ms_p50": _pct([t["step"] * 1e3 for t in full], 50),
+                    "host_ms_p50": _pct([t["host"] * 1e3 for t in full], 50),
+                    "blocked_ms_p50": _pct([t["blocked"] * 1e3 for t in full], 50)})
     return {"full_batch": full_batch, "steps": len(records), "steps_seconds": total,
             "run_seconds": run_s, "excluded_steps": len(exclude),
             "new_programs": sum(r.new_program for r in records), "kinds": kinds,
-            "phases": by_phase}
+            "phases": by_phase, "full_decode": full_decode}
 
 
 def format_loop(name: str, s: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from benchmarks import bench_serve as bench  # noqa: E402
 from benchmarks.harness import dense_llama, serve_matrix, serve_runs, serve_setup  # noqa: E402
 from benchmarks.harness import tp_scaling  # noqa: E402
 from examples.llama import hot_backend  # noqa: E402
+from examples.llama import serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -269,9 +270,29 @@ def test_phases_and_loop_stats_of_made_up_records():
     assert abs(sum(k["share"] for k in s["kinds"].values()) - 1) < 1e-12
     assert s["phases"]["tail"]["seconds"] == 3.0 and s["phases"]["steady"]["steps"] == 2
     assert s["steps_seconds"] == 10.0
+    # the decode steps at the full batch (4 rows): record 3 alone, 2.0 s from 4.0 to 6.0
+    assert s["full_decode"]["steps"] == 1 and s["full_decode"]["step_ms_p50"] == 2000.0
     s = loop_profile.loop_stats(recs, 4, 10.0, exclude={3, 4})
     assert s["kinds"]["mixed"]["steps"] == 1 and "steady" not in s["phases"]
     assert "| decode | 2 |" in loop_profile.format_loop("x", s)
+    assert s["full_decode"] == {}
+
+
+def test_roofline_compares_with_the_full_batch_decode_steps():
+    """The roofline assumes the full batch, so it is measured against the full-batch decode
+    steps' p50 where the loop has them, else against every decode step's."""
+    from benchmarks.harness.serve_report import format_roofline, roofline
+    setup = serve_setup.TINY_TRTLLM
+    reqs = [serve.Request(prompt=[1] * 8, max_new_tokens=4) for _ in range(4)]
+    res = {"path": "paged", "concurrency": 4, "decode_step_ms_p50": 2.0,
+           "loop": {"full_decode": {"steps": 7, "step_ms_p50": 4.0}}}
+    r = roofline(setup, 1000, res, reqs, 1e9)
+    assert r["measured_step_ms"] == 4.0 and r["measured_over"] == "7 full-batch decode steps"
+    assert r["fraction_of_roofline"] == r["roofline_step_ms"] / 4.0
+    assert "p50 of 7 full-batch decode steps" in format_roofline("x", r)
+    res["loop"]["full_decode"] = {}
+    r = roofline(setup, 1000, res, reqs, 1e9)
+    assert r["measured_step_ms"] == 2.0 and r["measured_over"] == "every decode step"
 
 
 def _check_profiled_runs(out, prof, *, on_device: bool) -> None:
@@ -752,7 +773,6 @@ def test_request_rate_run_tiny(monkeypatch, tmp_path, capsys):
     sleeps while idle (at most once per arrival) rather than spinning; TTFT is reported from
     each request's arrival, far below the run's length (from the run's start it would be about
     half of it); the table and the JSON carry the rate, the achieved rate and the seed."""
-    from examples.llama import serve
     rate = 20.0
     print(f"arrival seed {ARRIVAL_SEED}")
     calls: list[tuple[int, float]] = []
