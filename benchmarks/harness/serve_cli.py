@@ -47,6 +47,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--cascade", action="store_true",
                    help="the paged runs' decode steps read shared prefixes once per group "
                         "(ServeConfig.cascade: jax_kvcm.cascade_paged_attention); one device")
+    p.add_argument("--cascade-ab", action="store_true",
+                   help="the shared-prefix run without and with --cascade in one process, "
+                        "interleaved --ab-rounds times, and the median tokens/s ratio with its "
+                        "spread (one device)")
     p.add_argument("--quantize", choices=sorted(fp8_weights.QUANTIZE_CHOICES), default=None,
                    help="every run's linear weights in float8_e4m3fn with FP8 GEMMs "
                         "(examples/llama/fp8_weights.py): fp8 (per-channel scales), fp8-tensor "
@@ -158,6 +162,9 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
     if len(tps) > 1 and args.prefill_chunk is not None and len(args.prefill_chunk) > 1:
         raise SystemExit("several --tensor-parallel values and several --prefill-chunk values: "
                          "sweep one of them at a time")
+    if args.cascade_ab and (args.cascade or args.no_shared or max(tps) > 1):
+        raise SystemExit("--cascade-ab runs the shared-prefix workload without and with cascade "
+                         "on one device: not with --cascade, --no-shared or --tensor-parallel > 1")
     if args.quantize is not None and max(tps) > 1:
         raise SystemExit(f"--quantize {args.quantize}: FP8 weights are not split for tensor "
                          "parallelism (examples/llama/tp.py); use --tensor-parallel 1")
@@ -175,6 +182,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         raise SystemExit(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
     over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
                             "quantize": args.quantize, "cascade": args.cascade,
+                            "cascade_ab": args.cascade_ab,
                             "defer_shared_prompts": not args.no_defer_shared_prompts,
                             "kv_memory_fraction": args.kv_memory_fraction,
                             "device_memory_bytes": (None if args.device_memory_gib is None

@@ -168,6 +168,21 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
             if pairs:
                 comparisons.append(compare_backends(hb, pairs, log))
 
+    def cascade_rounds(pres: dict | None, what: str, reqs, **kwargs: Any) -> None:
+        """``--cascade-ab``: the run ``pres`` (without cascade) and the same with cascade,
+        ``setup.ab_rounds`` times each, interleaved."""
+        pairs = []
+        for k in range(setup.ab_rounds):
+            tag = "" if k == 0 else f" (round {k + 1})"
+            p = pres if k == 0 else attempt(f"paged {what}{tag}", run_paged, reqs,
+                                            cascade=False, **kwargs)[0]
+            res, _ = attempt(f"paged {what}, cascade{tag}", run_paged, reqs, cascade=True,
+                             **kwargs)
+            if p is not None and res is not None:
+                pairs.append((p, res))
+        if pairs:
+            comparisons.append(compare_cascade(pairs, log))
+
     def random_rows() -> None:
         if not setup.run_random:
             return
@@ -209,6 +224,9 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
                                  concurrency=cs, prefix=True, workload="shared")
             beside(runs["on"][0], f"shared c{cs} prefix on", sreqs, concurrency=cs,
                    prefix=True, workload="shared")
+            if setup.cascade_ab:
+                cascade_rounds(runs["on"][0], f"shared c{cs} prefix on", sreqs,
+                               concurrency=cs, prefix=True, workload="shared")
         if "warm" in setup.shared_runs:
             runs["warm"] = attempt(f"paged shared c{cs} prefix on, warm", run_paged, sreqs,
                                    concurrency=cs, prefix=True, workload="shared",
@@ -257,6 +275,28 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         comparisons.append(eq)
     return {"setup": dataclasses.asdict(setup), "results": results, "comparisons": comparisons,
             "agreement": agreements, "errors": errors}
+
+
+def compare_cascade(pairs: list[tuple[dict, dict]], log=run_log.log) -> dict[str, Any]:
+    """The ``cascade_vs_plain`` comparison of interleaved ``(plain, cascade)`` runs: tokens/s
+    ratio per round, its median and spread, the decode steps' p50 and the K/V token reads the
+    cascade saved."""
+    ratios = [c["output_tokens_per_s"] / p["output_tokens_per_s"] for p, c in pairs]
+    p, c = pairs[0]
+    out = dict(kind="cascade_vs_plain", plain=p["name"], cascade=c["name"], rounds=len(pairs),
+               tokens_per_s_over_plain=float(np.median(ratios)),
+               tokens_per_s_over_plain_rounds=ratios, spread=float(max(ratios) - min(ratios)),
+               decode_step_ms_p50=[(a["decode_step_ms_p50"], b["decode_step_ms_p50"])
+                                   for a, b in pairs],
+               kv_reads_saved=c["cascade_tokens_saved"] / max(c["decode_kv_tokens"], 1),
+               prefix_hit_rate=c["prefix_hit_rate"])
+    log(f"    cascade / plain over {len(pairs)} interleaved round(s): median "
+        f"{out['tokens_per_s_over_plain']:.3f}x tokens/s (rounds "
+        f"{', '.join(f'{r:.3f}' for r in ratios)}; spread {out['spread']:.3f}), decode step "
+        f"p50 {', '.join(f'{a:.2f} -> {b:.2f}' for a, b in out['decode_step_ms_p50'])} ms, "
+        f"K/V token reads saved {out['kv_reads_saved']:.1%}, prefix hits "
+        f"{out['prefix_hit_rate']:.1%}")
+    return out
 
 
 def compare_backends(hb: str, pairs: list[tuple[dict, dict]], log=run_log.log) -> dict[str, Any]:

@@ -21,9 +21,10 @@ from examples.llama import serve
 
 
 def serve_config(setup: Setup, concurrency: int, prefix: bool,
-                 hot_backend: str = "paged") -> serve.ServeConfig:
+                 hot_backend: str = "paged", cascade: bool | None = None) -> serve.ServeConfig:
     """The runner's configuration of a paged run (``hot_backend``: paged or arena; an arena is
-    sized like the paged pool it replaces: examples/llama/hot_backend.py)."""
+    sized like the paged pool it replaces: examples/llama/hot_backend.py; ``cascade``: None,
+    ``setup.cascade``)."""
     return serve.ServeConfig(
         hot_backend=hot_backend,
         page_size=setup.page_size, device_pages=setup.pool_pages(concurrency),
@@ -34,7 +35,8 @@ def serve_config(setup: Setup, concurrency: int, prefix: bool,
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
         batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
         record_logits=setup.record_logits, kv_dtype=setup.kv_dtype,
-        tensor_parallel=setup.tensor_parallel, record_steps=True, cascade=setup.cascade,
+        tensor_parallel=setup.tensor_parallel, record_steps=True,
+        cascade=setup.cascade if cascade is None else cascade,
         defer_shared_prompts=setup.defer_shared_prompts)
 
 
@@ -69,14 +71,14 @@ def summary(label: str, path: str, workload: str, concurrency: int,
 def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, concurrency: int,
               prefix: bool, workload: str, label: str,
               warm_prompts: Sequence[list[int]] = (),
-              hot_backend: str = "paged") -> tuple[dict, list]:
+              hot_backend: str = "paged", cascade: bool | None = None) -> tuple[dict, list]:
     """Warm-up on a throwaway server (same shapes), then the timed run on a fresh one.
 
     ``warm_prompts``: served (one output token each) on the fresh server before the clock
     starts, so their full pages sit committed in the prefix cache, as hot system prompts do in
     a server that has been running. ``hot_backend="arena"`` adds ``arena``: map/unmap calls in
     the second half of the generated tokens (steady state), alias hits, peak mapped bytes."""
-    scfg = serve_config(setup, concurrency, prefix, hot_backend)
+    scfg = serve_config(setup, concurrency, prefix, hot_backend, cascade)
     arena = hot_backend == "arena"
     t = time.perf_counter()
     warm_compiles = {k: COMPILES[k] for k in ("n", "s")}

@@ -91,6 +91,9 @@ class Setup:
     kv_dtype: str = "auto"               # the paged runs' K/V pools (ServeConfig.kv_dtype)
     tensor_parallel: int = 1             # the paged runs' devices (ServeConfig.tensor_parallel)
     cascade: bool = False                # --cascade: ServeConfig.cascade for the paged runs
+    # --cascade-ab: the shared "on" run without and with cascade, ab_rounds times each,
+    # interleaved in one process, and the median ratio with its spread
+    cascade_ab: bool = False
     defer_shared_prompts: bool = True    # ServeConfig.defer_shared_prompts (--no-defer-...)
     seed: int = 0
     # Hot backends run side by side on the random rows and the shared "on" run ("arena": CUDA
