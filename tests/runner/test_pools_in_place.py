@@ -50,8 +50,9 @@ def test_serving_steps_update_the_pools_in_place(backend, kv_dtype, quantize):
     assert _pointers(mgr) == before, "a step copied a pool instead of writing it in place"
 
 
+@pytest.mark.parametrize("cascade", [False, True])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_serving_step_has_no_effect(kv_dtype):
+def test_serving_step_has_no_effect(kv_dtype, cascade):
     """The compiled serving step (prefill and decode) carries no effect: an effect (a checkify
     check on the traced FP8 K/V scales did) sends every ``jax.jit`` dispatch of it through
     jax's Python path, ~11 ms of host time per 8B step on the H100."""
@@ -61,7 +62,7 @@ def test_serving_step_has_no_effect(kv_dtype):
     params = fp8_weights.quantize_params(llama.init_params(CONFIG, seed=1), "channel")
     srv = serve.Server(params, CONFIG, serve.ServeConfig(
         page_size=4, device_pages=48, max_batch=4, max_tokens_per_step=32, max_seq_len=64,
-        kv_dtype="auto" if kv_dtype == "bfloat16" else "fp8"))
+        kv_dtype="auto" if kv_dtype == "bfloat16" else "fp8", cascade=cascade))
     calls = []
     step = srv._model_step
 
@@ -70,9 +71,12 @@ def test_serving_step_has_no_effect(kv_dtype):
                       kwargs))
         return step(*args, **kwargs)
     srv._model_step = recording
+    shared = list(range(10, 22))   # three pages: two requests decode with it shared
     srv.generate([serve.Request([5, 6, 7, 8, 9], 3, eos_token_ids=())])
+    srv.generate([serve.Request(shared + [30 + i], 4, eos_token_ids=()) for i in range(2)])
     kinds = {kw["decode"] for _, kw in calls}
     assert kinds == {True, False}, kinds
+    assert cascade == any("cascade" in kw for _, kw in calls)
     for args, kwargs in calls:
         jaxpr = jax.make_jaxpr(functools.partial(step, **kwargs))(*args)
         assert jaxpr.effects == set(), (kwargs["decode"], jaxpr.effects)
