@@ -80,12 +80,14 @@ def test_dropped_plain_request_is_cancelled_within_a_step(edge, path, body):
     finally:
         s.close()                                  # the client is gone, no response read
     m = edge.wait_idle(timeout=30)
-    # Cancelled at the disconnect within a step or so of it (the steps also count the few that
-    # ran between the metrics read and the close), its pages freed (wait_idle: no referenced
-    # device page); not by the request timeout (about a thousand steps later).
+    # Cancelled at the disconnect, its pages freed (wait_idle: no referenced device page); not
+    # by the request timeout (about a thousand steps later) nor by running to its 4,000 tokens.
+    # The steps counted include those between the metrics read and the close, and those until
+    # the event loop sees the socket close: alone 1 to 13, but on a loaded 2-core CI machine
+    # (the whole suite on two workers) 28 and 31 were seen, tiny-model steps being ~1 ms.
     assert _delta(before, m, CANCELLED) == 1
     assert _delta(before, m, REJ % "timeout") == 0, "ended by the timeout, not the disconnect"
-    assert m["kvcm_steps_total"] - m0["kvcm_steps_total"] <= 20, (
+    assert m["kvcm_steps_total"] - m0["kvcm_steps_total"] <= 100, (
         m["kvcm_steps_total"] - m0["kvcm_steps_total"])
     steps = m["kvcm_steps_total"]
     time.sleep(0.3)
