@@ -40,7 +40,7 @@ def busy_program(target_ms: float, x: jax.Array | None = None,
     that takes about ``target_ms`` on the default device (calibrated here; ``ms`` the measured
     median)."""
     if x is None:
-        n = PROGRAM_N if jax.default_backend() != "cpu" else 256
+        n = _program_n()
         x = jnp.ones((n, n), jnp.float32) / n
 
     def make(iters: int):
@@ -56,6 +56,10 @@ def busy_program(target_ms: float, x: jax.Array | None = None,
         if ms >= target_ms or iters >= 1 << 16:
             return fn, x, ms
         iters = max(iters * 2, int(iters * target_ms / max(ms, 1e-3)))
+
+
+def _program_n() -> int:
+    return PROGRAM_N if jax.default_backend() != "cpu" else 256
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -75,7 +79,7 @@ def under_load_rows(native: Any, super_page_bytes: int, target_ms: float = 20.0,
     program (see the module doc). ``same_reservation``: the program's operand is the first
     super-pages of the reservation the calls change (as the arena's step reads its pools while
     other slots are mapped); else memory of its own."""
-    n = PROGRAM_N if jax.default_backend() != "cpu" else 256
+    n = _program_n()
     resident = -(-n * n * 4 // super_page_bytes) if same_reservation else 0
     res = native.Reservation((resident + max(calls)) * super_page_bytes, super_page_bytes)
     handles = res.create_physical_many(resident + max(calls))

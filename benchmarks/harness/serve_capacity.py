@@ -72,7 +72,7 @@ def resolve_concurrency(setup: Setup, params: Any,
         # would let the second pool fail (as the H100's FP8 run did before the weights were
         # compacted), so the budget counts at most the largest free block.
         usable = limit - in_use if block is None else min(limit - in_use, block)
-        row = max_concurrency(limit, limit - usable, page_bytes_per_device(setup),
+        row = max_concurrency(in_use + usable, in_use, page_bytes_per_device(setup),
                               setup.pages_per_seq, setup.kv_memory_fraction)
         if row["max_concurrency"] < 1:
             raise RuntimeError(
@@ -80,8 +80,7 @@ def resolve_concurrency(setup: Setup, params: Any,
                 f"{(limit - in_use) / 2**30:.2f} GiB free after the weights ({source})")
         c = min(row["max_concurrency"], setup.requests_at(row["max_concurrency"]))
         row.update(kind="max_concurrency", source=source, concurrency=c,
-                   largest_free_block_bytes=block, weight_bytes_per_device=in_use,
-                   usable_bytes=usable)
+                   largest_free_block_bytes=block)
         pool_bytes = c * (setup.pages_per_seq + 1) * row["page_bytes_per_device"] / 2
         log(f"concurrency {c} (as large as memory allows): {limit / 2**30:.2f} GiB limit - "
             f"{in_use / 2**30:.2f} GiB in use with the weights ({source})"

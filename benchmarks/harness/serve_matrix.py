@@ -150,36 +150,35 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
 
     big: dict[str, dict | None] = {"run": None}   # the paged run at the largest concurrency
 
+    def interleaved(pres: dict | None, what: str, other: str, reqs, variant: dict[str, Any],
+                    **kwargs: Any) -> list[tuple[dict, dict]]:
+        """The paged run ``pres`` and, after it, ``other`` (``variant``: its run_paged
+        keywords); with ``setup.ab_rounds`` > 1 both again, interleaved. The (paged, other)
+        pairs of the rounds where both ran."""
+        pairs = []
+        for k in range(setup.ab_rounds):
+            tag = "" if k == 0 else f" (round {k + 1})"
+            p = pres if k == 0 else attempt(f"paged {what}{tag}", run_paged, reqs, **kwargs)[0]
+            res, _ = attempt(f"{other}{tag}", run_paged, reqs, **variant, **kwargs)
+            if p is not None and res is not None:
+                pairs.append((p, res))
+        return pairs
+
     def beside(pres: dict | None, what: str, reqs, **kwargs: Any) -> None:
-        """The other hot backends on the same requests as the paged run ``pres``; with
-        ``setup.ab_rounds`` > 1, paged and each of them again, interleaved, and the median
-        ratio with its spread."""
+        """The other hot backends on the same requests as the paged run ``pres``, interleaved
+        ``setup.ab_rounds`` times, and the median ratio with its spread."""
         for hb in setup.hot_backends:
             if hb == "paged":
                 continue
-            pairs = []
-            for k in range(setup.ab_rounds):
-                p = pres if k == 0 else attempt(f"paged {what} (round {k + 1})", run_paged,
-                                                reqs, **kwargs)[0]
-                tag = "" if k == 0 else f" (round {k + 1})"
-                res, _ = attempt(f"{hb} {what}{tag}", run_paged, reqs, hot_backend=hb, **kwargs)
-                if p is not None and res is not None:
-                    pairs.append((p, res))
+            pairs = interleaved(pres, what, f"{hb} {what}", reqs, {"hot_backend": hb}, **kwargs)
             if pairs:
                 comparisons.append(compare_backends(hb, pairs, log))
 
     def cascade_rounds(pres: dict | None, what: str, reqs, **kwargs: Any) -> None:
         """``--cascade-ab``: the run ``pres`` (without cascade) and the same with cascade,
         ``setup.ab_rounds`` times each, interleaved."""
-        pairs = []
-        for k in range(setup.ab_rounds):
-            tag = "" if k == 0 else f" (round {k + 1})"
-            p = pres if k == 0 else attempt(f"paged {what}{tag}", run_paged, reqs,
-                                            cascade=False, **kwargs)[0]
-            res, _ = attempt(f"paged {what}, cascade{tag}", run_paged, reqs, cascade=True,
-                             **kwargs)
-            if p is not None and res is not None:
-                pairs.append((p, res))
+        pairs = interleaved(pres, what, f"paged {what}, cascade", reqs, {"cascade": True},
+                            **kwargs)
         if pairs:
             comparisons.append(compare_cascade(pairs, log))
 

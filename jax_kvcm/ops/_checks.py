@@ -240,24 +240,23 @@ _CHECK_TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def check_traced_scales() -> Iterator[None]:
+def _set(flag: contextvars.ContextVar[bool]) -> Iterator[None]:
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
+def check_traced_scales() -> contextlib.AbstractContextManager[None]:
     """Within it, the ops traced add a ``checkify.debug_check`` on traced fp8 scales, so that
     ``checkify.checkify(step)`` reports a bad one by name. Trace the step inside (call it there
     first; a ``jax.jit`` traced before reuses its cached trace, without the check)."""
-    token = _CHECK_TRACED.set(True)
-    try:
-        yield
-    finally:
-        _CHECK_TRACED.reset(token)
+    return _set(_CHECK_TRACED)
 
 
-@contextlib.contextmanager
-def scales_checked_outside() -> Iterator[None]:
-    token = _SCALES_CHECKED_OUTSIDE.set(True)
-    try:
-        yield
-    finally:
-        _SCALES_CHECKED_OUTSIDE.reset(token)
+def scales_checked_outside() -> contextlib.AbstractContextManager[None]:
+    return _set(_SCALES_CHECKED_OUTSIDE)
 
 
 def check_scale_values(x: Any, name: str) -> None:
