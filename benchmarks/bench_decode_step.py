@@ -3,6 +3,7 @@
 time of the paged step goes (issues 5 and 9).
 
     python -m benchmarks.bench_decode_step [--batch 64 256] [--context 1152] [--json PATH]
+    python -m benchmarks.bench_decode_step --batch 459 --context 1500 --quantize fp8 --kv-dtype fp8
     JAX_PLATFORMS=cpu python -m benchmarks.bench_decode_step --tiny        # CPU smoke run
 
 For each batch B: the Llama-3.1-8B-shaped model of the serving benchmark (random bf16 weights
@@ -14,7 +15,14 @@ drawn on the device), every sequence at ``--context`` tokens, and
 Both run back to back (caches donated, the step's outputs fed into the next call), timed as the
 median of ``--repeats`` calls after warm-up. The bytes a step must read at least (weights + the K/V
 of every sequence) over the time give an effective bandwidth. Comparing with the serving
-benchmark's "decode step ms" separates device time from the serving loop's host time.
+benchmark's "decode step ms" separates device time from the serving loop's host time; the
+fraction of the roofline divides the same bytes by the measured copy bandwidth
+(``serve_report.copy_bandwidth``, the serving benchmark's roofline) by the step time.
+
+``--quantize fp8`` / ``fp8-tensor`` (FP8 weights, ``fp8_weights.quantize_on_device``) and
+``--kv-dtype fp8`` (``float8_e4m3fn`` pools, unit scales) time the serving runs' FP8 step; the
+stacked-layer and dense paths (bf16 only) are skipped then, and the breakdown is the per-layer
+step's alone.
 
 **Breakdown** (unless ``--no-profile``): for each batch, the paged step before (the layers' weights
 stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight buffers, fused QKV
@@ -45,7 +53,9 @@ import numpy as np  # noqa: E402
 from benchmarks.harness import dense_llama as dense  # noqa: E402
 from benchmarks.harness.device_profile import (attribute, hlo_categories, load_trace,  # noqa: E402
                                                weight_copy_ops)
+from benchmarks.harness.serve_report import copy_bandwidth  # noqa: E402
 from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
+from examples.llama import fp8_weights  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 
 # The decode step's columns (its HLO has no ragged attention and no sampling).
@@ -54,7 +64,8 @@ COLUMNS = ("weight GEMMs", "weight copies", "paged attention", "K/V writes", "no
 
 def breakdown(step, hlo_text: str, params, repeats: int, wall_s: float) -> dict[str, float]:
     """Milliseconds per step by category (plus "host gaps" and "wall") of ``step()`` (which
-    must block until the step is done), traced over ``repeats`` calls."""
+    must block until the step is done), traced over ``repeats`` calls. ``params``: the
+    per-layer bf16 params (for the weight-copy category), or None."""
     cats = hlo_categories(hlo_text, params)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -80,6 +91,15 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _print_rows(rows: list[dict]) -> None:
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['path']} | {r['batch']} | ERROR {r['error'][:120]} | | | | |")
+        else:
+            print(f"| {r['path']} | {r['batch']} | {r['ms']:.2f} | {r['kv_gib']:.2f} | "
+                  f"{r['tbps']:.2f} | {r['roofline_ms']:.2f} | {r['fraction_of_roofline']:.2f} |")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m benchmarks.bench_decode_step``."""
     ap = argparse.ArgumentParser(
@@ -95,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "buffers, which copies every layer's weights each step)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-category breakdown "
                     "of the paged step (before/after) from a jax.profiler trace")
+    ap.add_argument("--quantize", choices=sorted(fp8_weights.QUANTIZE_CHOICES),
+                    help="the layers' linear weights in FP8 (fp8: per-channel scales, "
+                    "fp8-tensor: per tensor), as serve.py --quantize")
+    ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                    help="the K/V pools' dtype (auto: the model's; fp8: float8_e4m3fn, unit "
+                    "scales)")
     ap.add_argument("--json", help="write the rows here")
     return ap
 
@@ -107,16 +133,31 @@ def main() -> int:
         return 2
     c, P = config, args.page_size
     L, Hkv, Dh = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-    itemsize = jnp.dtype(c.jnp_dtype).itemsize
+    kv_dtype = jnp.float8_e4m3fn if args.kv_dtype == "fp8" else c.jnp_dtype
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    fp8 = args.quantize is not None or args.kv_dtype == "fp8"
     params = llama.init_params(c, on_device=jax.default_backend() != "cpu")
+    if args.quantize:
+        params = fp8_weights.quantize_on_device(params, fp8_weights.QUANTIZE_CHOICES[args.quantize])
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    copy_bps = copy_bandwidth()["bytes_per_s"]
     rng = np.random.default_rng(0)
     rows = []
     breakdowns: list[dict] = []
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, weights "
-          f"{weight_bytes / 2**30:.2f} GiB, context {args.context}, page {P}")
-    print("| path | batch | ms / step | K/V GiB read | min bytes / t (TB/s) |")
-    print("|---|---:|---:|---:|---:|")
+          f"{weight_bytes / 2**30:.2f} GiB ({args.quantize or c.dtype}), K/V "
+          f"{jnp.dtype(kv_dtype).name}, context {args.context}, page {P}, copy bandwidth "
+          f"{copy_bps / 1e12:.2f} TB/s")
+    print("| path | batch | ms / step | K/V GiB read | min bytes / t (TB/s) | roofline ms "
+          "| fraction of roofline |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+
+    def timed(path: str, B: int, t: float, kv_bytes: int) -> dict:
+        ideal = (weight_bytes + kv_bytes) / copy_bps
+        return {"path": path, "batch": B, "ms": t * 1e3, "kv_gib": kv_bytes / 2**30,
+                "tbps": (weight_bytes + kv_bytes) / t / 1e12, "roofline_ms": ideal * 1e3,
+                "fraction_of_roofline": ideal / t}
+
     for B in args.batch:
         ctx = args.context
         kv_bytes = 2 * L * B * ctx * Hkv * Dh * itemsize
@@ -128,7 +169,7 @@ def main() -> int:
         table = (1 + rng.permutation(B * per_seq)).reshape(B, per_seq).astype(np.int32)
         slots = table[:, (ctx - 1) // P] * P + (ctx - 1) % P
         shape = (L, num_pages, P, Hkv, Dh)
-        state = {"k": jnp.zeros(shape, c.jnp_dtype), "v": jnp.zeros(shape, c.jnp_dtype)}
+        state = {"k": jnp.zeros(shape, kv_dtype), "v": jnp.zeros(shape, kv_dtype)}
         args_paged = (tokens, positions, jnp.asarray(slots, jnp.int32), jnp.asarray(table),
                       jnp.full((B,), ctx, jnp.int32))
 
@@ -138,9 +179,15 @@ def main() -> int:
             logits.block_until_ready()
 
         t = _time(paged_step, args.repeats)
-        rows.append({"path": "paged", "batch": B, "ms": t * 1e3, "kv_gib": kv_bytes / 2**30,
-                     "tbps": (weight_bytes + kv_bytes) / t / 1e12})
-        if args.scan or not args.no_profile:   # before: the stacked layers under lax.scan
+        rows.append(timed("paged", B, t, kv_bytes))
+        if fp8 and not args.no_profile:
+            hlo = llama.decode_step.lower(params, state["k"], state["v"], *args_paged,
+                                          config=c).compile().as_text()
+            breakdowns.append({"step": f"per-layer buffers, {args.quantize or c.dtype} weights, "
+                               f"{jnp.dtype(kv_dtype).name} K/V", "batch": B,
+                               "weight_copy_ops": 0,
+                               **breakdown(paged_step, hlo, None, args.repeats, t)})
+        if not fp8 and (args.scan or not args.no_profile):   # before: stacked layers, scan
             stacked = llama.stack_layers(params)
 
             def scan_step():
@@ -149,9 +196,7 @@ def main() -> int:
                 logits.block_until_ready()
 
             t_scan = _time(scan_step, args.repeats)
-            rows.append({"path": "paged, stacked layers (scan)", "batch": B,
-                         "ms": t_scan * 1e3, "kv_gib": kv_bytes / 2**30,
-                         "tbps": (weight_bytes + kv_bytes) / t_scan / 1e12})
+            rows.append(timed("paged, stacked layers (scan)", B, t_scan, kv_bytes))
             if not args.no_profile:
                 for label, p, fn, wall in (("before: stacked layers, scan", stacked, scan_step,
                                             t_scan),
@@ -164,6 +209,9 @@ def main() -> int:
                                        **row})
             del stacked
         del state["k"], state["v"]
+        if fp8:   # the dense harness is bf16 only
+            _print_rows([r for r in rows if r["batch"] == B])
+            continue
         dk, dv = dense.make_dense_caches(c, B, ctx + 128)
         dstate = {"k": dk, "v": dv}
         del dk, dv
@@ -174,18 +222,11 @@ def main() -> int:
             logits.block_until_ready()
 
         try:
-            t = _time(dense_step, args.repeats)
-            rows.append({"path": "dense", "batch": B, "ms": t * 1e3, "kv_gib": kv_bytes / 2**30,
-                         "tbps": (weight_bytes + kv_bytes) / t / 1e12})
+            rows.append(timed("dense", B, _time(dense_step, args.repeats), kv_bytes))
         except Exception as e:  # noqa: BLE001  (e.g. out of memory: report, go on)
             rows.append({"path": "dense", "batch": B, "error": f"{type(e).__name__}: {e}"[:300]})
         dstate.clear()
-        for r in [r for r in rows if r["batch"] == B]:
-            if "error" in r:
-                print(f"| {r['path']} | {B} | ERROR {r['error'][:120]} | | |")
-            else:
-                print(f"| {r['path']} | {B} | {r['ms']:.2f} | {r['kv_gib']:.2f} | "
-                      f"{r['tbps']:.2f} |")
+        _print_rows([r for r in rows if r["batch"] == B])
     if breakdowns:
         print()
         print("Where the paged step's time goes (ms per step; jax.profiler trace, "
@@ -199,7 +240,9 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-                       "context": args.context, "weight_bytes": weight_bytes, "rows": rows,
+                       "context": args.context, "weight_bytes": weight_bytes,
+                       "quantize": args.quantize, "kv_dtype": jnp.dtype(kv_dtype).name,
+                       "copy_bytes_per_s": copy_bps, "rows": rows,
                        "breakdown": breakdowns}, f, indent=1)
     return 1 if any("error" in r for r in rows) else 0
 
