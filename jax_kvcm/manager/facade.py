@@ -411,8 +411,9 @@ class KVCacheManager:
     def stats(self) -> dict[str, Any]:
         """Counters, and ``pages[level]``: ``capacity == free + pending + referenced + cached``
         summed over the level's pools (``pages_per_pool[level]``: one dict per pool, with its
-        ``layer_groups``); ``arena``: the arena's counters (map/unmap calls, physical bytes,
-        adoptions, ...) when there is one."""
+        ``layer_groups``; ``referenced`` is what the identity leaves, so a call costs O(pools),
+        not O(pages): ``check_invariants`` counts it page by page); ``arena``: the arena's
+        counters (map/unmap calls, physical bytes, adoptions, ...) when there is one."""
         with self._lock:
             out = dataclasses.asdict(self._stats)
             if self._rows.win:
@@ -421,7 +422,7 @@ class KVCacheManager:
             out["num_suspended_now"] = len(self._rows.seqs) - out["num_active"]
             out["num_committed_now"] = len(self.tree)
             out["disk_degraded"] = self._planner.disk_degraded
-            per_pool = {lv.name.lower(): self._check.page_counts(lv)
+            per_pool = {lv.name.lower(): self._check.page_counts(lv, census=False)
                         for lv in self._planner.levels}
             out["pages"] = {lv: {k: sum(c[k] for c in pools) for k in COUNT_KEYS}
                             for lv, pools in per_pool.items()}

@@ -36,21 +36,14 @@ class Invariants:
         self._planner = planner
         self._offloads = offloads
 
-    def page_counts(self, level: CacheLevel) -> list[dict[str, Any]]:
+    def page_counts(self, level: CacheLevel, *, census: bool = True) -> list[dict[str, Any]]:
         """One dict per pool at ``level``: ``capacity``, ``free``, ``pending``, ``referenced``,
-        ``cached`` pages and its ``layer_groups``."""
+        ``cached`` pages and its ``layer_groups``. ``census``: ``referenced`` counted page by
+        page over every node and sequence (O(pages): 12 ms at 26k pages, what :meth:`check`
+        verifies the identity with); False: derived from the identity ``capacity - free -
+        pending - cached`` (O(pools): what ``stats()`` reports while serving)."""
         rows, G = self._rows, self._rows.num_groups
-        referenced = np.zeros(G, np.int64)
-        for n in self._tree.nodes.values():
-            if n.level is level and n.refcount > 0:
-                referenced += n.slots >= 0
-        for s in rows.seqs.values():
-            if level is D and s.state is SequenceState.ACTIVE:
-                r = s._row
-                referenced += np.count_nonzero(
-                    rows.row_pages(r, len(s._nodes), rows.num_pages(r)), axis=1)
-            elif s._parked is not None and s._parked[0] is level:
-                referenced += np.count_nonzero(s._parked[1] >= 0, axis=1)
+        referenced = self._referenced(level) if census else np.zeros(G, np.int64)
         cached = self._tree.cached_pages(level)
         if level is D and rows.win:  # window pages of referenced nodes that no window needs
             unneeded = rows.win.num_unneeded()
@@ -68,10 +61,30 @@ class Invariants:
             else:
                 alloc = self._storage.allocator(level, g0)
                 capacity, free = alloc.num_slots, alloc.num_free
-            out.append(dict(capacity=capacity, free=free, pending=int(pending[groups].sum()),
-                            referenced=int(referenced[groups].sum()),
-                            cached=int(cached[groups].sum()), layer_groups=groups.tolist()))
+            c = dict(capacity=capacity, free=free, pending=int(pending[groups].sum()),
+                     referenced=int(referenced[groups].sum()),
+                     cached=int(cached[groups].sum()), layer_groups=groups.tolist())
+            if not census:
+                c["referenced"] = capacity - free - c["pending"] - c["cached"]
+            out.append(c)
         return out
+
+    def _referenced(self, level: CacheLevel) -> np.ndarray:
+        """Pages per layer group at ``level`` that a node with references or a sequence
+        (active rows, parked suspended ones) holds, counted one by one."""
+        rows = self._rows
+        referenced = np.zeros(rows.num_groups, np.int64)
+        for n in self._tree.nodes.values():
+            if n.level is level and n.refcount > 0:
+                referenced += n.slots >= 0
+        for s in rows.seqs.values():
+            if level is D and s.state is SequenceState.ACTIVE:
+                r = s._row
+                referenced += np.count_nonzero(
+                    rows.row_pages(r, len(s._nodes), rows.num_pages(r)), axis=1)
+            elif s._parked is not None and s._parked[0] is level:
+                referenced += np.count_nonzero(s._parked[1] >= 0, axis=1)
+        return referenced
 
     def check(self) -> None:
         """Raises AssertionError when the bookkeeping is inconsistent."""

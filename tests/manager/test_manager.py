@@ -165,6 +165,10 @@ class Harness:
     def check(self) -> None:
         self.mgr.check_invariants()
         self.check_values()
+        # stats() derives "referenced" from the identity (O(pools)); the census counts it
+        census = {lv.name.lower(): self.mgr._check.page_counts(lv)
+                  for lv in self.mgr._planner.levels}
+        assert self.mgr.stats()["pages_per_pool"] == census
 
 
 def read_tokens(mgr: KVCacheManager, g: int, slots: np.ndarray) -> tuple[np.ndarray, ...]:
