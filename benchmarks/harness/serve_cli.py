@@ -110,8 +110,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "arena: CUDA VMM on a GPU, memfd on CPU)")
     p.add_argument("--arena-step-calls", action="store_true",
                    help="with --hot-backend arena: read the arena's map / create calls after "
-                        "every step and split its decode step times by them (a diagnostic: "
-                        "the reads, outside the clock, delay the next dispatch)")
+                        "every step (stats(), in the clock) and split its decode step times by "
+                        "them (a diagnostic)")
     p.add_argument("--ab-rounds", type=int, default=1, metavar="N",
                    help="with --hot-backend: run paged and each other backend N times, "
                         "interleaved (paged, arena, paged, arena, ...), and report the median "

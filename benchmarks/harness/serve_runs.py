@@ -156,22 +156,23 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         if decode_flags[-1]:
             decode_ms.append(dt * 1e3)
         steps += 1
-        if step_calls:   # outside the clock
-            ts = time.perf_counter()
+        # NOTE: these reads are inside the clock and the same for both backends. Outside it,
+        # the device ran the dispatched step during them for free: with a 12.5 ms stats()
+        # (before 0560e35) every 4th arena step hid its device time, which inflated the arena's
+        # tokens/s and its ITL p90 in every A/B before 2026-12-06 (7th session).
+        if step_calls:
             a = mgr.stats()["arena"]
             calls_after.append((a["num_map_calls"], a["num_create_calls"]))
-            paused += time.perf_counter() - ts
-        if steps % 4 == 1:   # outside the clock
-            ts = time.perf_counter()
+        if steps % 4 == 1:
             peak_pages = max(peak_pages, pool - mgr.num_obtainable_pages())   # referenced
             peak_active = max(peak_active, server.num_running)
             progress(server.counters["generated_tokens"])
+            st = mgr.stats()
             if arena:
-                a = mgr.stats()["arena"]
+                a = st["arena"]
                 arena_peak = max(arena_peak, a["mapped_chunks"] * a["chunk_bytes"])
                 if arena_half is None and server.counters["generated_tokens"] * 2 >= total:
                     arena_half = a
-            paused += time.perf_counter() - ts
     seconds = time.perf_counter() - t0 - paused
     compiles = (n_compiles, COMPILES["n"])
     if window is not None:

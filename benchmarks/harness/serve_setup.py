@@ -101,8 +101,8 @@ class Setup:
     # runs without write-back ahead, which the arena refuses).
     hot_backends: tuple[str, ...] = ("paged",)
     ab_rounds: int = 1                   # paged / other backend runs, interleaved, per row
-    # --arena-step-calls: the arena's native calls read after every step (outside the clock),
-    # its decode step times split by them; a diagnostic: the reads delay the next dispatch.
+    # --arena-step-calls: the arena's native calls read after every step (stats(), inside the
+    # clock), its decode step times split by them; a diagnostic.
     arena_step_calls: bool = False
     pool_pages_override: int | None = None  # --pool-pages
     # --request-rate: the paged runs' requests arrive as a Poisson process of this many per

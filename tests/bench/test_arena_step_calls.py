@@ -5,6 +5,7 @@ shared-prefix run on the CPU arena."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import jax_kvcm  # noqa: F401  (the installed package before the repo root goes on sys.path)
@@ -42,3 +43,26 @@ def test_arena_step_calls_flag_on_the_tiny_run():
         s = r["arena_step_calls"]
         assert s["with_calls"]["steps"] + s["without_calls"]["steps"] == r["decode_steps"]
         assert s["with_calls"]["steps"] >= 1 or r["arena_map_calls"] == 0
+
+
+def test_reads_between_steps_count_in_the_runs_clock(monkeypatch):
+    """The loop's stats() reads between steps are inside the run's clock, for both backends:
+    outside it, the device ran the dispatched step during a read for free (a 12.5 ms stats()
+    every 4th step inflated the arena's tokens/s). A slowed stats() must show in ``seconds``."""
+    from jax_kvcm import KVCacheManager
+
+    real, delay, calls = KVCacheManager.stats, 0.02, {"n": 0}
+
+    def slow_stats(self):
+        calls["n"] += 1
+        time.sleep(delay)
+        return real(self)
+
+    monkeypatch.setattr(KVCacheManager, "stats", slow_stats)
+    out = bench.main(["--workload", "trtllm", "--tiny", "--no-check", "--no-dense",
+                      "--no-random", "--hot-backend", "paged", "arena"])
+    runs = [r for r in out["results"] if r.get("hot_backend") in ("paged", "arena")]
+    assert {r["hot_backend"] for r in runs} == {"paged", "arena"} and calls["n"] > 0
+    for r in runs:
+        reads = (r["steps"] + 3) // 4     # one read every 4th step
+        assert r["seconds"] >= reads * delay, (r["hot_backend"], r["seconds"], reads)
