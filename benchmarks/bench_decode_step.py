@@ -51,8 +51,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.harness import dense_llama as dense  # noqa: E402
-from benchmarks.harness.device_profile import (attribute, hlo_categories, load_trace,  # noqa: E402
-                                               weight_copy_ops)
+from benchmarks.harness.device_profile import (attribute, gemm_census,  # noqa: E402
+                                               hlo_categories, load_trace, weight_copy_ops)
 from benchmarks.harness.serve_report import copy_bandwidth  # noqa: E402
 from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
 from examples.llama import fp8_weights  # noqa: E402
@@ -185,8 +185,10 @@ def main() -> int:
                                           config=c).compile().as_text()
             breakdowns.append({"step": f"per-layer buffers, {args.quantize or c.dtype} weights, "
                                f"{jnp.dtype(kv_dtype).name} K/V", "batch": B,
-                               "weight_copy_ops": 0,
+                               "weight_copy_ops": 0, "gemms": gemm_census(hlo),
                                **breakdown(paged_step, hlo, None, args.repeats, t)})
+            print(f"GEMMs of the compiled step at batch {B} ({4 * L} linear + the LM head): "
+                  + ", ".join(f"{k} {v}" for k, v in breakdowns[-1]["gemms"].items()))
         if not fp8 and (args.scan or not args.no_profile):   # before: stacked layers, scan
             stacked = llama.stack_layers(params)
 

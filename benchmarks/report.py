@@ -77,6 +77,18 @@ def _span(xs: list[float], fmt: str = "{:.2f}") -> str:
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
+def _card(d: dict) -> str:
+    """H100 / H200 (or the machine as recorded) of a result."""
+    m = d.get("machine", "")
+    return next((c for c in ("H200", "H100") if c in m), m)
+
+
+def _biased(d: dict) -> str:
+    """A note for a result whose notes carry a correction that invalidates it."""
+    return (" - BIASED, not valid: see the file's correction"
+            if "CORRECTION" in d.get("notes", "") else "")
+
+
 def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     """The current figures, one line each: ``(what, value, result file)``."""
     lines = []
@@ -122,12 +134,12 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
         "arena_over_paged_tok_s", a["output_tokens_per_s"] / p["output_tokens_per_s"])
     card = " (H100)" if "H100" in results[n]["machine"] else ""
     lines.append((f"Arena / paged, c256 shared-prefix workload in equal pages{card}, tok/s, "
-                  "median of the rounds (host ms per decode step, p50)",
+                  "median of the rounds (host ms per decode step, p50)" + _biased(results[n]),
                   f"{ratio:.2f}x ({a['decode_host_p50_ms']} / {p['decode_host_p50_ms']})", n))
     n = max(k for k in results if "arena_vs_paged_c64" in k)
     c = results[n]["summary"]
     lines.append(("Arena / paged, c64 shared-prefix workload, 4 waves of requests (adoption) "
-                  "(H100), tok/s (steady-state map / unmap calls)",
+                  "(H100), tok/s (steady-state map / unmap calls)" + _biased(results[n]),
                   f"{c['arena_over_paged_tok_s']:.2f}x ({c['steady_map_calls'][0]} / "
                   f"{c['steady_unmap_calls'][0]})", n))
     n, d = _latest(results, "speculate")
@@ -146,14 +158,15 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
                   f"{results[n]['summary']['cascade_over_plain_tok_s']:.3f}x", n))
     n, d = _latest(results, "serve_cascade_fp8")
     c = d["summary"]
-    lines.append(("Serving with cascade / without, seed workload c128, 384 requests, FP8 weights "
-                  "and K/V, deferred admission (H100): tok/s (prefix hits, K/V reads saved)",
-                  f"{c['cascade_over_plain_tok_s']:.3f}x ({c['prefix_hit_rate']:.0%}, "
-                  f"{c['kv_reads_saved']:.0%})", n))
+    lines.append((f"Serving with cascade / without, seed workload {c['setting']}, FP8 weights "
+                  f"and K/V, deferred admission ({_card(d)}): tok/s (plain tok/s, prefix hits, "
+                  "K/V reads saved)",
+                  f"{c['cascade_over_plain_tok_s']:.3f}x ({c['plain_tokens_per_s']:,}, "
+                  f"{c['prefix_hit_rate']:.0%}, {c['kv_reads_saved']:.0%})", n))
     n, d = _latest(results, "serve_trtllm_bench_fp8")
     c = d["summary"]
     lines.append(("trtllm-bench protocol (1,000/1,000; quick: 1,000 requests), FP8 weights and "
-                  f"K/V at the largest concurrency (c{c['concurrency']}), H100",
+                  f"K/V at the largest concurrency (c{c['concurrency']}), {_card(d)}",
                   f"{c['output_tokens_per_s']:,} output tok/s (TensorRT-LLM on one H200: "
                   f"{c['tensorrt_llm_h200_published']:,})", n))
     n, d = _latest(results, "serve_defer")
@@ -183,8 +196,9 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
                   " / ".join(f"{x:,}" for x in q), n))
     n, d = _latest(results, "arena_map_under_load")
     c = d["summary"]
-    lines.append(("Arena map / unmap calls under a running program (H100, 2 MiB super-pages, up "
-                  "to 64 calls): the program's slow-down, the gap before the next",
+    lines.append((f"Arena map / unmap / create / release calls under a running program "
+                  f"({_card(d)}, 2 MiB super-pages, up to 64 calls): the program's slow-down, "
+                  "the gap before the next",
                   f"{c['max_program_slowdown_ms']:+.2f} / {c['max_next_gap_ms']:+.2f} ms "
                   "(no stall)", n))
     n, d = _latest(results, "migration")

@@ -83,6 +83,29 @@ def weight_copy_ops(hlo_text: str, params) -> list[str]:
     return found
 
 
+def gemm_census(hlo_text: str) -> dict[str, int]:
+    """How an optimized HLO module's GEMMs run: ``cublaslt_fp8`` (``__cublas$lt$matmul$f8``,
+    FP8 tensor cores), ``cublas`` (any other cuBLAS / cuBLASLt call), ``triton`` (a Triton GEMM
+    fusion), ``dot`` (a plain dot left to the backend: the CPU's)."""
+    out = {"cublaslt_fp8": 0, "cublas": 0, "triton": 0, "dot": 0}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        op = m.group(2)
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        target = target.group(1) if target else ""
+        if target == "__cublas$lt$matmul$f8":
+            out["cublaslt_fp8"] += 1
+        elif "cublas" in target:
+            out["cublas"] += 1
+        elif op == "fusion" and "__triton_gemm" in line:
+            out["triton"] += 1
+        elif op == "dot":
+            out["dot"] += 1
+    return out
+
+
 def _is_gemm_line(line: str, op: str) -> bool:
     target = re.search(r'custom_call_target="([^"]+)"', line)
     target = target.group(1).lower() if target else ""

@@ -143,6 +143,10 @@ def format_loop(name: str, s: dict[str, Any]) -> str:
         lines.append(f"| {p} | {k['steps']} | {k['decode']} | {k['mixed']} | {k['prefill']} | "
                      f"{k['rows_mean']:.0f} | {k['step_ms_mean']:.2f} | {k['seconds']:.2f} | "
                      f"{k['share']:.1%} |")
+    if s["steps_seconds"] > 1.05 * s["run_seconds"] + 0.5:
+        lines.append(f"WARNING: the steps span {s['steps_seconds'] - s['run_seconds']:.2f} s more "
+                     "than the run's clock: the device ran steps in time left out of it, so this "
+                     "run's tokens/s is overstated")
     return "\n".join(lines)
 
 

@@ -276,6 +276,9 @@ def test_phases_and_loop_stats_of_made_up_records():
     assert s["kinds"]["mixed"]["steps"] == 1 and "steady" not in s["phases"]
     assert "| decode | 2 |" in loop_profile.format_loop("x", s)
     assert s["full_decode"] == {}
+    # steps spanning more than the run's clock: time left out of it ran steps
+    assert "WARNING" not in loop_profile.format_loop("x", loop_profile.loop_stats(recs, 4, 10.0))
+    assert "overstated" in loop_profile.format_loop("x", loop_profile.loop_stats(recs, 4, 4.0))
 
 
 def test_roofline_compares_with_the_full_batch_decode_steps():
@@ -831,3 +834,19 @@ def test_cascade_run_tiny(trtllm_tiny):
     plain = trtllm_tiny["results"][0]
     assert not plain["cascade"] and plain["cascade_tokens_saved"] == 0
     assert r["generated_digests"] == plain["generated_digests"]
+
+
+def test_gemm_census_tells_fp8_cublaslt_from_other_gemms():
+    """bench_decode_step's GEMM census of a compiled step: cuBLASLt FP8 calls, other cuBLAS
+    calls, Triton GEMM fusions, plain dots (hand-written instruction lines)."""
+    hlo = "\n".join([
+        '  %a = (bf16[8,64]{1,0}, s8[0]{0}) custom-call(%x, %w), '
+        'custom_call_target="__cublas$lt$matmul$f8"',
+        '  %b = (bf16[8,64]{1,0}, s8[0]{0}) custom-call(%x, %w), '
+        'custom_call_target="__cublas$lt$matmul$f8"',
+        '  %c = (f32[8,64]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm"',
+        '  %d = bf16[8,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%f, '
+        'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+        '  %e = f32[8,64]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}',
+        '  %g = bf16[8,64]{1,0} fusion(%x), kind=kLoop, calls=%h'])
+    assert _profile.gemm_census(hlo) == {"cublaslt_fp8": 2, "cublas": 1, "triton": 1, "dot": 1}
