@@ -83,6 +83,18 @@ def weight_copy_ops(hlo_text: str, params) -> list[str]:
     return found
 
 
+def instruction_shapes(hlo_text: str) -> dict[str, str]:
+    """Instruction name (with ``.`` as ``_``, as GPU kernels are named) -> ``"<result> <op>"``
+    (e.g. ``"f8e4m3fn[858,4096]{1,0} fusion"``) for every instruction of an HLO module. XLA
+    reuses one kernel for identical fusions, so a kernel's time can cover several of them."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.-]+) = (\S+) ([\w-]+)\(", line)
+        if m:
+            out[m.group(1).replace(".", "_")] = f"{m.group(2)} {m.group(3)}"
+    return out
+
+
 def gemm_census(hlo_text: str) -> dict[str, int]:
     """How an optimized HLO module's GEMMs run: ``cublaslt_fp8`` (``__cublas$lt$matmul$f8``,
     FP8 tensor cores), ``cublas`` (any other cuBLAS / cuBLASLt call), ``triton`` (a Triton GEMM

@@ -303,7 +303,8 @@ def profile_dir(root: str, run_name: str) -> str:
 def step_breakdown(window: ProfileWindow, records: Sequence[Any], capture: ProgramCapture,
                    params: Any) -> dict[str, Any]:
     """Device milliseconds per step kind and category over the traced window (see the module
-    doc), plus ``other_top``: the largest ops in "norms/RoPE/other" (names, ms per step)."""
+    doc), plus ``other_top``: the largest ops in "norms/RoPE/other" (name, ms per step, the
+    HLO instruction's result and op where the name matches one)."""
     trace = device_profile.load_trace(window.out_dir)
     by_index = {r.index: r for r in records}
     recs = [by_index[i] for i in window.indices if i in by_index]
@@ -363,7 +364,11 @@ def step_breakdown(window: ProfileWindow, records: Sequence[Any], capture: Progr
         row["total"] = sum(row.values())
         out["kinds"][kind] = {"steps": k, "ms_per_step": row}
     total_steps = max(1, counts["all"])
-    out["other_top"] = [(name, us / 1e3 / total_steps) for name, us in unknown.most_common(5)]
+    shapes = {}
+    for key in capture.args:
+        shapes.update(device_profile.instruction_shapes(capture.hlo(key)))
+    out["other_top"] = [(name, us / 1e3 / total_steps, shapes.get(name.replace(".", "_"), ""))
+                        for name, us in unknown.most_common(5)]
     return out
 
 
@@ -383,9 +388,11 @@ def format_breakdown(name: str, b: dict[str, Any]) -> str:
         lines.append(f"| {kind} | {k['steps']} | "
                      + " | ".join(f"{k['ms_per_step'][c]:.3f}" for c in BREAKDOWN_COLUMNS) + " |")
     if b["other_top"]:
-        lines.append("largest ops in norms/RoPE/other (ms per step): "
-                     + ", ".join(f"{n} {ms:.3f}" for n, ms in b["other_top"]))
-        if any("command" in n.lower() for n, _ in b["other_top"]):
+        lines.append("largest ops in norms/RoPE/other (ms per step; the HLO instruction's "
+                     "result where the name matches one): "
+                     + ", ".join(f"{n} {ms:.3f}" + (f" ({shape})" if shape else "")
+                                 for n, ms, shape in b["other_top"]))
+        if any("command" in n.lower() for n, _, _ in b["other_top"]):
             lines.append("(XLA ran ops as CUDA graphs, whose kernels the trace does not name: "
                          "XLA_FLAGS=--xla_gpu_enable_command_buffer= shows them op by op)")
     return "\n".join(lines)

@@ -850,3 +850,10 @@ def test_gemm_census_tells_fp8_cublaslt_from_other_gemms():
         '  %e = f32[8,64]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}',
         '  %g = bf16[8,64]{1,0} fusion(%x), kind=kLoop, calls=%h'])
     assert _profile.gemm_census(hlo) == {"cublaslt_fp8": 2, "cublas": 1, "triton": 1, "dot": 1}
+
+
+def test_instruction_shapes_name_kernels_as_the_gpu_does():
+    hlo = ('  %loop_convert_fusion.31 = f8e4m3fn[858,4096]{1,0} fusion(%x), kind=kLoop\n'
+           '  ROOT %tuple = (f32[2]{0}) tuple(%y)')
+    assert _profile.instruction_shapes(hlo) == {
+        "loop_convert_fusion_31": "f8e4m3fn[858,4096]{1,0} fusion", "tuple": "(f32[2]{0}) tuple"}

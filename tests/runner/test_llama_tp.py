@@ -144,7 +144,7 @@ def _check_tp_sweep(res: dict, tps: list[int]) -> None:
         for kind in ("decode", "mixed"):
             coll = p["kinds"][kind]["ms_per_step"]["collectives"]
             assert (coll > 0) == (n > 1), (n, kind, p["kinds"][kind])
-        left = " ".join(name for name, _ in p["other_top"]).lower()
+        left = " ".join(name for name, _, _ in p["other_top"]).lower()
         assert not any(k in left for k in ("psum", "all_gather", "all-reduce", "nccl")), left
         if n > 1 and not p["on_device"]:
             # CPU: shard 0's steps alone, each with the step's 2 L psums and one all-gather
