@@ -22,7 +22,8 @@ fraction of the roofline divides the same bytes by the measured copy bandwidth
 ``--quantize fp8`` / ``fp8-tensor`` (FP8 weights, ``fp8_weights.quantize_on_device``) and
 ``--kv-dtype fp8`` (``float8_e4m3fn`` pools, unit scales) time the serving runs' FP8 step; the
 stacked-layer and dense paths (bf16 only) are skipped then, and the breakdown is the per-layer
-step's alone.
+step's alone, with its GEMM census (cuBLASLt FP8 calls, other cuBLAS calls, Triton fusions).
+``--xla-option KEY=VALUE`` times the paged step a second time, compiled with those XLA options.
 
 **Breakdown** (unless ``--no-profile``): for each batch, the paged step before (the layers' weights
 stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight buffers, fused QKV
@@ -91,6 +92,17 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _xla_option(text: str) -> tuple[str, bool | int | str]:
+    """``"KEY=VALUE"`` -> ``(KEY, VALUE)`` with true/false as bools and digits as ints."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--xla-option {text!r}: expected KEY=VALUE")
+    low = value.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    return key, int(value) if value.lstrip("-").isdigit() else value
+
+
 def _print_rows(rows: list[dict]) -> None:
     for r in rows:
         if "error" in r:
@@ -121,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                     help="the K/V pools' dtype (auto: the model's; fp8: float8_e4m3fn, unit "
                     "scales)")
+    ap.add_argument("--xla-option", action="append", metavar="KEY=VALUE",
+                    help="also time the paged step compiled with this XLA option (repeatable; "
+                    "e.g. xla_gpu_enable_triton_gemm=false: every GEMM to cuBLAS), side by side "
+                    "in the same process")
     ap.add_argument("--json", help="write the rows here")
     return ap
 
@@ -158,6 +174,13 @@ def main() -> int:
                 "tbps": (weight_bytes + kv_bytes) / t / 1e12, "roofline_ms": ideal * 1e3,
                 "fraction_of_roofline": ideal / t}
 
+    # --xla-option: the same step compiled again with these XLA options, timed beside it
+    variants = [("paged", llama.decode_step)]
+    if args.xla_option:
+        opts = dict(_xla_option(o) for o in args.xla_option)
+        variants.append(("paged, " + " ".join(args.xla_option), jax.jit(
+            llama.decode_step.__wrapped__, static_argnames=("config", "rings"),
+            donate_argnames=("k_cache", "v_cache"), compiler_options=opts)))
     for B in args.batch:
         ctx = args.context
         kv_bytes = 2 * L * B * ctx * Hkv * Dh * itemsize
@@ -173,22 +196,23 @@ def main() -> int:
         args_paged = (tokens, positions, jnp.asarray(slots, jnp.int32), jnp.asarray(table),
                       jnp.full((B,), ctx, jnp.int32))
 
-        def paged_step():
-            logits, state["k"], state["v"] = llama.decode_step(
-                params, state["k"], state["v"], *args_paged, config=c)
-            logits.block_until_ready()
+        for label, step_fn in variants:
+            def paged_step(step_fn=step_fn):
+                logits, state["k"], state["v"] = step_fn(
+                    params, state["k"], state["v"], *args_paged, config=c)
+                logits.block_until_ready()
 
-        t = _time(paged_step, args.repeats)
-        rows.append(timed("paged", B, t, kv_bytes))
-        if fp8 and not args.no_profile:
-            hlo = llama.decode_step.lower(params, state["k"], state["v"], *args_paged,
-                                          config=c).compile().as_text()
-            breakdowns.append({"step": f"per-layer buffers, {args.quantize or c.dtype} weights, "
-                               f"{jnp.dtype(kv_dtype).name} K/V", "batch": B,
-                               "weight_copy_ops": 0, "gemms": gemm_census(hlo),
-                               **breakdown(paged_step, hlo, None, args.repeats, t)})
-            print(f"GEMMs of the compiled step at batch {B} ({4 * L} linear + the LM head): "
-                  + ", ".join(f"{k} {v}" for k, v in breakdowns[-1]["gemms"].items()))
+            t = _time(paged_step, args.repeats)
+            rows.append(timed(label, B, t, kv_bytes))
+            if fp8 and not args.no_profile:
+                hlo = step_fn.lower(params, state["k"], state["v"], *args_paged,
+                                    config=c).compile().as_text()
+                breakdowns.append({"step": f"{label}: {args.quantize or c.dtype} weights, "
+                                   f"{jnp.dtype(kv_dtype).name} K/V", "batch": B,
+                                   "weight_copy_ops": 0, "gemms": gemm_census(hlo),
+                                   **breakdown(paged_step, hlo, None, args.repeats, t)})
+                print(f"GEMMs of {label} at batch {B} ({4 * L} linear + the LM head): "
+                      + ", ".join(f"{k} {v}" for k, v in breakdowns[-1]["gemms"].items()))
         if not fp8 and (args.scan or not args.no_profile):   # before: stacked layers, scan
             stacked = llama.stack_layers(params)
 

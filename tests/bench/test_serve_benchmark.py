@@ -857,3 +857,12 @@ def test_instruction_shapes_name_kernels_as_the_gpu_does():
            '  ROOT %tuple = (f32[2]{0}) tuple(%y)')
     assert _profile.instruction_shapes(hlo) == {
         "loop_convert_fusion_31": "f8e4m3fn[858,4096]{1,0} fusion", "tuple": "(f32[2]{0}) tuple"}
+
+
+def test_decode_step_xla_option_parsing():
+    from benchmarks.bench_decode_step import _xla_option
+    assert _xla_option("xla_gpu_enable_triton_gemm=false") == ("xla_gpu_enable_triton_gemm", False)
+    assert _xla_option("xla_gpu_autotune_level=0") == ("xla_gpu_autotune_level", 0)
+    assert _xla_option("k=abc") == ("k", "abc")
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _xla_option("no_value")
