@@ -159,7 +159,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         # NOTE: these reads are inside the clock and the same for both backends. Outside it,
         # the device ran the dispatched step during them for free: with a 12.5 ms stats()
         # (before 0560e35) every 4th arena step hid its device time, which inflated the arena's
-        # tokens/s and its ITL p90 in every A/B before 2026-12-06 (7th session).
+        # tokens/s and its ITL p90 in the arena/paged A/Bs from 0630b4d to bb9f639.
         if step_calls:
             a = mgr.stats()["arena"]
             calls_after.append((a["num_map_calls"], a["num_create_calls"]))
