@@ -132,8 +132,8 @@ def summary(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     a, p = _run(results[n], "arena"), _run(results[n], "paged")
     ratio = results[n].get("summary", {}).get(
         "arena_over_paged_tok_s", a["output_tokens_per_s"] / p["output_tokens_per_s"])
-    card = " (H100)" if "H100" in results[n]["machine"] else ""
-    lines.append((f"Arena / paged, c256 shared-prefix workload in equal pages{card}, tok/s, "
+    lines.append((f"Arena / paged, c256 shared-prefix workload in equal pages "
+                  f"({_card(results[n])}), tok/s, "
                   "median of the rounds (host ms per decode step, p50)" + _biased(results[n]),
                   f"{ratio:.2f}x ({a['decode_host_p50_ms']} / {p['decode_host_p50_ms']})", n))
     n = max(k for k in results if "arena_vs_paged_c64" in k)
