@@ -541,21 +541,7 @@ class Server:
         """The step raised before it was handed back: undo it in the manager, read what the
         previous step produced, then retry, recompute or fail the step's requests."""
         self.counters["failed_steps"] += 1
-        mgr = self.manager
-        if hasattr(mgr, "abort_step"):
-            lost = mgr.abort_step()         # the step undone; lost: pools gone, seqs closed
-        else:
-            # NOTE: without abort_step the step's sequences are closed (nothing of this step is
-            # committed: complete_step skips closed sequences) and recomputed; the pools must
-            # be intact (the step failed before consuming them).
-            caches = mgr.caches
-            if any(a.is_deleted() for kv in caches for a in kv):
-                raise RuntimeError("the failed step consumed the KV pools and this manager has "
-                                   "no abort_step to recover them") from e
-            lost = [r.seq for r, _ in work]
-            for seq in lost:
-                mgr.close(seq)
-            mgr.complete_step(caches)
+        lost = self.manager.abort_step()   # the step undone; lost: pools gone, seqs closed
         lost_ids = {id(s) for s in lost}
         finished = self._drain()
         for r, _ in work:
