@@ -23,7 +23,8 @@ fraction of the roofline divides the same bytes by the measured copy bandwidth
 ``--kv-dtype fp8`` (``float8_e4m3fn`` pools, unit scales) time the serving runs' FP8 step; the
 stacked-layer and dense paths (bf16 only) are skipped then, and the breakdown is the per-layer
 step's alone, with its GEMM census (cuBLASLt FP8 calls, other cuBLAS calls, Triton fusions).
-``--xla-option KEY=VALUE`` times the paged step a second time, compiled with those XLA options.
+``--xla-option KEY=VALUE[,KEY=VALUE...]`` (repeatable) times the paged step once more per
+occurrence, compiled with that occurrence's XLA options.
 
 **Breakdown** (unless ``--no-profile``): for each batch, the paged step before (the layers' weights
 stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight buffers, fused QKV
@@ -103,6 +104,12 @@ def _xla_option(text: str) -> tuple[str, bool | int | str]:
     return key, int(value) if value.lstrip("-").isdigit() else value
 
 
+def _xla_variant(text: str) -> dict[str, bool | int | str]:
+    """One ``--xla-option``: ``"KEY=VALUE[,KEY=VALUE...]"`` -> the compiler options of one
+    variant of the step."""
+    return dict(_xla_option(part) for part in text.split(","))
+
+
 def _print_rows(rows: list[dict]) -> None:
     for r in rows:
         if "error" in r:
@@ -134,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the K/V pools' dtype (auto: the model's; fp8: float8_e4m3fn, unit "
                     "scales)")
     ap.add_argument("--xla-option", action="append", metavar="KEY=VALUE",
-                    help="also time the paged step compiled with this XLA option (repeatable; "
-                    "e.g. xla_gpu_enable_triton_gemm=false: every GEMM to cuBLAS), side by side "
-                    "in the same process")
+                    help="also time the paged step compiled with these XLA options "
+                    "(KEY=VALUE[,KEY=VALUE...]; repeatable: one more variant each; e.g. "
+                    "xla_gpu_enable_triton_gemm=false: every GEMM to cuBLAS), side by side in "
+                    "the same process")
     ap.add_argument("--json", help="write the rows here")
     return ap
 
@@ -174,13 +182,12 @@ def main() -> int:
                 "tbps": (weight_bytes + kv_bytes) / t / 1e12, "roofline_ms": ideal * 1e3,
                 "fraction_of_roofline": ideal / t}
 
-    # --xla-option: the same step compiled again with these XLA options, timed beside it
+    # --xla-option: the step compiled once more per occurrence, with its XLA options
     variants = [("paged", llama.decode_step)]
-    if args.xla_option:
-        opts = dict(_xla_option(o) for o in args.xla_option)
-        variants.append(("paged, " + " ".join(args.xla_option), jax.jit(
+    for text in args.xla_option or ():
+        variants.append((f"paged, {text}", jax.jit(
             llama.decode_step.__wrapped__, static_argnames=("config", "rings"),
-            donate_argnames=("k_cache", "v_cache"), compiler_options=opts)))
+            donate_argnames=("k_cache", "v_cache"), compiler_options=_xla_variant(text))))
     for B in args.batch:
         ctx = args.context
         kv_bytes = 2 * L * B * ctx * Hkv * Dh * itemsize

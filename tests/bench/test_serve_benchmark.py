@@ -860,9 +860,15 @@ def test_instruction_shapes_name_kernels_as_the_gpu_does():
 
 
 def test_decode_step_xla_option_parsing():
-    from benchmarks.bench_decode_step import _xla_option
+    from benchmarks.bench_decode_step import _xla_option, _xla_variant
     assert _xla_option("xla_gpu_enable_triton_gemm=false") == ("xla_gpu_enable_triton_gemm", False)
     assert _xla_option("xla_gpu_autotune_level=0") == ("xla_gpu_autotune_level", 0)
     assert _xla_option("k=abc") == ("k", "abc")
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         _xla_option("no_value")
+    # one --xla-option is one variant: commas join its options
+    assert _xla_variant("xla_gpu_enable_triton_gemm=false,xla_gpu_autotune_level=0") == {
+        "xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+    assert _xla_variant("k=abc") == {"k": "abc"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _xla_variant("a=1,")
