@@ -43,12 +43,13 @@ class Invariants:
         verifies the identity with); False: derived from the identity ``capacity - free -
         pending - cached`` (O(pools): what ``stats()`` reports while serving)."""
         rows, G = self._rows, self._rows.num_groups
-        referenced = self._referenced(level) if census else np.zeros(G, np.int64)
+        referenced = self._referenced(level) if census else None
         cached = self._tree.cached_pages(level)
         if level is D and rows.win:  # window pages of referenced nodes that no window needs
             unneeded = rows.win.num_unneeded()
             cached += unneeded
-            referenced -= unneeded
+            if census:
+                referenced -= unneeded
         pending = self._ledger.num_pending if level is D else np.zeros(G, np.int64)
         pools = self._planner.pool_of(level)
         out = []
@@ -61,12 +62,11 @@ class Invariants:
             else:
                 alloc = self._storage.allocator(level, g0)
                 capacity, free = alloc.num_slots, alloc.num_free
-            c = dict(capacity=capacity, free=free, pending=int(pending[groups].sum()),
-                     referenced=int(referenced[groups].sum()),
-                     cached=int(cached[groups].sum()), layer_groups=groups.tolist())
-            if not census:
-                c["referenced"] = capacity - free - c["pending"] - c["cached"]
-            out.append(c)
+            held, kept = int(pending[groups].sum()), int(cached[groups].sum())
+            used = (int(referenced[groups].sum()) if census
+                    else capacity - free - held - kept)
+            out.append(dict(capacity=capacity, free=free, pending=held, referenced=used,
+                            cached=kept, layer_groups=groups.tolist()))
         return out
 
     def _referenced(self, level: CacheLevel) -> np.ndarray:
