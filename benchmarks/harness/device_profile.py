@@ -105,8 +105,7 @@ def gemm_census(hlo_text: str) -> dict[str, int]:
         if m is None:
             continue
         op = m.group(2)
-        target = re.search(r'custom_call_target="([^"]+)"', line)
-        target = target.group(1) if target else ""
+        target = _call_target(line)
         if target == "__cublas$lt$matmul$f8":
             out["cublaslt_fp8"] += 1
         elif "cublas" in target:
@@ -118,9 +117,14 @@ def gemm_census(hlo_text: str) -> dict[str, int]:
     return out
 
 
+def _call_target(line: str) -> str:
+    """An HLO instruction line's ``custom_call_target`` ("" for other instructions)."""
+    m = re.search(r'custom_call_target="([^"]+)"', line)
+    return m.group(1) if m else ""
+
+
 def _is_gemm_line(line: str, op: str) -> bool:
-    target = re.search(r'custom_call_target="([^"]+)"', line)
-    target = target.group(1).lower() if target else ""
+    target = _call_target(line).lower()
     return (op in ("dot", "convolution") or any(t in target for t in _GEMM_TARGETS)
             or "__triton_gemm" in line or '"kind":"__cublas' in line)
 
@@ -186,8 +190,7 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
         if m is None:
             continue
         name, op = m.groups()
-        target = re.search(r'custom_call_target="([^"]+)"', line)
-        target = target.group(1).lower() if target else ""
+        target = _call_target(line).lower()
         calls = re.search(r"calls=%?([\w.-]+)", line)
         op_name = re.search(r'op_name="([^"]*)"', line)
         if op in _CONTAINERS:
