@@ -56,6 +56,7 @@ from benchmarks.harness import dense_llama as dense  # noqa: E402
 from benchmarks.harness.device_profile import (attribute, gemm_census,  # noqa: E402
                                                hlo_categories, load_trace, weight_copy_ops)
 from benchmarks.harness.serve_report import copy_bandwidth  # noqa: E402
+from benchmarks.harness.xla_options import xla_options  # noqa: E402
 from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
 from examples.llama import fp8_weights  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
@@ -91,23 +92,6 @@ def _time(fn, repeats: int) -> float:
         fn()
         samples.append(time.perf_counter() - t)
     return statistics.median(samples)
-
-
-def _xla_option(text: str) -> tuple[str, bool | int | str]:
-    """``"KEY=VALUE"`` -> ``(KEY, VALUE)`` with true/false as bools and digits as ints."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--xla-option {text!r}: expected KEY=VALUE")
-    low = value.lower()
-    if low in ("true", "false"):
-        return key, low == "true"
-    return key, int(value) if value.lstrip("-").isdigit() else value
-
-
-def _xla_variant(text: str) -> dict[str, bool | int | str]:
-    """One ``--xla-option``: ``"KEY=VALUE[,KEY=VALUE...]"`` -> the compiler options of one
-    variant of the step."""
-    return dict(_xla_option(part) for part in text.split(","))
 
 
 def _print_rows(rows: list[dict]) -> None:
@@ -187,7 +171,7 @@ def main() -> int:
     for text in args.xla_option or ():
         variants.append((f"paged, {text}", jax.jit(
             llama.decode_step.__wrapped__, static_argnames=("config", "rings"),
-            donate_argnames=("k_cache", "v_cache"), compiler_options=_xla_variant(text))))
+            donate_argnames=("k_cache", "v_cache"), compiler_options=dict(xla_options(text)))))
     for B in args.batch:
         ctx = args.context
         kv_bytes = 2 * L * B * ctx * Hkv * Dh * itemsize

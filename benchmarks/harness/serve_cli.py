@@ -11,6 +11,7 @@ import jax
 
 from benchmarks.harness.serve_arrivals import request_rate
 from benchmarks.harness.serve_setup import KV_MEMORY_FRACTION, WORKLOADS, Setup
+from benchmarks.harness.xla_options import xla_options
 from examples.llama import fp8_weights
 from examples.llama import serve
 from examples.llama import tp
@@ -55,6 +56,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="every run's linear weights in float8_e4m3fn with FP8 GEMMs "
                         "(examples/llama/fp8_weights.py): fp8 (per-channel scales), fp8-tensor "
                         "(per tensor); activations per token; one device (default: bf16)")
+    p.add_argument("--xla-option", type=xla_options, default=(), metavar="KEY=VALUE[,...]",
+                   help="XLA compiler options of the paged runs' device step "
+                        "(ServeConfig.xla_options), e.g. xla_gpu_enable_triton_gemm=false "
+                        "(default: XLA's)")
     p.add_argument("--prefill-chunk", type=int, nargs="+", metavar="N",
                    help="paged prompt tokens per step (ServeConfig.prefill_chunk_tokens); the "
                         "step's token budget becomes the largest concurrency + N unless "
@@ -182,6 +187,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         raise SystemExit(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
     over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
                             "quantize": args.quantize, "cascade": args.cascade,
+                            "xla_options": args.xla_option,
                             "cascade_ab": args.cascade_ab,
                             "defer_shared_prompts": not args.no_defer_shared_prompts,
                             "kv_memory_fraction": args.kv_memory_fraction,

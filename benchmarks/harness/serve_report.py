@@ -42,6 +42,8 @@ def format_result(r: dict) -> str:
                  f"/{r['pool_pages']}")
         if r["recomputes"] or r["suspends"]:
             extra += f", SUSPENDS {r['suspends']} RECOMPUTES {r['recomputes']}"
+    if r.get("xla_options"):
+        extra += ", XLA " + ",".join(f"{k}={v}" for k, v in r["xla_options"].items())
     if r.get("request_rate") is not None:
         extra += (f", arrivals {r['request_rate']:g}/s seed {r['arrival_seed']} (achieved "
                   f"{_rate(r['achieved_arrival_rate'])}/s, TTFT from arrival; submitted behind "

@@ -20,7 +20,7 @@ from . import model as llama
 from . import tp as tensor_parallel
 from .serve_types import (CODECS, Request, RequestOutput, RequestState, ServeConfig, StepRecord,
                           kv_cache_config, kv_report)
-from .step import Dispatched, model_caches, model_step, step_inputs
+from .step import Dispatched, model_caches, model_step_with, step_inputs
 
 __all__ = ["Server"]
 
@@ -61,8 +61,8 @@ class Server:
                 config.num_attention_heads, config.num_key_value_heads,
                 kv_dtype=self.manager.caches[0][0].dtype))
         # NOTE: the device step; a test seam (a fault hook wraps it from outside the class).
-        self._model_step = functools.partial(model_step, config=config, rings=rings,
-                                             mesh=self.mesh)
+        self._model_step = functools.partial(model_step_with(serve.xla_options), config=config,
+                                             rings=rings, mesh=self.mesh)
         self._waiting: collections.deque[RequestState] = collections.deque()
         self._running: list[RequestState] = []
         self._suspended: collections.deque[RequestState] = collections.deque()

@@ -114,6 +114,9 @@ class ServeConfig:
     # Timing hook: keep a StepRecord per dispatched step in Server.step_records (benchmarks'
     # loop profile). Off: nothing is recorded and the loop does no extra work.
     record_steps: bool = False
+    # XLA compiler options of the device step, e.g. (("xla_gpu_enable_triton_gemm", False),)
+    # (step.model_step_with); (): the defaults.
+    xla_options: tuple[tuple[str, bool | int | str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.cold_codec not in CODECS:
@@ -135,6 +138,10 @@ class ServeConfig:
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got "
                              f"{self.tensor_parallel!r}")
+        if not all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
+                   for o in self.xla_options):
+            raise ValueError(f"xla_options must be (name, value) pairs, got "
+                             f"{self.xla_options!r}")
         if self.cascade and (self.tensor_parallel > 1 or not self.paged_decode):
             raise ValueError("cascade needs tensor_parallel 1 and paged_decode (it is a "
                              "decode-step attention on one device)")

@@ -30,9 +30,10 @@ def _fit(x, n: int, fill: int):
     return jnp.concatenate([x, jnp.full((n - x.shape[0],), fill, x.dtype)])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rings", "decode", "greedy",
-                                             "with_logits", "mesh"),
-                   donate_argnames=("k_cache", "v_cache"))
+_STEP_STATIC = ("config", "rings", "decode", "greedy", "with_logits", "mesh")
+
+
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("k_cache", "v_cache"))
 def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch, sampling,
                cascade=None, *,
                config: llama.LlamaConfig, rings: tuple[int, ...] | None = None, decode: bool,
@@ -86,6 +87,17 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
                else llama.sample_tokens(logits, *sampling))
         out = jax.lax.dynamic_update_slice(jnp.zeros_like(prev_tokens), nxt, (0,))
     return out, (logits if with_logits else None), k_cache, v_cache
+
+
+@functools.cache
+def model_step_with(xla_options: tuple[tuple[str, bool | int | str], ...] = ()):
+    """:func:`model_step`, or (``xla_options`` not empty) the same function jitted with these
+    XLA compiler options (``ServeConfig.xla_options``; e.g.
+    ``(("xla_gpu_enable_triton_gemm", False),)``). One jitted function per option set."""
+    if not xla_options:
+        return model_step
+    return jax.jit(model_step.__wrapped__, static_argnames=_STEP_STATIC,
+                   donate_argnames=("k_cache", "v_cache"), compiler_options=dict(xla_options))
 
 
 def model_caches(caches):

@@ -859,16 +859,16 @@ def test_instruction_shapes_name_kernels_as_the_gpu_does():
         "loop_convert_fusion_31": "f8e4m3fn[858,4096]{1,0} fusion", "tuple": "(f32[2]{0}) tuple"}
 
 
-def test_decode_step_xla_option_parsing():
-    from benchmarks.bench_decode_step import _xla_option, _xla_variant
-    assert _xla_option("xla_gpu_enable_triton_gemm=false") == ("xla_gpu_enable_triton_gemm", False)
-    assert _xla_option("xla_gpu_autotune_level=0") == ("xla_gpu_autotune_level", 0)
-    assert _xla_option("k=abc") == ("k", "abc")
+def test_xla_option_parsing():
+    from benchmarks.harness.xla_options import xla_options
+    assert xla_options("xla_gpu_enable_triton_gemm=false") == (
+        ("xla_gpu_enable_triton_gemm", False),)
+    assert xla_options("xla_gpu_autotune_level=0") == (("xla_gpu_autotune_level", 0),)
+    assert xla_options("k=abc") == (("k", "abc"),)
     with pytest.raises(SystemExit, match="KEY=VALUE"):
-        _xla_option("no_value")
+        xla_options("no_value")
     # one --xla-option is one variant: commas join its options
-    assert _xla_variant("xla_gpu_enable_triton_gemm=false,xla_gpu_autotune_level=0") == {
-        "xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
-    assert _xla_variant("k=abc") == {"k": "abc"}
+    assert xla_options("xla_gpu_enable_triton_gemm=false,xla_gpu_autotune_level=0") == (
+        ("xla_gpu_enable_triton_gemm", False), ("xla_gpu_autotune_level", 0))
     with pytest.raises(SystemExit, match="KEY=VALUE"):
-        _xla_variant("a=1,")
+        xla_options("a=1,")

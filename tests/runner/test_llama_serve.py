@@ -127,6 +127,21 @@ def test_finish_on_eos(case):
     assert srv.manager.stats()["num_active"] == 0
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_xla_options_reach_the_step_compiler(case):
+    """ServeConfig.xla_options compile the device step with those options: a real option keeps
+    HF's greedy tokens; an unknown one fails the request with XLA's error naming it."""
+    prompt = random_prompt(np.random.default_rng(4), 9)
+    srv = _server(case, xla_options=(("xla_gpu_enable_triton_gemm", False),))
+    (out,) = srv.generate([serve.Request(prompt, 8, eos_token_ids=())])
+    _check_greedy(case["hf"], prompt, out.generated_ids, 8, "xla_options")
+    bad = _server(case, xla_options=(("xla_no_such_option", 1),), max_step_retries=0)
+    (out,) = bad.generate([serve.Request(prompt, 4, eos_token_ids=())])
+    assert out.finish_reason == "error" and "xla_no_such_option" in out.error, out
+    with pytest.raises(ValueError, match="xla_options"):
+        serve.ServeConfig(xla_options=("xla_gpu_enable_triton_gemm",))
+
+
 def test_batch_of_mixed_lengths(case):
     rng = np.random.default_rng(2)
     prompts = [random_prompt(rng, n) for n in (3, 17, 9, 33, 1, 24)]
