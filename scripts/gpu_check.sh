@@ -18,6 +18,8 @@
 #   --kernel-ab=TAR the kab step: a base snapshot (git archive -o TAR REV) built beside this tree,
 #                   its prefill and decode (bf16, fp8) timed against ours in turns (tools/prefill_ab.py)
 #   --serve=ARGS    the serve step's arguments instead of the seed workload's default
+#   --decode=ARGS   the decode step's arguments (benchmarks/bench_decode_step.py) instead of
+#                   --batch 64 256 --context 1536
 #   --spec=ARGS     the spec step's arguments (benchmarks/bench_speculate.py; default: its own)
 #   --cascade=ARGS  the cascade step's arguments (benchmarks/bench_cascade.py; default: its own)
 #   --stepmem=ARGS  the stepmem step's arguments (tools/step_memory.py; default: its own)
@@ -60,6 +62,7 @@ workers=0
 pytest_timeout=0
 kab_tar=
 serve_args=
+decode_args=
 spec_args=
 cascade_args=
 stepmem_args=
@@ -90,6 +93,7 @@ for arg in "$@"; do
     --pytest-timeout=*) pytest_timeout=${arg#--pytest-timeout=} ;;
     --kernel-ab=*) kab_tar=${arg#--kernel-ab=}; want[kab]=1 ;;
     --serve=*) serve_args=${arg#--serve=} ;;
+    --decode=*) decode_args=${arg#--decode=} ;;
     --spec=*) spec_args=${arg#--spec=} ;;
     --cascade=*) cascade_args=${arg#--cascade=} ;;
     --stepmem=*) stepmem_args=${arg#--stepmem=} ;;
@@ -224,9 +228,10 @@ if [ ${want[manager]} = 1 ]; then
   tail -10 "$OUT/manager.log"
 fi
 if [ ${want[decode]} = 1 ]; then
-  step decode-step decode_step.log python3 -m benchmarks.bench_decode_step --batch 64 256 --context 1536 \
-    --json "$OUT/decode_step.json"
-  tail -8 "$OUT/decode_step.log"
+  # shellcheck disable=SC2086  # decode_args is a list of words
+  step decode-step decode_step.log python3 -m benchmarks.bench_decode_step \
+    ${decode_args:---batch 64 256 --context 1536} --json "$OUT/decode_step.json"
+  grep -E "^\| |GEMM|census|cuBLAS" "$OUT/decode_step.log" | tail -24
 fi
 if [ ${want[serve]} = 1 ] && [ -f benchmarks/bench_serve.py ]; then
   # NOTE: one preallocated arena for the 8B runs. With XLA_PYTHON_CLIENT_PREALLOCATE=false the
