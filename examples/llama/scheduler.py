@@ -18,6 +18,7 @@ from jax_kvcm import CorruptPageError, SequenceState, cascade_group_size
 
 from . import model as llama
 from . import tp as tensor_parallel
+from .admission import PromptsInFlight
 from .serve_types import (CODECS, Request, RequestOutput, RequestState, ServeConfig, StepRecord,
                           kv_cache_config, kv_report)
 from .step import Dispatched, model_caches, model_step_with, step_inputs
@@ -217,44 +218,6 @@ class Server:
         finally:   # deferred requests keep their place at the head of the queue
             self._waiting.extendleft(reversed(deferred))
 
-    def _prefilling(self) -> dict[tuple, list[RequestState]] | None:
-        """Running requests still writing their prompt, by their first page of tokens (the
-        leaders :meth:`_shares_uncomputed_prefix` checks); None when deferral is off."""
-        if not (self.serve.defer_shared_prompts and self.serve.enable_prefix_reuse):
-            return None
-        out: dict[tuple, list[RequestState]] = {}
-        for o in self._running:
-            self._note_prefilling(o, out)
-        return out
-
-    def _note_prefilling(self, r: RequestState, prefilling: dict[tuple, list[RequestState]]
-                         ) -> None:
-        """Files ``r`` under its first page of prompt tokens while it still writes its prompt."""
-        ps = self.serve.page_size
-        if r.seq is not None and len(r.prompt) > ps and r.seq.num_tokens < len(r.prompt):
-            prefilling.setdefault(tuple(r.prompt[:ps]), []).append(r)
-
-    def _shares_uncomputed_prefix(self, r: RequestState,
-                                  prefilling: dict[tuple, list[RequestState]] | None) -> bool:
-        """Whether a running request is still writing the pages of a prompt prefix ``r`` shares
-        (at least its first page): admitted now, ``r`` would compute that prefix again; admitted
-        once those pages are written (the next steps), it reuses them."""
-        ps = self.serve.page_size
-        if prefilling is None or len(r.tokens) <= ps:
-            return False
-        leaders = prefilling.get(tuple(r.tokens[:ps]))
-        if not leaders:
-            return False
-        mine = np.asarray(r.tokens[:-1])   # the last token is always computed
-        for o in leaders:
-            theirs = np.asarray(o.prompt[:len(mine)])
-            n = len(theirs)
-            diff = np.flatnonzero(mine[:n] != theirs)
-            shared = (int(diff[0]) if diff.size else n) // ps * ps
-            if o.seq.num_tokens < shared:
-                return True
-        return False
-
     def _admit(self, finished: list[RequestOutput], deferred: list[RequestState]) -> None:
         """Admits waiting requests, in order, while the batch and the device have room; a
         request whose prompt prefix another running request is still writing waits in
@@ -263,7 +226,10 @@ class Server:
         mb = self.serve.max_batch
         if not self._waiting or len(self._running) >= mb:
             return   # nothing to admit: no per-step scan of the running requests
-        prefilling = self._prefilling()
+        # ServeConfig.defer_shared_prompts: prompts being written that a waiting one may share
+        in_flight = (PromptsInFlight(self.serve.page_size, self._running)
+                     if self.serve.defer_shared_prompts and self.serve.enable_prefix_reuse
+                     else None)
         while self._waiting and len(self._running) < mb and len(deferred) < mb:
             r = self._waiting[0]
             if r.seq is not None:       # prefilled elsewhere (submit_prefilled): pages here
@@ -274,7 +240,7 @@ class Server:
                 continue
             if self._running and self._pages(len(r.tokens) + 1) > self._device_room():
                 return
-            if self._shares_uncomputed_prefix(r, prefilling):
+            if in_flight is not None and in_flight.shares_uncomputed_prefix(r):
                 deferred.append(self._waiting.popleft())
                 self.counters["deferred_admissions"] += 1
                 continue
@@ -295,8 +261,8 @@ class Server:
             self._order += 1
             r.order = self._order
             self._running.append(r)
-            if prefilling is not None:
-                self._note_prefilling(r, prefilling)
+            if in_flight is not None:
+                in_flight.note(r)
 
     def _drop_for_recompute(self, r: RequestState) -> None:
         self._close_seq(r)

@@ -63,7 +63,8 @@ that read blocked): the serving benchmark derives where the loop's time goes fro
 
 The loop lives in three modules, re-exported here: ``serve_types`` (:class:`Request`,
 :class:`RequestOutput`, :class:`ServeConfig`, :class:`StepRecord`), ``step`` (the jitted
-:func:`model_step` and its host inputs) and ``scheduler`` (:class:`Server`).
+:func:`model_step` and its host inputs) and ``scheduler`` (:class:`Server`, with
+``admission``'s deferral of prompts that share a prefix still being written).
 """
 
 from jax_kvcm import CacheLevel
