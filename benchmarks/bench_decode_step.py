@@ -56,8 +56,8 @@ from benchmarks.harness import dense_llama as dense  # noqa: E402
 from benchmarks.harness.device_profile import (attribute, gemm_census,  # noqa: E402
                                                hlo_categories, load_trace, weight_copy_ops)
 from benchmarks.harness.serve_report import copy_bandwidth  # noqa: E402
-from benchmarks.harness.xla_options import xla_options  # noqa: E402
 from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
+from benchmarks.harness.xla_options import xla_options  # noqa: E402
 from examples.llama import fp8_weights  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 
