@@ -231,7 +231,7 @@ if [ ${want[decode]} = 1 ]; then
   # shellcheck disable=SC2086  # decode_args is a list of words
   step decode-step decode_step.log python3 -m benchmarks.bench_decode_step \
     ${decode_args:---batch 64 256 --context 1536} --json "$OUT/decode_step.json"
-  grep -E "^\| |GEMM|census|cuBLAS" "$OUT/decode_step.log" | tail -24
+  grep -E "^\| |^GEMMs of" "$OUT/decode_step.log" | tail -24
 fi
 if [ ${want[serve]} = 1 ] && [ -f benchmarks/bench_serve.py ]; then
   # NOTE: one preallocated arena for the 8B runs. With XLA_PYTHON_CLIENT_PREALLOCATE=false the

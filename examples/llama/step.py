@@ -31,9 +31,10 @@ def _fit(x, n: int, fill: int):
 
 
 _STEP_STATIC = ("config", "rings", "decode", "greedy", "with_logits", "mesh")
+_STEP_DONATED = ("k_cache", "v_cache")   # the pools, updated in place
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("k_cache", "v_cache"))
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=_STEP_DONATED)
 def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch, sampling,
                cascade=None, *,
                config: llama.LlamaConfig, rings: tuple[int, ...] | None = None, decode: bool,
@@ -97,7 +98,7 @@ def model_step_with(xla_options: tuple[tuple[str, bool | int | str], ...] = ()):
     if not xla_options:
         return model_step
     return jax.jit(model_step.__wrapped__, static_argnames=_STEP_STATIC,
-                   donate_argnames=("k_cache", "v_cache"), compiler_options=dict(xla_options))
+                   donate_argnames=_STEP_DONATED, compiler_options=dict(xla_options))
 
 
 def model_caches(caches):
