@@ -10,8 +10,9 @@
 // once); k_scale is folded into the logit scale, v_scale into the output normalization.
 // A schedule kernel turns query_start into per-sequence tile offsets first (one CTA per tile,
 // heaviest tiles of each sequence first), and a fill kernel zeroes the padding rows of q.
-// On sm_90a, bf16/f16 caches at head_dim 64 and 128 run the wgmma kernel of
-// ragged_prefill_sm90.cu instead, on the same schedule.
+// On sm_90a, bf16/f16 caches and fp8 caches at head_dim 64 and 128 run the wgmma kernel of
+// ragged_prefill_sm90.cu instead, on the same schedule (its fp8 path: the same f16 MMAs and
+// scales as here).
 // Single-query sequences (the decode rows of a mixed batch) go to the split-KV decode kernel in
 // the same call when it supports the shape: a 128-row tile for one token's G rows would do 128 /
 // G times the MMA work per K/V byte and run at a fraction of the memory rate (measured: 256
@@ -420,7 +421,7 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a) {
   if (auto err = LaunchError("ragged_paged_attention (schedule)"); err.failure()) return err;
   // Upper bound on the number of tiles: sum_b ceil(n_b G / kRows) <= T G / kRows + B.
   const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;
-  if constexpr (!kFp8 && (D == 64 || D == 128)) {
+  if constexpr (D == 64 || D == 128) {
     static_assert(RowsPerCta<D>() == kSm90RowsPerCta, "one schedule for both kernels");
     if (RaggedPrefillSm90Supports(a)) return LaunchRaggedPrefillSm90(stream, p, max_tiles);
   }

@@ -4,7 +4,7 @@
 // is 128 rows = (token, head) pairs of one sequence and one kv head; the schedule kernel there
 // numbers the row tiles in tile_offsets (by sequence, a sequence's last = heaviest causal tile
 // first) and zeroes this kernel's work counter. For bf16/f16 queries over caches of the same
-// dtype at head_dim 64 and 128 on sm_90a.
+// dtype or float8_e4m3fn caches (below), at head_dim 64 and 128 on sm_90a.
 // Persistent, dynamically scheduled: the launch has min(work tile bound, SMs) CTAs (1 CTA/SM);
 // work tile w is row tile w / kv_heads of kv head w % kv_heads (consecutive work tiles are the
 // kv heads of one row tile: the same page-table entries, Q tokens and key range, and together
@@ -45,6 +45,21 @@
 //   GEMMs. A warpgroup runs GEMMs only for the tiles in its rows' causal / window band [ta, tb);
 //   for the others it only waits for the data, takes its turn and frees the halves. O, m, l and
 //   the non-finite bookkeeping are per work tile.
+// fp8 caches (kFp8): the same contract and arithmetic as the FlashAttention-2 kernel's fp8 path:
+// the ring keeps 16-bit tiles and the consumers run in f16 (M), on K/V converted exactly from
+// e4m3 and, for bf16 queries, Q converted to f16 (the producer, in place, after its copies
+// landed, before its Q full arrival); k_scale (per layer and kv head, layer 0 for a bad layer)
+// scales the logits and v_scale the normalized output, passed in work_info by producer thread 0.
+// The producer cp.asyncs a row's D raw bytes into the last D bytes of the row's own 128-byte
+// lines in the stage (RawFp8Offset), waits for its copies, and converts its rows in place (a
+// row's lanes are one warp: __syncwarp between their reads of the raw bytes and their writes),
+// then fence.proxy.async and a plain mbarrier arrive on the half's full barrier (the same 128
+// arrivals). A tile's K and V halves share one wait (K of tile j, then V of tile j - 1 are
+// issued, then both converted, K first): K's arrival comes after V's empty wait, which is safe
+// because V of tile j - 1 - kStages is freed after K of tile j + 1 - kStages and earlier halves
+// are full, all arrived before. K of tile 0 is converted and arrives before Q. For V of a tile
+// that some row reads only in part, raw chunks with a NaN (e4m3fn has no inf) in keys that some
+// but not all rows read are zeroed before the conversion and their keys flagged, as above.
 // Named barriers: 4 (the producer's 128 threads, once per work tile: the next claim), 5 and 6
 // (the consumers' turns).
 // tools/sim_sm90_prefill_protocol.py models this protocol (several CTAs claiming from one
@@ -226,9 +241,36 @@ __device__ __forceinline__ WorkRange MakeWorkRange(int tile, int nq, int len, in
   return r;
 }
 
-template <typename T, int D>
+// fp8 caches: where the producer stages the raw float8_e4m3fn bytes of row `row` of a K/V tile
+// (D bytes, 16-byte chunk `chunk` at chunk ^ row % (D / 16)) before converting them in place: the
+// last D bytes of the row's own 128-byte lines of the 16-bit tile (column block D / 64 - 1), so
+// that converting a row overwrites only that row's raw bytes (those of no other row).
+template <int D>
+__device__ __forceinline__ int RawFp8Offset(int row, int chunk) {
+  constexpr int kRawChunks = D / 16;
+  return (D / 64 - 1) * kKeys * 128 + row * 128 + (8 - kRawChunks) * 16 +
+         ((chunk ^ (row % kRawChunks)) << 4);
+}
+
+// Whether a 16-byte chunk of float8_e4m3fn values holds a NaN (0x7f / 0xff: e4m3fn's only
+// non-finite values), per byte: (x & 0x7f) + 1 carries into bit 7 only for 0x7f.
+__device__ __forceinline__ bool HasNanE4m3(const uint4 c) {
+  uint32_t any = 0u;
+  for (const uint32_t x : {c.x, c.y, c.z, c.w})
+    any |= ((x & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  return any != 0u;
+}
+
+// T: query / output dtype; kFp8: float8_e4m3fn caches, whose tiles the producer converts to f16
+// (exact) in the ring, and bf16 queries to f16 (as the FlashAttention-2 kernel's fp8 path: its
+// MMAs run in f16), so that the consumers run in M = f16; else caches of T and M = T.
+template <typename T, int D, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using M = std::conditional_t<kFp8, __half, T>;  // wgmma operand type
+  // bf16 queries over an fp8 cache: Q is converted to f16 in place by the producer.
+  constexpr bool kQToHalf = kFp8 && std::is_same_v<T, __nv_bfloat16>;
+  constexpr int kElemBytes = kFp8 ? 1 : 2;  // of the cache
   constexpr int kStages = Stages<D>();
   constexpr int kFlagWords = kKeys / 32;
   constexpr int kChunks = D / 8;                // 16-byte chunks per row
@@ -242,6 +284,9 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   constexpr int kRowThreads = kChunks / kRowChunks;  // threads per row: 4 at D 128, 2 at 64
   constexpr int kRowsPerPass = 128 / kRowThreads;    // producer rows per pass over a tile
   constexpr int kRowsPerThread = kKeys / kRowsPerPass;
+  // 16-byte chunks of the cache a producer thread copies per K/V row: fp8 rows are D bytes, so
+  // half as many (raw chunks ch0 + kRowThreads j of D / 16, each two chunks of the f16 row).
+  constexpr int kCopyChunks = kFp8 ? kRowChunks / 2 : kRowChunks;
   constexpr int kTileBytes = TileBytes<D>();
   constexpr int kKvBlock = kKeys * 128;         // one 64-column block of a K/V tile
   constexpr int kQBlock = kRows * 128;
@@ -272,9 +317,9 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   // (written before that V half's full barrier, like bad_keys).
   __shared__ uint32_t stage_bad[kStages][4];
   // The work tile whose Q is in the buffer: kv head (-1: no more work), row tile, query_start,
-  // query count and length of its sequence. Written with Q, read by the consumers before they
-  // free Q.
-  __shared__ int work_info[5];
+  // query count and length of its sequence; for fp8 caches also its k_scale and v_scale (float
+  // bits). Written with Q, read by the consumers before they free Q.
+  __shared__ int work_info[7];
   // The producer's next work tile, claimed by its thread 0 (double-buffered by work tile parity:
   // written before named barrier 4 at the end of work tile k, read after it).
   __shared__ int claimed[2];
@@ -299,13 +344,13 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   if (wg == 0) {
     // ---- producer ----
     SetMaxRegs<kProducerRegs>();
-    const int64_t token_bytes = s.cache.token_stride() * 2;
+    const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
     const int ch0 = wt % kRowThreads, row_base = wt / kRowThreads;
     const uint32_t ring_s = SmemAddr(ring);
     const int tile_pages = max(1, kKeys >> p.page_shift);
     const bool lane_pages = tile_pages <= 32;
     // Bytes from one page to the next (the layout's stride); < 2^31: RaggedPrefillSm90Supports.
-    const int32_t page_bytes = int32_t(s.cache.page_stride * 2);
+    const int32_t page_bytes = int32_t(s.cache.page_stride * kElemBytes);
     int g = 0;  // key tiles this CTA streamed before the current work tile (the ring position)
     // Work tiles, dynamically scheduled: work tile w is row tile w / H (tile_offsets order: by
     // sequence, a sequence's heaviest causal tile first) of kv head w % H (consecutive claims
@@ -346,6 +391,16 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           asm volatile("prefetch.global.L2 [%0];\n" ::"l"(
               q_rows + (int64_t(row / G) * s.num_heads + row % G) * D + (i % (D / 64)) * 64));
       }
+      // fp8: the scales of (layer, kv head), layer 0 for a bad layer (whose output is NaN), as
+      // ScaledLogit in the FlashAttention-2 kernel; thread 0 passes them on in work_info.
+      float k_scale = 1.f, v_scale = 1.f;
+      if constexpr (kFp8) {
+        if (wt == 0) {
+          const int64_t i = int64_t(li < 0 || li >= s.cache.num_layers ? 0 : li) * H + kvh;
+          k_scale = a.k_scale[i];
+          v_scale = a.v_scale[i];
+        }
+      }
       // Q: once the previous work tile's Q is free (both consumers ran their last S GEMM of
       // it), the tile's rows (zeros past the last), kRowChunks chunks of each of this thread's
       // rows as for K/V, landing on the Q full barrier, which also publishes work_info.
@@ -364,13 +419,33 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
             CpAsync16(SmemAddr(qs + Swizzle128(kRows, rr, ch)), src + kRowThreads * 8 * j, valid);
           }
         }
-        MbarArriveOnCopies(&qfull_bar);
+        if constexpr (kQToHalf) {
+          // This thread's copies landed: its own chunks -> f16 in place, before its arrival.
+          CpAsyncCommit();
+          CpAsyncWait<0>();
+#pragma unroll 1
+          for (int i = 0; i < kRows / kRowsPerPass; ++i)
+#pragma unroll
+            for (int j = 0; j < kRowChunks; ++j) {
+              uint4* chunk = reinterpret_cast<uint4*>(
+                  qs + Swizzle128(kRows, row_base + i * kRowsPerPass, ch0 + kRowThreads * j));
+              *chunk = Bf16ChunkToHalf(*chunk);
+            }
+          FenceProxyAsync();
+          MbarArrive(&qfull_bar);
+        } else {
+          MbarArriveOnCopies(&qfull_bar);
+        }
         if (wt == 0) {
           work_info[0] = kvh;
           work_info[1] = tile;
           work_info[2] = q_begin;
           work_info[3] = nq;
           work_info[4] = len;
+          if constexpr (kFp8) {
+            work_info[5] = __float_as_int(k_scale);
+            work_info[6] = __float_as_int(v_scale);
+          }
           MbarArrive(&qfull_bar);
         }
       };
@@ -380,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       const bool bad_layer = li < 0 || li >= s.cache.num_layers;
       uint32_t bits = bad_layer ? kBadLayer : 0u;
       const int64_t layer_off =
-          (int64_t(bad_layer ? 0 : li) * s.cache.layer_stride + int64_t(kvh) * D) * 2;
+          (int64_t(bad_layer ? 0 : li) * s.cache.layer_stride + int64_t(kvh) * D) * kElemBytes;
       const char* kbase = static_cast<const char*>(a.k_cache) + layer_off;
       const char* vbase = static_cast<const char*>(a.v_cache) + layer_off;
       const int32_t* pages = a.page_table + int64_t(b) * s.max_pages;
@@ -412,10 +487,10 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           const int64_t off =
               ok ? page_offset + int32_t(pos & (P - 1)) * int32_t(token_bytes) + ch0 * 16 : 0;
 #pragma unroll
-          for (int j = 0; j < kRowChunks; ++j) {  // (in bounds also when !ok: chunk < D / 8)
+          for (int j = 0; j < kCopyChunks; ++j) {  // (in bounds also when !ok: chunk < D / 8)
             const int ch = ch0 + kRowThreads * j;
-            CpAsync16(dst + uint32_t(Swizzle128(kKeys, row, ch)),
-                      base + off + kRowThreads * 16 * j, ok);
+            const int to = kFp8 ? RawFp8Offset<D>(row, ch) : Swizzle128(kKeys, row, ch);
+            CpAsync16(dst + uint32_t(to), base + off + kRowThreads * 16 * j, ok);
           }
         };
         if (lane_pages) {
@@ -453,13 +528,65 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         const int gk = g + it, stage = gk % kStages;
         if (gk >= kStages) MbarWait(&kempty_bar[stage], ((gk / kStages) - 1) & 1);
         issue_tile(it, kbase, ring_s + stage * 2 * kTileBytes, lane_offset);
-        MbarArriveOnCopies(&kfull_bar[stage]);
+        if constexpr (!kFp8) MbarArriveOnCopies(&kfull_bar[stage]);  // fp8: after convert_fp8
+      };
+      // fp8: this thread's rows of the K / V half at `half` (its copies landed: CpAsyncWait) from
+      // the raw bytes at RawFp8Offset to f16 in the swizzled layout, in place. A row's raw bytes
+      // are read by its kRowThreads lanes (one warp) before any of them writes (__syncwarp), and a
+      // row's f16 chunks overwrite only its own raw bytes. With `scan` (V of a tile that some row
+      // reads only in part), as the 16-bit path below: a raw chunk with a NaN in a key that some
+      // but not all rows read is zeroed, and the key set in mine (bit row % 32 of word row / 32).
+      auto convert_fp8 = [&](uint8_t* half, bool scan, int key0, uint32_t(&mine)[kFlagWords]) {
+#pragma unroll 1
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          const int row = row_base + i * kRowsPerPass;
+          uint4 raw[kCopyChunks];
+#pragma unroll
+          for (int j = 0; j < kCopyChunks; ++j)
+            raw[j] = *reinterpret_cast<const uint4*>(half +
+                                                     RawFp8Offset<D>(row, ch0 + kRowThreads * j));
+          __syncwarp();
+          const int key = key0 + row;
+          const bool partly_read_key =
+              (key > r.q_first || (a.window > 0 && key <= r.q_last - a.window)) && key <= r.q_last;
+          bool bad_row = false;
+#pragma unroll
+          for (int j = 0; j < kCopyChunks; ++j) {
+            if (scan && partly_read_key && HasNanE4m3(raw[j])) {
+              raw[j] = make_uint4(0u, 0u, 0u, 0u);
+              bad_row = true;
+            }
+            const int ch = ch0 + kRowThreads * j;
+            uint4 lo, hi;
+            Fp8ChunkToHalf(raw[j], lo, hi);
+            *reinterpret_cast<uint4*>(half + Swizzle128(kKeys, row, 2 * ch)) = lo;
+            *reinterpret_cast<uint4*>(half + Swizzle128(kKeys, row, 2 * ch + 1)) = hi;
+          }
+          const uint32_t bit = bad_row ? 1u << (row % 32) : 0u;
+#pragma unroll
+          for (int wd = 0; wd < kFlagWords; ++wd) mine[wd] |= row / 32 == wd ? bit : 0u;
+        }
+      };
+      // fp8: the K half of ring position g + it, once this thread's copies landed.
+      auto finish_k_fp8 = [&](int it) {
+        const int stage = (g + it) % kStages;
+        uint32_t unused[kFlagWords] = {};
+        convert_fp8(ring + stage * 2 * kTileBytes, false, 0, unused);
+        FenceProxyAsync();  // the converted chunks, before wgmma reads K
+        MbarArrive(&kfull_bar[stage]);
       };
       int64_t k_offset = lane_pages ? tile_page_offset(0) : -1;  // the lane's page of tile it
       int64_t v_offset = -1;                                      // ... of tile it - 1
       {  // it = 0 (peeled): K of tile 0, Q, and the claim published (its register freed)
         const int64_t next_offset = lane_pages ? tile_page_offset(1) : -1;
         if (num_tiles > 0) issue_k(0, k_offset);
+        if constexpr (kFp8) {
+          if (num_tiles > 0) {
+            CpAsyncCommit();
+            CpAsyncWait<0>();
+            finish_k_fp8(0);
+          }
+        }
         v_offset = k_offset;
         k_offset = next_offset;
         load_q();
@@ -476,6 +603,33 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         issue_tile(jt, vbase, ring_s + stage * 2 * kTileBytes + kTileBytes, v_tile_offset);
         const bool partial = PartlyRead((t_lo + jt) * kKeys, r.q_first, r.q_last, a.window);
         const bool last = jt == num_tiles - 1;
+        if constexpr (kFp8) {
+          // K of tile it and V of tile jt in one wait (one round trip per tile): K's arrival
+          // waits for V's empty barrier, which needs only earlier tiles' K and V full barriers
+          // (see the header comment).
+          CpAsyncCommit();
+          CpAsyncWait<0>();
+          if (it < num_tiles) finish_k_fp8(it);
+          uint32_t mine[kFlagWords];
+#pragma unroll
+          for (int wd = 0; wd < kFlagWords; ++wd) mine[wd] = 0u;
+          convert_fp8(ring + stage * 2 * kTileBytes + kTileBytes, partial, (t_lo + jt) * kKeys,
+                      mine);
+          if (partial) {
+#pragma unroll
+            for (int wd = 0; wd < kFlagWords; ++wd) {
+              const uint32_t f = __reduce_or_sync(0xffffffffu, mine[wd]);
+              if (lane == 0) bad_keys[stage][warp][wd] = f;
+            }
+          }
+          if (last) {
+            const uint32_t any = __any_sync(0xffffffffu, bits != 0u);
+            if (lane == 0) stage_bad[stage][warp] = any;
+          }
+          FenceProxyAsync();  // the converted chunks, before wgmma reads V
+          MbarArrive(&vfull_bar[stage]);
+          continue;
+        }
         if (!partial && !last) {
           MbarArriveOnCopies(&vfull_bar[stage]);
           continue;
@@ -550,14 +704,15 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
 
   // ---- consumers ----
   SetMaxRegs<kConsumerRegs>();
-  const LogitTransform logit = p.logit;
+  LogitTransform logit = p.logit;  // fp8: k_scale folded in per work tile
   const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the work tile
   const int r0 = lane / 4, c0 = (lane % 4) * 2;
   const uint8_t* q_wg = qs + cw * 64 * 128;
   // Without a soft cap (and with a positive scale) the row max commutes with the scale: S stays
   // raw q.k, the scale folds into exp2's argument, and the non-finite rule needs only the
   // largest |q.k| a row read (an inf there -> NaN; a NaN propagates through exp2 by itself).
-  const bool fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
+  bool fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
+  float v_scale = 1.f;  // fp8: multiplies the normalized output
   // Descriptors of Q and of stage 0's K and V halves; a stage is 2 kTileBytes further.
   const SmemDescHalves q_desc = MakeSmemDesc(q_wg, 16, 1024);
   const SmemDescHalves k_desc = MakeSmemDesc(ring, 16, 1024);
@@ -573,6 +728,13 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     const int q_begin = __shfl_sync(0xffffffffu, work_info[2], 0);
     const int nq = __shfl_sync(0xffffffffu, work_info[3], 0);
     const int len = __shfl_sync(0xffffffffu, work_info[4], 0);
+    if constexpr (kFp8) {  // ScaledLogit's transform, with the producer's scales
+      const float k_scale = __int_as_float(__shfl_sync(0xffffffffu, work_info[5], 0));
+      v_scale = __int_as_float(__shfl_sync(0xffffffffu, work_info[6], 0));
+      logit.scale_log2 = p.logit.scale_log2 * k_scale;
+      logit.scale_over_cap = p.logit.scale_over_cap * k_scale;
+      fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
+    }
     FenceProxyAsync();  // Q's cp.async (generic proxy) writes, before wgmma reads them
     const WorkRange r = MakeWorkRange(tile, nq, len, G, a.window);
     const int num_rows = r.num_rows, row0 = r.row0, pos0 = r.pos0, t_lo = r.t_lo,
@@ -652,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       for (int kk = 0; kk < D / 16; ++kk) {
         constexpr int kQ = kQBlock / 16, kKv = kKvBlock / 16;
         const uint32_t qoff = (kk / 4) * kQ + (kk % 4) * 2, koff = (kk / 4) * kKv + (kk % 4) * 2;
-        WgmmaSS<T, kKeys>::template run<0>(sc, q_desc.at(qoff), k_desc.at(ks + koff), kk > 0);
+        WgmmaSS<M, kKeys>::template run<0>(sc, q_desc.at(qoff), k_desc.at(ks + koff), kk > 0);
       }
       WgmmaCommit();
     };
@@ -662,7 +824,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       const uint32_t vs = uint32_t(stage) * (2 * kTileBytes / 16);
 #pragma unroll
       for (int k16 = 0; k16 < kKeys / 16; ++k16)  // 16 keys = 2 KiB
-        WgmmaRS<T, D>::template run<1>(o, pa[k16], v_desc.at(vs + k16 * 128), 1, k16 < n16);
+        WgmmaRS<M, D>::template run<1>(o, pa[k16], v_desc.at(vs + k16 * 128), 1, k16 < n16);
       WgmmaCommit();
     };
     // Rows that read a key the producer flagged in tile it (a V chunk with NaN/inf; partial tiles
@@ -756,10 +918,10 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     auto pack_p = [&]() {
 #pragma unroll
       for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-        pa[k16][0] = Mma<T>::pack(sc[2 * k16][0], sc[2 * k16][1]);
-        pa[k16][1] = Mma<T>::pack(sc[2 * k16][2], sc[2 * k16][3]);
-        pa[k16][2] = Mma<T>::pack(sc[2 * k16 + 1][0], sc[2 * k16 + 1][1]);
-        pa[k16][3] = Mma<T>::pack(sc[2 * k16 + 1][2], sc[2 * k16 + 1][3]);
+        pa[k16][0] = Mma<M>::pack(sc[2 * k16][0], sc[2 * k16][1]);
+        pa[k16][1] = Mma<M>::pack(sc[2 * k16][2], sc[2 * k16][3]);
+        pa[k16][2] = Mma<M>::pack(sc[2 * k16 + 1][0], sc[2 * k16 + 1][1]);
+        pa[k16][3] = Mma<M>::pack(sc[2 * k16 + 1][2], sc[2 * k16 + 1][3]);
       }
     };
     // The band's tiles, one instance per logit path (fast: raw q.k, scale in exp2's argument).
@@ -856,7 +1018,7 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
       nan_row |= __shfl_xor_sync(0xffffffffu, nan_row, 2);
       const int row = row0 + cw * 64 + warp * 16 + r0 + 8 * h;
       if (row >= num_rows) continue;
-      const float inv = (bad || nan_row) ? NAN : (lh == 0.f ? 0.f : 1.f / lh);
+      const float inv = (bad || nan_row) ? NAN : (lh == 0.f ? 0.f : v_scale / lh);
       T* out = static_cast<T*>(a.out) +
                ((int64_t(q_begin) + row / G) * s.num_heads + int64_t(kvh) * G + row % G) * D;
 #pragma unroll
@@ -900,12 +1062,12 @@ bool Sm90aAvailable() {
   return cached[dev] == 1;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kFp8>
 ffi::Error LaunchSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_tiles) {
   constexpr int smem = Sm90SmemBytes<D>();
   static bool configured = false;  // NOTE: per-template, set on the first launch
   if (!configured) {
-    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D>,
+    if (cudaFuncSetAttribute(RaggedPrefillSm90Kernel<T, D, kFp8>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
       return LaunchError("ragged_paged_attention: cudaFuncSetAttribute (sm90)");
     configured = true;
@@ -915,7 +1077,7 @@ ffi::Error LaunchSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_t
   // p.work_counter, which the schedule kernel zeroed on this stream.
   const int64_t work = max_tiles * p.a.shape.cache.num_kv_heads;
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(work, NumSMs()));
-  RaggedPrefillSm90Kernel<T, D><<<unsigned(ctas), kThreads, smem, stream>>>(p);
+  RaggedPrefillSm90Kernel<T, D, kFp8><<<unsigned(ctas), kThreads, smem, stream>>>(p);
   return LaunchError("ragged_paged_attention (sm90 prefill kernel)");
 }
 
@@ -926,26 +1088,38 @@ bool RaggedPrefillSm90Supports(const AttentionArgs& a) {
   const int64_t D = s.cache.head_dim;
   // A page's bytes (per layer) and the page stride fit 31 bits: the producer's per-row offsets
   // and its page stride are 32-bit.
-  const bool small_pages = s.cache.page_size * s.cache.token_stride() * 2 < (int64_t(1) << 31) &&
-                           s.cache.page_stride * 2 < (int64_t(1) << 31);
+  const int64_t elem_bytes = s.fp8() ? 1 : 2;
+  const bool small_pages =
+      s.cache.page_size * s.cache.token_stride() * elem_bytes < (int64_t(1) << 31) &&
+      s.cache.page_stride * elem_bytes < (int64_t(1) << 31);
   // Work tile ids (and the claims past the last one: at most one per CTA more) fit an int: the
   // bound on row tiles, as in the launch, times the kv heads.
   const int64_t max_tiles = (s.num_queries * s.group() + kRows - 1) / kRows + s.batch;
   const bool small_work = max_tiles * s.cache.num_kv_heads < (int64_t(1) << 30);
-  return !s.fp8() && s.cache.dtype == s.q_dtype && (D == 64 || D == 128) &&
+  const bool half_q = s.q_dtype == DType::kBF16 || s.q_dtype == DType::kF16;
+  // fp8 caches need the scales (AttentionArgs: [num_layers, num_kv_heads]).
+  const bool fp8_ok = s.fp8() && half_q && a.k_scale != nullptr && a.v_scale != nullptr;
+  return (fp8_ok || (!s.fp8() && s.cache.dtype == s.q_dtype && half_q)) && (D == 64 || D == 128) &&
          s.cache.page_size >= 1 && small_pages && small_work && Sm90aAvailable();
 }
 
 ffi::Error LaunchRaggedPrefillSm90(cudaStream_t stream, const PrefillParams& p,
                                    int64_t max_tiles) {
   const AttentionArgs& a = p.a;
+  auto by_cache = [&](auto t, auto d) {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value;
+    if (a.shape.fp8()) return LaunchSm90<T, D, true>(stream, p, max_tiles);
+    return LaunchSm90<T, D, false>(stream, p, max_tiles);
+  };
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
   if (a.shape.q_dtype == DType::kBF16) {
-    if (a.shape.cache.head_dim == 64)
-      return LaunchSm90<__nv_bfloat16, 64>(stream, p, max_tiles);
-    return LaunchSm90<__nv_bfloat16, 128>(stream, p, max_tiles);
+    if (a.shape.cache.head_dim == 64) return by_cache(__nv_bfloat16{}, D64{});
+    return by_cache(__nv_bfloat16{}, D128{});
   }
-  if (a.shape.cache.head_dim == 64) return LaunchSm90<__half, 64>(stream, p, max_tiles);
-  return LaunchSm90<__half, 128>(stream, p, max_tiles);
+  if (a.shape.cache.head_dim == 64) return by_cache(__half{}, D64{});
+  return by_cache(__half{}, D128{});
 }
 
 }  // namespace kvcm::cuda

@@ -127,9 +127,9 @@ __device__ __forceinline__ bool FindPrefillTile(const PrefillParams& p, int cta,
   return true;
 }
 
-// The Hopper (sm_90a) wgmma prefill kernel: bf16/f16 caches of the query dtype at head_dim 64
-// or 128, on a device and build that have sm_90a. Rows per CTA: kSm90RowsPerCta, so it shares
-// the schedule of the kernel below.
+// The Hopper (sm_90a) wgmma prefill kernel: bf16/f16 caches of the query dtype, or fp8 caches
+// with bf16/f16 queries, at head_dim 64 or 128, on a device and build that have sm_90a. Rows per
+// CTA: kSm90RowsPerCta, so it shares the schedule of the kernel below.
 constexpr int kSm90RowsPerCta = 128;
 bool RaggedPrefillSm90Supports(const AttentionArgs& a);
 ffi::Error LaunchRaggedPrefillSm90(cudaStream_t stream, const PrefillParams& p, int64_t max_tiles);
