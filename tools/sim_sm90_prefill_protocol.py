@@ -29,6 +29,10 @@ batch in the kernel's order, bands from the row geometry and windows, which also
 kernel's claim 0 <= ta < tb <= num_tiles). Grids of 1 to 6 CTAs, also more than the work tiles
 (the launch sizes the grid from an upper bound).
 
+The fp8 cache path (--cache fp8; by default each trial picks one of the two paths): the producer
+converts K of tile j together with V of tile j - 1 after one wait for its copies, so K's full
+arrival comes after V's empty wait (K of tile 0 still arrives before Q).
+
     python -m tools.sim_sm90_prefill_protocol             # expects 0 violations
     python -m tools.sim_sm90_prefill_protocol --mutate X  # a broken protocol step: expects >0
 
@@ -49,8 +53,9 @@ MUTATIONS = {
 }
 
 
-def run(works, S, grid, seed, mutate=None):
-    """works: per work tile (n, bands): n key tiles, bands[c] = (ta, tb) of consumer c."""
+def run(works, S, grid, seed, mutate=None, fp8=False):
+    """works: per work tile (n, bands): n key tiles, bands[c] = (ta, tb) of consumer c.
+    fp8: the fp8 cache path (K of tile j arrives only after V of tile j - 1's empty wait)."""
     rnd = random.Random(seed)
     W = len(works)
     errors = []
@@ -126,12 +131,14 @@ def run(works, S, grid, seed, mutate=None):
                     shared['claimed'][slot] = (k, next_w)
                 yield 'step'
                 for it in range(1, n + 1):
+                    gk = g + it
                     if it < n:
-                        gk = g + it
                         if gk >= S: yield from pwait('k', gk)
-                        pfill(pw, 'k', gk, (w, it)); yield 'step'
+                        if not fp8: pfill(pw, 'k', gk, (w, it)); yield 'step'
                     jt = it - 1; gv = g + jt; st = gv % S
                     if gv >= S: yield from pwait('v', gv)
+                    if fp8 and it < n:   # K converted and arrived after V's empty wait
+                        pfill(pw, 'k', gk, (w, it)); yield 'step'
                     flags[st][pw] = (w, jt)
                     if jt == n - 1 and mutate != 'no_stage_bad': sbad[st][pw] = w
                     pfill(pw, 'v', gv, (w, jt)); yield 'step'
@@ -305,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.sim_sm90_prefill_protocol")
     ap.add_argument('--mutate', choices=sorted(MUTATIONS), default=None)
     ap.add_argument('--trials', type=int, default=20000)
+    ap.add_argument('--cache', choices=['both', 'fp16', 'fp8'], default='both',
+                    help='the producer path modeled: 16-bit caches, fp8 caches, or each trial at '
+                         'random (default)')
     return ap
 
 
@@ -321,7 +331,8 @@ def main() -> None:
         if rnd.random() < 0.3:   # the kernel's own geometry (bands from rows, windows)
             works = kernel_works(rnd)
         grid = rnd.choice([1, 1, 2, 3, 4, 6])
-        e = run(works, S, grid, trial, args.mutate)
+        fp8 = args.cache == 'fp8' or (args.cache == 'both' and rnd.random() < 0.5)
+        e = run(works, S, grid, trial, args.mutate, fp8)
         if e:
             bad += 1
             if bad < 4: print(str(e)[:600])
