@@ -18,7 +18,8 @@ from conftest import (DTYPES, assert_bits_equal, assert_close, assert_zero_rows,
                       to_f32)
 from jax_kvcm import ops
 from jax_kvcm.ops import reference as ref
-from test_attention import DECODE_CASES, RAGGED_CASES, Case, make_batch
+from test_attention import (DECODE_CASES, RAGGED_CASES, Case, long_ragged_batch, make_batch,
+                            numpy_ragged_attention)
 from test_nonfinite import base_batch
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -177,6 +178,95 @@ def test_ragged_paged_attention_fp8(backend, case, dtype):
     want = reference("ragged_paged_attention", q, kdq, vdq, *args, layer=b.layer, **case.attrs())
     assert_zero_rows(out, b.zero_rows, "fp8 ragged padding rows", seed)
     assert_close(out, want, dtype, f"ragged fp8[{case.id}]", seed)
+
+
+# Long chunks over fp8 caches: on an H100/H200 the sm90 (wgmma) prefill kernel's fp8 path, whose
+# producer converts each K/V tile to f16 in the ring: many K/V tiles per work tile, wholly and
+# partly read tiles, the ring running on across work tiles, windows and soft caps, page sizes from
+# 1 (per-row table lookups) to 256; against the float32 oracle on the dequantized caches.
+
+
+def fp8_long_batch(seed, seq_lens, num_new, *, page, group, head_dim, dtype, padding):
+    rng = np.random.default_rng(seed)
+    hkv = 2
+    q, k, v, table, query_start, num_rows = long_ragged_batch(
+        rng, np.asarray(seq_lens, np.int32), np.asarray(num_new), page=page, hkv=hkv,
+        group=group, head_dim=head_dim, padding=padding, spare_pages=2, dtype=np.float32)
+    ks, vs = random_scales(rng, (hkv,)), random_scales(rng, (hkv,))
+    k8, v8 = fp8_quantize_cache(k, ks), fp8_quantize_cache(v, vs)
+    return (q.astype(dtype), k8, v8, ks, vs, table, np.asarray(seq_lens, np.int32), query_start,
+            num_rows)
+
+
+def _check_fp8_long(backend, seed, seq_lens, num_new, *, page, group, head_dim, dtype, window,
+                    soft_cap, what):
+    q, k8, v8, ks, vs, table, lens, query_start, num_rows = fp8_long_batch(
+        seed, seq_lens, num_new, page=page, group=group, head_dim=head_dim, dtype=dtype, padding=5)
+    print(f"seed={seed} seq_lens={lens.tolist()} query_start={query_start.tolist()}")
+    out = ops.ragged_paged_attention(*backend.put(q, k8, v8, table, lens, query_start),
+                                     k_scale=backend.put(ks), v_scale=backend.put(vs),
+                                     sliding_window=window, soft_cap=soft_cap)
+    assert out.dtype == dtype
+    want = numpy_ragged_attention(q, fp8_dequantize_cache(k8, ks), fp8_dequantize_cache(v8, vs),
+                                  table, lens, query_start, num_rows, window=window,
+                                  soft_cap=soft_cap)
+    assert_zero_rows(out, np.arange(query_start[-1], num_rows), "fp8 padding rows", seed)
+    assert_close(out, want, dtype, what, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+@pytest.mark.parametrize("head_dim,group,window,soft_cap",
+                         [(128, 4, None, None), (128, 1, 300, None), (64, 8, None, 8.0),
+                          (64, 2, 700, None), (128, 8, 64, 20.0)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_ragged_fp8_long_prefill_matches_reference(backend, head_dim, group, window, soft_cap,
+                                                   dtype):
+    seed = 800 + head_dim + group + (window or 0)
+    _check_fp8_long(backend, seed, [1531, 700, 977, 0], [1000, 700, 1, 0], page=16, group=group,
+                    head_dim=head_dim, dtype=dtype, window=window, soft_cap=soft_cap,
+                    what=f"fp8 long prefill d{head_dim} g{group} w{window} cap{soft_cap}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+@pytest.mark.parametrize("page", [1, 4, 64, 256])
+@pytest.mark.parametrize("head_dim,group,window", [(128, 4, None), (64, 1, 100), (128, 2, 200)])
+def test_ragged_fp8_prefill_at_key_tile_edges(backend, page, head_dim, group, window):
+    seed = 900 + page + head_dim + group + (window or 0)
+    _check_fp8_long(backend, seed, [127, 128, 129, 257, 383, 640, 1],
+                    [127, 1, 129, 130, 255, 384, 1], page=page, group=group, head_dim=head_dim, dtype=jnp.bfloat16, window=window,
+                    soft_cap=None, what=f"fp8 tile edges p{page} d{head_dim} g{group} w{window}")
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("p", [127, 128, 132, 250])
+@pytest.mark.parametrize("D", [64, 128])
+def test_ragged_fp8_nan_across_key_tiles(backend, D, where, p):
+    """A NaN byte row (0x7f) of kv head 0 at position p inside a 200-token chunk (positions
+    100..299) of an fp8 cache: on the GPU the sm90 kernel, whose producer zeroes a NaN V chunk of
+    a key that some rows of the work tile do not read and flags the key. Queries before p stay
+    finite and match the oracle; those at or after it are non-finite; kv head 1 is untouched.
+    Every slot no sequence owns is NaN too (base_batch)."""
+    seed = 1000 + 2 * p + D + (where == "v")
+    rng, k, v, table, lens = base_batch(seed, [300], head_dim=D)
+    page, off = int(table[0, p // 16]), p % 16
+    (k if where == "k" else v)[page, off, 0, :] = np.nan
+    ks, vs = random_scales(rng, (2,)), random_scales(rng, (2,))
+    k8, v8 = fp8_quantize_cache(k, ks), fp8_quantize_cache(v, vs)
+    query_start = np.array([0, 200], np.int32)
+    q = rng.standard_normal((200, 2 * 4, D)).astype(jnp.bfloat16)
+    print(f"seed={seed} p={p} where={where} D={D}")
+    out = to_f32(ops.ragged_paged_attention(*backend.put(q, k8, v8, table, lens, query_start),
+                                            k_scale=backend.put(ks), v_scale=backend.put(vs)))
+    first = p - 100  # the first query that reads position p
+    assert not np.isfinite(out[first:, :4]).any(), f"readers must be non-finite (seed={seed})"
+    assert np.isfinite(out[:first]).all(), f"earlier queries must stay finite (seed={seed})"
+    assert np.isfinite(out[:, 4:]).all(), f"kv head 1 never reads it (seed={seed})"
+    want = to_f32(reference("ragged_paged_attention", q, fp8_dequantize_cache(k8, ks),
+                            fp8_dequantize_cache(v8, vs), table, lens, query_start))
+    assert_close(out[:first], want[:first], jnp.bfloat16, "earlier queries", seed)
+    assert_close(out[:, 4:], want[:, 4:], jnp.bfloat16, "kv head 1", seed)
 
 
 # Shapes the decode kernel's fp8 fragment layouts depend on (head dims 64 / 128 / 256, GQA groups
