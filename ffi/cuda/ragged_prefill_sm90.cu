@@ -50,16 +50,20 @@
 // e4m3 and, for bf16 queries, Q converted to f16 (the producer, in place, after its copies
 // landed, before its Q full arrival); k_scale (per layer and kv head, layer 0 for a bad layer)
 // scales the logits and v_scale the normalized output, passed in work_info by producer thread 0.
-// The producer cp.asyncs a row's D raw bytes into the last D bytes of the row's own 128-byte
-// lines in the stage (RawFp8Offset), waits for its copies, and converts its rows in place (a
-// row's lanes are one warp: __syncwarp between their reads of the raw bytes and their writes),
-// then fence.proxy.async and a plain mbarrier arrive on the half's full barrier (the same 128
-// arrivals). A tile's K and V halves share one wait (K of tile j, then V of tile j - 1 are
-// issued, then both converted, K first): K's arrival comes after V's empty wait, which is safe
-// because V of tile j - 1 - kStages is freed after K of tile j + 1 - kStages and earlier halves
-// are full, all arrived before. K of tile 0 is converted and arrives before Q. For V of a tile
-// that some row reads only in part, raw chunks with a NaN (e4m3fn has no inf) in keys that some
-// but not all rows read are zeroed before the conversion and their keys flagged, as above.
+// The producer cp.asyncs a row's D raw bytes into the row's own 128-byte lines in the stage
+// (RawFp8Offset), waits for its copies, and converts its rows in place (a row's lanes are one
+// warp: __syncwarp between their reads of the raw bytes and their writes), then fence.proxy.async
+// and a plain mbarrier arrive on the half's full barrier (the same 128 arrivals). A tile's K and
+// V halves share one wait (one round trip per tile): K of tile j and V of tile j - 1 are issued,
+// then both converted, K first, so K's arrival comes after V's empty wait. That wait needs the
+// consumers to free V of tile j - 1 - kStages, which needs only K and V halves of earlier tiles
+// than j (all arrived already; the simulator checks it). K of tile 0 is converted and arrives
+// before Q. For V of a tile that some row reads only in part, raw chunks with a NaN (e4m3fn has
+// no inf) in keys that some but not all rows read are zeroed before the conversion and their
+// keys flagged, as above. A tile's loads are all in flight at once (cp.async: no registers), but
+// the producer waits for them before it issues the next tile's, so one load latency per tile is
+// not hidden by the ring (converting a tile behind its issue would hide it, at the cost of a
+// longer chain of arrivals to check).
 // Named barriers: 4 (the producer's 128 threads, once per work tile: the next claim), 5 and 6
 // (the consumers' turns).
 // tools/sim_sm90_prefill_protocol.py models this protocol (several CTAs claiming from one
@@ -242,14 +246,16 @@ __device__ __forceinline__ WorkRange MakeWorkRange(int tile, int nq, int len, in
 }
 
 // fp8 caches: where the producer stages the raw float8_e4m3fn bytes of row `row` of a K/V tile
-// (D bytes, 16-byte chunk `chunk` at chunk ^ row % (D / 16)) before converting them in place: the
-// last D bytes of the row's own 128-byte lines of the 16-bit tile (column block D / 64 - 1), so
-// that converting a row overwrites only that row's raw bytes (those of no other row).
+// (D bytes) before converting them in place: within the row's own 128-byte lines of the 16-bit
+// tile, so that converting a row overwrites only that row's raw bytes (those of no other row).
+// At D 128 the row's line in column block 1; at D 64 one half of its line, by row parity. Raw
+// chunk `chunk` (16 bytes) is placed so that the 8 lanes of a 16-byte access phase (2 rows of 4
+// lanes at D 128, 4 rows of 2 at D 64, adjacent chunks) hit distinct banks.
 template <int D>
 __device__ __forceinline__ int RawFp8Offset(int row, int chunk) {
-  constexpr int kRawChunks = D / 16;
-  return (D / 64 - 1) * kKeys * 128 + row * 128 + (8 - kRawChunks) * 16 +
-         ((chunk ^ (row % kRawChunks)) << 4);
+  static_assert(D == 64 || D == 128);
+  if constexpr (D == 128) return kKeys * 128 + row * 128 + ((chunk ^ ((row & 1) << 2)) << 4);
+  return row * 128 + ((row & 1) << 6) + ((chunk ^ (row & 2)) << 4);
 }
 
 // Whether a 16-byte chunk of float8_e4m3fn values holds a NaN (0x7f / 0xff: e4m3fn's only
