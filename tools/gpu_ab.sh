@@ -11,6 +11,7 @@
 #                    --pytest= (empty) skips them
 #     --rounds=N     prefill_ab.py turns per build (default 2)
 #     --quick        prefill_ab.py at its tiny shapes (a smoke test of this script; CPU too)
+#     --fp8          prefill_ab.py also over fp8 K/V caches (the sm90 kernel's fp8 path)
 #     --also=TAR     one more snapshot, timed between A and B (repeatable)
 #     --test-also    the gpu tests (this tree's tests/) on each --also build too
 #     --profile      Nsight Compute (--set full, per-instruction SASS samples as CSV) of A's and
@@ -23,12 +24,13 @@
 # report (tests, times, clock and power, profiles, ratios) and a table of the steps are printed
 # last and kept in $OUT/report.md and $OUT/steps.txt.
 set -u
-base_tar=${1:?usage: gpu_ab.sh BASE_TAR [--pytest=ARGS] [--rounds=N] [--quick] [--also=TAR]... [--test-also] [--profile] [--attention]}
+base_tar=${1:?usage: gpu_ab.sh BASE_TAR [--pytest=ARGS] [--rounds=N] [--quick] [--fp8] [--also=TAR]... [--test-also] [--profile] [--attention]}
 shift
 pytest_args="ops/test_nonfinite.py ops/test_attention.py -k 'nonfinite or ragged or prefill'"
 rounds=2
 attention=0
 quick=()
+fp8=()
 also=()
 test_also=0
 profile=0
@@ -38,6 +40,7 @@ for arg in "$@"; do
     --rounds=*) rounds=${arg#--rounds=} ;;
     --attention) attention=1 ;;
     --quick) quick=(--quick) ;;
+    --fp8) fp8=(--fp8) ;;
     --also=*) also+=("${arg#--also=}") ;;
     --test-also) test_also=1 ;;
     --profile) profile=1 ;;
@@ -144,7 +147,7 @@ watched() {  # name log command...: step, with the clock and power it ran at in 
   return $rc
 }
 watched prefill-ab prefill_ab.log python3 -m tools.prefill_ab "${sites[@]}" \
-  --rounds "$rounds" "${quick[@]}"
+  --rounds "$rounds" "${quick[@]}" "${fp8[@]}"
 grep -v "^round" "$OUT/prefill_ab.log" | report
 if [ $profile = 1 ]; then
   for x in a b; do

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""A/B timing of our ragged prefill (and, with ``--decode``, paged decode in bf16 and fp8)
+"""A/B timing of our ragged prefill (with ``--fp8`` also over fp8 K/V; with ``--decode``, paged
+decode in bf16 and fp8)
 across builds of jax_kvcm, alternated in one run.
 
 A kernel change is judged against the build it changes, on the same GPU in the same minutes:
@@ -71,9 +72,11 @@ def time_decode(quick: bool, repeats: int) -> dict[str, dict]:
     return out
 
 
-def time_build(quick: bool, repeats: int) -> dict[str, dict]:
+def time_build(quick: bool, repeats: int, fp8: bool = False) -> dict[str, dict]:
     """In the child process (started in the build's folder, so that its jax_kvcm comes first on
-    sys.path; the repository on PYTHONPATH): {shape: {"ms", "check"}}."""
+    sys.path; the repository on PYTHONPATH): {shape: {"ms", "check"}}. fp8: also each shape over
+    float8_e4m3fn copies of the caches (one power-of-two scale), checked against the reference
+    on the dequantized K/V."""
     import jax
     import jax.numpy as jnp
 
@@ -99,6 +102,22 @@ def time_build(quick: bool, repeats: int) -> dict[str, dict]:
         tm = _timing.time_jax(f, [(c["q2"].reshape(t, h, d), *args),
                                   (c["q"].reshape(t, h, d), *args)], repeats=repeats)
         out[f"B={b} S={s}"] = {"ms": tm["ms"], "check": checked["text"]}
+        if fp8:
+            k8, v8, scale, _, _ = A.fp8_caches(k_cache, v_cache)
+            deq = jax.jit(lambda x, scale=scale: (x.astype(jnp.float32) / scale).astype(
+                jnp.float8_e4m3fn).astype(jnp.float32) * scale)
+            ref8 = jax.jit(A.dense_causal_reference)(c["q"], deq(c["k"]), deq(c["v"]), c["pos"])
+            sc = jnp.full((hkv,), scale, jnp.float32)
+            args8 = (k8, v8, c["page_table"], c["seq_lens"], c["query_start"], sc, sc)
+            f8 = jax.jit(lambda q, kc, vc, t, n, qs, ks, vs: jax_kvcm.ragged_paged_attention(
+                q, kc, vc, t, n, qs, k_scale=ks, v_scale=vs))
+            A.poison_allocator((t, h, d), A.DTYPE)
+            got = f8(c["q"].reshape(t, h, d), *args8).reshape(b, s, h, d)[:, c["pos"]]
+            checked = A.check(got, ref8)
+            tm = _timing.time_jax(f8, [(c["q2"].reshape(t, h, d), *args8),
+                                       (c["q"].reshape(t, h, d), *args8)], repeats=repeats)
+            out[f"fp8 B={b} S={s}"] = {"ms": tm["ms"], "check": checked["text"]}
+            del k8, v8
         del k_cache, v_cache, got
     return out
 
@@ -112,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=9, help="timing samples per call (median)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per child process")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also the prefill shapes over fp8 K/V caches (one power-of-two scale)")
     p.add_argument("--decode", action="store_true",
                    help="also paged decode at bench_attention's five shapes, bf16 and fp8")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -122,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     if a.child:
-        res = time_build(a.quick, a.repeats)
+        res = time_build(a.quick, a.repeats, a.fp8)
         if a.decode:
             res.update(time_decode(a.quick, a.repeats))
         print("RESULT " + json.dumps(res), flush=True)
@@ -139,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
             cmd = [sys.executable, "-m", "tools.prefill_ab", "--child", "--repeats", str(a.repeats)]
-            flags = (["--quick"] if a.quick else []) + (["--decode"] if a.decode else [])
+            flags = ((["--quick"] if a.quick else []) + (["--fp8"] if a.fp8 else []) +
+                     (["--decode"] if a.decode else []))
             try:
                 proc = subprocess.run(cmd + flags, env=env, cwd=site,
                                       capture_output=True, text=True, timeout=a.timeout)
