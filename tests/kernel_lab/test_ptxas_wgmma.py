@@ -5,11 +5,14 @@ for example, a divergent branch while a wgmma is in flight. It says so only as a
 ("Potential Performance Loss: wgmma.mma_async instructions are serialized", C7515 / C7518 ...),
 and the build passes. Session 15 measured one such branch cost 11-15% of the prefill. This test
 compiles ``ffi/cuda/ragged_prefill_sm90.cu`` for sm_90a with ``ptxas -v`` and fails on any such
-line. It needs nvcc (CI has it; skipped without), not a GPU.
+line. It needs nvcc (CI has it; skipped without), not a GPU. The same report shows that no
+instantiation spills (the producer's setmaxnreg budget is 56 registers, which the fp8 path's
+in-place conversion also has to fit).
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,8 +41,30 @@ def serialized_wgmma_lines(report: str) -> list[str]:
             if "wgmma" in line.lower() and "serializ" in line.lower()]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_sm90_prefill_wgmma_not_serialized(tmp_path):
-    report = ptxas_report(SOURCE, tmp_path)
-    assert "Compiling entry function" in report, report[-2000:]  # ptxas -v did report
+def kernel_spills(report: str) -> dict[str, tuple[int, int]]:
+    """(spill store bytes, spill load bytes) per RaggedPrefillSm90Kernel instantiation, by its
+    mangled template arguments (dtype, head_dim, fp8)."""
+    found = re.findall(r"Function properties for \S*RaggedPrefillSm90KernelI(\w+?)EEvNS0_\w*\n"
+                       r"\s*\d+ bytes stack frame, (\d+) bytes spill stores, "
+                       r"(\d+) bytes spill loads", report)
+    return {args: (int(st), int(ld)) for args, st, ld in found}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> str:
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    text = ptxas_report(SOURCE, tmp_path_factory.mktemp("ptxas"))
+    assert "Compiling entry function" in text, text[-2000:]  # ptxas -v did report
+    return text
+
+
+def test_sm90_prefill_wgmma_not_serialized(report):
     assert serialized_wgmma_lines(report) == [], "\n".join(serialized_wgmma_lines(report))
+
+
+def test_sm90_prefill_instantiations_do_not_spill(report):
+    spills = kernel_spills(report)
+    # bf16 / f16 queries x head_dim 64 / 128 x 16-bit / fp8 caches
+    assert len(spills) == 8, sorted(spills)
+    assert all(v == (0, 0) for v in spills.values()), spills
