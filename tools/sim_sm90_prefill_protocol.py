@@ -29,9 +29,12 @@ batch in the kernel's order, bands from the row geometry and windows, which also
 kernel's claim 0 <= ta < tb <= num_tiles). Grids of 1 to 6 CTAs, also more than the work tiles
 (the launch sizes the grid from an upper bound).
 
-The fp8 cache path (--cache fp8; by default each trial picks one of the two paths): the producer
-converts K of tile j together with V of tile j - 1 after one wait for its copies, so K's full
-arrival comes after V's empty wait (K of tile 0 still arrives before Q).
+The fp8 cache path (--cache fp8; by default each trial picks one of the two paths): loop turn j
+issues K of tile j and V of tile j - 1 (after their empty waits) as one cp.async group, and the
+producer converts and arrives on turn j - 1's halves only after turn j's issues, so a half's full
+arrival comes after the next turn's empty waits; the last turn's halves are converted at the
+work tile's end, and K of tile 0 still arrives before Q. That needs S >= 3 (fp8 trials draw
+S from 3 up; with S = 2 the fp8 path deadlocks).
 
     python -m tools.sim_sm90_prefill_protocol             # expects 0 violations
     python -m tools.sim_sm90_prefill_protocol --mutate X  # a broken protocol step: expects >0
@@ -55,7 +58,8 @@ MUTATIONS = {
 
 def run(works, S, grid, seed, mutate=None, fp8=False):
     """works: per work tile (n, bands): n key tiles, bands[c] = (ta, tb) of consumer c.
-    fp8: the fp8 cache path (K of tile j arrives only after V of tile j - 1's empty wait)."""
+    fp8: the fp8 cache path (loop turn j's K of tile j and V of tile j - 1 arrive only after
+    turn j + 1's empty waits; S >= 3)."""
     rnd = random.Random(seed)
     W = len(works)
     errors = []
@@ -130,18 +134,24 @@ def run(works, S, grid, seed, mutate=None, fp8=False):
                     slot = 0 if mutate == 'claim_single_buffer' else k & 1
                     shared['claimed'][slot] = (k, next_w)
                 yield 'step'
+                def fill_v(jt):
+                    gv = g + jt; st = gv % S
+                    flags[st][pw] = (w, jt)
+                    if jt == n - 1 and mutate != 'no_stage_bad': sbad[st][pw] = w
+                    pfill(pw, 'v', gv, (w, jt)); yield 'step'
+                def finish_turn(i):  # fp8: turn i's copies converted (K of tile i, V of i - 1)
+                    if i < n: pfill(pw, 'k', g + i, (w, i)); yield 'step'
+                    yield from fill_v(i - 1)
                 for it in range(1, n + 1):
                     gk = g + it
                     if it < n:
                         if gk >= S: yield from pwait('k', gk)
                         if not fp8: pfill(pw, 'k', gk, (w, it)); yield 'step'
-                    jt = it - 1; gv = g + jt; st = gv % S
+                    jt = it - 1; gv = g + jt
                     if gv >= S: yield from pwait('v', gv)
-                    if fp8 and it < n:   # K converted and arrived after V's empty wait
-                        pfill(pw, 'k', gk, (w, it)); yield 'step'
-                    flags[st][pw] = (w, jt)
-                    if jt == n - 1 and mutate != 'no_stage_bad': sbad[st][pw] = w
-                    pfill(pw, 'v', gv, (w, jt)); yield 'step'
+                    if not fp8: yield from fill_v(jt)
+                    elif it >= 2: yield from finish_turn(it - 1)
+                if fp8 and n > 0: yield from finish_turn(n)   # nothing left across work tiles
                 g += n
                 if mutate != 'no_barrier4': yield from sync(('p', pw), 4, NPW)
                 slot = 0 if mutate == 'claim_single_buffer' else k & 1
@@ -323,7 +333,8 @@ def main() -> None:
     bad = 0
     rnd = random.Random(12345)
     for trial in range(args.trials):
-        S = rnd.choice([2, 3, 4, 6, 8])
+        fp8 = args.cache == 'fp8' or (args.cache == 'both' and rnd.random() < 0.5)
+        S = rnd.choice([3, 4, 6, 8] if fp8 else [2, 3, 4, 6, 8])  # the kernel: 3 and 6
         W = rnd.choice([0, 1, 2, 3, 5, 8, 12])
         works = [random_work(rnd) for _ in range(W)]
         if rnd.random() < 0.3:   # runs of one-tile work tiles (decode rows, short sequences)
@@ -331,7 +342,6 @@ def main() -> None:
         if rnd.random() < 0.3:   # the kernel's own geometry (bands from rows, windows)
             works = kernel_works(rnd)
         grid = rnd.choice([1, 1, 2, 3, 4, 6])
-        fp8 = args.cache == 'fp8' or (args.cache == 'both' and rnd.random() < 0.5)
         e = run(works, S, grid, trial, args.mutate, fp8)
         if e:
             bad += 1

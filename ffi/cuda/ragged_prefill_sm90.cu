@@ -53,17 +53,20 @@
 // The producer cp.asyncs a row's D raw bytes into the row's own 128-byte lines in the stage
 // (RawFp8Offset), waits for its copies, and converts its rows in place (a row's lanes are one
 // warp: __syncwarp between their reads of the raw bytes and their writes), then fence.proxy.async
-// and a plain mbarrier arrive on the half's full barrier (the same 128 arrivals). A tile's K and
-// V halves share one wait (one round trip per tile): K of tile j and V of tile j - 1 are issued,
-// then both converted, K first, so K's arrival comes after V's empty wait. That wait needs the
-// consumers to free V of tile j - 1 - kStages, which needs only K and V halves of earlier tiles
-// than j (all arrived already; the simulator checks it). K of tile 0 is converted and arrives
-// before Q. For V of a tile that some row reads only in part, raw chunks with a NaN (e4m3fn has
-// no inf) in keys that some but not all rows read are zeroed before the conversion and their
-// keys flagged, as above. A tile's loads are all in flight at once (cp.async: no registers), but
-// the producer waits for them before it issues the next tile's, so one load latency per tile is
-// not hidden by the ring (converting a tile behind its issue would hide it, at the cost of a
-// longer chain of arrivals to check).
+// and a plain mbarrier arrive on the half's full barrier (the same 128 arrivals). The producer's
+// loop turn j issues K of tile j and V of tile j - 1 (each after its empty wait) as one cp.async
+// group, then waits for turn j - 1's group (wait_group 1) and converts and arrives on its halves,
+// K first: the copies of a turn are in flight while the producer waits for the consumers to free
+// the next halves, so in the steady state they have landed when it converts them. Turn j - 1's
+// arrivals (K of tile j - 1, V of tile j - 2) so come after turn j's empty waits, which need the
+// consumers to free K of tile j - kStages and V of tile j - 1 - kStages; before that they wait
+// for K halves up to tile j + 1 - kStages and V halves up to j - kStages (their own and, through
+// the turns, the other warpgroup's): all arrived already when kStages >= 3 (3 and 6 here; the
+// simulator checks it, and finds the deadlock with 2 stages). The last turn's group is converted
+// at the work tile's end (nothing is left across work tiles), and K of tile 0 is converted and
+// arrives before Q. For V of a tile that some row reads only in part, raw chunks with a NaN
+// (e4m3fn has no inf) in keys that some but not all rows read are zeroed before the conversion
+// and their keys flagged, as above.
 // Named barriers: 4 (the producer's 128 threads, once per work tile: the next claim), 5 and 6
 // (the consumers' turns).
 // tools/sim_sm90_prefill_protocol.py models this protocol (several CTAs claiming from one
@@ -114,6 +117,8 @@ template <int D> constexpr int Sm90SmemBytes() {
   return 1024 + kRows * D * 2 + Stages<D>() * 2 * TileBytes<D>();
 }
 static_assert(Stages<128>() == 3 && Stages<64>() == 6);
+static_assert(Stages<128>() >= 3 && Stages<64>() >= 3,
+              "the fp8 producer arrives on a turn's halves behind the next turn's empty waits");
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows of D 16-bit values,
 // stored as D / 64 column blocks of [rows][128 bytes] with the 128-byte swizzle (chunk ^ row % 8).
@@ -581,6 +586,32 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         FenceProxyAsync();  // the converted chunks, before wgmma reads K
         MbarArrive(&kfull_bar[stage]);
       };
+      // fp8: the copies issued in loop turn it below (K of tile it, if any, and V of tile it - 1),
+      // once they landed: converted and arrived, K first. V as the 16-bit path's tiles that some
+      // row reads only in part, or the work tile's last: its flags and stage_bad with it.
+      auto finish_turn_fp8 = [&](int it) {
+        if (it < num_tiles) finish_k_fp8(it);
+        const int jt = it - 1, stage = (g + jt) % kStages;
+        const bool partial = PartlyRead((t_lo + jt) * kKeys, r.q_first, r.q_last, a.window);
+        uint32_t mine[kFlagWords];
+#pragma unroll
+        for (int wd = 0; wd < kFlagWords; ++wd) mine[wd] = 0u;
+        convert_fp8(ring + stage * 2 * kTileBytes + kTileBytes, partial, (t_lo + jt) * kKeys,
+                    mine);
+        if (partial) {
+#pragma unroll
+          for (int wd = 0; wd < kFlagWords; ++wd) {
+            const uint32_t f = __reduce_or_sync(0xffffffffu, mine[wd]);
+            if (lane == 0) bad_keys[stage][warp][wd] = f;
+          }
+        }
+        if (jt == num_tiles - 1) {  // every page lookup of the work tile came before this
+          const uint32_t any = __any_sync(0xffffffffu, bits != 0u);
+          if (lane == 0) stage_bad[stage][warp] = any;
+        }
+        FenceProxyAsync();  // the converted chunks, before wgmma reads V
+        MbarArrive(&vfull_bar[stage]);
+      };
       int64_t k_offset = lane_pages ? tile_page_offset(0) : -1;  // the lane's page of tile it
       int64_t v_offset = -1;                                      // ... of tile it - 1
       {  // it = 0 (peeled): K of tile 0, Q, and the claim published (its register freed)
@@ -610,30 +641,14 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
         const bool partial = PartlyRead((t_lo + jt) * kKeys, r.q_first, r.q_last, a.window);
         const bool last = jt == num_tiles - 1;
         if constexpr (kFp8) {
-          // K of tile it and V of tile jt in one wait (one round trip per tile): K's arrival
-          // waits for V's empty barrier, which needs only earlier tiles' K and V full barriers
-          // (see the header comment).
+          // This turn's copies are one commit group; the previous turn's, landed by now in the
+          // steady state (the empty waits pace the producer), are converted and arrive behind
+          // them (see the header comment: why the ring has room for that).
           CpAsyncCommit();
-          CpAsyncWait<0>();
-          if (it < num_tiles) finish_k_fp8(it);
-          uint32_t mine[kFlagWords];
-#pragma unroll
-          for (int wd = 0; wd < kFlagWords; ++wd) mine[wd] = 0u;
-          convert_fp8(ring + stage * 2 * kTileBytes + kTileBytes, partial, (t_lo + jt) * kKeys,
-                      mine);
-          if (partial) {
-#pragma unroll
-            for (int wd = 0; wd < kFlagWords; ++wd) {
-              const uint32_t f = __reduce_or_sync(0xffffffffu, mine[wd]);
-              if (lane == 0) bad_keys[stage][warp][wd] = f;
-            }
+          if (it >= 2) {
+            CpAsyncWait<1>();
+            finish_turn_fp8(it - 1);
           }
-          if (last) {
-            const uint32_t any = __any_sync(0xffffffffu, bits != 0u);
-            if (lane == 0) stage_bad[stage][warp] = any;
-          }
-          FenceProxyAsync();  // the converted chunks, before wgmma reads V
-          MbarArrive(&vfull_bar[stage]);
           continue;
         }
         if (!partial && !last) {
@@ -696,6 +711,12 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           if (lane == 0) stage_bad[stage][warp] = any;
         }
         MbarArrive(&vfull_bar[stage]);
+      }
+      if constexpr (kFp8) {
+        if (num_tiles > 0) {  // the last turn's copies (none are left across work tiles)
+          CpAsyncWait<0>();
+          finish_turn_fp8(num_tiles);
+        }
       }
       if (bits) RaiseError(a.error_word, bits);
       g += num_tiles;
