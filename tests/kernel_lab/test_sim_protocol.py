@@ -13,10 +13,12 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "sim_sm90_prefill_protocol.py"
 
 
+@pytest.mark.parametrize("cache", ["both", "fp8"])
 @pytest.mark.parametrize("mutate", [None, "no_stage_bad", "q_freed_early"])
-def test_protocol_model(mutate):
-    """Exit status 0: no violation without a mutation, violations found with one (fixed seeds)."""
-    argv = [sys.executable, str(SCRIPT), "--trials", "3000"]
+def test_protocol_model(mutate, cache):
+    """Exit status 0: no violation without a mutation, violations found with one (fixed seeds);
+    by default each trial models the 16-bit or the fp8 producer path, with --cache fp8 all do."""
+    argv = [sys.executable, str(SCRIPT), "--trials", "3000", "--cache", cache]
     if mutate:
         argv += ["--mutate", mutate]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
