@@ -74,7 +74,7 @@ finish() {
   bundle_logs report.md steps.txt
 }
 # shellcheck source=scripts/_bundle_logs.sh
-source "$(dirname "$0")/_bundle_logs.sh"
+source scripts/_bundle_logs.sh
 trap finish EXIT
 rm -f "$OUT/report.md"
 # shellcheck source=scripts/_anchors_setup.sh

@@ -104,9 +104,14 @@ def time_build(quick: bool, repeats: int, fp8: bool = False) -> dict[str, dict]:
         out[f"B={b} S={s}"] = {"ms": tm["ms"], "check": checked["text"]}
         if fp8:
             k8, v8, scale, _, _ = A.fp8_caches(k_cache, v_cache)
-            deq = jax.jit(lambda x, scale=scale: (x.astype(jnp.float32) / scale).astype(
-                jnp.float8_e4m3fn).astype(jnp.float32) * scale)
-            ref8 = jax.jit(A.dense_causal_reference)(c["q"], deq(c["k"]), deq(c["v"]), c["pos"])
+            # Quantized and dequantized in separate programs: inside one, XLA on the GPU may drop
+            # the f32 -> fp8 -> f32 round trip (excess precision), and the reference would read
+            # unquantized K/V (rel-L2 ~3e-2 against any fp8 kernel).
+            quant = jax.jit(lambda x, scale=scale: (x.astype(jnp.float32) / scale).astype(
+                jnp.float8_e4m3fn))
+            deq = jax.jit(lambda x8, scale=scale: x8.astype(jnp.float32) * scale)
+            ref8 = jax.jit(A.dense_causal_reference)(c["q"], deq(quant(c["k"])),
+                                                     deq(quant(c["v"])), c["pos"])
             sc = jnp.full((hkv,), scale, jnp.float32)
             args8 = (k8, v8, c["page_table"], c["seq_lens"], c["query_start"], sc, sc)
             f8 = jax.jit(lambda q, kc, vc, t, n, qs, ks, vs: jax_kvcm.ragged_paged_attention(
