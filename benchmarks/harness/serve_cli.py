@@ -56,10 +56,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="every run's linear weights in float8_e4m3fn with FP8 GEMMs "
                         "(examples/llama/fp8_weights.py): fp8 (per-channel scales), fp8-tensor "
                         "(per tensor); activations per token; one device (default: bf16)")
-    p.add_argument("--xla-option", type=xla_options, default=(), metavar="KEY=VALUE[,...]",
+    p.add_argument("--xla-option", type=xla_options, default=None, metavar="KEY=VALUE[,...]",
                    help="XLA compiler options of the paged runs' device step "
                         "(ServeConfig.xla_options), e.g. xla_gpu_enable_triton_gemm=false "
-                        "(default: XLA's)")
+                        "(default: XLA's; with --quantize, Triton GEMMs off: "
+                        "examples/llama/step.py FP8_WEIGHTS_XLA_OPTIONS)")
     p.add_argument("--prefill-chunk", type=int, nargs="+", metavar="N",
                    help="paged prompt tokens per step (ServeConfig.prefill_chunk_tokens); the "
                         "step's token budget becomes the largest concurrency + N unless "

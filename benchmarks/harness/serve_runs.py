@@ -234,7 +234,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
         weights=setup.quantize or setup.model.dtype, cascade=scfg.cascade,
-        xla_options=dict(scfg.xla_options),
+        xla_options=dict(server.serve.xla_options),
         decode_kv_tokens=rep["decode_kv_tokens"], cascade_tokens_saved=rep["cascade_tokens_saved"],
         deferred_admissions=rep["deferred_admissions"],
         cascade_grouped_rows=rep["cascade_grouped_rows"],

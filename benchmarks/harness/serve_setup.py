@@ -91,7 +91,7 @@ class Setup:
     kv_dtype: str = "auto"               # the paged runs' K/V pools (ServeConfig.kv_dtype)
     tensor_parallel: int = 1             # the paged runs' devices (ServeConfig.tensor_parallel)
     cascade: bool = False                # --cascade: ServeConfig.cascade for the paged runs
-    xla_options: tuple = ()              # --xla-option: ServeConfig.xla_options (paged runs)
+    xla_options: tuple | None = None     # --xla-option: ServeConfig.xla_options (paged runs)
     # --cascade-ab: the shared "on" run without and with cascade, ab_rounds times each,
     # interleaved in one process, and the median ratio with its spread
     cascade_ab: bool = False

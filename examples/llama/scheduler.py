@@ -5,6 +5,7 @@ preempts under page pressure, reads sampled tokens one step late and recovers fr
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import os
 import time
@@ -21,7 +22,7 @@ from . import tp as tensor_parallel
 from .admission import PromptsInFlight
 from .serve_types import (CODECS, Request, RequestOutput, RequestState, ServeConfig, StepRecord,
                           kv_cache_config, kv_report)
-from .step import Dispatched, model_caches, model_step_with, step_inputs
+from .step import Dispatched, model_caches, model_step_with, step_inputs, step_xla_options
 
 __all__ = ["Server"]
 
@@ -33,7 +34,9 @@ class Server:
 
     def __init__(self, params: Any, config: llama.LlamaConfig, serve: ServeConfig | None = None):
         self.params, self.config = params, config
-        self.serve = serve = serve or ServeConfig()
+        serve = serve or ServeConfig()
+        self.serve = serve = dataclasses.replace(  # xla_options None: the weights' defaults
+            serve, xla_options=step_xla_options(serve.xla_options, params))
         if serve.disk_dir:
             os.makedirs(serve.disk_dir, exist_ok=True)
         # Tensor parallelism: weights split Megatron-style, pools split over KV heads (with

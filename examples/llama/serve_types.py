@@ -115,8 +115,10 @@ class ServeConfig:
     # loop profile). Off: nothing is recorded and the loop does no extra work.
     record_steps: bool = False
     # XLA compiler options of the device step, e.g. (("xla_gpu_enable_triton_gemm", False),)
-    # (step.model_step_with); (): the defaults.
-    xla_options: tuple[tuple[str, bool | int | str], ...] = ()
+    # (step.model_step_with); (): XLA's defaults; None: the defaults for the weights
+    # (step.step_xla_options: FP8 weights compile without Triton GEMMs). Server.serve holds
+    # the options it resolved to.
+    xla_options: tuple[tuple[str, bool | int | str], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.cold_codec not in CODECS:
@@ -138,8 +140,9 @@ class ServeConfig:
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got "
                              f"{self.tensor_parallel!r}")
-        if not all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
-                   for o in self.xla_options):
+        if self.xla_options is not None and not all(
+                isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
+                for o in self.xla_options):
             raise ValueError(f"xla_options must be (name, value) pairs, got "
                              f"{self.xla_options!r}")
         if self.cascade and (self.tensor_parallel > 1 or not self.paged_decode):

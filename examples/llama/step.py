@@ -14,6 +14,7 @@ import numpy as np
 
 import jax_kvcm
 
+from . import fp8_weights
 from . import model as llama
 from . import tp as tensor_parallel
 from .serve_types import RequestState, StepRecord
@@ -88,6 +89,20 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
                else llama.sample_tokens(logits, *sampling))
         out = jax.lax.dynamic_update_slice(jnp.zeros_like(prev_tokens), nxt, (0,))
     return out, (logits if with_logits else None), k_cache, v_cache
+
+
+# With FP8 weights the step is compiled without XLA's Triton GEMM fusions, so every FP8 linear is
+# a cuBLASLt FP8 GEMM: 1.04x output tok/s in `benchmarks/serve.py --workload trtllm-bench --quick`
+# on an H100, equal in bench_decode_step at batch 256 (benchmarks/RESULTS.md, 2026-12-07).
+FP8_WEIGHTS_XLA_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)
+
+
+def step_xla_options(chosen: tuple | None, params: Any) -> tuple:
+    """The device step's XLA options: ``chosen`` (``ServeConfig.xla_options``) unless None, else
+    the defaults for ``params``: :data:`FP8_WEIGHTS_XLA_OPTIONS` with FP8 weights, else ()."""
+    if chosen is not None:
+        return chosen
+    return FP8_WEIGHTS_XLA_OPTIONS if fp8_weights.has_fp8_weights(params) else ()
 
 
 @functools.cache

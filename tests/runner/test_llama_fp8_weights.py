@@ -27,6 +27,7 @@ from examples.llama import fp8_weights as f8  # noqa: E402
 from examples.llama import loader as llama_loader  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 from examples.llama import serve  # noqa: E402
+from examples.llama import step  # noqa: E402
 from test_llama_fp8 import BASE, _compare, _prompts  # noqa: E402  (the FP8 K/V tests' helpers)
 
 torch = pytest.importorskip("torch")
@@ -125,6 +126,27 @@ def test_fp8_weights_accuracy(checkpoint, dtype, quantize):
           f"{before}/{steps} = {agreement:.3f}, max |logit error| {err:.4f} (logits up to "
           f"{peak:.2f})")
     assert err <= MAX_LOGIT_ERR and agreement >= MIN_STEP_AGREEMENT
+
+
+def test_fp8_weights_choose_the_step_xla_options(checkpoint):
+    """ServeConfig.xla_options None: FP8 weights compile the step without Triton GEMMs
+    (step.FP8_WEIGHTS_XLA_OPTIONS), bf16 ones with XLA's defaults; a choice is kept as given."""
+    _, path = checkpoint
+    config, params, _ = llama_loader.load_checkpoint(path, dtype="bfloat16", progress=False)
+    _, quantized, _ = llama_loader.load_checkpoint(path, dtype="bfloat16", progress=False,
+                                                   quantize="fp8")
+
+    def options(p, **kw):
+        return serve.Server(p, config, serve.ServeConfig(
+            page_size=4, device_pages=16, max_batch=2, max_tokens_per_step=8, max_seq_len=32,
+            **kw)).serve.xla_options
+
+    assert options(quantized) == step.FP8_WEIGHTS_XLA_OPTIONS == (
+        ("xla_gpu_enable_triton_gemm", False),)
+    assert options(params) == ()
+    assert options(quantized, xla_options=()) == ()
+    mine = (("xla_gpu_enable_triton_gemm", True),)
+    assert options(params, xla_options=mine) == options(quantized, xla_options=mine) == mine
 
 
 def test_compact_on_device_keeps_every_value_and_frees_the_old_buffers(backend):
