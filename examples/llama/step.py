@@ -91,9 +91,9 @@ def model_step(params, k_cache, v_cache, prev_tokens, gather, host_tokens, batch
     return out, (logits if with_logits else None), k_cache, v_cache
 
 
-# With FP8 weights the step is compiled without XLA's Triton GEMM fusions, so every FP8 linear is
-# a cuBLASLt FP8 GEMM: 1.04x output tok/s in `benchmarks/serve.py --workload trtllm-bench --quick`
-# on an H100, equal in bench_decode_step at batch 256 (benchmarks/RESULTS.md, 2026-12-07).
+# With FP8 weights the step is compiled without XLA's Triton GEMM fusions (its GEMMs go to
+# cuBLAS/cuBLASLt): 1.04x output tok/s in `benchmarks/serve.py --workload trtllm-bench --quick` on
+# an H100, equal in bench_decode_step at batch 256 (benchmarks/RESULTS.md, 2026-12-07).
 FP8_WEIGHTS_XLA_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)
 
 
