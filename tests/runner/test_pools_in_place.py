@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.llama import fp8_weights  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 from examples.llama import serve  # noqa: E402
+from examples.llama import step as llama_step  # noqa: E402
 
 CONFIG = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -77,6 +78,10 @@ def test_serving_step_has_no_effect(kv_dtype, cascade):
     kinds = {kw["decode"] for _, kw in calls}
     assert kinds == {True, False}, kinds
     assert cascade == any("cascade" in kw for _, kw in calls)
+    # Traced as the plain jitted step: one compiled with XLA options (FP8 weights' default,
+    # step.step_xla_options) is a top-level jit only; the traced program is the same.
+    assert srv.serve.xla_options == llama_step.FP8_WEIGHTS_XLA_OPTIONS
+    plain = functools.partial(llama_step.model_step, *step.args, **step.keywords)
     for args, kwargs in calls:
-        jaxpr = jax.make_jaxpr(functools.partial(step, **kwargs))(*args)
+        jaxpr = jax.make_jaxpr(functools.partial(plain, **kwargs))(*args)
         assert jaxpr.effects == set(), (kwargs["decode"], jaxpr.effects)
