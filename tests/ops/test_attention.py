@@ -385,9 +385,12 @@ def test_ragged_mixed_decode_rows_and_chunk(backend, decode_rows):
     assert_close(out, want, dtype, f"mixed {decode_rows} decode rows + chunk", seed)
 
 
-@pytest.mark.parametrize("head_dim,group,window,soft_cap",
-                         [(128, 4, None, None), (128, 1, 300, None), (64, 8, None, 8.0),
-                          (64, 2, 700, None), (128, 8, 64, 20.0)])
+# (head_dim, group, window, soft_cap) of the long-prefill tests (here and over fp8 caches).
+LONG_PREFILL_CASES = [(128, 4, None, None), (128, 1, 300, None), (64, 8, None, 8.0),
+                      (64, 2, 700, None), (128, 8, 64, 20.0)]
+
+
+@pytest.mark.parametrize("head_dim,group,window,soft_cap", LONG_PREFILL_CASES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_ragged_long_prefill_matches_reference(backend, head_dim, group, window, soft_cap,
                                                dtype):

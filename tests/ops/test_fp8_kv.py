@@ -18,8 +18,8 @@ from conftest import (DTYPES, assert_bits_equal, assert_close, assert_zero_rows,
                       to_f32)
 from jax_kvcm import ops
 from jax_kvcm.ops import reference as ref
-from test_attention import (DECODE_CASES, RAGGED_CASES, Case, long_ragged_batch, make_batch,
-                            numpy_ragged_attention)
+from test_attention import (DECODE_CASES, LONG_PREFILL_CASES, RAGGED_CASES, Case,
+                            long_ragged_batch, make_batch, numpy_ragged_attention)
 from test_nonfinite import base_batch
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -216,9 +216,7 @@ def _check_fp8_long(backend, seed, seq_lens, num_new, *, page, group, head_dim, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["gpu"], indirect=True)
-@pytest.mark.parametrize("head_dim,group,window,soft_cap",
-                         [(128, 4, None, None), (128, 1, 300, None), (64, 8, None, 8.0),
-                          (64, 2, 700, None), (128, 8, 64, 20.0)])
+@pytest.mark.parametrize("head_dim,group,window,soft_cap", LONG_PREFILL_CASES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_ragged_fp8_long_prefill_matches_reference(backend, head_dim, group, window, soft_cap,
                                                    dtype):
