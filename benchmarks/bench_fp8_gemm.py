@@ -16,7 +16,9 @@ random weight quantized per output channel (``examples/llama/fp8_weights.quantiz
 - ``xla bf16``: the same product with the bf16 weight (``[out, in]``, contracted on ``in``);
 - with torch on a GPU: ``torch._scaled_mm`` on the same FP8 bytes with per-tensor scales of 1
   (cuBLASLt's FP8 GEMM, called directly), with row / column scales (torch's rowwise kernel),
-  and ``torch.matmul`` in bf16.
+  both with fast accumulation as XLA's cuBLASLt call uses it (XLA enables
+  ``CUBLASLT_MATMUL_DESC_FAST_ACCUM`` for FP8 operands at the default precision), and
+  ``torch.matmul`` in bf16.
 
 The XLA variants compile with the runner's FP8 options (``step.FP8_WEIGHTS_XLA_OPTIONS``) and
 report their GEMM census (``__cublas$lt$matmul$f8`` calls). Checks before timing: ``xla fp8
@@ -94,9 +96,10 @@ def _torch_methods(torch: Any, xq: jax.Array, w: f8.Fp8Weight, w_bf16: jax.Array
     xb, wb = to_t(x, torch.bfloat16), to_t(w_bf16, torch.bfloat16)
     return {
         "torch scaled_mm (cuBLASLt)": lambda: torch._scaled_mm(
-            xt, wt.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            xt, wt.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True),
         "torch scaled_mm rowwise": lambda: torch._scaled_mm(
-            xt, wt.t(), scale_a=row_s, scale_b=col_s, out_dtype=torch.bfloat16),
+            xt, wt.t(), scale_a=row_s, scale_b=col_s, out_dtype=torch.bfloat16,
+            use_fast_accum=True),
         "torch bf16": lambda: torch.matmul(xb, wb.t()),
     }
 
