@@ -22,13 +22,16 @@
 #                   --batch 64 256 --context 1536
 #   --spec=ARGS     the spec step's arguments (benchmarks/bench_speculate.py; default: its own)
 #   --cascade=ARGS  the cascade step's arguments (benchmarks/bench_cascade.py; default: its own)
+#   --gemm=ARGS     the gemm step's arguments (benchmarks/bench_fp8_gemm.py; default: its own)
 #   --stepmem=ARGS  the stepmem step's arguments (tools/step_memory.py; default: its own)
 # Anchors: with a .anchors/ folder of wheels in the repo root (see benchmarks/harness/anchors.py), they
 # are installed into /tmp/anchors, FlashInfer's JIT cache is warmed in the background from the
 # start (benchmarks/harness/anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
 # benchmark and the profile step measure them side by side with ours.
 # Steps: verify pytest kab attention profile migration arena run manager decode serve http handoff spec
-#   cascade stepmem tbench
+#   cascade gemm stepmem tbench
+#   (gemm: benchmarks/bench_fp8_gemm.py, the 8B layer's FP8 GEMMs through XLA against cuBLASLt
+#   called directly (torch); off unless named.)
 #   (tbench: benchmarks/serve.py --workload trtllm-bench --quick with FP8 weights and K/V at the
 #   largest concurrency memory allows, TensorRT-LLM's published protocol; off unless named;
 #   --tbench=ARGS replaces its arguments.)
@@ -57,7 +60,7 @@ trap 'bundle_logs profile.tgz' EXIT
 export PYTHONUNBUFFERED=1
 declare -A want=([verify]=1 [pytest]=1 [kab]=0 [attention]=1 [profile]=0 [migration]=1 [arena]=1
                  [run]=1 [manager]=1 [decode]=1 [serve]=1 [http]=0 [handoff]=0 [spec]=0
-                 [cascade]=0 [stepmem]=0 [tbench]=0)
+                 [cascade]=0 [gemm]=0 [stepmem]=0 [tbench]=0)
 workers=0
 pytest_timeout=0
 kab_tar=
@@ -66,6 +69,7 @@ decode_args=
 spec_args=
 cascade_args=
 stepmem_args=
+gemm_args=
 tbench_args=
 serve_size=--quick
 pytest_args=.
@@ -97,6 +101,7 @@ for arg in "$@"; do
     --spec=*) spec_args=${arg#--spec=} ;;
     --cascade=*) cascade_args=${arg#--cascade=} ;;
     --stepmem=*) stepmem_args=${arg#--stepmem=} ;;
+    --gemm=*) gemm_args=${arg#--gemm=} ;;
     --tbench=*) tbench_args=${arg#--tbench=} ;;
     --dry-run) dry_run=1 ;;
     *) echo "unknown flag $arg"; exit 2 ;;
@@ -104,7 +109,7 @@ for arg in "$@"; do
 done
 if [ $dry_run = 1 ]; then
   for k in verify pytest kab attention profile migration arena run manager decode serve http \
-           handoff spec cascade stepmem tbench; do
+           handoff spec cascade gemm stepmem tbench; do
     [ ${want[$k]} = 1 ] && echo "would run: $k"
   done
   echo "serve size: ${serve_size:-full}"
@@ -262,6 +267,11 @@ if [ ${want[cascade]} = 1 ]; then
   step cascade cascade.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.bench_cascade \
     $cascade_args --json "$OUT/cascade.json"
   grep -E "^\| |groups of" "$OUT/cascade.log" | tail -8
+fi
+if [ ${want[gemm]} = 1 ]; then
+  # shellcheck disable=SC2086  # gemm_args is a list of words
+  step gemm gemm.log python3 -m benchmarks.bench_fp8_gemm $gemm_args --json "$OUT/gemm.json"
+  grep -E "^\| " "$OUT/gemm.log" | tail -80
 fi
 if [ ${want[tbench]} = 1 ]; then
   # shellcheck disable=SC2086  # tbench_args is a list of words
