@@ -22,7 +22,8 @@ from . import tp as tensor_parallel
 from .admission import PromptsInFlight
 from .serve_types import (CODECS, Request, RequestOutput, RequestState, ServeConfig, StepRecord,
                           kv_cache_config, kv_report)
-from .step import Dispatched, model_caches, model_step_with, step_inputs, step_xla_options
+from .step import (Dispatched, model_caches, model_step_with, step_inputs, step_kv_config,
+                   step_xla_options)
 
 __all__ = ["Server"]
 
@@ -47,7 +48,8 @@ class Server:
             self.mesh = tensor_parallel.make_mesh(serve.tensor_parallel)
             num_kv_heads = tensor_parallel.kv_heads(config, serve.tensor_parallel)
             self.params = params = tensor_parallel.shard_params(params, config, self.mesh)
-        self.kv_config = kv_cache_config(serve, config, num_kv_heads, self.mesh)
+        self.kv_config = step_kv_config(kv_cache_config(serve, config, num_kv_heads, self.mesh),
+                                        params)
         self.manager = KVCacheManager(self.kv_config, CODECS[serve.cold_codec]())
         self.manager.add_observer(self._on_event)
         rings = tuple(w if g.sliding_window else 0 for g, w in
@@ -80,9 +82,9 @@ class Server:
         self._busy_s = 0.0
         self._steady_s = 0.0               # time in steps that compiled nothing
         # NOTE: committed to the pools' device like every later step output (else the first
-        # step compiles once more for an uncommitted argument).
+        # step compiles once more for an uncommitted argument); rows: the largest batch bucket.
         self._prev_tokens = jax.device_put(
-            np.zeros((serve.max_batch,), np.int32),
+            np.zeros((self.kv_config.batch_buckets[-1],), np.int32),
             self.manager.caches[0][0].sharding if self.mesh is None
             else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         self._inflight: Dispatched | None = None

@@ -95,7 +95,8 @@ class ServeConfig:
     defer_shared_prompts: bool = True
     record_logits: bool = False        # keep each sampled token's float32 logits (tests)
     # The manager's shape buckets (None: powers of two up to max_batch / max_tokens_per_step);
-    # fewer buckets, fewer compiled programs (the serving benchmark uses one of each).
+    # fewer buckets, fewer compiled programs (the serving benchmark uses one of each). With FP8
+    # weights each is rounded up to a multiple of 16 (step.step_kv_config: cuBLASLt's FP8 GEMMs).
     batch_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
     # The manager's hot backend (examples/llama/hot_backend.py): "paged", or "arena": CUDA VMM

@@ -37,7 +37,7 @@ from jax_kvcm import KVCacheManager
 
 from . import model as llama
 from .serve_types import Request, RequestOutput, ServeConfig, kv_cache_config
-from .step import model_caches
+from .step import model_caches, step_kv_config
 
 __all__ = ["SpeculativeGenerator", "accept_greedy", "accept_sampled", "propose_ngram"]
 
@@ -253,8 +253,9 @@ class _Model:
                  rollback: int) -> None:
         self.params, self.config, self.budget = params, config, serve.max_tokens_per_step
         # NOTE: window groups keep `rollback` tokens more, so rejected drafts can be rolled back
-        self.kv_config = dataclasses.replace(
-            kv_cache_config(serve, config, config.num_key_value_heads), rollback_tokens=rollback)
+        self.kv_config = step_kv_config(dataclasses.replace(
+            kv_cache_config(serve, config, config.num_key_value_heads), rollback_tokens=rollback),
+            params)
         self.manager = KVCacheManager(self.kv_config)
         self.rings = tuple(w if g.sliding_window else 0 for g, w in
                            zip(self.kv_config.layer_groups, self.kv_config.table_widths))

@@ -105,6 +105,27 @@ def step_xla_options(chosen: tuple | None, params: Any) -> tuple:
     return FP8_WEIGHTS_XLA_OPTIONS if fp8_weights.has_fp8_weights(params) else ()
 
 
+# cuBLASLt's FP8 GEMMs take row counts that are multiples of 16, and XLA lowers an FP8 dot of
+# any other row count to a slower GEMM: on an H100 the 8B decode step at 858 rows compiled none
+# of its 128 linear GEMMs to cuBLASLt FP8 calls, at 864 all of them (weight GEMMs 10.55 vs
+# 9.50 ms), and the GEMMs alone were 1.2-3.6x slower than cuBLASLt's at 858 and 2,906 rows but
+# 0.9-1.05x at 864 and 2,912 (benchmarks/RESULTS.md, 2026-12-07). So with FP8 weights the step's
+# row buckets are rounded up to this multiple; padding rows are inert (no slot, no logits).
+FP8_GEMM_ROWS = 16
+
+
+def step_kv_config(kv_config: jax_kvcm.KVCacheConfig, params: Any) -> jax_kvcm.KVCacheConfig:
+    """``kv_config`` with, for FP8 ``params``, every batch and token bucket (the rows of the
+    step's GEMMs) rounded up to a multiple of :data:`FP8_GEMM_ROWS`; else ``kv_config``."""
+    if not fp8_weights.has_fp8_weights(params):
+        return kv_config
+
+    def up(buckets: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted({-(-b // FP8_GEMM_ROWS) * FP8_GEMM_ROWS for b in buckets}))
+    return dataclasses.replace(kv_config, batch_buckets=up(kv_config.batch_buckets),
+                               token_buckets=up(kv_config.token_buckets))
+
+
 @functools.cache
 def model_step_with(xla_options: tuple[tuple[str, bool | int | str], ...] = ()):
     """:func:`model_step`, or (``xla_options`` not empty) the same function jitted with these

@@ -149,6 +149,39 @@ def test_fp8_weights_choose_the_step_xla_options(checkpoint):
     assert options(params, xla_options=mine) == options(quantized, xla_options=mine) == mine
 
 
+def test_fp8_weights_round_the_step_rows_to_gemm_multiples(checkpoint, monkeypatch):
+    """With FP8 weights every batch and token bucket (the rows of the step's GEMMs) is a
+    multiple of step.FP8_GEMM_ROWS, still reaching max_batch / max_tokens_per_step, and every
+    step runs at those shapes; bf16 weights keep the manager's buckets. The padded steps
+    generate the same tokens as the same model stepped at the unrounded buckets."""
+    _, path = checkpoint
+    config, params, _ = llama_loader.load_checkpoint(path, dtype="bfloat16", progress=False)
+    _, quantized, _ = llama_loader.load_checkpoint(path, dtype="bfloat16", progress=False,
+                                                   quantize="fp8")
+    cfg = serve.ServeConfig(page_size=4, device_pages=32, max_batch=3, max_tokens_per_step=10,
+                            max_seq_len=32, batch_buckets=(1, 3), token_buckets=(5, 10),
+                            record_steps=True)
+    prompts = [[1, 5, 9, 2, 8, 8, 3], [3, 3, 7], [11, 4]]
+
+    def run(p):
+        srv = serve.Server(p, config, cfg)
+        outs = srv.generate([serve.Request(q, 6, eos_token_ids=()) for q in prompts])
+        shapes = {(r.program, r.batch_bucket, r.token_bucket) for r in srv.step_records}
+        return srv.kv_config, shapes, [o.generated_ids for o in outs]
+
+    plain, _, _ = run(params)
+    assert (plain.batch_buckets, plain.token_buckets) == ((1, 3), (5, 10))
+    kv, shapes, tokens = run(quantized)
+    assert step.FP8_GEMM_ROWS == 16
+    assert (kv.batch_buckets, kv.token_buckets) == ((16,), (16,))
+    assert {b for _, b, _ in shapes} == {16} and {t for _, _, t in shapes} == {16}, shapes
+    monkeypatch.setattr(step, "FP8_GEMM_ROWS", 1)    # the unrounded buckets, same model
+    kv1, shapes1, tokens1 = run(quantized)
+    assert (kv1.batch_buckets, kv1.token_buckets) == ((1, 3), (5, 10))
+    assert {t for _, _, t in shapes1} <= {5, 10} and len(shapes1) > 1, shapes1
+    assert tokens == tokens1 and all(len(t) == 6 for t in tokens)
+
+
 def test_compact_on_device_keeps_every_value_and_frees_the_old_buffers(backend):
     """The params after quantization, moved host-and-back into one run of device memory
     (``compact_on_device``): same tree, same bytes and shardings; the given arrays deleted (their
