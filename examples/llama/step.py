@@ -109,7 +109,7 @@ def step_xla_options(chosen: tuple | None, params: Any) -> tuple:
 # any other row count to a slower GEMM: on an H100 the 8B decode step at 858 rows compiled none
 # of its 128 linear GEMMs to cuBLASLt FP8 calls, at 864 all of them (weight GEMMs 10.55 vs
 # 9.50 ms), and the GEMMs alone were 1.2-3.6x slower than cuBLASLt's at 858 and 2,906 rows but
-# 0.9-1.05x at 864 and 2,912 (benchmarks/RESULTS.md, 2026-12-07). So with FP8 weights the step's
+# about even at 864 and 2,912 (benchmarks/RESULTS.md, 2026-12-07). So with FP8 weights the step's
 # row buckets are rounded up to this multiple; padding rows are inert (no slot, no logits).
 FP8_GEMM_ROWS = 16
 
