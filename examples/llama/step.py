@@ -105,12 +105,13 @@ def step_xla_options(chosen: tuple | None, params: Any) -> tuple:
     return FP8_WEIGHTS_XLA_OPTIONS if fp8_weights.has_fp8_weights(params) else ()
 
 
-# cuBLASLt's FP8 GEMMs take row counts that are multiples of 16, and XLA lowers an FP8 dot of
-# any other row count to a slower GEMM: on an H100 the 8B decode step at 858 rows compiled none
-# of its 128 linear GEMMs to cuBLASLt FP8 calls, at 864 all of them (weight GEMMs 10.55 vs
-# 9.50 ms), and the GEMMs alone were 1.2-3.6x slower than cuBLASLt's at 858 and 2,906 rows but
-# about even at 864 and 2,912 (benchmarks/RESULTS.md, 2026-12-07). So with FP8 weights the step's
-# row buckets are rounded up to this multiple; padding rows are inert (no slot, no logits).
+# Inside a compiled step XLA lowers an FP8 dot whose row count is not a multiple of 16 to
+# something other than cuBLASLt's FP8 GEMM: on an H100 the 8B decode step at 858 rows compiled
+# none of its 128 linear GEMMs to cuBLASLt FP8 calls, at 864 all of them (weight GEMMs 10.55 vs
+# 9.50 ms); trtllm-bench's mixed steps got 8% faster with the rounding (benchmarks/RESULTS.md,
+# 2026-12-07). So with FP8 weights the step's row buckets are rounded up to this multiple;
+# padding rows are inert (no slot, no logits). Not for bf16, whose step at 864 rows took 1.03x
+# its time at 858.
 FP8_GEMM_ROWS = 16
 
 
