@@ -13,6 +13,12 @@ random weight quantized per output channel (``examples/llama/fp8_weights.quantiz
 - ``xla fp8 (model)``: ``fp8_matmul(x, w)`` jitted, as the runner calls it: the per-token
   activation quantization, the FP8 GEMM and the scale multiply;
 - ``xla fp8 gemm``: ``dot_general`` of the already quantized operands alone, bf16 out;
+- ``xla fp8 (scalar scales)``: the product with one static activation scale and one weight
+  scale (a calibrated ``input_scale`` and a per-tensor weight, as ModelOpt exports them):
+  ``x / s_x`` quantized elementwise, the FP8 dot in float32, times the scalar ``s_x s_w``, bf16
+  out. XLA's GEMM rewriter can fold scalar scales into the cuBLASLt call (its
+  ``multiply(dot, broadcast(scalar))`` pattern), which it cannot with the runner's per-token /
+  per-channel vectors: this row measures whether it does and what that saves;
 - ``xla bf16``: the same product with the bf16 weight (``[out, in]``, contracted on ``in``);
 - with torch on a GPU: ``torch._scaled_mm`` on the same FP8 bytes with per-tensor scales of 1
   (cuBLASLt's FP8 GEMM, called directly), with row / column scales (torch's rowwise kernel),
@@ -58,6 +64,7 @@ TINY_LINEARS = (("wqkv", 64, 96), ("w_down", 128, 64))
 # bits on the activations give ~2.5e-2).
 CHECK_RTOL = 1e-2
 MODEL_CHECK_RTOL = 5e-2
+QUANTIZED_X_METHODS = ("xla fp8 (model)", "xla fp8 (scalar scales)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,8 +145,18 @@ def case(name: str, k_in: int, n_out: int, t: int, seed: int, rounds: int,
     def dot(a, b):
         return jax.lax.dot_general(a, b, contract, preferred_element_type=jnp.bfloat16)
 
+    w_tensor = f8.quantize_weight(w_in_out, "tensor")
+    scalars = (jnp.max(jnp.abs(x.astype(jnp.float32))) / f8.FP8_MAX, w_tensor.scale[0])
+
+    def scalar_scaled(a, values, scales):
+        s_x, s_w = scales
+        aq = jnp.clip(a.astype(jnp.float32) / s_x, -f8.FP8_MAX, f8.FP8_MAX).astype(f8.FP8)
+        out = jax.lax.dot_general(aq, values, contract, preferred_element_type=jnp.float32)
+        return (out * (s_x * s_w)).astype(a.dtype)
+
     model, census_model = _compiled(f8.fp8_matmul, x, w)
     gemm, census_gemm = _compiled(dot, xq, w.values)
+    scalar, census_scalar = _compiled(scalar_scaled, x, w_tensor.values, scalars)
     bf16, _ = _compiled(dot, x, w_bf16)
 
     ref = jnp.dot(x.astype(jnp.float32), f8.dequantize(w), precision="highest")
@@ -150,12 +167,17 @@ def case(name: str, k_in: int, n_out: int, t: int, seed: int, rounds: int,
          "census": c, "timer": _xla_timer(f, a, rest, reps)}
         for m, f, a, rest, c in (("xla fp8 (model)", f8.fp8_matmul, x, (w,), census_model),
                                  ("xla fp8 gemm", dot, xq, (w.values,), census_gemm),
-                                 ("xla bf16", dot, x, (w_bf16,), None))]
+                                 ("xla bf16", dot, x, (w_bf16,), None),
+                                 ("xla fp8 (scalar scales)", scalar_scaled, x,
+                                  (w_tensor.values, scalars), census_scalar))]
     ref_bf16 = jnp.dot(x.astype(jnp.float32), w_bf16.astype(jnp.float32).T, precision="highest")
     ref_fp8 = jnp.dot(xq.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest")
     rows[0]["rel_l2"], rows[0]["oracle"] = _rel_l2(model(x, w), ref), "float32"
     rows[1]["rel_l2"], rows[1]["oracle"] = _rel_l2(gemm(xq, w.values), ref_fp8), "float32"
     rows[2]["rel_l2"], rows[2]["oracle"] = _rel_l2(bf16(x, w_bf16), ref_bf16), "float32"
+    ref_tensor = jnp.dot(x.astype(jnp.float32), f8.dequantize(w_tensor), precision="highest")
+    rows[3]["rel_l2"] = _rel_l2(scalar(x, w_tensor.values, scalars), ref_tensor)
+    rows[3]["oracle"] = "float32"
     torch, why = import_torch(need_cuda=True)
     if torch is None or jax.default_backend() != "gpu":
         for r in rows:
@@ -179,7 +201,7 @@ def case(name: str, k_in: int, n_out: int, t: int, seed: int, rounds: int,
                 r["error"] = short_error(e)
             rows.append(r)
     for r in rows:
-        rtol = MODEL_CHECK_RTOL if r["method"] == "xla fp8 (model)" else CHECK_RTOL
+        rtol = MODEL_CHECK_RTOL if r["method"] in QUANTIZED_X_METHODS else CHECK_RTOL
         if "rel_l2" in r and not r["rel_l2"] <= rtol:
             r["error"] = f"FAIL rel-L2 {r['rel_l2']:.1e} against {r['oracle']} (> {rtol})"
             r.pop("timer")

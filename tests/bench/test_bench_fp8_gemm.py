@@ -19,15 +19,16 @@ from benchmarks import bench_fp8_gemm as bench  # noqa: E402
 def test_tiny_run_checks_and_times_every_xla_method():
     out = bench.main(["--tiny", "--rounds", "1"])
     rows = out["rows"]
-    methods = {"xla fp8 (model)", "xla fp8 gemm", "xla bf16"}
+    methods = {"xla fp8 (model)", "xla fp8 gemm", "xla bf16", "xla fp8 (scalar scales)"}
     assert {r["method"] for r in rows} == methods
-    assert len(rows) == 3 * len(bench.TINY_LINEARS) * 2
+    assert len(rows) == 4 * len(bench.TINY_LINEARS) * 2
     for r in rows:
         assert "error" not in r, r
         assert r["ms"] > 0 and r["tflops"] == pytest.approx(
             2.0 * r["rows"] * r["in"] * r["out"] / r["ms"] / 1e9)
     for r in rows:
-        most = bench.MODEL_CHECK_RTOL if r["method"] == "xla fp8 (model)" else bench.CHECK_RTOL
+        most = (bench.MODEL_CHECK_RTOL if r["method"] in bench.QUANTIZED_X_METHODS
+                else bench.CHECK_RTOL)
         assert r["oracle"] == "float32" and 0 <= r["rel_l2"] < most, r
     # On the CPU each FP8 program keeps one plain dot (FP8 operands upcast by the backend).
     assert all(r["census"]["dot"] == 1 for r in rows if r["method"].startswith("xla fp8"))
