@@ -39,6 +39,13 @@ import numpy as np
 import pytest
 
 
+# Several xdist workers share one GPU: JAX's default preallocation (75% of the GPU's memory per
+# process) leaves the second worker none, and its tests fail with RESOURCE_EXHAUSTED (70 of the
+# ops tests at -n 4 on an H100). Each worker allocates on demand instead, unless told otherwise.
+# (Read when a backend starts, which is after this.)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import group_paths
 import jax_kvcm
 from jax_kvcm import _ffi
