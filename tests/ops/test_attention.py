@@ -70,9 +70,8 @@ DECODE_CASES = [
     # G > 8: the decode kernel's two 8-head column tiles (a full and a partial second one).
     Case("p16-d128-gqa16", 16, 128, 1, 16, batch=5, max_pages=4),
     Case("p32-d64-gqa12", 32, 64, 2, 12, batch=5, max_pages=3),
-    # batch * Hkv >= 4 waves of CTAs on an H200: a 16-bit cache takes the decode kernel's
-    # shallower ring (see MaxStages in ffi/cuda/paged_decode.cu), every other case the deeper
-    # one; fp8 caches have one depth.
+    # batch * Hkv >= 4 waves of the decode kernel's CTAs on an H200 (PlanDecode: whole rows and
+    # a split tail).
     Case("many-rows-p16-d128-gqa4", 16, 128, 2, 4, batch=1000, max_pages=3),
 ]
 
@@ -209,10 +208,12 @@ def _check_paged_attention(backend, case, dtype, seed):
     assert_close(out, want, dtype, f"paged_attention[{case.id}]", seed)
 
 
-# 284 rows, just over one wave of the bf16 decode kernel's CTAs on an H200 (head dim 128: 2 CTAs
-# per SM x 132 SMs = 264): 264 rows run whole, the other 20 split 4 ways (PlanDecode in
-# ffi/cuda/paged_decode.cu). GPU only: the CPU handler is slow at this size.
-WAVE_TAIL_CASE = Case("wave-tail-p16-d128-gqa4", 16, 128, 4, 4, batch=71, max_pages=32)
+# 416 rows, just over one wave of the 16-bit decode kernel's CTAs on an H100 / H200 (head dim
+# 128: 3 CTAs per SM x 132 SMs = 396): PlanDecode (ffi/cuda/paged_decode.cu) runs 396 rows whole
+# and splits the other 20 three ways. (At 284 rows, the case's size until 2026-12-07, written for
+# 2 CTAs per SM, all rows fit one wave and nothing was split.) GPU only: the CPU handler is slow
+# at this size and does not split.
+WAVE_TAIL_CASE = Case("wave-tail-p16-d128-gqa4", 16, 128, 4, 4, batch=104, max_pages=32)
 
 
 @pytest.mark.gpu

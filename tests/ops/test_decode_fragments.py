@@ -1,15 +1,15 @@
 """Host-side oracle for the index algebra of the paged decode kernel's tensor-core tiles.
 
-``ffi/cuda/paged_decode.cu`` computes the transposed products of one 16-token tile per warp with
-``mma.m16n8k16`` (f32 accumulators): S^T = K Q^T (A = the K tile, B = Q^T, the G query heads of a
-kv head on the 8 columns) and O^T += V^T P^T (A = V^T, B = P^T, taken from the S^T accumulators
-by ``movmatrix.trans``). 16-bit caches read the swizzled tiles with ``ldmatrix`` (V transposed);
-fp8 (float8_e4m3fn) caches convert the raw tile bytes straight into A fragments, with a permuted
-head-dim order for the k steps of S^T (Q^T uses the same) and for the rows of O^T (undone at the
-write-out), and the bytes of two token rows interleaved with ``__byte_perm`` into e4m3 pairs. No
-GPU runs here, so this test emulates that kernel code lane by lane in numpy (the ``kernel_*``
-functions mirror it line for line) and checks the assembled S^T and O^T against plain
-``K @ Q.T`` and ``V.T @ P.T``.
+The decode kernel (``ffi/include/kvcm/cuda/decode_tile.cuh``) computes the transposed products
+of one 16-token tile per warp with ``mma.m16n8k16`` (f32 accumulators): S^T = K Q^T (A = the K
+tile, B = Q^T, the G query heads of a kv head on the 8 columns) and O^T += V^T P^T (A = V^T, B =
+P^T, taken from the S^T accumulators by ``movmatrix.trans``). 16-bit caches read the swizzled
+tiles with ``ldmatrix`` (V transposed); fp8 (float8_e4m3fn) caches convert the raw tile bytes
+straight into A fragments, with a permuted head-dim order for the k steps of S^T (Q^T uses the
+same) and for the rows of O^T (undone at the write-out), and the bytes of two token rows
+interleaved with ``__byte_perm`` into e4m3 pairs. No GPU runs here, so this test emulates that
+kernel code lane by lane in numpy (the ``kernel_*`` functions mirror it line for line) and
+checks the assembled S^T and O^T against plain ``K @ Q.T`` and ``V.T @ P.T``.
 
 The hardware is emulated independently of the kernel's choices, from the layouts PTX documents
 (``ptx_*``), with g = lane / 4 and q = lane % 4: for ``mma.m16n8k16.row.col``, A register i holds
