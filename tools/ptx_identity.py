@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,11 +42,15 @@ def normalized_ptx(text: str) -> list[str]:
 def compile_ptx(source: Path, include: Path, out: Path, nvcc: str) -> None:
     """``source`` -> PTX at ``out`` for sm_90a, with the extension's language flags."""
     import jax  # the XLA FFI headers
+    import nanobind  # codec.cu binds module functions
 
     cmd = [nvcc, "-ptx", "-arch=sm_90a", "-std=c++17", "-O3", "-DNDEBUG",
            "--expt-relaxed-constexpr", f"-I{include}", "-isystem", jax.ffi.include_dir(),
+           "-isystem", nanobind.include_dir(), "-isystem", sysconfig.get_paths()["include"],
            str(source), "-o", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"nvcc failed on {source}:\n{done.stderr[-3000:]}")
 
 
 def _checkout(ref: str, dest: Path) -> Path:
