@@ -83,14 +83,18 @@ def compare(base: str, files: list[str], nvcc: str, head: str | None = None,
             return dict(pool.map(one, enumerate(files)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.ptx_identity", description=__doc__.split(
         "\n\n")[0])
     ap.add_argument("--base", required=True, help="git ref to compare the working tree against")
     ap.add_argument("--head", default=None, help="git ref to compare (default: the working tree)")
     ap.add_argument("files", nargs="+", help=".cu files, relative to the repository root")
     ap.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     differs = 0
     for f, diff in compare(args.base, args.files, args.nvcc, args.head).items():
         if diff:
