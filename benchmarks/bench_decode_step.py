@@ -31,7 +31,8 @@ stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight 
 and gate/up), each traced with ``jax.profiler`` (``--repeats`` steps) and its device ops attributed
 to categories through the compiled HLO (``benchmarks/harness/device_profile.py``): weight GEMMs,
 weight copies (instructions that materialize a layer's weight matrix), paged attention, K/V writes,
-norms/RoPE/other, and host gaps (the step's wall time less the device ops' time). Printed as one
+FP8 scales (with ``--quantize``: the activation quantization and scale multiplies XLA did not fuse
+into a GEMM), norms/RoPE/other, and host gaps (the step's wall time less the device ops' time). Printed as one
 table, before and after side by side; ``weight_copy_ops`` (the HLO probe) is printed for both
 layouts.
 """
@@ -62,7 +63,8 @@ from examples.llama import fp8_weights  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
 
 # The decode step's columns (its HLO has no ragged attention and no sampling).
-COLUMNS = ("weight GEMMs", "weight copies", "paged attention", "K/V writes", "norms/RoPE/other")
+COLUMNS = ("weight GEMMs", "weight copies", "paged attention", "K/V writes", "FP8 scales",
+           "norms/RoPE/other")
 
 
 def breakdown(step, hlo_text: str, params, repeats: int, wall_s: float) -> dict[str, float]:

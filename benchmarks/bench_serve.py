@@ -97,7 +97,7 @@ mixed, prefill-only) the count, step time p50/p90, host time, time blocked on th
 share of the run, and per phase (ramp-up, steady state, tail). ``--profile DIR`` adds a
 ``jax.profiler`` trace of ``--profile-steps`` steady-state steps per paged run and the device time
 per step kind by category (weight GEMMs, paged / ragged attention, K/V writes, sampling,
-collectives, norms/RoPE/other, idle inside a step, other programs, host gaps).
+FP8 scales, collectives, norms/RoPE/other, idle inside a step, other programs, host gaps).
 ``--prefill-chunk`` with several values runs the paged rows once per value (the step budget =
 the largest concurrency + the chunk, unless ``--step-tokens``; dense and equal memory with the
 first value) and prints a table of them side by side.

@@ -1,15 +1,18 @@
 """Where device time goes: a ``jax.profiler`` trace's device ops attributed to categories through
 the compiled HLO (shared by ``benchmarks/decode_step.py`` and ``benchmarks/serve.py --profile``).
 
-Categories (:data:`CATEGORIES`): weight GEMMs (dots, GEMM custom calls, fusions that contain
-one), weight copies (instructions that materialize a layer's weight matrix, see
-:func:`weight_copy_ops`), paged attention (the ``paged_attention`` custom call: decode), ragged
-attention (``ragged_paged_attention``: prefill and mixed steps), K/V writes (``write_kv``),
-sampling (ops under ``jax.named_scope("sampling")``), collectives (tensor parallelism's
-all-reduce / all-gather / reduce-scatter / collective-permute / all-to-all, their async
-``*-start`` / ``*-done`` halves and fusions or async wrappers around them; on a GPU also NCCL's
-kernels, ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``, ``ncclKernel_...``), norms/RoPE/other
-(everything else).
+Categories (:data:`CATEGORIES`): weight GEMMs (dots, GEMM custom calls, fusions that contain one),
+weight copies (instructions that materialize a layer's weight matrix, see :func:`weight_copy_ops`),
+paged attention (the ``paged_attention`` custom call: decode), ragged attention
+(``ragged_paged_attention``: prefill and mixed steps), K/V writes (``write_kv``), sampling (ops
+under ``jax.named_scope("sampling")``), FP8 scales (the activation quantization and the scale
+multiplies of FP8 weights' GEMMs: ops under ``jax.named_scope("fp8_scales")``, see
+``examples/llama/fp8_weights.py``; a fusion counts by its root's scope, so a scale multiply
+fused into a residual add counts there), collectives
+(tensor parallelism's all-reduce / all-gather / reduce-scatter / collective-permute / all-to-all,
+their async ``*-start`` / ``*-done`` halves and fusions or async wrappers around them; on a GPU
+also NCCL's kernels, ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``, ``ncclKernel_...``),
+norms/RoPE/other (everything else).
 
 The trace: on a GPU the device's "XLA Ops" line (else its kernels, named by their ``hlo_op``
 argument when present) and its "XLA Modules" line (one span per program execution; without one,
@@ -34,7 +37,8 @@ import os
 import re
 
 CATEGORIES = ("weight GEMMs", "weight copies", "paged attention", "ragged attention",
-              "K/V writes", "sampling", "collectives", "norms/RoPE/other")
+              "K/V writes", "sampling", "FP8 scales", "collectives", "norms/RoPE/other")
+FP8_SCALES = "FP8 scales"
 COLLECTIVES = "collectives"
 OTHER = "norms/RoPE/other"
 SKIP = "skip"          # container instructions (while, call): their bodies' ops count
@@ -214,6 +218,8 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
             cat = "weight GEMMs"
         elif op_name and re.search(r"(^|/)sampling(/|$)", op_name.group(1)):
             cat = "sampling"
+        elif op_name and re.search(r"(^|/)fp8_scales(/|$)", op_name.group(1)):
+            cat = FP8_SCALES
         else:
             cat = OTHER
         cats[name] = cat

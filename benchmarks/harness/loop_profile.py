@@ -13,8 +13,9 @@
   decode-only steps and the mixed steps that prefill the requests admitted in its place).
 - :func:`step_breakdown`: the trace's device time per step kind by category
   (``benchmarks/harness/device_profile.py``: weight GEMMs, paged / ragged attention, K/V writes,
-  sampling, norms/RoPE/other), the device idle inside a step, other programs (migrations) between
-  steps, and the device idle before a step (host gaps: what the overlapped loop should hide).
+  sampling, FP8 scales, collectives, norms/RoPE/other), the device idle inside a step, other
+  programs (migrations) between steps, and the device idle before a step (host gaps: what the
+  overlapped loop should hide).
 
 Phases: ramp-up runs until the first decode-only step at the run's full batch (``min(concurrency,
 requests)`` rows: every admitted prompt prefilled); the tail starts at the first step planned

@@ -71,7 +71,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="trace --profile-steps steady-state steps of every paged run with "
                         "jax.profiler (under DIR, one folder per run) and print the device "
                         "time per step kind (decode-only, mixed): weight GEMMs, paged / ragged "
-                        "attention, K/V writes, sampling, norms/RoPE/other, host gaps. The "
+                        "attention, K/V writes, sampling, FP8 scales, norms/RoPE/other, host "
+                        "gaps. The "
                         "trace export pauses the loop (outside the clock; TTFT and ITL see it)")
     p.add_argument("--profile-steps", type=int, default=64, metavar="N",
                    help="steps in the --profile window (default 64)")

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Fp8Weight", "FP8", "FP8_MAX", "QUANTIZE_CHOICES", "QUANTIZED_WEIGHTS",
+__all__ = ["Fp8Weight", "FP8", "FP8_MAX", "QUANTIZE_CHOICES", "QUANTIZED_WEIGHTS", "SCALES_SCOPE",
            "quantize_weight", "quantize_params", "quantize_on_device", "compact_on_device",
            "dequantize", "fp8_matmul",
            "quantize_activation", "from_checkpoint_parts", "has_fp8_weights", "layer_errors"]
@@ -168,15 +168,21 @@ def quantize_on_device(params: dict[str, Any], scaling: str = "channel") -> dict
     return compact_on_device(quantize_params(params, scaling, free_source=True))
 
 
+# The name scope of the activation quantization and the scale multiplies, so that a profile can
+# tell their time from the GEMMs' (benchmarks/harness/device_profile.py: "FP8 scales").
+SCALES_SCOPE = "fp8_scales"
+
+
 def quantize_activation(x: jax.Array, input_scale: jax.Array | None):
     """``(x_fp8 [T, K], scale)``: ``scale`` is ``input_scale`` (static) or ``[T, 1]``
     ``max|x[t]| / 448`` (dynamic per token); both float32, ``x = x_fp8 * scale``."""
-    xf = x.astype(jnp.float32)
-    if input_scale is None:
-        scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX, _TINY)
-    else:
-        scale = input_scale.astype(jnp.float32)
-    return _saturate(xf / scale), scale
+    with jax.named_scope(SCALES_SCOPE):
+        xf = x.astype(jnp.float32)
+        if input_scale is None:
+            scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX, _TINY)
+        else:
+            scale = input_scale.astype(jnp.float32)
+        return _saturate(xf / scale), scale
 
 
 def fp8_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
@@ -186,7 +192,8 @@ def fp8_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
     xq, x_scale = quantize_activation(x, w.input_scale)
     out = jax.lax.dot_general(xq, w.values, (((x.ndim - 1,), (1,)), ((), ())),
                               preferred_element_type=x.dtype)
-    return (out.astype(jnp.float32) * x_scale * w.scale).astype(x.dtype)
+    with jax.named_scope(SCALES_SCOPE):
+        return (out.astype(jnp.float32) * x_scale * w.scale).astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -217,6 +217,7 @@ ENTRY %main (x: bf16[8,64], w: bf16[64,64]) -> s32[8] {
   %attn_r = bf16[8,64]{1,0} custom-call(%x), custom_call_target="kvcm_ragged_paged_attention"
   %kv = bf16[8,64]{1,0} custom-call(%x), custom_call_target="kvcm_write_kv"
   %norm = bf16[8,64]{1,0} multiply(%x, %x), metadata={op_name="jit(model_step)/rms_norm/mul"}
+  %quant = f8e4m3fn[8,64]{1,0} convert(%x), metadata={op_name="jit(model_step)/fp8_scales/convert_element_type"}
   %amax = s32[8]{0} fusion(%x), kind=kLoop, calls=%fused_dot, metadata={op_name="jit(model_step)/sampling/jit(greedy_tokens)/reduce"}
   %loop = bf16[8,64]{1,0} while(%x), condition=%c, body=%b
   ROOT %out = s32[8]{0} copy(%amax), metadata={op_name="jit(model_step)/sampling/dynamic_update_slice"}
@@ -230,6 +231,7 @@ def test_hlo_categories_of_a_hand_written_module():
     assert cats["attn_d"] == "paged attention" and cats["attn_r"] == "ragged attention"
     assert cats["kv"] == "K/V writes" and cats["norm"] == "norms/RoPE/other"
     assert cats["out"] == "sampling" and cats["loop"] == _profile.SKIP
+    assert cats["quant"] == _profile.FP8_SCALES
     # a fusion calling a dot computation is a GEMM even under the sampling scope
     assert cats["amax"] == "weight GEMMs"
     ops = [_profile.Op(n, 0.0, us) for n, us in (("gemm_a", 5.0), ("attn_r", 7.0),

@@ -386,8 +386,16 @@ def test_decode_step_breakdown_categories():
     counts = collections.Counter(hlo_categories(hlo, params).values())
     L = config.num_hidden_layers
     assert counts["paged attention"] == L and counts["K/V writes"] == L, counts
-    assert counts["ragged attention"] == counts["sampling"] == 0, counts
+    assert counts["ragged attention"] == counts["sampling"] == counts["FP8 scales"] == 0, counts
     assert counts["weight GEMMs"] >= 4 * L + 1 and counts["weight copies"] == 0, counts
+    # FP8 weights: the activation quantization and the scale multiplies are their own category
+    # (fp8_weights.SCALES_SCOPE), the GEMMs stay GEMMs.
+    from examples.llama import fp8_weights
+    fp8_params = fp8_weights.quantize_params(params)
+    fp8_hlo = llama.decode_step.lower(fp8_params, state["k"], state["v"], *args,
+                                      config=config).compile().as_text()
+    fp8_counts = collections.Counter(hlo_categories(fp8_hlo).values())
+    assert fp8_counts["FP8 scales"] >= 1 and fp8_counts["weight GEMMs"] >= 4 * L + 1, fp8_counts
 
     def step():
         logits, state["k"], state["v"] = llama.decode_step(params, state["k"], state["v"],
