@@ -34,12 +34,14 @@ weight copies (instructions that materialize a layer's weight matrix), paged att
 FP8 scales (with ``--quantize``: the activation quantization and scale multiplies XLA did not fuse
 into a GEMM), norms/RoPE/other, and host gaps (the step's wall time less the device ops' time). Printed as one
 table, before and after side by side; ``weight_copy_ops`` (the HLO probe) is printed for both
-layouts.
+layouts. Below it, the largest ops left in norms/RoPE/other with the named scopes of what each
+(or, for a fusion, what it fused) was in the JAX program (``top_other`` in the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -54,8 +56,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.harness import dense_llama as dense  # noqa: E402
-from benchmarks.harness.device_profile import (attribute, gemm_census,  # noqa: E402
-                                               hlo_categories, load_trace, weight_copy_ops)
+from benchmarks.harness.device_profile import (attribute, explain_other,  # noqa: E402
+                                               gemm_census, hlo_categories, load_trace,
+                                               weight_copy_ops)
 from benchmarks.harness.serve_report import copy_bandwidth  # noqa: E402
 from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
 from benchmarks.harness.xla_options import xla_options  # noqa: E402
@@ -77,11 +80,13 @@ def breakdown(step, hlo_text: str, params, repeats: int, wall_s: float) -> dict[
             for _ in range(repeats):
                 step()
         trace = load_trace(d)
-    out = attribute(trace.ops, cats, trace.on_device)
+    other = collections.Counter()
+    out = attribute(trace.ops, cats, trace.on_device, other)
     row = {c: out[c] / 1e3 / repeats for c in COLUMNS}
     busy = sum(row.values())
     row["host gaps"] = max(0.0, wall_s * 1e3 - busy)
     row["wall"] = wall_s * 1e3
+    row["top_other"] = explain_other(other, hlo_text, 1e3 * repeats)
     return row
 
 
@@ -256,6 +261,12 @@ def main() -> int:
         for b in breakdowns:
             print(f"| {b['step']} | {b['batch']} | "
                   + " | ".join(f"{b[k]:.3f}" for k in cols) + f" | {b['weight_copy_ops']} |")
+        for b in breakdowns:
+            print(f"\nLargest ops in norms/RoPE/other, {b['step']}, batch {b['batch']} "
+                  "(ms per step; the named scopes behind each):")
+            for o in b["top_other"]:
+                where = "; ".join(o["scopes"]) if o["in_hlo"] else "(not in the HLO)"
+                print(f"  {o['ms']:7.3f}  {o['op']}: {where}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,

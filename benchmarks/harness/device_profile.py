@@ -99,6 +99,58 @@ def instruction_shapes(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def _instructions(hlo_text: str):
+    """(computation or None, instruction name, opcode, line) for each instruction line of an
+    HLO module's text, in order."""
+    comp = None
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head and "=" not in line.split("{")[0]:
+            comp = head.group(1)
+            continue
+        m = _INSTR.match(line)
+        if m is not None:
+            yield comp, m.group(1), m.group(2), line
+
+
+def instruction_scopes(hlo_text: str) -> dict[str, list[str]]:
+    """Instruction name -> the ``op_name`` metadata paths it carries: its own and, for a fusion,
+    those of the instructions of the computation it calls (deduplicated, in order). Used to
+    explain what the time left in "norms/RoPE/other" was in the JAX program."""
+    own, called, inner = {}, {}, collections.defaultdict(list)
+    for comp, name, _, line in _instructions(hlo_text):
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        if op_name:
+            own[name] = op_name.group(1)
+            if comp is not None and op_name.group(1) not in inner[comp]:
+                inner[comp].append(op_name.group(1))
+        calls = re.search(r"calls=%?([\w.-]+)", line)
+        if calls:
+            called[name] = calls.group(1)
+    names = set(own) | set(called)
+    out = {}
+    for name in names:
+        paths = [own[name]] if name in own else []
+        out[name] = paths + [p for p in inner.get(called.get(name, ""), []) if p not in paths]
+    return out
+
+
+def explain_other(unknown: collections.Counter, hlo_text: str, per: float,
+                  top: int = 8) -> list[dict]:
+    """The ``top`` largest ops of "norms/RoPE/other" (``unknown`` from :func:`attribute`, in
+    microseconds; divided by ``per``, e.g. steps x 1e3 for ms per step) with the named scopes
+    behind them: ``{"op", "ms", "in_hlo", "scopes"}``, scopes as the last three components of
+    each ``op_name`` path. ``in_hlo`` False: the trace's name matched no instruction."""
+    scopes = instruction_scopes(hlo_text)
+    rows = []
+    for name, us in unknown.most_common(top):
+        key = name if name in scopes else name.split(":")[0]
+        paths = scopes.get(key, [])
+        rows.append({"op": name, "ms": us / per, "in_hlo": key in scopes,
+                     "scopes": ["/".join(p.split("/")[-3:]) for p in paths][:6]})
+    return rows
+
+
 def gemm_census(hlo_text: str) -> dict[str, int]:
     """How an optimized HLO module's GEMMs run: ``cublaslt_fp8`` (``__cublas$lt$matmul$f8``,
     FP8 tensor cores), ``cublas`` (any other cuBLAS / cuBLASLt call), ``triton`` (a Triton GEMM
@@ -145,16 +197,11 @@ def _computations_with(hlo_text: str, pred) -> set[str]:
     """Computations holding an instruction for which ``pred(line, opcode)`` holds, directly or
     through the computations they call (a fusion may wrap a cuBLAS custom call in a nested
     computation; an async wrapper a collective)."""
-    direct, calls, comp = set(), collections.defaultdict(set), None
-    for line in hlo_text.splitlines():
-        head = _HEAD.match(line)
-        if head and "=" not in line.split("{")[0]:
-            comp = head.group(1)
+    direct, calls = set(), collections.defaultdict(set)
+    for comp, _, op, line in _instructions(hlo_text):
+        if comp is None:
             continue
-        m = _INSTR.match(line)
-        if comp is None or m is None:
-            continue
-        if pred(line, m.group(2)):
+        if pred(line, op):
             direct.add(comp)
         for callee in re.findall(r"(?:calls|to_apply|body)=%?([\w.-]+)", line):
             calls[comp].add(callee)

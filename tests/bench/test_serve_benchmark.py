@@ -245,6 +245,45 @@ def test_hlo_categories_of_a_hand_written_module():
     assert cpu == {"weight GEMMs": 5.0, "ragged attention": 7.0, "norms/RoPE/other": 1.0}
 
 
+_HLO_FUSED_SCALE = """HloModule jit_model_step, is_scheduled=true
+
+%fused_add (p0: bf16[8,64], p1: f32[8]) -> bf16[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  %b = bf16[8,64]{1,0} broadcast(%p1), metadata={op_name="jit(step)/layer/fp8_scales/broadcast_in_dim"}
+  %s = bf16[8,64]{1,0} multiply(%p0, %b), metadata={op_name="jit(step)/layer/fp8_scales/mul"}
+  ROOT %r = bf16[8,64]{1,0} add(%s, %p0), metadata={op_name="jit(step)/layer/add"}
+}
+
+ENTRY %main (x: bf16[8,64], s: f32[8]) -> bf16[8,64] {
+  %x = bf16[8,64]{1,0} parameter(0)
+  %s = f32[8]{0} parameter(1)
+  %rope = bf16[8,64]{1,0} sine(%x), metadata={op_name="jit(step)/layer/rope/sin"}
+  ROOT %residual = bf16[8,64]{1,0} fusion(%x, %s), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/layer/add"}
+}
+"""
+
+
+def test_explain_other_names_the_scopes_a_fusion_holds():
+    """A scale multiply fused into a residual add counts as "other" (the fusion's root scope),
+    and explain_other shows the fp8_scales ops inside it; a trace name the HLO lacks says so."""
+    cats = _profile.hlo_categories(_HLO_FUSED_SCALE)
+    assert cats["residual"] == cats["rope"] == _profile.OTHER
+    unknown = collections.Counter()
+    ops = [_profile.Op(n, 0.0, us) for n, us in (("residual", 4000.0), ("rope", 1000.0),
+                                                  ("cutlass_mystery", 2000.0))]
+    _profile.attribute(ops, cats, True, unknown)
+    rows = _profile.explain_other(unknown, _HLO_FUSED_SCALE, per=1e3 * 2)
+    assert [r["op"] for r in rows] == ["residual", "rope"]     # a cutlass kernel is a GEMM
+    top = rows[0]
+    assert top["ms"] == 2.0 and top["in_hlo"]
+    assert top["scopes"] == ["jit(step)/layer/add", "layer/fp8_scales/broadcast_in_dim",
+                             "layer/fp8_scales/mul"]
+    assert _profile.explain_other(collections.Counter({"nowhere": 10.0}), _HLO_FUSED_SCALE,
+                                  per=1.0) == [{"op": "nowhere", "ms": 10.0, "in_hlo": False,
+                                                "scopes": []}]
+
+
 def _rec(index, kind, rows, decode_rows, waiting, running, t_start, t_end, t_ready, wait_s):
     return types.SimpleNamespace(index=index, kind=kind, rows=rows, decode_rows=decode_rows,
                                  tokens=rows, waiting=waiting, running=running, t_start=t_start,
