@@ -17,7 +17,12 @@ median of ``--repeats`` calls after warm-up. The bytes a step must read at least
 of every sequence) over the time give an effective bandwidth. Comparing with the serving
 benchmark's "decode step ms" separates device time from the serving loop's host time; the
 fraction of the roofline divides the same bytes by the measured copy bandwidth
-(``serve_report.copy_bandwidth``, the serving benchmark's roofline) by the step time.
+(``serve_report.copy_bandwidth``, the serving benchmark's roofline) by the step time. The
+compute-aware roofline (``serve_report.compute_aware_ms``) also counts the weight GEMMs' FLOPs
+against a large GEMM in the step's weight format measured in the same process
+(``serve_report.gemm_throughput``): the K/V read, then the GEMMs at the longer of their bytes and
+their FLOPs. At a large batch with FP8 weights the GEMMs are compute-bound, and that is the
+floor a step can reach.
 
 ``--quantize fp8`` / ``fp8-tensor`` (FP8 weights, ``fp8_weights.quantize_on_device``) and
 ``--kv-dtype fp8`` (``float8_e4m3fn`` pools, unit scales) time the serving runs' FP8 step; the
@@ -59,7 +64,8 @@ from benchmarks.harness import dense_llama as dense  # noqa: E402
 from benchmarks.harness.device_profile import (attribute, explain_other,  # noqa: E402
                                                gemm_census, hlo_categories, load_trace,
                                                weight_copy_ops)
-from benchmarks.harness.serve_report import copy_bandwidth  # noqa: E402
+from benchmarks.harness.serve_report import (compute_aware_ms, copy_bandwidth,  # noqa: E402
+                                             gemm_flops_per_token, gemm_throughput)
 from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
 from benchmarks.harness.xla_options import xla_options  # noqa: E402
 from examples.llama import fp8_weights  # noqa: E402
@@ -104,10 +110,11 @@ def _time(fn, repeats: int) -> float:
 def _print_rows(rows: list[dict]) -> None:
     for r in rows:
         if "error" in r:
-            print(f"| {r['path']} | {r['batch']} | ERROR {r['error'][:120]} | | | | |")
+            print(f"| {r['path']} | {r['batch']} | ERROR {r['error'][:120]} | | | | | | |")
         else:
             print(f"| {r['path']} | {r['batch']} | {r['ms']:.2f} | {r['kv_gib']:.2f} | "
-                  f"{r['tbps']:.2f} | {r['roofline_ms']:.2f} | {r['fraction_of_roofline']:.2f} |")
+                  f"{r['tbps']:.2f} | {r['roofline_ms']:.2f} | {r['fraction_of_roofline']:.2f} | "
+                  f"{r['compute_roofline_ms']:.2f} | {r['fraction_of_compute_roofline']:.2f} |")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,22 +163,26 @@ def main() -> int:
         params = fp8_weights.quantize_on_device(params, fp8_weights.QUANTIZE_CHOICES[args.quantize])
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     copy_bps = copy_bandwidth()["bytes_per_s"]
+    gemm_rate = gemm_throughput(args.quantize is not None)["flops_per_s"]
     rng = np.random.default_rng(0)
     rows = []
     breakdowns: list[dict] = []
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, weights "
           f"{weight_bytes / 2**30:.2f} GiB ({args.quantize or c.dtype}), K/V "
           f"{jnp.dtype(kv_dtype).name}, context {args.context}, page {P}, copy bandwidth "
-          f"{copy_bps / 1e12:.2f} TB/s")
+          f"{copy_bps / 1e12:.2f} TB/s, GEMM {gemm_rate / 1e12:.0f} TFLOP/s")
     print("| path | batch | ms / step | K/V GiB read | min bytes / t (TB/s) | roofline ms "
-          "| fraction of roofline |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "| fraction of roofline | compute-aware roofline ms | fraction |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def timed(path: str, B: int, t: float, kv_bytes: int) -> dict:
         ideal = (weight_bytes + kv_bytes) / copy_bps
+        floor_ms = compute_aware_ms(weight_bytes, kv_bytes, B * gemm_flops_per_token(c),
+                                    copy_bps, gemm_rate)
         return {"path": path, "batch": B, "ms": t * 1e3, "kv_gib": kv_bytes / 2**30,
                 "tbps": (weight_bytes + kv_bytes) / t / 1e12, "roofline_ms": ideal * 1e3,
-                "fraction_of_roofline": ideal / t}
+                "fraction_of_roofline": ideal / t, "compute_roofline_ms": floor_ms,
+                "fraction_of_compute_roofline": floor_ms / 1e3 / t}
 
     # --xla-option: the step compiled once more per occurrence, with its XLA options
     variants = [("paged", llama.decode_step)]
@@ -272,7 +283,8 @@ def main() -> int:
             json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
                        "context": args.context, "weight_bytes": weight_bytes,
                        "quantize": args.quantize, "kv_dtype": jnp.dtype(kv_dtype).name,
-                       "copy_bytes_per_s": copy_bps, "rows": rows,
+                       "copy_bytes_per_s": copy_bps, "gemm_flops_per_s": gemm_rate,
+                       "rows": rows,
                        "breakdown": breakdowns}, f, indent=1)
     return 1 if any("error" in r for r in rows) else 0
 

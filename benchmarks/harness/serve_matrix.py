@@ -19,13 +19,13 @@ from benchmarks.harness import run_log
 from benchmarks.harness.run_log import mem_gib
 from benchmarks.harness.serve_capacity import resolve_concurrency
 from benchmarks.harness.serve_report import (agreement, copy_bandwidth, format_result,
-                                             format_roofline, roofline)
+                                             format_roofline, gemm_throughput, roofline)
 from benchmarks.harness.serve_runs import run_dense, run_paged
 from benchmarks.harness.serve_setup import (TARGET_ARENA_OVER_PAGED, TARGET_PAGED_OVER_DENSE,
                                             Setup, random_requests, shared_requests,
                                             shared_system_prompts)
 from benchmarks.harness.tp_scaling import device_weight_bytes
-from examples.llama import serve
+from examples.llama import fp8_weights, serve
 
 
 def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
@@ -66,10 +66,16 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s (read + write, "
         f"{bw['bytes'] / 2**30:.2f} GiB copied in {bw['seconds'] * 1e3:.2f} ms)")
+    gemm_rate = {fp8: gemm_throughput(fp8)["flops_per_s"]
+                 for fp8 in {False, fp8_weights.has_fp8_weights(paged_params)}}
+    log("GEMM throughput " + ", ".join(f"{'fp8' if k else 'bf16'} {v / 1e12:.0f} TFLOP/s"
+                                       for k, v in sorted(gemm_rate.items())))
 
     def record(res: dict, outs: list, requests: Sequence[serve.Request]) -> None:
+        fp8 = res["path"] != "dense" and fp8_weights.has_fp8_weights(paged_params)
         res["roofline"] = roofline(setup, weight_bytes if res["path"] == "dense"
-                                   else paged_weight_bytes, res, requests, bw["bytes_per_s"])
+                                   else paged_weight_bytes, res, requests, bw["bytes_per_s"],
+                                   gemm_rate[fp8])
         results.append(res)
         log(format_result(res))
         log(format_roofline(res["name"], res["roofline"]))

@@ -1,6 +1,7 @@
 """What the serving benchmark prints: token agreement between runs, one line per run, the
 decode step's roofline (the bytes a step must move against the copy bandwidth measured in the
-same run), the markdown tables and the anchor line."""
+same run, and with the weight GEMMs' compute against a GEMM measured in the same run), the
+markdown tables and the anchor line."""
 
 from __future__ import annotations
 
@@ -117,14 +118,59 @@ def copy_bandwidth(nbytes: int | None = None, repeats: int = 10) -> dict[str, fl
     return {"bytes": float(nbytes), "seconds": t, "bytes_per_s": 2 * nbytes / t}
 
 
+def gemm_flops_per_token(c: Any) -> float:
+    """FLOPs of the weight GEMMs one token costs in a Llama step: 2 x every linear weight (the
+    layers' q, k, v, o, gate, up, down and the LM head)."""
+    H, D = c.hidden_size, c.head_dim
+    attention = H * D * 2 * (c.num_attention_heads + c.num_key_value_heads)
+    mlp = 3 * H * c.intermediate_size
+    return 2.0 * (c.num_hidden_layers * (attention + mlp) + H * c.vocab_size)
+
+
+def gemm_throughput(fp8: bool, n: int | None = None, repeats: int = 10) -> dict[str, float]:
+    """FLOP/s of one large square GEMM in the step's weight format, median of ``repeats`` after
+    warm-up: the practical compute ceiling of the step's weight GEMMs on this device, as
+    :func:`copy_bandwidth` is that of its bytes. ``fp8``: ``float8_e4m3fn`` operands, bf16 out,
+    the runner's FP8 XLA options (cuBLASLt's FP8 GEMM on Hopper); else bf16. ``n``: 8192 on a
+    GPU, 256 on a CPU."""
+    from examples.llama.step import FP8_WEIGHTS_XLA_OPTIONS
+
+    if n is None:
+        n = 256 if jax.default_backend() == "cpu" else 8192
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(key_a, (n, n), jnp.bfloat16).astype(dtype)
+    b = jax.random.normal(key_b, (n, n), jnp.bfloat16).astype(dtype)
+    opts = dict(FP8_WEIGHTS_XLA_OPTIONS) if fp8 and jax.default_backend() == "gpu" else {}
+    dot = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                                   preferred_element_type=jnp.bfloat16),
+                  compiler_options=opts)
+    for _ in range(2):
+        dot(a, b).block_until_ready()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dot(a, b).block_until_ready()
+        samples.append(time.perf_counter() - t)
+    t = float(np.median(samples))
+    return {"n": float(n), "seconds": t, "flops_per_s": 2.0 * n ** 3 / t}
+
+
 def roofline(setup: Setup, weight_bytes: int, res: dict, requests: Sequence[serve.Request],
-             copy_bytes_per_s: float) -> dict[str, float]:
+             copy_bytes_per_s: float, gemm_flops_per_s: float | None = None
+             ) -> dict[str, float]:
     """What one decode step of ``res`` must move at least: every weight once, plus the K/V of
     the batch (``min(concurrency, requests)`` sequences at the workload's mean context during
     decode, prompt + half the output), against the measured copy bandwidth. With tensor
     parallelism (``res["tensor_parallel"]`` = n), one device's share against one device's
     bandwidth: ``weight_bytes`` is then the weights on one device, the K/V its KV heads
-    (``tp.kv_heads / n``)."""
+    (``tp.kv_heads / n``).
+
+    With ``gemm_flops_per_s`` (:func:`gemm_throughput`), also the compute-aware roofline: the
+    weight GEMMs take at least the longer of reading the weights and their FLOPs
+    (:func:`gemm_flops_per_token` x batch / n) at that rate, attention at least the K/V read, one
+    after the other: ``kv / bw + max(weights / bw, flops / gemm_rate)``. At a large batch with
+    FP8 weights the GEMMs are compute-bound and this is the step's real floor."""
     c = setup.model
     itemsize = (setup.paged_kv_itemsize if res["path"] == "paged"
                 else jnp.dtype(c.jnp_dtype).itemsize)
@@ -142,11 +188,26 @@ def roofline(setup: Setup, weight_bytes: int, res: dict, requests: Sequence[serv
     else:
         step_ms = res["decode_step_ms_p50"] or res.get("step_ms_p50") or 0.0
         measured = "every decode step"
-    return {"weight_bytes": float(weight_bytes), "kv_bytes": kv, "batch": batch,
-            "mean_context": context, "step_bytes": step_bytes,
-            "copy_bytes_per_s": copy_bytes_per_s, "roofline_step_ms": ideal_ms,
-            "measured_step_ms": step_ms, "measured_over": measured,
-            "fraction_of_roofline": ideal_ms / step_ms if step_ms else 0.0}
+    out = {"weight_bytes": float(weight_bytes), "kv_bytes": kv, "batch": batch,
+           "mean_context": context, "step_bytes": step_bytes,
+           "copy_bytes_per_s": copy_bytes_per_s, "roofline_step_ms": ideal_ms,
+           "measured_step_ms": step_ms, "measured_over": measured,
+           "fraction_of_roofline": ideal_ms / step_ms if step_ms else 0.0}
+    if gemm_flops_per_s:
+        flops = batch * gemm_flops_per_token(c) / n
+        floor_ms = compute_aware_ms(weight_bytes, kv, flops, copy_bytes_per_s, gemm_flops_per_s)
+        out.update(gemm_flops=flops, gemm_flops_per_s=gemm_flops_per_s,
+                   compute_roofline_step_ms=floor_ms,
+                   fraction_of_compute_roofline=floor_ms / step_ms if step_ms else 0.0)
+    return out
+
+
+def compute_aware_ms(weight_bytes: float, kv_bytes: float, gemm_flops: float,
+                     copy_bytes_per_s: float, gemm_flops_per_s: float) -> float:
+    """A decode step's floor in ms: its K/V read, then its weight GEMMs at the longer of
+    their bytes and their FLOPs (see :func:`roofline`)."""
+    gemms = max(weight_bytes / copy_bytes_per_s, gemm_flops / gemm_flops_per_s)
+    return (kv_bytes / copy_bytes_per_s + gemms) * 1e3
 
 
 def format_roofline(name: str, r: dict) -> str:
@@ -156,7 +217,11 @@ def format_roofline(name: str, r: dict) -> str:
             f"{r['copy_bytes_per_s'] / 1e12:.2f} TB/s (r+w) -> {r['roofline_step_ms']:.2f} ms; "
             f"measured {r['measured_step_ms']:.2f} ms (p50 of "
             f"{r.get('measured_over', 'every decode step')}) = "
-            f"{r['fraction_of_roofline']:.2f}x of the roofline")
+            f"{r['fraction_of_roofline']:.2f}x of the roofline"
+            + (f"; with the GEMMs' {r['gemm_flops'] / 1e12:.1f} TFLOP at the "
+               f"{r['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s measured: "
+               f"{r['compute_roofline_step_ms']:.2f} ms, "
+               f"{r['fraction_of_compute_roofline']:.2f}x" if "gemm_flops" in r else ""))
 
 def markdown(out: dict[str, Any]) -> str:
     lines = ["| run | path | workload | batch | requests | output tok/s | TTFT p50 s | "
@@ -182,13 +247,18 @@ def markdown(out: dict[str, Any]) -> str:
     lines += arrivals_table(out["results"])
     lines += cascade_table(out["results"])
     lines += ["", "| run | step bytes (weights + K/V) | copy TB/s (r+w) | roofline ms | "
-              "measured ms | fraction |", "|---|---:|---:|---:|---:|---:|"]
+              "measured ms | fraction | GEMM TFLOP at TFLOP/s | compute-aware roofline ms | "
+              "fraction |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in out["results"]:
         f = r["roofline"]
+        compute = (f"{f['gemm_flops'] / 1e12:.1f} at {f['gemm_flops_per_s'] / 1e12:.0f} | "
+                   f"{f['compute_roofline_step_ms']:.2f} | "
+                   f"{f['fraction_of_compute_roofline']:.2f}x" if "gemm_flops" in f
+                   else "- | - | -")
         lines.append(f"| {r['name']} | {f['step_bytes'] / 1e9:.1f} GB "
                      f"({f['weight_bytes'] / 1e9:.1f} + {f['kv_bytes'] / 1e9:.1f}) | {f['copy_bytes_per_s'] / 1e12:.2f} | "
                      f"{f['roofline_step_ms']:.2f} | {f['measured_step_ms']:.2f} | "
-                     f"{f['fraction_of_roofline']:.2f}x |")
+                     f"{f['fraction_of_roofline']:.2f}x | {compute} |")
     tiers = [r for r in out["results"] if r.get("pages_per_tier")]
     if tiers:
         lines += ["", "| run | tier | capacity | referenced | cached | free | offloaded / "

@@ -19,6 +19,7 @@ import time
 import types
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -337,6 +338,34 @@ def test_roofline_compares_with_the_full_batch_decode_steps():
     res["loop"]["full_decode"] = {}
     r = roofline(setup, 1000, res, reqs, 1e9)
     assert r["measured_step_ms"] == 2.0 and r["measured_over"] == "every decode step"
+
+
+def test_compute_aware_roofline_counts_the_gemm_flops():
+    """The GEMM FLOPs per token are 2 x the model's linear weights (counted here from the
+    initialized parameters: every 2-D array but the embedding table), and the compute-aware
+    floor is the K/V read plus the GEMMs at the longer of their bytes and their FLOPs."""
+    from benchmarks.harness.serve_report import (compute_aware_ms, format_roofline,
+                                                 gemm_flops_per_token, roofline)
+    from examples.llama import model as llama
+    setup = serve_setup.TINY_TRTLLM
+    c = setup.model
+    params = llama.init_params(c)
+    linear = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
+                 if x.ndim == 2 and "embed" not in jax.tree_util.keystr(path))
+    assert gemm_flops_per_token(c) == 2 * linear
+    # bytes-bound GEMMs (2 ms of weights vs 1 ms of FLOPs) and compute-bound ones (4 ms)
+    assert compute_aware_ms(2e9, 3e9, 1e12, 1e12, 1e15) == pytest.approx(5.0)
+    assert compute_aware_ms(2e9, 3e9, 4e12, 1e12, 1e15) == pytest.approx(7.0)
+    reqs = [serve.Request(prompt=[1] * 8, max_new_tokens=4) for _ in range(4)]
+    res = {"path": "paged", "concurrency": 4, "decode_step_ms_p50": 2.0}
+    r = roofline(setup, 1000, res, reqs, 1e9, gemm_flops_per_s=1e9)
+    assert r["gemm_flops"] == 4 * gemm_flops_per_token(c)
+    assert r["compute_roofline_step_ms"] == pytest.approx(
+        (r["kv_bytes"] / 1e9 + max(1000 / 1e9, r["gemm_flops"] / 1e9)) * 1e3)
+    assert r["compute_roofline_step_ms"] > r["roofline_step_ms"]
+    assert r["fraction_of_compute_roofline"] == r["compute_roofline_step_ms"] / 2.0
+    assert "TFLOP/s measured" in format_roofline("x", r)
+    assert "gemm_flops" not in roofline(setup, 1000, res, reqs, 1e9)
 
 
 def _check_profiled_runs(out, prof, *, on_device: bool) -> None:
