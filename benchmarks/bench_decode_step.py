@@ -29,7 +29,9 @@ floor a step can reach.
 stacked-layer and dense paths (bf16 only) are skipped then, and the breakdown is the per-layer
 step's alone, with its GEMM census (cuBLASLt FP8 calls, other cuBLAS calls, Triton fusions).
 ``--xla-option KEY=VALUE[,KEY=VALUE...]`` (repeatable) times the paged step once more per
-occurrence, compiled with that occurrence's XLA options.
+occurrence, compiled with that occurrence's XLA options; ``--static-input-scales TOKENS`` (with
+``--quantize``) once more with static activation scales calibrated over that many random tokens
+(``fp8_weights.calibrate_input_scales``: elementwise quantization XLA can fuse, no per-token max).
 
 **Breakdown** (unless ``--no-profile``): for each batch, the paged step before (the layers' weights
 stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight buffers, fused QKV
@@ -135,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantize", choices=sorted(fp8_weights.QUANTIZE_CHOICES),
                     help="the layers' linear weights in FP8 (fp8: per-channel scales, "
                     "fp8-tensor: per tensor), as serve.py --quantize")
+    ap.add_argument("--static-input-scales", type=int, metavar="TOKENS",
+                    help="with --quantize: also time the paged step with static activation "
+                    "scales (fp8_weights.calibrate_input_scales over TOKENS random tokens), "
+                    "side by side in the same process")
     ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                     help="the K/V pools' dtype (auto: the model's; fp8: float8_e4m3fn, unit "
                     "scales)")
@@ -148,7 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    args = build_parser().parse_args()
+    ap = build_parser()
+    args = ap.parse_args()
+    if args.static_input_scales is not None and (args.quantize is None
+                                                 or args.static_input_scales < 1):
+        ap.error("argument --static-input-scales: needs --quantize and at least 1 token")
     config = TINY if args.tiny else LLAMA_31_8B
     if jax.default_backend() == "cpu" and not args.tiny:
         print("the 8B-shaped probe needs a GPU (use --tiny on CPU)", file=sys.stderr)
@@ -184,12 +194,18 @@ def main() -> int:
                 "fraction_of_roofline": ideal / t, "compute_roofline_ms": floor_ms,
                 "fraction_of_compute_roofline": floor_ms / 1e3 / t}
 
-    # --xla-option: the step compiled once more per occurrence, with its XLA options
-    variants = [("paged", llama.decode_step)]
+    # --xla-option: the step compiled once more per occurrence, with its XLA options;
+    # --static-input-scales: once more with calibrated static activation scales
+    variants = [("paged", llama.decode_step, params)]
     for text in args.xla_option or ():
         variants.append((f"paged, {text}", jax.jit(
             llama.decode_step.__wrapped__, static_argnames=("config", "rings"),
-            donate_argnames=("k_cache", "v_cache"), compiler_options=dict(xla_options(text)))))
+            donate_argnames=("k_cache", "v_cache"), compiler_options=dict(xla_options(text))),
+            params))
+    if args.static_input_scales:
+        calibration = rng.integers(0, c.vocab_size, args.static_input_scales).tolist()
+        variants.append(("paged, static input scales", llama.decode_step,
+                         fp8_weights.calibrate_input_scales(params, c, calibration)))
     for B in args.batch:
         ctx = args.context
         kv_bytes = 2 * L * B * ctx * Hkv * Dh * itemsize
@@ -205,16 +221,16 @@ def main() -> int:
         args_paged = (tokens, positions, jnp.asarray(slots, jnp.int32), jnp.asarray(table),
                       jnp.full((B,), ctx, jnp.int32))
 
-        for label, step_fn in variants:
-            def paged_step(step_fn=step_fn):
+        for label, step_fn, step_params in variants:
+            def paged_step(step_fn=step_fn, step_params=step_params):
                 logits, state["k"], state["v"] = step_fn(
-                    params, state["k"], state["v"], *args_paged, config=c)
+                    step_params, state["k"], state["v"], *args_paged, config=c)
                 logits.block_until_ready()
 
             t = _time(paged_step, args.repeats)
             rows.append(timed(label, B, t, kv_bytes))
             if fp8 and not args.no_profile:
-                hlo = step_fn.lower(params, state["k"], state["v"], *args_paged,
+                hlo = step_fn.lower(step_params, state["k"], state["v"], *args_paged,
                                     config=c).compile().as_text()
                 breakdowns.append({"step": f"{label}: {args.quantize or c.dtype} weights, "
                                    f"{jnp.dtype(kv_dtype).name} K/V", "batch": B,

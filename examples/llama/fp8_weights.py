@@ -45,6 +45,7 @@ model (see :func:`main`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Sequence
@@ -56,7 +57,8 @@ import numpy as np
 __all__ = ["Fp8Weight", "FP8", "FP8_MAX", "QUANTIZE_CHOICES", "QUANTIZED_WEIGHTS", "SCALES_SCOPE",
            "quantize_weight", "quantize_params", "quantize_on_device", "compact_on_device",
            "dequantize", "fp8_matmul",
-           "quantize_activation", "from_checkpoint_parts", "has_fp8_weights", "layer_errors"]
+           "quantize_activation", "from_checkpoint_parts", "has_fp8_weights", "layer_errors",
+           "calibrate_input_scales"]
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0          # float8_e4m3fn's largest finite value
@@ -189,11 +191,63 @@ def fp8_matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """``x [T, in] @ w`` -> ``[T, out]`` in ``x``'s dtype: both operands in FP8, the GEMM
     accumulating in float32 and writing the compute dtype, the scales applied after (see the
     module doc for the pattern XLA rewrites to cuBLASLt)."""
+    if _observed is not None:    # calibrate_input_scales: eager, so x is concrete here
+        _observed[id(w)] = max(_observed.get(id(w), 0.0), float(jnp.max(jnp.abs(x))))
     xq, x_scale = quantize_activation(x, w.input_scale)
     out = jax.lax.dot_general(xq, w.values, (((x.ndim - 1,), (1,)), ((), ())),
                               preferred_element_type=x.dtype)
     with jax.named_scope(SCALES_SCOPE):
         return (out.astype(jnp.float32) * x_scale * w.scale).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static activation scales from a calibration prompt.
+
+# id(Fp8Weight) -> the largest |input| its GEMM saw, while calibrate_input_scales runs.
+_observed: dict[int, float] | None = None
+
+
+@contextlib.contextmanager
+def _observing():
+    global _observed
+    if _observed is not None:
+        raise RuntimeError("calibrate_input_scales does not nest")
+    _observed = {}
+    try:
+        yield _observed
+    finally:
+        _observed = None
+
+
+def calibrate_input_scales(quantized: dict[str, Any], config: Any,
+                           tokens: Sequence[int]) -> dict[str, Any]:
+    """``quantized`` (one dict per layer, :class:`Fp8Weight` linears) with a static
+    ``input_scale = max|x| / 448`` on every linear, ``x`` its inputs over one causal prefill of
+    ``tokens`` through the quantized model with dynamic scales (max calibration, as ModelOpt's
+    default). A static scale makes the activation quantization elementwise, so XLA can fuse it
+    into the op that produces ``x`` (no per-token max reduction per GEMM); inputs beyond the
+    calibrated range saturate at +-448. Runs eagerly, one layer at a time; existing static
+    scales are replaced."""
+    from . import model as llama   # (model imports this module)
+
+    if not isinstance(quantized.get("layers"), list):
+        raise ValueError("calibrate_input_scales takes one dict per layer (calibrate before "
+                         "model.stack_layers)")
+    if len(tokens) == 0:
+        raise ValueError("tokens: calibration needs at least one token")
+    positions = jnp.arange(len(tokens), dtype=jnp.int32)
+    cos, sin = llama.rope_tables(positions, llama.rope_inv_freq(config))
+    h = quantized["embed"][jnp.asarray(tokens)]
+    layers = []
+    for lp in quantized["layers"]:
+        dynamic = {k: dataclasses.replace(v, input_scale=None) if isinstance(v, Fp8Weight)
+                   else v for k, v in lp.items()}
+        with _observing() as seen:
+            h = llama._layer(dynamic, config, h, cos, sin, None, None, 0, _causal_attend)[0]
+        layers.append({k: dataclasses.replace(v, input_scale=jnp.float32(
+            max(seen[id(dynamic[k])], _TINY * FP8_MAX) / FP8_MAX))
+            if isinstance(v, Fp8Weight) else v for k, v in lp.items()})
+    return {**quantized, "layers": layers}
 
 
 # ---------------------------------------------------------------------------------------------

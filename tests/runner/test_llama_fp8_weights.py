@@ -451,3 +451,46 @@ def test_the_fp8_decode_step_materializes_no_weight(backend):
     assert weight_copy_ops(hlo, shapes) == []
     logits, _, _ = run()
     assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_calibrated_static_input_scales():
+    """calibrate_input_scales sets each linear's static activation scale to max|x| / 448 over
+    the calibration prompt (layer 0's q/k/v input checked against numpy: the RMS-normed
+    embeddings); with them the model tracks the dynamic-scale one, and the compiled step has no
+    per-token max reduction left in the FP8 scales (the quantization is elementwise)."""
+    seed = 5
+    print(f"seed {seed}")
+    config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8)
+    dynamic = f8.quantize_params(llama.init_params(config, seed=seed))
+    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, 24).tolist()
+    static = f8.calibrate_input_scales(dynamic, config, tokens)
+    for lp in static["layers"]:
+        for name in f8.QUANTIZED_WEIGHTS:
+            s = lp[name].input_scale
+            assert s is not None and s.shape == () and float(s) > 0, (name, s)
+    x = np.asarray(dynamic["embed"], np.float64)[tokens]
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps)
+    normed *= np.asarray(dynamic["layers"][0]["attn_norm"], np.float64)
+    np.testing.assert_allclose(float(static["layers"][0]["wqkv"].input_scale),
+                               np.abs(normed).max() / f8.FP8_MAX, rtol=1e-5)
+    # the static model against the dynamic one, on the calibration prompt and on another
+    for prompt in (tokens, np.random.default_rng(seed + 1).integers(0, 96, 16).tolist()):
+        rows = f8.layer_errors(dynamic, static, config, prompt)
+        assert max(r["stack_rel_l2"] for r in rows) < 0.1, rows
+    B = 4
+    kc, vc = llama.make_caches(config, 9, 4)
+    args = (jnp.zeros(B, jnp.int32), jnp.full(B, 5, jnp.int32),
+            jnp.asarray([6, 14, 22, 30], jnp.int32),
+            jnp.asarray([[1, 2], [3, 4], [5, 6], [7, 8]], jnp.int32), jnp.full(B, 6, jnp.int32))
+
+    def scale_reductions(params):
+        hlo = llama.decode_step.lower(params, kc, vc, *args, config=config).compile().as_text()
+        return sum(1 for ln in hlo.splitlines()
+                   if " reduce(" in ln and f8.SCALES_SCOPE in ln)
+
+    assert scale_reductions(dynamic) >= 4 * config.num_hidden_layers
+    assert scale_reductions(static) == 0
+    with pytest.raises(ValueError, match="tokens"):
+        f8.calibrate_input_scales(dynamic, config, [])
