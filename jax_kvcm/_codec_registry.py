@@ -1,5 +1,5 @@
 """The CUDA extension's host index registry, which the HOST-location codecs (the concat codec)
-read their index pairs from: the C entry points are in ``ffi/cuda/codec.cu``; the codec's
+read their index pairs from: the C entry points are in ``ffi/cuda/codec_host.cc``; the codec's
 ``register_host_index_pairs`` / ``unregister_host_index_pairs`` (``jax_kvcm/_codec.py``) use it.
 """
 
@@ -24,7 +24,7 @@ def on_accelerator(array: Any) -> bool:
 
 
 class _IndexRegistry:
-    """The CUDA extension's host index registry (C entry points in ffi/cuda/codec.cu).
+    """The CUDA extension's host index registry (C entry points in ffi/cuda/codec_host.cc).
 
     register/unregister use the module's bindings when ``module.cc`` provides them, else the
     exported C symbols through ctypes (they are exported with default visibility either way).

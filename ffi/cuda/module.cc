@@ -16,7 +16,7 @@ XLA_FFI_Error* KvcmPagedAttentionLseCuda(XLA_FFI_CallFrame* call_frame);
 void BindPinnedMemory(nb::module_& m);        // ffi/runtime/pinned_memory.cc
 void BindVmmReservation(nb::module_& m);      // ffi/runtime/vmm_binding.cc (the arena's memory)
 void AddCodecRegistrationsCuda(nb::dict& d);  // codec.cu (declared with C++ linkage there)
-void BindOffloadTickets(nb::module_& m);      // codec.cu (the side-stream mover's tickets)
+void BindOffloadTickets(nb::module_& m);      // codec_host.cc (the side-stream mover's tickets)
 
 template <typename Fn>
 static nb::capsule Capsule(Fn* fn) {

@@ -7,9 +7,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MOST_LINES = 600
 # Still over the rule: the sm90 prefill kernel is one 780-line function (its producer and consumer
-# roles are to become device functions, checked with tools/ptx_identity.py); codec.cu keeps the
-# host registries, tickets and handlers of both codecs.
-CEILINGS = {"ffi/cuda/ragged_prefill_sm90.cu": 1152, "ffi/cuda/codec.cu": 688}
+# roles become device functions on branch experiment/sm90-scaled-logit, waiting for the H200).
+CEILINGS = {"ffi/cuda/ragged_prefill_sm90.cu": 1152}
 
 
 def _library_files():
