@@ -102,6 +102,18 @@ __device__ __forceinline__ bool LoadPair(const int32_t* __restrict__ pairs, cons
   return true;
 }
 
+// Element c * width of a page piece walked head-major, as the cold payload stores it ([H][P][D]),
+// against the piece's own [P][H][D] layout: the head, the element within the head's P x D block,
+// and the offset in the piece. per_head = P * D / width.
+struct PieceSlot {
+  int h, e;
+  int64_t offset;
+};
+__device__ __forceinline__ PieceSlot SlotInPiece(int c, int per_head, int width, int H, int D) {
+  const int h = c / per_head, e = (c - h * per_head) * width, p = e / D, d = e - p * D;
+  return {h, e, (int64_t(p) * H + h) * D + d};
+}
+
 // grid (n, L, 2): CTA (pair, layer, K/V). Iterates in cold (payload) order so that the writes to
 // the cold tier (the slow link when it is host memory) are contiguous.
 template <typename T, bool kVec>
@@ -126,13 +138,13 @@ __global__ void __launch_bounds__(kInt8Threads)
   if constexpr (kVec) {
     const int per_head = PD / 16, total = H * per_head;
     for (int v = threadIdx.x; v < total; v += blockDim.x) {
-      const int h = v / per_head, e = (v - h * per_head) * 16, p = e / D, d = e - p * D;
+      const PieceSlot at = SlotInPiece(v, per_head, 16, H, D);
       float x[16];
-      Load16(piece + (int64_t(p) * H + h) * D + d, x);
+      Load16(piece + at.offset, x);
       float m = 0.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) m = fabsf(x[j]) > m ? fabsf(x[j]) : m;
-      if (m > 0.f) atomicMax(&amax[h], __float_as_uint(m));
+      if (m > 0.f) atomicMax(&amax[at.h], __float_as_uint(m));
     }
   } else {
     const int total = H * PD;
@@ -152,22 +164,21 @@ __global__ void __launch_bounds__(kInt8Threads)
   if constexpr (kVec) {
     const int per_head = PD / 16, total = H * per_head;
     for (int v = threadIdx.x; v < total; v += blockDim.x) {
-      const int h = v / per_head, e = (v - h * per_head) * 16, p = e / D, d = e - p * D;
+      const PieceSlot at = SlotInPiece(v, per_head, 16, H, D);
       float x[16];
-      Load16(piece + (int64_t(p) * H + h) * D + d, x);
-      const float s = smem[h];
+      Load16(piece + at.offset, x);
+      const float s = smem[at.h];
       uint4 out;
       int8_t* q = reinterpret_cast<int8_t*>(&out);
 #pragma unroll
       for (int j = 0; j < 16; ++j) q[j] = Quantize(x[j], s);
-      *reinterpret_cast<uint4*>(payload + int64_t(h) * PD + e) = out;
+      *reinterpret_cast<uint4*>(payload + int64_t(at.h) * PD + at.e) = out;
     }
   } else {
     const int total = H * PD;
     for (int c = threadIdx.x; c < total; c += blockDim.x) {
-      const int h = c / PD, w = c - h * PD, p = w / D, d = w - p * D;
-      payload[c] = Quantize(DTypeTraits<T>::to_float(piece[(int64_t(p) * H + h) * D + d]),
-                            smem[h]);
+      const PieceSlot at = SlotInPiece(c, PD, 1, H, D);
+      payload[c] = Quantize(DTypeTraits<T>::to_float(piece[at.offset]), smem[at.h]);
     }
   }
   if (l == gridDim.y - 1 && kv == 1) {  // zero the padding (< 16 bytes each)
@@ -200,21 +211,20 @@ __global__ void __launch_bounds__(kInt8Threads)
   if constexpr (kVec) {
     const int per_head = PD / 16, total = H * per_head;
     for (int v = threadIdx.x; v < total; v += blockDim.x) {
-      const int h = v / per_head, e = (v - h * per_head) * 16, p = e / D, d = e - p * D;
-      const uint4 in = *reinterpret_cast<const uint4*>(payload + int64_t(h) * PD + e);
+      const PieceSlot at = SlotInPiece(v, per_head, 16, H, D);
+      const uint4 in = *reinterpret_cast<const uint4*>(payload + int64_t(at.h) * PD + at.e);
       const int8_t* q = reinterpret_cast<const int8_t*>(&in);
-      const float s = smem[h];
+      const float s = smem[at.h];
       float x[16];
 #pragma unroll
       for (int j = 0; j < 16; ++j) x[j] = Int8Dequantize(q[j], s);
-      Store16(piece + (int64_t(p) * H + h) * D + d, x);
+      Store16(piece + at.offset, x);
     }
   } else {
     const int total = H * PD;
     for (int c = threadIdx.x; c < total; c += blockDim.x) {
-      const int h = c / PD, w = c - h * PD, p = w / D, d = w - p * D;
-      piece[(int64_t(p) * H + h) * D + d] =
-          DTypeTraits<T>::from_float(Int8Dequantize(payload[c], smem[h]));
+      const PieceSlot at = SlotInPiece(c, PD, 1, H, D);
+      piece[at.offset] = DTypeTraits<T>::from_float(Int8Dequantize(payload[c], smem[at.h]));
     }
   }
 }
