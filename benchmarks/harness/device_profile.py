@@ -15,7 +15,8 @@ also NCCL's kernels, ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``, ``ncclKernel_
 norms/RoPE/other (everything else).
 
 The trace: on a GPU the device's "XLA Ops" line (else its kernels, named by their ``hlo_op``
-argument when present) and its "XLA Modules" line (one span per program execution; without one,
+argument when present; a kernel named after its instruction with ``.`` as ``_``, as jax 0.11's
+traces name fusions, is matched to it: :func:`kernel_named`) and its "XLA Modules" line (one span per program execution; without one,
 as in jax 0.11's traces, the executions are read from the kernels' ``hlo_module`` arguments:
 :func:`_executions_from_kernels`); on the CPU
 the thunks XLA runs (named by their HLO instruction), one execution per ``ThunkExecutor::Execute``
@@ -142,13 +143,29 @@ def explain_other(unknown: collections.Counter, hlo_text: str, per: float,
     behind them: ``{"op", "ms", "in_hlo", "scopes"}``, scopes as the last three components of
     each ``op_name`` path. ``in_hlo`` False: the trace's name matched no instruction."""
     scopes = instruction_scopes(hlo_text)
+    as_kernels = kernel_named(scopes)
     rows = []
     for name, us in unknown.most_common(top):
-        key = name if name in scopes else name.split(":")[0]
-        paths = scopes.get(key, [])
-        rows.append({"op": name, "ms": us / per, "in_hlo": key in scopes,
-                     "scopes": ["/".join(p.split("/")[-3:]) for p in paths][:6]})
+        paths = lookup(scopes, as_kernels, name)
+        rows.append({"op": name, "ms": us / per, "in_hlo": paths is not None,
+                     "scopes": ["/".join(p.split("/")[-3:]) for p in paths or []][:6]})
     return rows
+
+
+def kernel_named(by_instruction: dict) -> dict:
+    """``by_instruction`` keyed as a GPU trace names the kernels: an HLO instruction's name with
+    ``.`` as ``_`` (``fusion.870`` -> ``fusion_870``; jax 0.11's traces on an H100)."""
+    return {k.replace(".", "_"): v for k, v in by_instruction.items()}
+
+
+def lookup(by_instruction: dict, as_kernels: dict, name: str):
+    """The entry of a trace op ``name`` (an HLO instruction, ``instruction:suffix``, or a kernel
+    named after an instruction, see :func:`kernel_named`), or None."""
+    for table in (by_instruction, as_kernels):
+        for key in (name, name.split(":")[0]):
+            if key in table:
+                return table[key]
+    return None
 
 
 def gemm_census(hlo_text: str) -> dict[str, int]:
@@ -474,8 +491,9 @@ def attribute(ops, cats: dict[str, str], on_device: bool,
     (kernels), skipped on the CPU (runtime events). ``unknown``: if given, gets microseconds
     per op name of the ops put in "norms/RoPE/other" (to see what hides there)."""
     out: collections.Counter = collections.Counter()
+    as_kernels = kernel_named(cats)
     for o in ops:
-        cat = cats.get(o.name) or cats.get(o.name.split(":")[0])
+        cat = lookup(cats, as_kernels, o.name)
         if cat is None:
             if not on_device:
                 continue

@@ -256,11 +256,12 @@ _HLO_FUSED_SCALE = """HloModule jit_model_step, is_scheduled=true
   ROOT %r = bf16[8,64]{1,0} add(%s, %p0), metadata={op_name="jit(step)/layer/add"}
 }
 
-ENTRY %main (x: bf16[8,64], s: f32[8]) -> bf16[8,64] {
+ENTRY %main (x: bf16[8,64], s: f32[8]) -> f8e4m3fn[8,64] {
   %x = bf16[8,64]{1,0} parameter(0)
   %s = f32[8]{0} parameter(1)
   %rope = bf16[8,64]{1,0} sine(%x), metadata={op_name="jit(step)/layer/rope/sin"}
-  ROOT %residual = bf16[8,64]{1,0} fusion(%x, %s), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/layer/add"}
+  %residual.2 = bf16[8,64]{1,0} fusion(%x, %s), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/layer/add"}
+  ROOT %quant.7 = f8e4m3fn[8,64]{1,0} convert(%residual.2), metadata={op_name="jit(step)/fp8_scales/convert_element_type"}
 }
 """
 
@@ -269,13 +270,17 @@ def test_explain_other_names_the_scopes_a_fusion_holds():
     """A scale multiply fused into a residual add counts as "other" (the fusion's root scope),
     and explain_other shows the fp8_scales ops inside it; a trace name the HLO lacks says so."""
     cats = _profile.hlo_categories(_HLO_FUSED_SCALE)
-    assert cats["residual"] == cats["rope"] == _profile.OTHER
+    assert cats["residual.2"] == cats["rope"] == _profile.OTHER
+    assert cats["quant.7"] == _profile.FP8_SCALES
     unknown = collections.Counter()
-    ops = [_profile.Op(n, 0.0, us) for n, us in (("residual", 4000.0), ("rope", 1000.0),
-                                                  ("cutlass_mystery", 2000.0))]
-    _profile.attribute(ops, cats, True, unknown)
+    # as a GPU trace names them: kernels named after instructions, "." as "_"
+    ops = [_profile.Op(n, 0.0, us) for n, us in (("residual_2", 4000.0), ("rope", 1000.0),
+                                                  ("cutlass_mystery", 2000.0),
+                                                  ("quant_7", 500.0))]
+    by_cat = _profile.attribute(ops, cats, True, unknown)
+    assert by_cat[_profile.FP8_SCALES] == 500.0
     rows = _profile.explain_other(unknown, _HLO_FUSED_SCALE, per=1e3 * 2)
-    assert [r["op"] for r in rows] == ["residual", "rope"]     # a cutlass kernel is a GEMM
+    assert [r["op"] for r in rows] == ["residual_2", "rope"]     # a cutlass kernel is a GEMM
     top = rows[0]
     assert top["ms"] == 2.0 and top["in_hlo"]
     assert top["scopes"] == ["jit(step)/layer/add", "layer/fp8_scales/broadcast_in_dim",
