@@ -127,33 +127,45 @@ def gemm_flops_per_token(c: Any) -> float:
     return 2.0 * (c.num_hidden_layers * (attention + mlp) + H * c.vocab_size)
 
 
-def gemm_throughput(fp8: bool, n: int | None = None, repeats: int = 10) -> dict[str, float]:
-    """FLOP/s of one large square GEMM in the step's weight format, median of ``repeats`` after
-    warm-up: the practical compute ceiling of the step's weight GEMMs on this device, as
+def gemm_throughput(fp8: bool, shapes: Sequence[tuple[int, int, int]] | None = None,
+                    repeats: int = 10, calls: int = 4) -> dict[str, float]:
+    """FLOP/s of large GEMMs in the step's weight format, the best of ``shapes`` (``(m, k, n)``;
+    default: 8192 cubed and the 8B layer's gate/up and down GEMMs at 4,096 rows), each the median
+    of ``repeats`` programs of ``calls`` GEMMs (so JAX's dispatch does not count) after warm-up:
+    the practical compute ceiling of the step's weight GEMMs on this device, as
     :func:`copy_bandwidth` is that of its bytes. ``fp8``: ``float8_e4m3fn`` operands, bf16 out,
-    the runner's FP8 XLA options (cuBLASLt's FP8 GEMM on Hopper); else bf16. ``n``: 8192 on a
-    GPU, 256 on a CPU."""
+    the runner's FP8 XLA options (cuBLASLt's FP8 GEMM on Hopper); else bf16. On a CPU: one
+    256-cubed GEMM."""
     from examples.llama.step import FP8_WEIGHTS_XLA_OPTIONS
 
-    if n is None:
-        n = 256 if jax.default_backend() == "cpu" else 8192
+    if shapes is None:
+        shapes = (((256, 256, 256),) if jax.default_backend() == "cpu" else
+                  ((8192, 8192, 8192), (4096, 4096, 28672), (4096, 14336, 4096)))
     dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    key_a, key_b = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(key_a, (n, n), jnp.bfloat16).astype(dtype)
-    b = jax.random.normal(key_b, (n, n), jnp.bfloat16).astype(dtype)
     opts = dict(FP8_WEIGHTS_XLA_OPTIONS) if fp8 and jax.default_backend() == "gpu" else {}
-    dot = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                                   preferred_element_type=jnp.bfloat16),
-                  compiler_options=opts)
-    for _ in range(2):
-        dot(a, b).block_until_ready()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dot(a, b).block_until_ready()
-        samples.append(time.perf_counter() - t)
-    t = float(np.median(samples))
-    return {"n": float(n), "seconds": t, "flops_per_s": 2.0 * n ** 3 / t}
+
+    def gemms(xs, w):    # calls GEMMs on distinct activations, weight [n, k] (K-major)
+        return [jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.bfloat16) for x in xs]
+
+    program = jax.jit(gemms, compiler_options=opts)
+    best = {"flops_per_s": 0.0}
+    for m, k, n in shapes:
+        keys = jax.random.split(jax.random.key(0), calls + 1)
+        xs = [jax.random.normal(key, (m, k), jnp.bfloat16).astype(dtype) for key in keys[1:]]
+        w = jax.random.normal(keys[0], (n, k), jnp.bfloat16).astype(dtype)
+        for _ in range(2):
+            jax.block_until_ready(program(xs, w))
+        samples = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(program(xs, w))
+            samples.append(time.perf_counter() - t)
+        rate = 2.0 * m * k * n * calls / float(np.median(samples))
+        if rate > best["flops_per_s"]:
+            best = {"m": float(m), "k": float(k), "n": float(n), "flops_per_s": rate}
+        del xs, w
+    return best
 
 
 def roofline(setup: Setup, weight_bytes: int, res: dict, requests: Sequence[serve.Request],

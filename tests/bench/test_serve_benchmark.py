@@ -350,7 +350,8 @@ def test_compute_aware_roofline_counts_the_gemm_flops():
     initialized parameters: every 2-D array but the embedding table), and the compute-aware
     floor is the K/V read plus the GEMMs at the longer of their bytes and their FLOPs."""
     from benchmarks.harness.serve_report import (compute_aware_ms, format_roofline,
-                                                 gemm_flops_per_token, roofline)
+                                                 gemm_flops_per_token, gemm_throughput,
+                                                 roofline)
     from examples.llama import model as llama
     setup = serve_setup.TINY_TRTLLM
     c = setup.model
@@ -371,6 +372,9 @@ def test_compute_aware_roofline_counts_the_gemm_flops():
     assert r["fraction_of_compute_roofline"] == r["compute_roofline_step_ms"] / 2.0
     assert "TFLOP/s measured" in format_roofline("x", r)
     assert "gemm_flops" not in roofline(setup, 1000, res, reqs, 1e9)
+    rate = gemm_throughput(True, shapes=((64, 32, 16), (32, 32, 32)), repeats=2, calls=2)
+    assert rate["flops_per_s"] > 0 and (rate["m"], rate["k"], rate["n"]) in {(64, 32, 16),
+                                                                              (32, 32, 32)}
 
 
 def _check_profiled_runs(out, prof, *, on_device: bool) -> None:
