@@ -56,6 +56,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="every run's linear weights in float8_e4m3fn with FP8 GEMMs "
                         "(examples/llama/fp8_weights.py): fp8 (per-channel scales), fp8-tensor "
                         "(per tensor); activations per token; one device (default: bf16)")
+    p.add_argument("--static-input-scales", type=int, default=None, metavar="TOKENS",
+                   help="with --quantize: static activation scales, calibrated over TOKENS "
+                        "random tokens (fp8_weights.calibrate_input_scales; the random model "
+                        "measures their speed, not their accuracy), as in TensorRT-LLM's FP8 "
+                        "checkpoints (default: per-token scales at run time)")
     p.add_argument("--xla-option", type=xla_options, default=None, metavar="KEY=VALUE[,...]",
                    help="XLA compiler options of the paged runs' device step "
                         "(ServeConfig.xla_options), e.g. xla_gpu_enable_triton_gemm=false "
@@ -172,6 +177,10 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
     if args.cascade_ab and (args.cascade or args.no_shared or max(tps) > 1):
         raise SystemExit("--cascade-ab runs the shared-prefix workload without and with cascade "
                          "on one device: not with --cascade, --no-shared or --tensor-parallel > 1")
+    if args.static_input_scales is not None and (args.quantize is None
+                                                 or args.static_input_scales < 1):
+        raise SystemExit("--static-input-scales needs --quantize and at least 1 token, got "
+                         f"{args.static_input_scales}")
     if args.quantize is not None and max(tps) > 1:
         raise SystemExit(f"--quantize {args.quantize}: FP8 weights are not split for tensor "
                          "parallelism (examples/llama/tp.py); use --tensor-parallel 1")
@@ -189,6 +198,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
         raise SystemExit(f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
     over: dict[str, Any] = {"seed": args.seed, "kv_dtype": args.kv_dtype,
                             "quantize": args.quantize, "cascade": args.cascade,
+                            "static_input_scales": args.static_input_scales,
                             "xla_options": args.xla_option,
                             "cascade_ab": args.cascade_ab,
                             "defer_shared_prompts": not args.no_defer_shared_prompts,

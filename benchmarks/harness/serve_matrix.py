@@ -68,7 +68,7 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
         f"{bw['bytes'] / 2**30:.2f} GiB copied in {bw['seconds'] * 1e3:.2f} ms)")
     gemm_rate = {fp8: gemm_throughput(fp8)["flops_per_s"]
                  for fp8 in {False, fp8_weights.has_fp8_weights(paged_params)}}
-    log("GEMM throughput " + ", ".join(f"{'fp8' if k else 'bf16'} {v / 1e12:.0f} TFLOP/s"
+    log("GEMM throughput " + ", ".join(f"{'fp8' if k else 'bf16'} {v / 1e12:.3g} TFLOP/s"
                                        for k, v in sorted(gemm_rate.items())))
 
     def record(res: dict, outs: list, requests: Sequence[serve.Request]) -> None:

@@ -233,7 +233,9 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         pages_onboarded=rep["pages_onboarded"], host_bytes=setup.host_bytes,
         prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
-        weights=setup.quantize or setup.model.dtype, cascade=scfg.cascade,
+        weights=(setup.quantize or setup.model.dtype)
+        + (" static-scales" if setup.quantize and setup.static_input_scales else ""),
+        cascade=scfg.cascade,
         xla_options=dict(server.serve.xla_options),
         decode_kv_tokens=rep["decode_kv_tokens"], cascade_tokens_saved=rep["cascade_tokens_saved"],
         deferred_admissions=rep["deferred_admissions"],

@@ -119,6 +119,9 @@ class Setup:
     # --quantize: the layers' linear weights in FP8 ("fp8": per-channel scales, "fp8-tensor":
     # per tensor; examples/llama/fp8_weights.py), for every run of the setup; None: as drawn.
     quantize: str | None = None
+    # --static-input-scales: with quantize, static activation scales calibrated over this many
+    # random tokens (fp8_weights.calibrate_input_scales); None: per-token scales at run time.
+    static_input_scales: int | None = None
     # Random-workload requests (None: concurrency x requests_factor).
     num_requests: int | None = None
     # The random rows' concurrency is the largest the device memory left after the weights holds
@@ -269,6 +272,12 @@ def random_params(setup: Any) -> Any:
     quantize = getattr(setup, "quantize", None)
     if quantize is not None:
         params = fp8_weights.quantize_on_device(params, fp8_weights.QUANTIZE_CHOICES[quantize])
+        calibration = getattr(setup, "static_input_scales", None)
+        if calibration:
+            tokens = np.random.default_rng(setup.seed).integers(
+                0, setup.model.vocab_size, calibration).tolist()
+            params = fp8_weights.calibrate_input_scales(params, setup.model, tokens)
+            quantize += f", static input scales over {calibration} tokens"
     n = sum(x.size for x in jax.tree_util.tree_leaves(params))
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     kind = f"{setup.model.dtype}{f', layers {quantize}' if quantize else ''}"

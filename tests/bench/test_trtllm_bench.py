@@ -5,6 +5,8 @@ every request runs to its length, and the row reports tok/s, TTFT and ITL."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from pathlib import Path
 
@@ -89,6 +91,11 @@ def test_trtllm_bench_presets_and_flags():
     assert fixed.requests_at(256) == 3000
     with pytest.raises(SystemExit, match="--quantize fp8: FP8 weights are not split"):
         setup("--quantize", "fp8", "--tensor-parallel", "2")
+    assert setup("--quantize", "fp8", "--static-input-scales", "64").static_input_scales == 64
+    for bad in (("--static-input-scales", "64"), ("--quantize", "fp8", "--static-input-scales",
+                                                  "0")):
+        with pytest.raises(SystemExit, match="--static-input-scales needs --quantize"):
+            setup(*bad)
     with pytest.raises(SystemExit):
         bench.parse_args(["--quantize", "int4"])
     # The 8B shape at 1,000/1,000: 125 pages of 16 tokens per sequence; a page is 2 MiB in
@@ -125,3 +132,15 @@ def test_concurrency_counts_at_most_the_largest_free_block(monkeypatch):
     capped, line = concurrency(1200 * page)
     assert capped == expected(1200 * page) < whole
     assert "of which the largest free block" in line, line
+
+
+def test_static_input_scales_reach_the_served_params():
+    """--static-input-scales: random_params calibrates every FP8 linear (a static scalar
+    input_scale on each) and the rows say so."""
+    s = dataclasses.replace(serve_setup.TINY_TRTLLM_BENCH, quantize="fp8", static_input_scales=16)
+    params = serve_setup.random_params(s)
+    scales = [lp[name].input_scale for lp in params["layers"] for name in f8.QUANTIZED_WEIGHTS]
+    assert all(x is not None and x.shape == () and float(x) > 0 for x in scales), scales
+    dynamic = serve_setup.random_params(dataclasses.replace(s, static_input_scales=None))
+    assert all(lp[name].input_scale is None for lp in dynamic["layers"]
+               for name in f8.QUANTIZED_WEIGHTS)
