@@ -32,9 +32,10 @@
 #   cascade gemm stepmem tbench
 #   (gemm: benchmarks/bench_fp8_gemm.py, the 8B layer's FP8 GEMMs through XLA against cuBLASLt
 #   called directly (torch); off unless named.)
-#   (tbench: benchmarks/serve.py --workload trtllm-bench --quick with FP8 weights and K/V at the
-#   largest concurrency memory allows, TensorRT-LLM's published protocol; off unless named;
-#   --tbench=ARGS replaces its arguments.)
+#   (tbench: benchmarks/serve.py --workload trtllm-bench --quick with FP8 weights (static
+#   activation scales, as TensorRT-LLM's FP8 checkpoints) and K/V at the largest concurrency
+#   memory allows, TensorRT-LLM's published protocol; off unless named; --tbench=ARGS replaces
+#   its arguments.)
 #   (stepmem: tools/step_memory.py, XLA's memory analysis of the 8B serving step (does it copy
 #   the pools?), compile only, in the background beside the other steps; off unless named.)
 #   (profile: Nsight Compute over tools/decode_profile.py at B256 S1024, ours and, with the
@@ -276,7 +277,8 @@ fi
 if [ ${want[tbench]} = 1 ]; then
   # shellcheck disable=SC2086  # tbench_args is a list of words
   step tbench tbench.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.serve \
-    ${tbench_args:---workload trtllm-bench --quick --quantize fp8 --kv-dtype fp8 --no-check} \
+    ${tbench_args:---workload trtllm-bench --quick --quantize fp8 --static-input-scales 256 \
+      --kv-dtype fp8 --no-check} \
     --json "$OUT/tbench.json"
   grep -E "^concurrency|^\| |RESOURCE" "$OUT/tbench.log" | tail -12
 fi
