@@ -22,7 +22,9 @@ every step. Stored ``[out, in]`` and contracted on its last axis (``dot_general`
   q/k/v the largest of the three, as vLLM does), ``x / input_scale``; without one, dynamically
   per token (row): ``scale[t] = max|x[t]| / 448``. Per token rather than per tensor keeps a
   request's logits independent of what else is in its batch (the runner's sampling promises
-  that), and costs nothing here: the scales are applied outside the GEMM.
+  that). :func:`calibrate_input_scales` makes static scales for a model quantized at load: the
+  per-token max before every GEMM goes, which on an H100 took the 8B decode step at 864 rows
+  from 27.3 to 25.0 ms.
 
 **The GEMM** (:func:`fp8_matmul`): ``dot_general(x_fp8, w_fp8, preferred_element_type=the
 compute dtype)``, then ``out * x_scale[:, None] * w_scale[None, :]`` in float32, cast back. XLA's
@@ -358,21 +360,33 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
     p.add_argument("--tokens", type=int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--quantize", choices=sorted(QUANTIZE_CHOICES), default="fp8",
                    help="fp8: per-channel weight scales; fp8-tensor: per tensor")
+    p.add_argument("--static-input-scales", type=int, metavar="TOKENS",
+                   help="static activation scales calibrated over TOKENS other random tokens "
+                   "(calibrate_input_scales) instead of per-token scales")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not 1 <= args.layers <= 32 or args.tokens < 1:
         p.error(f"argument --layers: must be in [1, 32] (got {args.layers}); --tokens >= 1")
+    if args.static_input_scales is not None and args.static_input_scales < 1:
+        p.error(f"argument --static-input-scales: must be >= 1, got {args.static_input_scales}")
     config = llama.LlamaConfig(
         vocab_size=1024, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
         rope_theta=500000.0, dtype="bfloat16")
     params = llama.init_params(config, seed=args.seed, on_device=True)
     quantized = quantize_params(params, QUANTIZE_CHOICES[args.quantize])
-    tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.tokens)
+    rng = np.random.default_rng(args.seed)
+    tokens = rng.integers(0, config.vocab_size, args.tokens)
+    activations = "dynamic per-token activations"
+    if args.static_input_scales:
+        calibration = rng.integers(0, config.vocab_size, args.static_input_scales).tolist()
+        quantized = calibrate_input_scales(quantized, config, calibration)
+        activations = (f"static activation scales calibrated over {args.static_input_scales} "
+                       "other tokens")
     rows = layer_errors(params, quantized, config, tokens.tolist())
     print(f"8B-shaped random model, {args.layers} layers, {args.tokens} tokens, seed "
           f"{args.seed}, {args.quantize} ({QUANTIZE_CHOICES[args.quantize]} weight scales, "
-          f"dynamic per-token activations) against bf16, on {jax.devices()[0].device_kind}")
+          f"{activations}) against bf16, on {jax.devices()[0].device_kind}")
     print("layer  output rel-L2  update rel-L2  stack rel-L2")
     for r in rows:
         print(f"{r['layer']:5d}  {r['layer_rel_l2']:13.2e}  {r['layer_update_rel_l2']:13.2e}  "
