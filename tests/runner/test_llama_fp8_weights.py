@@ -105,16 +105,23 @@ def _generate(params, config, prompts, n_new=24):
     return srv.generate([serve.Request(p, n_new, eos_token_ids=()) for p in prompts])
 
 
-@pytest.mark.parametrize("dtype,quantize", [("bfloat16", "fp8"), ("float32", "fp8"),
-                                            ("float32", "fp8-tensor")])
-def test_fp8_weights_accuracy(checkpoint, dtype, quantize):
+@pytest.mark.parametrize("dtype,quantize,static", [("bfloat16", "fp8", False),
+                                                   ("float32", "fp8", False),
+                                                   ("float32", "fp8-tensor", False),
+                                                   ("bfloat16", "fp8", True)])
+def test_fp8_weights_accuracy(checkpoint, dtype, quantize, static):
     """The model with FP8 weights against itself unquantized (same dtype), greedy: per-step
-    argmax agreement on the same context and the max logit error there."""
+    argmax agreement on the same context and the max logit error there. ``static``: static
+    activation scales calibrated on other prompts (calibrate_input_scales)."""
     _, path = checkpoint
     prompts = _prompts(21)
     config, params, _ = llama_loader.load_checkpoint(path, dtype=dtype, progress=False)
     _, quantized, _ = llama_loader.load_checkpoint(path, dtype=dtype, progress=False,
                                                    quantize=quantize)
+    if static:
+        calibration = [t for p in _prompts(5) for t in p]
+        quantized = f8.calibrate_input_scales(quantized, config, calibration)
+        quantize += f" (static scales over {len(calibration)} tokens)"
     assert isinstance(quantized["layers"][0]["wqkv"], f8.Fp8Weight)
     assert not isinstance(quantized["lm_head"], f8.Fp8Weight)
     want, got = _generate(params, config, prompts), _generate(quantized, config, prompts)
