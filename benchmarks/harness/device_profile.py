@@ -16,9 +16,9 @@ norms/RoPE/other (everything else).
 
 The trace: on a GPU the device's "XLA Ops" line (else its kernels, named by their ``hlo_op``
 argument when present; a kernel named after its instruction with ``.`` as ``_``, as jax 0.11's
-traces name fusions, is matched to it: :func:`kernel_named`) and its "XLA Modules" line (one span per program execution; without one,
-as in jax 0.11's traces, the executions are read from the kernels' ``hlo_module`` arguments:
-:func:`_executions_from_kernels`); on the CPU
+traces name fusions, is matched to it: :func:`kernel_named`) and its "XLA Modules" line (one
+span per program execution; without one, as in jax 0.11's traces, the executions are read from
+the kernels' ``hlo_module`` arguments: :func:`_executions_from_kernels`); on the CPU
 the thunks XLA runs (named by their HLO instruction), one execution per ``ThunkExecutor::Execute``
 span (the thunks on its thread inside it). With several CPU devices
 (``--xla_force_host_platform_device_count``, a tensor-parallel step) each device runs its part of
@@ -89,15 +89,15 @@ def weight_copy_ops(hlo_text: str, params) -> list[str]:
 
 
 def instruction_shapes(hlo_text: str) -> dict[str, str]:
-    """Instruction name (with ``.`` as ``_``, as GPU kernels are named) -> ``"<result> <op>"``
+    """Instruction name as GPU kernels are named (:func:`kernel_named`) -> ``"<result> <op>"``
     (e.g. ``"f8e4m3fn[858,4096]{1,0} fusion"``) for every instruction of an HLO module. XLA
     reuses one kernel for identical fusions, so a kernel's time can cover several of them."""
     out = {}
     for line in hlo_text.splitlines():
         m = re.match(r"^\s*(?:ROOT )?%?([\w.-]+) = (\S+) ([\w-]+)\(", line)
         if m:
-            out[m.group(1).replace(".", "_")] = f"{m.group(2)} {m.group(3)}"
-    return out
+            out[m.group(1)] = f"{m.group(2)} {m.group(3)}"
+    return kernel_named(out)
 
 
 def _instructions(hlo_text: str):
