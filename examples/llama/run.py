@@ -6,6 +6,7 @@ generation and the KV report.
     python examples/llama/run.py --prompt-ids 1,5,9 --prompt-ids 1,5,7 --json
     python examples/llama/run.py --kv-dtype fp8      # K/V pools in float8_e4m3fn
     python examples/llama/run.py --quantize fp8      # FP8 weights and GEMMs (fp8_weights.py)
+    python examples/llama/run.py --quantize fp8 --static-input-scales 256  # + static act. scales
     python examples/llama/run.py --tensor-parallel 2  # split over 2 devices (examples/llama/tp.py)
 
 With no ``--model``, a small Llama (2 layers, hidden 128, vocab 512) with deterministic random
@@ -121,6 +122,24 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+# --static-input-scales FILE: the calibration text's first this many tokens.
+CALIBRATION_TOKENS = 2048
+
+
+def calibration_source(text: str) -> int | Path:
+    """``--static-input-scales``: a token count (that many random token ids, seed 0) or the path
+    of a UTF-8 text file (tokenized with the checkpoint's tokenizer)."""
+    if text.strip().isdigit():
+        n = int(text)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"a token count must be >= 1, got {n}")
+        return n
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"neither a token count nor a file: {text!r}")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The runner's command line: prompts and sampling, then :func:`add_engine_args`."""
     p = argparse.ArgumentParser(
@@ -184,6 +203,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
            "GEMMs: fp8 (a scale per output channel), fp8-tensor (one per weight); activations "
            "per token; an FP8 checkpoint loads in FP8 without it; one device only "
            "(default: as stored)")
+    a("--static-input-scales", type=calibration_source, default=None, metavar="N|FILE",
+      help="static FP8 activation scales (max|x| / 448 of each linear's input over one "
+           "prefill, fp8_weights.calibrate_input_scales) instead of per-token ones: over N "
+           f"random tokens, or a text file's first {CALIBRATION_TOKENS} tokens (needs the "
+           "checkpoint's tokenizer.json); needs FP8 weights (--quantize or an FP8 checkpoint); "
+           "replaces a checkpoint's input_scale (default: none)")
     a("--max-batch", type=count(1), default=8, metavar="N",
       help="most sequences per step (default: %(default)s)")
     a("--max-tokens-per-step", type=count(1), default=64, metavar="N",
@@ -256,6 +281,9 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
             p.error(f"argument --disk-dir: {d} is not writable")
     else:
         args.disk_bytes = 0
+    if args.static_input_scales is not None and args.model is None and args.quantize is None:
+        p.error("argument --static-input-scales: needs FP8 weights: add --quantize (the "
+                "built-in model is not FP8)")
     if args.quantize and args.tensor_parallel > 1:
         p.error(f"argument --quantize: {args.quantize} weights are not split for tensor "
                 "parallelism (examples/llama/tp.py shards float weights only); drop "
@@ -307,6 +335,8 @@ def main(argv=None) -> int:
     if not args.json:
         kv = "fp8" + (" (checkpoint scales)" if "kv_scales" in params else " (scales 1.0)")
         weights = "fp8" if fp8_weights.has_fp8_weights(params) else config.dtype
+        if args.static_input_scales is not None:
+            weights += " (static activation scales)"
         print(f"model: {'built-in random Llama' if default_model else path} "
               f"({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
               f"{config.vocab_size}, {config.dtype}, K/V "
@@ -442,7 +472,32 @@ def load_model(p: argparse.ArgumentParser, args: argparse.Namespace, *, progress
     if args.tensor_parallel > 1 and fp8_weights.has_fp8_weights(params):
         p.error(f"argument --tensor-parallel: {path} has FP8 weights, which are not split for "
                 "tensor parallelism (examples/llama/tp.py); use --tensor-parallel 1")
+    if args.static_input_scales is not None:
+        params = calibrate(p, args.static_input_scales, config, params, tokenizer)
     return path, config, params, tokenizer, tmp
+
+
+def calibrate(p: argparse.ArgumentParser, source: int | Path, config, params, tokenizer):
+    """``params`` with static activation scales calibrated over ``source`` (see
+    :func:`calibration_source`); a model without FP8 weights, or a text file without a
+    tokenizer, ends with ``p.error``."""
+    if not fp8_weights.has_fp8_weights(params):
+        p.error("argument --static-input-scales: needs FP8 weights (--quantize, or an FP8 "
+                "checkpoint)")
+    if isinstance(source, int):
+        tokens = np.random.default_rng(0).integers(0, config.vocab_size, source).tolist()
+    else:
+        if tokenizer is None:
+            p.error(f"argument --static-input-scales: {source} is text and the model has no "
+                    "tokenizer.json; give a token count instead")
+        try:
+            text = source.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"argument --static-input-scales: cannot read {source}: {e}")
+        tokens = tokenizer.encode(text).ids[:CALIBRATION_TOKENS]
+        if not tokens:
+            p.error(f"argument --static-input-scales: {source} has no tokens")
+    return fp8_weights.calibrate_input_scales(params, config, tokens)
 
 
 def write_default_checkpoint(directory: Path) -> Path:

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import jax_kvcm  # noqa: F401  (the installed package first; the repo root goes on sys.path after)
@@ -70,6 +71,10 @@ def user_error(r, *words):
     (["--cold-codec", "zip"], ["--cold-codec"]),
     (["--tensor-parallel", "0"], ["--tensor-parallel", ">= 1"]),
     (["--tensor-parallel", "64"], ["--tensor-parallel", "64 devices asked"]),
+    (["--static-input-scales", "64"], ["--static-input-scales", "--quantize"]),
+    (["--quantize", "fp8", "--static-input-scales", "0"], ["--static-input-scales", ">= 1"]),
+    (["--quantize", "fp8", "--static-input-scales", "no/such.txt"],
+     ["--static-input-scales", "neither a token count nor a file"]),
 ])
 def test_bad_arguments_fail_before_loading(args, words):
     user_error(cli(*args), *words)
@@ -204,3 +209,60 @@ def test_cascade_flag_keeps_the_generations():
     assert gen[0] == gen[1] and len(gen[0]) == 5
     assert plain[-1]["kv_report"]["cascade_tokens_saved"] == 0
     assert cascade[-1]["kv_report"]["cascade_tokens_saved"] > 0
+
+
+def _load(*argv):
+    """run.py's argument checks and load_model in this process: ``(config, params, tokenizer)``."""
+    from examples.llama import run
+    p = run.build_parser()
+    args = p.parse_args(list(argv))
+    run.check_args(p, args)
+    _, config, params, tokenizer, tmp = run.load_model(p, args, progress=False)
+    if tmp is not None:
+        tmp.cleanup()
+    return config, params, tokenizer
+
+
+def _layer0_qkv_amax(params, config, tokens) -> float:
+    """numpy's max|rmsnorm(embed[tokens])| at layer 0 (the q/k/v GEMM's input)."""
+    x = np.asarray(params["embed"], np.float64)[tokens]
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps)
+    return float(np.abs(normed * np.asarray(params["layers"][0]["attn_norm"], np.float64)).max())
+
+
+def test_static_input_scales_over_random_tokens_and_a_text_file(tmp_path):
+    """``--static-input-scales N|FILE`` gives every FP8 linear a static activation scale:
+    layer 0's q/k/v scale is max|rmsnorm(x)| / 448 (numpy) over N seeded random tokens, or over
+    the file's text through the checkpoint's tokenizer; a text file needs a tokenizer, a bf16
+    model needs --quantize; the runner generates with the scales end to end."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from examples.llama import fp8_weights as f8
+    n = 24
+    config, params, _ = _load("--quantize", "fp8", "--static-input-scales", str(n))
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, n).tolist()
+    for lp in params["layers"]:
+        assert all(lp[w].input_scale is not None for w in f8.QUANTIZED_WEIGHTS)
+    np.testing.assert_allclose(float(params["layers"][0]["wqkv"].input_scale),
+                               _layer0_qkv_amax(params, config, tokens) / f8.FP8_MAX, rtol=1e-5)
+
+    d = small_checkpoint(tmp_path)
+    text = tmp_path / "calibration.txt"
+    text.write_text("w5 w9 w11 w30 w7 w5 w3")
+    user_error(cli("--model", str(d), "--prompt-ids", "1,2", "--quantize", "fp8",
+                   "--static-input-scales", str(text)), "--static-input-scales", "tokenizer.json")
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 32)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    config, params, _ = _load("--model", str(d), "--prompt-ids", "1,2", "--quantize", "fp8",
+                              "--static-input-scales", str(text))
+    np.testing.assert_allclose(float(params["layers"][0]["wqkv"].input_scale),
+                               _layer0_qkv_amax(params, config, [5, 9, 11, 30, 7, 5, 3])
+                               / f8.FP8_MAX, rtol=1e-5)
+    user_error(cli("--model", str(d), "--prompt-ids", "1,2", "--static-input-scales", "8"),
+               "--static-input-scales", "FP8 weights")
+    r = cli("--model", str(d), "--prompt", "w5 w9", "--quantize", "fp8", "--max-new-tokens", "3",
+            "--static-input-scales", str(text))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "static activation scales" in r.stdout and "generated (3" in r.stdout, r.stdout
