@@ -372,41 +372,42 @@ def bench_mixed(cfg: dict[str, int], seed: int, args: argparse.Namespace) -> lis
     query_start = jnp.asarray(np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32))
     q = jax.random.normal(keys[2], (t_rows, h, d), DTYPE)
     q2 = jax.random.normal(keys[3], (t_rows, h, d), DTYPE)
-    # Reference: the decode rows through the decode oracle; the chunk on sampled positions
-    # through the dense causal oracle over its gathered K/V.
-    ref_dec = reference_decode(q[:nd], k_cache, v_cache, page_table[:nd, :-(-ld // PAGE)],
-                               seq_lens[:nd])
-    kc = k_cache[page_table[nd]].reshape(1, -1, hkv, d)[:, :ctx + chunk]
-    vc = v_cache[page_table[nd]].reshape(1, -1, hkv, d)[:, :ctx + chunk]
-    qc = jnp.zeros((1, ctx + chunk, h, d), DTYPE).at[0, ctx:].set(q[nd:])
     n_sub = min(chunk, 64)
     sub_pos = np.unique(np.concatenate([[0, chunk - 1], rng.choice(chunk, n_sub - 2,
                                                                     replace=False)]))
-    ref_chunk = jax.jit(dense_causal_reference)(qc, kc, vc, jnp.asarray(ctx + sub_pos))[0]
-    ref = jnp.concatenate([ref_dec.astype(jnp.float32), ref_chunk], axis=0)
-    del kc, vc, qc
+
+    def reference(kc_all, vc_all):
+        """The decode rows through the decode oracle; the chunk on sampled positions through
+        the dense causal oracle over its gathered K/V."""
+        ref_dec = reference_decode(q[:nd], kc_all, vc_all, page_table[:nd, :-(-ld // PAGE)],
+                                   seq_lens[:nd])
+        kc = kc_all[page_table[nd]].reshape(1, -1, hkv, d)[:, :ctx + chunk]
+        vc = vc_all[page_table[nd]].reshape(1, -1, hkv, d)[:, :ctx + chunk]
+        qc = jnp.zeros((1, ctx + chunk, h, d), DTYPE).at[0, ctx:].set(q[nd:])
+        ref_chunk = jax.jit(dense_causal_reference)(qc, kc, vc, jnp.asarray(ctx + sub_pos))[0]
+        return jnp.concatenate([ref_dec.astype(jnp.float32), ref_chunk], axis=0)
 
     def pick(out):  # the rows the reference covers
         out = np.asarray(out)
         return np.concatenate([out[:nd], out[nd + sub_pos]], axis=0)
 
-    rows: list[dict[str, Any]] = []
     amount = {"flops": flops, "kv_bytes": kv_bytes}
-    ours = jax.jit(jax_kvcm.ragged_paged_attention)
-    r = row("mixed", shape, "ours", **amount)
+    inputs = (q, q2, page_table, seq_lens, query_start)
+    ref = reference(k_cache, v_cache)
+    rows = _ours_mixed_and_parts("ours", shape, k_cache, v_cache, {}, ref, pick, sub_pos,
+                                 inputs, amount, args)
     try:
-        poison_allocator(q.shape, DTYPE)
-        c = check(pick(ours(q, k_cache, v_cache, page_table, seq_lens, query_start)
-                       .astype(jnp.float32)), ref)
-        t = _timing.time_jax(ours, [(q2, k_cache, v_cache, page_table, seq_lens, query_start),
-                                    (q, k_cache, v_cache, page_table, seq_lens, query_start)],
-                             repeats=args.repeats)
-        r.update(ms=t["ms"], timing=t, check=c["text"], rel_l2=c["rel_l2"])
-        log(f"  ours: {r['ms']:.4f} ms, check {r['check']}")
+        k8, v8, scale8, kdq, vdq = fp8_caches(k_cache, v_cache)
+        ref8 = reference(kdq, vdq)
+        del kdq, vdq
+        sc = jnp.full((hkv,), scale8, jnp.float32)
+        rows += _ours_mixed_and_parts("ours fp8", shape, k8, v8, {"k_scale": sc, "v_scale": sc},
+                                      ref8, pick, sub_pos, inputs,
+                                      dict(amount, kv_bytes=kv_bytes // 2), args)
+        del k8, v8, ref8
     except Exception as e:  # noqa: BLE001
-        r["error"] = short_error(e)
-        log(f"  ours: ERROR {short_error(e)}")
-    rows.append(r)
+        rows.append(row("mixed", shape, "ours fp8", error=short_error(e)))
+        log(f"  ours fp8: ERROR {short_error(e)}")
     if cuda_torch() is not None:
         kt, vt, ptt = to_torch(k_cache), to_torch(v_cache), to_torch(page_table)
         qs = {True: to_torch(q), False: to_torch(q2)}
@@ -424,6 +425,53 @@ def bench_mixed(cfg: dict[str, int], seed: int, args: argparse.Namespace) -> lis
     return rows
 
 
+def _ours_mixed_and_parts(label: str, shape: str, k_cache, v_cache, scales: dict[str, Any], ref,
+                          pick, sub_pos, inputs, amount: dict[str, Any],
+                          args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The mixed call (``label``), then its two parts alone: the decode rows through
+    ``paged_attention`` and the chunk (the last sequence) through ``ragged_paged_attention``,
+    each checked and timed. The mixed row's note gives ``mixed / (decode + chunk)``: what
+    sharing one call costs (1.0: nothing)."""
+    q, q2, page_table, seq_lens, query_start = inputs
+    nd = seq_lens.shape[0] - 1
+    chunk = q.shape[0] - nd
+    mixed = jax.jit(lambda q, kc, vc, pt, sl, qs: jax_kvcm.ragged_paged_attention(
+        q, kc, vc, pt, sl, qs, **scales))
+    decode = jax.jit(lambda q, kc, vc, pt, sl: jax_kvcm.paged_attention(
+        q, kc, vc, pt, sl, **scales))
+    chunk_qs = jnp.asarray([0, chunk], jnp.int32)
+    parts = [
+        (label, mixed, lambda x: (x, k_cache, v_cache, page_table, seq_lens, query_start),
+         pick, ref),
+        (f"{label}: decode rows alone", decode,
+         lambda x: (x[:nd], k_cache, v_cache, page_table[:nd], seq_lens[:nd]),
+         np.asarray, ref[:nd]),
+        (f"{label}: chunk alone", mixed,
+         lambda x: (x[nd:], k_cache, v_cache, page_table[nd:], seq_lens[nd:], chunk_qs),
+         lambda out: np.asarray(out)[sub_pos], ref[nd:]),
+    ]
+    rows: list[dict[str, Any]] = []
+    for method, fn, args_of, select, want in parts:
+        r = row("mixed", shape, method, **(amount if method == label else {}))
+        try:
+            poison_allocator(args_of(q)[0].shape, DTYPE)
+            c = check(select(fn(*args_of(q)).astype(jnp.float32)), want)
+            t = _timing.time_jax(fn, [args_of(q2), args_of(q)], repeats=args.repeats)
+            r.update(ms=t["ms"], timing=t, check=c["text"], rel_l2=c["rel_l2"])
+            log(f"  {method}: {r['ms']:.4f} ms, check {r['check']}")
+        except Exception as e:  # noqa: BLE001
+            r["error"] = short_error(e)
+            log(f"  {method}: ERROR {short_error(e)}")
+        rows.append(r)
+    if all(r["ms"] for r in rows):
+        whole = rows[1]["ms"] + rows[2]["ms"]
+        rows[0].update(parts_ms=whole, over_parts=rows[0]["ms"] / whole)
+        rows[0]["note"] = (f"decode rows alone + chunk alone = {whole:.4f} ms; "
+                           f"mixed / parts = {rows[0]['ms'] / whole:.3f}")
+        log(f"  {label}: {rows[0]['note']}")
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m benchmarks.bench_attention``."""
     p = argparse.ArgumentParser(
@@ -432,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes; runs on CPU (Pallas in interpret mode, torch/cuDNN skipped)")
     p.add_argument("--only", choices=("decode", "prefill", "mixed"), default=None)
+    p.add_argument("--mixed", type=int, nargs=4, default=None,
+                   metavar=("DECODE_ROWS", "DECODE_LEN", "CHUNK", "CHUNK_CONTEXT"),
+                   help="the mixed case's shape (default: %s)" % " ".join(map(str, MIXED.values())))
     p.add_argument("--anchors", default=None,
                    help="folder with FlashInfer (and its deps) installed, put on sys.path; SGLang's "
                         "decode_attention.py is looked up as DIR/sglang*/decode_attention.py "
@@ -483,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.only in (None, "mixed"):
         try:
-            rows += bench_mixed(QUICK_MIXED if args.quick else MIXED, args.seed + 200, args)
+            shape = (dict(zip(MIXED, args.mixed)) if args.mixed
+                     else QUICK_MIXED if args.quick else MIXED)
+            rows += bench_mixed(shape, args.seed + 200, args)
         except Exception as e:  # noqa: BLE001
             rows.append(row("mixed", "mixed", "(setup)", error=short_error(e)))
             traceback.print_exc()

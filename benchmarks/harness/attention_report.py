@@ -81,7 +81,8 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
                   f"| {_fmt(r.get('ours_over_this'), 2)} | {r['check'] or '-'} "
                   f"| {r['error'] or r['note']} |")
     if mixed:
-        print("\n### Mixed batch in one ragged call (decode rows + a prefill chunk; bf16)\n")
+        print("\n### Mixed batch in one ragged call (decode rows + a prefill chunk), and its "
+              "parts alone (bf16 and fp8 K/V)\n")
         print("| shape | method | ms | TFLOP/s | t_ours/t_method | check | note |")
         print("|---|---|---:|---:|---:|---|---|")
         for r in mixed:
