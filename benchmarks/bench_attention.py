@@ -558,8 +558,11 @@ def main(argv: list[str] | None = None) -> int:
                                                    for k, v in ratio_summary(rows).items()},
                        "rows": rows}, f, indent=1, default=str)
         log(f"wrote {args.json}")
-    bad = [r for r in rows if r["method"] == "ours" and (r["error"] or
-                                                         (r["check"] or "").startswith("FAIL"))]
+    # any of ours (bf16, fp8, a mixed call's parts) that failed or was wrong fails the run
+    bad = [r for r in rows if r["method"].startswith("ours") and (
+        r["error"] or (r["check"] or "").startswith("FAIL"))]
+    for r in bad:
+        log(f"FAILED: {r['section']} {r['shape']} {r['method']}: {r['error'] or r['check']}")
     return 1 if bad else 0
 
 
