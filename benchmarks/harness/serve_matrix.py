@@ -66,13 +66,13 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s (read + write, "
         f"{bw['bytes'] / 2**30:.2f} GiB copied in {bw['seconds'] * 1e3:.2f} ms)")
-    gemm_rate = {fp8: gemm_throughput(fp8)["flops_per_s"]
-                 for fp8 in {False, fp8_weights.has_fp8_weights(paged_params)}}
+    paged_fp8 = fp8_weights.has_fp8_weights(paged_params)
+    gemm_rate = {fp8: gemm_throughput(fp8)["flops_per_s"] for fp8 in {False, paged_fp8}}
     log("GEMM throughput " + ", ".join(f"{'fp8' if k else 'bf16'} {v / 1e12:.3g} TFLOP/s"
                                        for k, v in sorted(gemm_rate.items())))
 
     def record(res: dict, outs: list, requests: Sequence[serve.Request]) -> None:
-        fp8 = res["path"] != "dense" and fp8_weights.has_fp8_weights(paged_params)
+        fp8 = res["path"] != "dense" and paged_fp8
         res["roofline"] = roofline(setup, weight_bytes if res["path"] == "dense"
                                    else paged_weight_bytes, res, requests, bw["bytes_per_s"],
                                    gemm_rate[fp8])

@@ -14,6 +14,7 @@ import numpy as np
 
 from benchmarks.harness.serve_setup import (ANCHOR, ANCHOR_TRTLLM_BENCH, TARGET_TRTLLM_BENCH_H200,
                                             Setup)
+from benchmarks.harness.timing import time_jax
 from examples.llama import serve
 from examples.llama import tp
 
@@ -130,8 +131,9 @@ def gemm_flops_per_token(c: Any) -> float:
 def gemm_throughput(fp8: bool, shapes: Sequence[tuple[int, int, int]] | None = None,
                     repeats: int = 10, calls: int = 4) -> dict[str, float]:
     """FLOP/s of large GEMMs in the step's weight format, the best of ``shapes`` (``(m, k, n)``;
-    default: 8192 cubed and the 8B layer's gate/up and down GEMMs at 4,096 rows), each the median
-    of ``repeats`` programs of ``calls`` GEMMs (so JAX's dispatch does not count) after warm-up:
+    default: 8192 cubed and the 8B layer's gate/up and down GEMMs at 4,096 rows), each timed by
+    :func:`benchmarks.harness.timing.time_jax` as a program of ``calls`` GEMMs (so JAX's dispatch
+    does not count), the median of ``repeats`` samples:
     the practical compute ceiling of the step's weight GEMMs on this device, as
     :func:`copy_bandwidth` is that of its bytes. ``fp8``: ``float8_e4m3fn`` operands, bf16 out,
     the runner's FP8 XLA options (cuBLASLt's FP8 GEMM on Hopper); else bf16. On a CPU: one
@@ -154,14 +156,8 @@ def gemm_throughput(fp8: bool, shapes: Sequence[tuple[int, int, int]] | None = N
         keys = jax.random.split(jax.random.key(0), calls + 1)
         xs = [jax.random.normal(key, (m, k), jnp.bfloat16).astype(dtype) for key in keys[1:]]
         w = jax.random.normal(keys[0], (n, k), jnp.bfloat16).astype(dtype)
-        for _ in range(2):
-            jax.block_until_ready(program(xs, w))
-        samples = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(program(xs, w))
-            samples.append(time.perf_counter() - t)
-        rate = 2.0 * m * k * n * calls / float(np.median(samples))
+        t = time_jax(program, [(xs, w)], warmup=2, repeats=repeats)
+        rate = 2.0 * m * k * n * calls / (t["ms"] / 1e3)
         if rate > best["flops_per_s"]:
             best = {"m": float(m), "k": float(k), "n": float(n), "flops_per_s": rate}
         del xs, w
