@@ -270,7 +270,11 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="Warm FlashInfer's JIT cache for attention.py")
     parser.add_argument("--anchors", default=None, help="the anchors' install folder")
-    parser.add_argument("what", nargs="*", choices=("decode", "prefill"),
-                        default=["decode", "prefill"])
+    # Checked by hand: argparse refuses an empty nargs="*" list against choices (3.11) and a
+    # list default (3.12), so neither form of "no argument" works with choices=.
+    parser.add_argument("what", nargs="*", help="decode, prefill or both (default: both)")
     args = parser.parse_args()
-    warm(args.anchors, tuple(args.what))
+    unknown = set(args.what) - {"decode", "prefill"}
+    if unknown:
+        parser.error(f"what: unknown {sorted(unknown)} (choose from decode, prefill)")
+    warm(args.anchors, tuple(args.what or ("decode", "prefill")))
