@@ -17,6 +17,8 @@
 #   --pytest-timeout=S  stop the gpu pytest step after S seconds (the later steps still run)
 #   --kernel-ab=TAR the kab step: a base snapshot (git archive -o TAR REV) built beside this tree,
 #                   its prefill and decode (bf16, fp8) timed against ours in turns (tools/prefill_ab.py)
+#   --kab=ARGS      the kab step's prefill_ab arguments instead of --decode --rounds 2 (e.g.
+#                   --kab="--decode --rounds 5 --cases 'decode bf16 B=256 S=256'")
 #   --serve=ARGS    the serve step's arguments instead of the seed workload's default
 #   --decode=ARGS   the decode step's arguments (benchmarks/bench_decode_step.py) instead of
 #                   --batch 64 256 --context 1536
@@ -65,6 +67,7 @@ declare -A want=([verify]=1 [pytest]=1 [kab]=0 [attention]=1 [profile]=0 [migrat
 workers=0
 pytest_timeout=0
 kab_tar=
+kab_args=
 serve_args=
 decode_args=
 spec_args=
@@ -97,6 +100,7 @@ for arg in "$@"; do
     --workers=*) workers=${arg#--workers=} ;;
     --pytest-timeout=*) pytest_timeout=${arg#--pytest-timeout=} ;;
     --kernel-ab=*) kab_tar=${arg#--kernel-ab=}; want[kab]=1 ;;
+    --kab=*) kab_args=${arg#--kab=} ;;
     --serve=*) serve_args=${arg#--serve=} ;;
     --decode=*) decode_args=${arg#--decode=} ;;
     --spec=*) spec_args=${arg#--spec=} ;;
@@ -172,8 +176,9 @@ if [ ${want[pytest]} = 1 ]; then
 fi
 if [ ${want[kab]} = 1 ]; then
   wait "$kab_pid" || { tail -30 "$OUT/build_base.log"; echo "BASE BUILD FAILED"; }
-  step kernel-ab kernel_ab.log python3 -m tools.prefill_ab /tmp/site_base /tmp/site --decode \
-    --rounds 2
+  # eval: kab_args may quote a case name with spaces
+  eval "kab_words=(${kab_args:---decode --rounds 2})"
+  step kernel-ab kernel_ab.log python3 -m tools.prefill_ab /tmp/site_base /tmp/site "${kab_words[@]}"
   tail -8 "$OUT/kernel_ab.log"
 fi
 if [ ${want[attention]} = 1 ] && [ -f benchmarks/bench_attention.py ]; then

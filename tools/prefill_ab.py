@@ -33,9 +33,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def time_decode(quick: bool, repeats: int) -> dict[str, dict]:
+def time_decode(quick: bool, repeats: int, cases: list[str] | None = None) -> dict[str, dict]:
     """Decode at bench_attention's shapes, bf16 and fp8 K/V (one power-of-two scale), each
-    output checked against the float32 reference first: {shape: {"ms", "check"}}."""
+    output checked against the float32 reference first: {shape: {"ms", "check"}}; with cases,
+    only the shapes whose name holds one of them."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -47,6 +48,9 @@ def time_decode(quick: bool, repeats: int) -> dict[str, dict]:
     h, hkv, d, page = A.NUM_HEADS, A.NUM_KV_HEADS, A.HEAD_DIM, A.PAGE
     out: dict[str, dict] = {}
     for i, (b, s) in enumerate(A.QUICK_DECODE_SHAPES if quick else A.DECODE_SHAPES):
+        kinds = [k for k in ("bf16", "fp8") if wanted(f"decode {k} B={b} S={s}", cases)]
+        if not kinds:
+            continue
         rng = np.random.default_rng(200 + i)
         per = -(-s // page)
         table = (1 + rng.permutation(b * per).reshape(b, per)).astype(np.int32)
@@ -62,6 +66,8 @@ def time_decode(quick: bool, repeats: int) -> dict[str, dict]:
         for kind, (kc, vc, extra, want) in {"bf16": (k_cache, v_cache, {}, ref),
                                             "fp8": (k8, v8, dict(k_scale=sc, v_scale=sc),
                                                     ref8)}.items():
+            if kind not in kinds:
+                continue
             f = jax.jit(lambda q, kc, vc, t, n, extra=extra: jax_kvcm.paged_attention(
                 q, kc, vc, t, n, **extra))
             A.poison_allocator((b, h, d), A.DTYPE)
@@ -72,11 +78,17 @@ def time_decode(quick: bool, repeats: int) -> dict[str, dict]:
     return out
 
 
-def time_build(quick: bool, repeats: int, fp8: bool = False) -> dict[str, dict]:
+def wanted(case: str, cases: list[str] | None) -> bool:
+    """Whether ``--cases`` keeps a case (its name as printed, e.g. "decode bf16 B=256 S=256")."""
+    return not cases or any(c in case for c in cases)
+
+
+def time_build(quick: bool, repeats: int, fp8: bool = False,
+               cases: list[str] | None = None) -> dict[str, dict]:
     """In the child process (started in the build's folder, so that its jax_kvcm comes first on
     sys.path; the repository on PYTHONPATH): {shape: {"ms", "check"}}. fp8: also each shape over
     float8_e4m3fn copies of the caches (one power-of-two scale), checked against the reference
-    on the dequantized K/V."""
+    on the dequantized K/V. cases: as time_decode's."""
     import jax
     import jax.numpy as jnp
 
@@ -89,6 +101,9 @@ def time_build(quick: bool, repeats: int, fp8: bool = False) -> dict[str, dict]:
     out: dict[str, dict] = {}
     shapes = A.QUICK_PREFILL_SHAPES if quick else A.PREFILL_SHAPES
     for i, (b, s) in enumerate(shapes):  # bench_attention's seeds at its default --seed 0
+        do16, do8 = wanted(f"B={b} S={s}", cases), fp8 and wanted(f"fp8 B={b} S={s}", cases)
+        if not (do16 or do8):
+            continue
         t, c = b * s, A.prefill_case(b, s, 100 + i)
         zeros = jnp.zeros((c["num_pages"], A.PAGE, hkv, d), A.DTYPE)
         k_cache, v_cache = jax.jit(reference.write_kv)(
@@ -105,9 +120,10 @@ def time_build(quick: bool, repeats: int, fp8: bool = False) -> dict[str, dict]:
                                       (c["q"].reshape(t, h, d), *args)], repeats=repeats)
             return {"ms": tm["ms"], "check": checked["text"]}
 
-        out[f"B={b} S={s}"] = checked_and_timed(jax.jit(jax_kvcm.ragged_paged_attention), args,
-                                                ref)
-        if fp8:
+        if do16:
+            out[f"B={b} S={s}"] = checked_and_timed(jax.jit(jax_kvcm.ragged_paged_attention),
+                                                    args, ref)
+        if do8:
             k8, v8, scale, _, _ = A.fp8_caches(k_cache, v_cache)
             # The reference reads the dense K/V through the same quantization (the same scale:
             # the paged caches hold the same values and zeros); fp8_caches quantizes and
@@ -138,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the prefill shapes over fp8 K/V caches (one power-of-two scale)")
     p.add_argument("--decode", action="store_true",
                    help="also paged decode at bench_attention's five shapes, bf16 and fp8")
+    p.add_argument("--cases", nargs="+", metavar="TEXT",
+                   help="only the cases whose name holds one of these (the names as printed, "
+                        "e.g. 'decode bf16 B=256 S=256' or 'S=256')")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -146,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     if a.child:
-        res = time_build(a.quick, a.repeats, a.fp8)
+        res = time_build(a.quick, a.repeats, a.fp8, a.cases)
         if a.decode:
-            res.update(time_decode(a.quick, a.repeats))
+            res.update(time_decode(a.quick, a.repeats, a.cases))
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     if not a.sites:
@@ -164,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
             cmd = [sys.executable, "-m", "tools.prefill_ab", "--child", "--repeats", str(a.repeats)]
             flags = ((["--quick"] if a.quick else []) + (["--fp8"] if a.fp8 else []) +
-                     (["--decode"] if a.decode else []))
+                     (["--decode"] if a.decode else []) +
+                     (["--cases", *a.cases] if a.cases else []))
             try:
                 proc = subprocess.run(cmd + flags, env=env, cwd=site,
                                       capture_output=True, text=True, timeout=a.timeout)

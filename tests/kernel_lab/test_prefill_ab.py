@@ -34,3 +34,20 @@ def test_two_builds_alternate_and_are_checked():
 def test_a_folder_without_a_build_is_refused(tmp_path):
     r = run(str(tmp_path), "--quick")
     assert r.returncode == 2 and "holds no jax_kvcm/" in r.stderr
+
+
+def test_cases_keep_only_the_named_shapes():
+    """--cases times only the cases whose printed name holds one of its texts: here the fp8
+    prefill at B=1 S=128 and the bf16 decode rows of one shape, nothing else."""
+    from benchmarks.harness import attention_cases as A
+
+    b, s = A.QUICK_DECODE_SHAPES[0]
+    site = str(Path(jax_kvcm.__file__).resolve().parents[1])
+    r = run(site, "--quick", "--fp8", "--decode", "--rounds", "1", "--repeats", "1",
+            "--cases", "fp8 B=1 S=128", f"decode bf16 B={b} S={s}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("round 1 ")]
+    # "round 1 SITE: NAME MS ms (ok E), NAME MS ms (ok E)"
+    timed = [part.rsplit(" ", 4)[0] for part in line.split(": ", 1)[1].split("), ")]
+    assert timed == ["fp8 B=1 S=128", f"decode bf16 B={b} S={s}"], line
+    assert line.count("(ok ") == 2, line
