@@ -48,8 +48,9 @@
 // fp8 caches (kFp8): the same contract and arithmetic as the FlashAttention-2 kernel's fp8 path:
 // the ring keeps 16-bit tiles and the consumers run in f16 (M), on K/V converted exactly from
 // e4m3 and, for bf16 queries, Q converted to f16 (the producer, in place, after its copies
-// landed, before its Q full arrival); k_scale (per layer and kv head, layer 0 for a bad layer)
-// scales the logits and v_scale the normalized output, passed in work_info by producer thread 0.
+// landed, before its Q full arrival); ScaledLogit folds k_scale (per layer and kv head, layer 0
+// for a bad layer) into the logit transform and v_scale scales the normalized output: producer
+// thread 0 calls it and passes the transform's scales and v_scale on in work_info.
 // The producer cp.asyncs a row's D raw bytes into the row's own 128-byte lines in the stage
 // (RawFp8Offset), waits for its copies, and converts its rows in place (a row's lanes are one
 // warp: __syncwarp between their reads of the raw bytes and their writes), then fence.proxy.async
@@ -328,9 +329,10 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
   // (written before that V half's full barrier, like bad_keys).
   __shared__ uint32_t stage_bad[kStages][4];
   // The work tile whose Q is in the buffer: kv head (-1: no more work), row tile, query_start,
-  // query count and length of its sequence; for fp8 caches also its k_scale and v_scale (float
-  // bits). Written with Q, read by the consumers before they free Q.
-  __shared__ int work_info[7];
+  // query count and length of its sequence; for fp8 caches also ScaledLogit's scale_log2 and
+  // scale_over_cap, and v_scale (float bits). Written with Q, read by the consumers before they
+  // free Q.
+  __shared__ int work_info[8];
   // The producer's next work tile, claimed by its thread 0 (double-buffered by work tile parity:
   // written before named barrier 4 at the end of work tile k, read after it).
   __shared__ int claimed[2];
@@ -402,15 +404,14 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           asm volatile("prefetch.global.L2 [%0];\n" ::"l"(
               q_rows + (int64_t(row / G) * s.num_heads + row % G) * D + (i % (D / 64)) * 64));
       }
-      // fp8: the scales of (layer, kv head), layer 0 for a bad layer (whose output is NaN), as
-      // ScaledLogit in the FlashAttention-2 kernel; thread 0 passes them on in work_info.
-      float k_scale = 1.f, v_scale = 1.f;
+      // fp8: ScaledLogit's transform for (layer, kv head), layer 0 for a bad layer (whose
+      // output is NaN); thread 0 passes its scales and v_scale on in work_info.
+      float v_scale = 1.f;
+      LogitTransform scaled = p.logit;
       if constexpr (kFp8) {
-        if (wt == 0) {
-          const int64_t i = int64_t(li < 0 || li >= s.cache.num_layers ? 0 : li) * H + kvh;
-          k_scale = a.k_scale[i];
-          v_scale = a.v_scale[i];
-        }
+        if (wt == 0)
+          scaled = ScaledLogit<true>(p.logit, a, li < 0 || li >= s.cache.num_layers ? 0 : li,
+                                     kvh, v_scale);
       }
       // Q: once the previous work tile's Q is free (both consumers ran their last S GEMM of
       // it), the tile's rows (zeros past the last), kRowChunks chunks of each of this thread's
@@ -454,8 +455,9 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
           work_info[3] = nq;
           work_info[4] = len;
           if constexpr (kFp8) {
-            work_info[5] = __float_as_int(k_scale);
-            work_info[6] = __float_as_int(v_scale);
+            work_info[5] = __float_as_int(scaled.scale_log2);
+            work_info[6] = __float_as_int(scaled.scale_over_cap);
+            work_info[7] = __float_as_int(v_scale);
           }
           MbarArrive(&qfull_bar);
         }
@@ -755,11 +757,10 @@ __global__ void __launch_bounds__(kThreads, 1) RaggedPrefillSm90Kernel(const Pre
     const int q_begin = __shfl_sync(0xffffffffu, work_info[2], 0);
     const int nq = __shfl_sync(0xffffffffu, work_info[3], 0);
     const int len = __shfl_sync(0xffffffffu, work_info[4], 0);
-    if constexpr (kFp8) {  // ScaledLogit's transform, with the producer's scales
-      const float k_scale = __int_as_float(__shfl_sync(0xffffffffu, work_info[5], 0));
-      v_scale = __int_as_float(__shfl_sync(0xffffffffu, work_info[6], 0));
-      logit.scale_log2 = p.logit.scale_log2 * k_scale;
-      logit.scale_over_cap = p.logit.scale_over_cap * k_scale;
+    if constexpr (kFp8) {  // the producer's ScaledLogit transform
+      logit.scale_log2 = __int_as_float(__shfl_sync(0xffffffffu, work_info[5], 0));
+      logit.scale_over_cap = __int_as_float(__shfl_sync(0xffffffffu, work_info[6], 0));
+      v_scale = __int_as_float(__shfl_sync(0xffffffffu, work_info[7], 0));
       fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
     }
     FenceProxyAsync();  // Q's cp.async (generic proxy) writes, before wgmma reads them
