@@ -114,6 +114,20 @@ __device__ __forceinline__ PieceSlot SlotInPiece(int c, int per_head, int width,
   return {h, e, (int64_t(p) * H + h) * D + d};
 }
 
+// This thread's 16-element vectors of a page piece in head-major (cold) order, each loaded as
+// float and handed to visit(slot, x): the encoder's two passes (amax, then quantize) walk alike.
+template <typename T, typename Visit>
+__device__ __forceinline__ void ForEachVectorOfPiece(const T* piece, int H, int D, int PD,
+                                                     Visit&& visit) {
+  const int per_head = PD / 16, total = H * per_head;
+  for (int v = threadIdx.x; v < total; v += blockDim.x) {
+    const PieceSlot at = SlotInPiece(v, per_head, 16, H, D);
+    float x[16];
+    Load16(piece + at.offset, x);
+    visit(at, x);
+  }
+}
+
 // grid (n, L, 2): CTA (pair, layer, K/V). Iterates in cold (payload) order so that the writes to
 // the cold tier (the slow link when it is host memory) are contiguous.
 template <typename T, bool kVec>
@@ -136,16 +150,12 @@ __global__ void __launch_bounds__(kInt8Threads)
   __syncthreads();
   // NOTE: |x| >= 0, so float order equals unsigned bit order; NaN never passes `> m`.
   if constexpr (kVec) {
-    const int per_head = PD / 16, total = H * per_head;
-    for (int v = threadIdx.x; v < total; v += blockDim.x) {
-      const PieceSlot at = SlotInPiece(v, per_head, 16, H, D);
-      float x[16];
-      Load16(piece + at.offset, x);
+    ForEachVectorOfPiece(piece, H, D, PD, [&](const PieceSlot& at, const float (&x)[16]) {
       float m = 0.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) m = fabsf(x[j]) > m ? fabsf(x[j]) : m;
       if (m > 0.f) atomicMax(&amax[at.h], __float_as_uint(m));
-    }
+    });
   } else {
     const int total = H * PD;
     for (int e = threadIdx.x; e < total; e += blockDim.x) {
@@ -162,18 +172,14 @@ __global__ void __launch_bounds__(kInt8Threads)
   }
   __syncthreads();
   if constexpr (kVec) {
-    const int per_head = PD / 16, total = H * per_head;
-    for (int v = threadIdx.x; v < total; v += blockDim.x) {
-      const PieceSlot at = SlotInPiece(v, per_head, 16, H, D);
-      float x[16];
-      Load16(piece + at.offset, x);
+    ForEachVectorOfPiece(piece, H, D, PD, [&](const PieceSlot& at, const float (&x)[16]) {
       const float s = smem[at.h];
       uint4 out;
       int8_t* q = reinterpret_cast<int8_t*>(&out);
 #pragma unroll
       for (int j = 0; j < 16; ++j) q[j] = Quantize(x[j], s);
       *reinterpret_cast<uint4*>(payload + int64_t(at.h) * PD + at.e) = out;
-    }
+    });
   } else {
     const int total = H * PD;
     for (int c = threadIdx.x; c < total; c += blockDim.x) {
