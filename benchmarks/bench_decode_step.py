@@ -48,13 +48,9 @@ layouts. Below it, the largest ops left in norms/RoPE/other with the named scope
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import statistics
 import sys
-import tempfile
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -63,12 +59,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.harness import dense_llama as dense  # noqa: E402
-from benchmarks.harness.device_profile import (attribute, explain_other,  # noqa: E402
-                                               gemm_census, hlo_categories, load_trace,
+from benchmarks.harness.device_profile import (gemm_census, step_breakdown,  # noqa: E402
                                                weight_copy_ops)
 from benchmarks.harness.serve_report import (compute_aware_ms, copy_bandwidth,  # noqa: E402
                                              gemm_flops_per_token, gemm_throughput)
 from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
+from benchmarks.harness.timing import time_blocking  # noqa: E402
 from benchmarks.harness.xla_options import xla_options  # noqa: E402
 from examples.llama import fp8_weights  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
@@ -76,37 +72,6 @@ from examples.llama import model as llama  # noqa: E402
 # The decode step's columns (its HLO has no ragged attention and no sampling).
 COLUMNS = ("weight GEMMs", "weight copies", "paged attention", "K/V writes", "FP8 scales",
            "norms/RoPE/other")
-
-
-def breakdown(step, hlo_text: str, params, repeats: int, wall_s: float) -> dict[str, float]:
-    """Milliseconds per step by category (plus "host gaps" and "wall") of ``step()`` (which
-    must block until the step is done), traced over ``repeats`` calls. ``params``: the
-    per-layer bf16 params (for the weight-copy category), or None."""
-    cats = hlo_categories(hlo_text, params)
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(repeats):
-                step()
-        trace = load_trace(d)
-    other = collections.Counter()
-    out = attribute(trace.ops, cats, trace.on_device, other)
-    row = {c: out[c] / 1e3 / repeats for c in COLUMNS}
-    busy = sum(row.values())
-    row["host gaps"] = max(0.0, wall_s * 1e3 - busy)
-    row["wall"] = wall_s * 1e3
-    row["top_other"] = explain_other(other, hlo_text, 1e3 * repeats)
-    return row
-
-
-def _time(fn, repeats: int) -> float:
-    fn()  # compile + warm-up
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
 
 
 def _print_rows(rows: list[dict]) -> None:
@@ -227,7 +192,7 @@ def main() -> int:
                     step_params, state["k"], state["v"], *args_paged, config=c)
                 logits.block_until_ready()
 
-            t = _time(paged_step, args.repeats)
+            t = time_blocking(paged_step, args.repeats)
             rows.append(timed(label, B, t, kv_bytes))
             if fp8 and not args.no_profile:
                 hlo = step_fn.lower(step_params, state["k"], state["v"], *args_paged,
@@ -235,7 +200,7 @@ def main() -> int:
                 breakdowns.append({"step": f"{label}: {args.quantize or c.dtype} weights, "
                                    f"{jnp.dtype(kv_dtype).name} K/V", "batch": B,
                                    "weight_copy_ops": 0, "gemms": gemm_census(hlo),
-                                   **breakdown(paged_step, hlo, None, args.repeats, t)})
+                                   **step_breakdown(paged_step, hlo, None, args.repeats, t, COLUMNS)})
                 print(f"GEMMs of {label} at batch {B} ({4 * L} linear + the LM head): "
                       + ", ".join(f"{k} {v}" for k, v in breakdowns[-1]["gemms"].items()))
         if not fp8 and (args.scan or not args.no_profile):   # before: stacked layers, scan
@@ -246,7 +211,7 @@ def main() -> int:
                     stacked, state["k"], state["v"], *args_paged, config=c)
                 logits.block_until_ready()
 
-            t_scan = _time(scan_step, args.repeats)
+            t_scan = time_blocking(scan_step, args.repeats)
             rows.append(timed("paged, stacked layers (scan)", B, t_scan, kv_bytes))
             if not args.no_profile:
                 for label, p, fn, wall in (("before: stacked layers, scan", stacked, scan_step,
@@ -254,7 +219,7 @@ def main() -> int:
                                            ("after: per-layer buffers", params, paged_step, t)):
                     hlo = llama.decode_step.lower(p, state["k"], state["v"], *args_paged,
                                                   config=c).compile().as_text()
-                    row = breakdown(fn, hlo, params, args.repeats, wall)
+                    row = step_breakdown(fn, hlo, params, args.repeats, wall, COLUMNS)
                     breakdowns.append({"step": label, "batch": B,
                                        "weight_copy_ops": len(weight_copy_ops(hlo, params)),
                                        **row})
@@ -273,7 +238,7 @@ def main() -> int:
             logits.block_until_ready()
 
         try:
-            rows.append(timed("dense", B, _time(dense_step, args.repeats), kv_bytes))
+            rows.append(timed("dense", B, time_blocking(dense_step, args.repeats), kv_bytes))
         except Exception as e:  # noqa: BLE001  (e.g. out of memory: report, go on)
             rows.append({"path": "dense", "batch": B, "error": f"{type(e).__name__}: {e}"[:300]})
         dstate.clear()

@@ -506,3 +506,29 @@ def attribute(ops, cats: dict[str, str], on_device: bool,
         if cat == OTHER and unknown is not None:
             unknown[o.name] += o.dur
     return out
+
+
+def step_breakdown(step, hlo_text: str, params, repeats: int, wall_s: float,
+                   columns: tuple[str, ...]) -> dict:
+    """Milliseconds per step by category (``columns``, a subset of :data:`CATEGORIES`, plus
+    "host gaps" and "wall") of ``step()`` (which must block until the step is done), traced over
+    ``repeats`` calls; ``top_other``: :func:`explain_other` of what landed in norms/RoPE/other.
+    ``params``: the per-layer bf16 params (for the weight-copy category), or None. ``hlo_text``:
+    the compiled program that ``step`` runs; ``wall_s``: its measured time per call."""
+    import tempfile
+
+    import jax
+
+    cats = hlo_categories(hlo_text, params)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(repeats):
+                step()
+        trace = load_trace(d)
+    other: collections.Counter = collections.Counter()
+    out = attribute(trace.ops, cats, trace.on_device, other)
+    row: dict = {c: out[c] / 1e3 / repeats for c in columns}
+    row["host gaps"] = max(0.0, wall_s * 1e3 - sum(row.values()))
+    row["wall"] = wall_s * 1e3
+    row["top_other"] = explain_other(other, hlo_text, 1e3 * repeats)
+    return row

@@ -41,6 +41,20 @@ def import_torch(*, need_cuda: bool = False) -> tuple[Any, str | None]:
     return torch, why
 
 
+def time_blocking(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``fn()`` (which must block until its work is done) over ``repeats``
+    calls, after two untimed calls (compilation, warm-up): for steps that feed their outputs
+    into the next call (donated caches), where :func:`time_jax`'s rotation does not apply."""
+    fn()
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
 def time_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int = 3,
              repeats: int = 7, target_s: float = 0.05, min_iters: int = 3,
              max_iters: int = 200) -> dict[str, Any]:

@@ -371,7 +371,8 @@ def test_decode_step_breakdown_categories():
     (benchmarks/harness/device_profile.py): the compiled HLO of the tiny decode step has one paged
     attention and one write_kv custom call per layer and (at least) the 4 weight GEMMs per layer
     plus the lm_head; a profiled step puts time in each."""
-    from benchmarks.bench_decode_step import breakdown, hlo_categories
+    from benchmarks.bench_decode_step import COLUMNS
+    from benchmarks.harness.device_profile import hlo_categories, step_breakdown
     config = llama.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=8)
@@ -403,7 +404,7 @@ def test_decode_step_breakdown_categories():
         logits.block_until_ready()
 
     step()
-    row = breakdown(step, hlo, params, repeats=3, wall_s=1e-3)
+    row = step_breakdown(step, hlo, params, 3, 1e-3, COLUMNS)
     assert row["weight GEMMs"] > 0 and row["paged attention"] > 0 and row["K/V writes"] > 0, row
 
 
