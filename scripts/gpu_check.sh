@@ -22,6 +22,8 @@
 #   --serve=ARGS    the serve step's arguments instead of the seed workload's default
 #   --decode=ARGS   the decode step's arguments (benchmarks/bench_decode_step.py) instead of
 #                   --batch 64 256 --context 1536
+#   --mixed=ARGS    the mixed step's arguments (benchmarks/bench_mixed_step.py) instead of
+#                   trtllm-bench's mixed step (459 decode rows at 1,500 + a 2,048-token chunk, FP8)
 #   --spec=ARGS     the spec step's arguments (benchmarks/bench_speculate.py; default: its own)
 #   --cascade=ARGS  the cascade step's arguments (benchmarks/bench_cascade.py; default: its own)
 #   --gemm=ARGS     the gemm step's arguments (benchmarks/bench_fp8_gemm.py; default: its own)
@@ -30,8 +32,10 @@
 # are installed into /tmp/anchors, FlashInfer's JIT cache is warmed in the background from the
 # start (benchmarks/harness/anchors.py, ~2 min of nvcc beside the build and the tests), and the attention
 # benchmark and the profile step measure them side by side with ours.
-# Steps: verify pytest kab attention profile migration arena run manager decode serve http handoff spec
-#   cascade gemm stepmem tbench
+# Steps: verify pytest kab attention profile migration arena run manager decode mixed serve http
+#   handoff spec cascade gemm stepmem tbench
+#   (mixed: benchmarks/bench_mixed_step.py, a mixed step (decode rows + a prompt chunk) against
+#   its parts alone; off unless named.)
 #   (gemm: benchmarks/bench_fp8_gemm.py, the 8B layer's FP8 GEMMs through XLA against cuBLASLt
 #   called directly (torch); off unless named.)
 #   (tbench: benchmarks/serve.py --workload trtllm-bench --quick with FP8 weights (static
@@ -62,7 +66,7 @@ source "$(dirname "$0")/_bundle_logs.sh"
 trap 'bundle_logs profile.tgz' EXIT
 export PYTHONUNBUFFERED=1
 declare -A want=([verify]=1 [pytest]=1 [kab]=0 [attention]=1 [profile]=0 [migration]=1 [arena]=1
-                 [run]=1 [manager]=1 [decode]=1 [serve]=1 [http]=0 [handoff]=0 [spec]=0
+                 [run]=1 [manager]=1 [decode]=1 [mixed]=0 [serve]=1 [http]=0 [handoff]=0 [spec]=0
                  [cascade]=0 [gemm]=0 [stepmem]=0 [tbench]=0)
 workers=0
 pytest_timeout=0
@@ -70,6 +74,7 @@ kab_tar=
 kab_args=
 serve_args=
 decode_args=
+mixed_args=
 spec_args=
 cascade_args=
 stepmem_args=
@@ -103,6 +108,7 @@ for arg in "$@"; do
     --kab=*) kab_args=${arg#--kab=} ;;
     --serve=*) serve_args=${arg#--serve=} ;;
     --decode=*) decode_args=${arg#--decode=} ;;
+    --mixed=*) mixed_args=${arg#--mixed=} ;;
     --spec=*) spec_args=${arg#--spec=} ;;
     --cascade=*) cascade_args=${arg#--cascade=} ;;
     --stepmem=*) stepmem_args=${arg#--stepmem=} ;;
@@ -113,8 +119,8 @@ for arg in "$@"; do
   esac
 done
 if [ $dry_run = 1 ]; then
-  for k in verify pytest kab attention profile migration arena run manager decode serve http \
-           handoff spec cascade gemm stepmem tbench; do
+  for k in verify pytest kab attention profile migration arena run manager decode mixed serve \
+           http handoff spec cascade gemm stepmem tbench; do
     [ ${want[$k]} = 1 ] && echo "would run: $k"
   done
   echo "serve size: ${serve_size:-full}"
@@ -243,6 +249,13 @@ if [ ${want[decode]} = 1 ]; then
   step decode-step decode_step.log python3 -m benchmarks.bench_decode_step \
     ${decode_args:---batch 64 256 --context 1536} --json "$OUT/decode_step.json"
   grep -E "^\| |^GEMMs of" "$OUT/decode_step.log" | tail -24
+fi
+if [ ${want[mixed]} = 1 ]; then
+  # shellcheck disable=SC2086  # mixed_args is a list of words
+  step mixed-step mixed_step.log python3 -m benchmarks.bench_mixed_step \
+    ${mixed_args:---decode-rows 459 --context 1500 --chunk 2048 --quantize fp8 \
+    --static-input-scales 256 --kv-dtype fp8} --json "$OUT/mixed_step.json"
+  grep -E "^\| |^mixed /|checked" "$OUT/mixed_step.log" | tail -12
 fi
 if [ ${want[serve]} = 1 ] && [ -f benchmarks/bench_serve.py ]; then
   # NOTE: one preallocated arena for the 8B runs. With XLA_PYTHON_CLIENT_PREALLOCATE=false the

@@ -118,7 +118,8 @@ def test_bare_flag_spans_belong_to_a_command():
     known = set().union(*(_parser_flags(t) for t in (
         "examples.llama.run", "examples.llama.server", "benchmarks.harness.serve_cli",
         "benchmarks.bench_attention", "benchmarks.bench_migration", "benchmarks.bench_arena_map",
-        "benchmarks.bench_decode_step", "benchmarks.bench_manager_overhead",
+        "benchmarks.bench_decode_step", "benchmarks.bench_mixed_step",
+        "benchmarks.bench_manager_overhead",
         "benchmarks.bench_serve_http", "benchmarks.bench_soak_http", "benchmarks.report",
         "benchmarks.bench_handoff", "benchmarks.bench_speculate", "benchmarks.bench_cascade",
         "tools.prefill_ab", "tools.random_run",
