@@ -60,11 +60,14 @@ using namespace decode;  // the kernels and their layout constants
 // - B64 S4096 (512 rows): 16-bit caches (396 slots) 396 whole rows, 116 rows split 3 ways
 //   (348 CTAs); fp8 (528 slots) one wave of whole rows, no split;
 // - B256 S1024 (2,048 rows, 396 slots): 1,980 whole rows, 68 rows split 4 ways;
-// - B256 S256 (17 tiles a row): no split (at most 2 ways, which the combine eats).
+// - B256 S256 (17 tiles a row): no split (at most 2 ways, which the combine eats); 16-bit caches
+//   take the short-row ring instead (LaunchBestRing: 528 slots, 3.88 waves, model time 28
+//   against 42 in 5.17 waves of 396).
 // max_tiles bounds the tiles of the longest row (the table width, or the window).
 struct DecodeSchedule {
   int64_t full_rows;  // rows [0, full_rows) run whole
   int64_t splits;     // CTAs per row for the others (1: no split, full_rows = rows)
+  int64_t cost;       // the model's time, to compare grids of other CTAs per SM
 };
 
 DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles) {
@@ -85,16 +88,30 @@ DecodeSchedule PlanDecode(int64_t rows, int64_t slots, int64_t max_tiles) {
     const int64_t c = cost(splits);
     if (100 * c <= 97 * best_cost) best = splits, best_cost = c;
   }
-  return best == 1 ? DecodeSchedule{rows, 1} : DecodeSchedule{full_rows, best};
+  return best == 1 ? DecodeSchedule{rows, 1, best_cost}
+                   : DecodeSchedule{full_rows, best, best_cost};
+}
+
+// Tables of at most this many tiles may take the short-row ring (see kShortRowRingBytes): 512
+// tokens (the + 1 of MaxTiles: a row's reads may start inside a tile).
+constexpr int64_t kShortRowTiles = 512 / kTile + 1;
+
+// Tiles a row can read: its table's pages (a ring's reads span at most max_pages pages too),
+// fewer under a window.
+int64_t MaxTiles(const AttentionArgs& a) {
+  const AttentionShape& s = a.shape;
+  int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
+  if (a.window > 0) max_tiles = std::min<int64_t>(max_tiles, (a.window + kTile - 1) / kTile + 1);
+  return max_tiles;
 }
 
 // CTAs per SM of one kernel instance (configures its shared memory on the first call); 0 when
 // the attribute cannot be set.
-template <typename T, int D, bool kFp8, int kNH>
+template <typename T, int D, bool kFp8, int kNH, int kRing>
 int CtasPerSm() {
   static int per_sm = [] {  // NOTE: per-template, on the first launch
-    constexpr int smem = DecodeSmemBytes<D, kFp8>();
-    auto kernel = PagedDecodeKernel<T, D, kFp8, kNH>;
+    constexpr int smem = DecodeSmemBytes<D, kFp8, kRing>();
+    auto kernel = PagedDecodeKernel<T, D, kFp8, kNH, kRing>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
       return 0;
@@ -105,20 +122,14 @@ int CtasPerSm() {
   return per_sm;
 }
 
-template <typename T, int D, bool kFp8, int kNH>
-ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {
+// The kernel with a ring of kRing bytes on PlanDecode's schedule `plan` (of this ring's slots).
+template <typename T, int D, bool kFp8, int kNH, int kRing>
+ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset,
+                  const DecodeSchedule& plan) {
   const AttentionShape& s = a.shape;
-  constexpr int smem = DecodeSmemBytes<D, kFp8>();
-  auto kernel = PagedDecodeKernel<T, D, kFp8, kNH>;
-  const int per_sm = CtasPerSm<T, D, kFp8, kNH>();
-  if (per_sm == 0) return LaunchError("paged_attention: cudaFuncSetAttribute");
+  constexpr int smem = DecodeSmemBytes<D, kFp8, kRing>();
+  auto kernel = PagedDecodeKernel<T, D, kFp8, kNH, kRing>;
   const int64_t rows = s.batch * s.cache.num_kv_heads;
-  const int64_t slots = int64_t(NumSMs()) * per_sm;
-  // Tiles a row can read: its table's pages (a ring's reads span at most max_pages pages too),
-  // fewer under a window.
-  int64_t max_tiles = (s.max_pages * s.cache.page_size + kTile - 1) / kTile + 1;
-  if (a.window > 0) max_tiles = std::min<int64_t>(max_tiles, (a.window + kTile - 1) / kTile + 1);
-  const DecodeSchedule plan = PlanDecode(rows, slots, max_tiles);
   const int64_t splits = plan.splits;
   const int64_t ctas = plan.full_rows + (rows - plan.full_rows) * splits;
   if (ctas > int64_t(std::numeric_limits<int>::max()))
@@ -155,6 +166,28 @@ ffi::Error Launch(cudaStream_t stream, const AttentionArgs& a, size_t workspace_
   return ffi::Error::Success();
 }
 
+// PlanDecode's schedule for the default ring, or for the short-row ring (16-bit caches at head_dim
+// <= 128, tables of at most kShortRowTiles tiles) when its extra CTA per SM makes the model's
+// time >= 10% shorter.
+template <typename T, int D, bool kFp8, int kNH>
+ffi::Error LaunchBestRing(cudaStream_t stream, const AttentionArgs& a, size_t workspace_offset) {
+  const int per_sm = CtasPerSm<T, D, kFp8, kNH, kRingBytes>();
+  if (per_sm == 0) return LaunchError("paged_attention: cudaFuncSetAttribute");
+  const int64_t rows = a.shape.batch * a.shape.cache.num_kv_heads, max_tiles = MaxTiles(a);
+  const DecodeSchedule plan = PlanDecode(rows, int64_t(NumSMs()) * per_sm, max_tiles);
+  if constexpr (!kFp8 && D <= 128) {
+    if (max_tiles <= kShortRowTiles) {
+      const int short_per_sm = CtasPerSm<T, D, kFp8, kNH, kShortRowRingBytes>();
+      if (short_per_sm > per_sm) {
+        const DecodeSchedule other = PlanDecode(rows, int64_t(NumSMs()) * short_per_sm, max_tiles);
+        if (10 * other.cost <= 9 * plan.cost)
+          return Launch<T, D, kFp8, kNH, kShortRowRingBytes>(stream, a, workspace_offset, other);
+      }
+    }
+  }
+  return Launch<T, D, kFp8, kNH, kRingBytes>(stream, a, workspace_offset, plan);
+}
+
 }  // namespace
 
 bool PagedDecodeSupports(const AttentionArgs& a) {
@@ -171,7 +204,8 @@ ffi::Error LaunchPagedDecode(cudaStream_t stream, const AttentionArgs& a, size_t
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
     auto run = [&](auto fp8, auto nh) -> ffi::Error {
-      return Launch<T, D, decltype(fp8)::value, decltype(nh)::value>(stream, a, workspace_offset);
+      return LaunchBestRing<T, D, decltype(fp8)::value, decltype(nh)::value>(stream, a,
+                                                                            workspace_offset);
     };
     // G <= 8 query heads per kv head fill one 8-wide MMA column tile, G <= 16 two.
     auto by_heads = [&](auto fp8) -> ffi::Error {

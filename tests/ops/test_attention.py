@@ -210,10 +210,11 @@ def _check_paged_attention(backend, case, dtype, seed):
 
 # 416 rows, just over one wave of the 16-bit decode kernel's CTAs on an H100 / H200 (head dim
 # 128: 3 CTAs per SM x 132 SMs = 396): PlanDecode (ffi/cuda/paged_decode.cu) runs 396 rows whole
-# and splits the other 20 three ways. (At 284 rows, the case's size until 2026-12-07, written for
-# 2 CTAs per SM, all rows fit one wave and nothing was split.) GPU only: the CPU handler is slow
-# at this size and does not split.
-WAVE_TAIL_CASE = Case("wave-tail-p16-d128-gqa4", 16, 128, 4, 4, batch=104, max_pages=32)
+# and splits the other 20 four ways. (At 284 rows, the case's size until 2026-12-07, written for
+# 2 CTAs per SM, all rows fit one wave and nothing was split.) 640-token tables: past the
+# short-row ring's 512 (kShortRowTiles), which would fit all 416 rows in one wave. GPU only: the
+# CPU handler is slow at this size and does not split.
+WAVE_TAIL_CASE = Case("wave-tail-p16-d128-gqa4", 16, 128, 4, 4, batch=104, max_pages=40)
 
 
 @pytest.mark.gpu
@@ -221,6 +222,21 @@ WAVE_TAIL_CASE = Case("wave-tail-p16-d128-gqa4", 16, 128, 4, 4, batch=104, max_p
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_paged_attention_whole_rows_and_split_tail(backend, dtype):
     _check_paged_attention(backend, WAVE_TAIL_CASE, dtype, seed=21)
+
+
+# B256 S256 with 8 kv heads (2,048 rows of at most 17 tiles), head dims 128 and 64: 16-bit caches
+# take the short-row ring (48 KiB, 4 CTAs per SM: 3.88 waves instead of 5.17), as do the 2,000
+# 3-tile rows of many-rows-p16-d128-gqa4 above. GPU only (the CPU handler has one path).
+SHORT_ROW_CASES = [Case(f"short-rows-p16-d{d}-gqa4", 16, d, 8, 4, batch=256, max_pages=16)
+                   for d in (64, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gpu"], indirect=True)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", SHORT_ROW_CASES, ids=[c.id for c in SHORT_ROW_CASES])
+def test_paged_attention_short_row_ring(backend, case, dtype):
+    _check_paged_attention(backend, case, dtype, seed=23)
 
 
 # Four rows, one of 9,600 tokens beside rows of 0, 1 and 16: PlanDecode splits every row ~50 ways

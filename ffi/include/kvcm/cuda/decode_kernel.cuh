@@ -14,13 +14,13 @@ namespace kvcm::cuda::decode {
 
 // T: query / output dtype; kFp8: float8_e4m3fn caches (MMAs in f16), else caches of T; kNH:
 // column tiles of 8 query heads (G <= 8 * kNH). 16-bit caches: kWarps computing warps and a
-// producer warp around one CTA-wide ring; fp8 caches: kWarps warps with a ring each (see
-// kRingBytes).
-template <typename T, int D, bool kFp8, int kNH>
+// producer warp around one CTA-wide ring of kRing bytes; fp8 caches: kWarps warps with a ring
+// each (see kRingBytes).
+template <typename T, int D, bool kFp8, int kNH, int kRing = kRingBytes>
 __global__ void __launch_bounds__(CtaThreads<kFp8>(), MinCtasPerSm<D, kFp8>())
     PagedDecodeKernel(const DecodeParams p) {
   using M = std::conditional_t<kFp8, __half, T>;  // MMA operand type
-  constexpr int kStages = RingStages<D, kFp8>();
+  constexpr int kStages = RingStages<D, kFp8, kRing>();
   constexpr int kTileBytes = TileBytes<D, kFp8>();  // bytes of one arriving K (or V) tile
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;

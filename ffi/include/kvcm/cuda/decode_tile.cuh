@@ -29,7 +29,13 @@ constexpr int kWarps = 4;  // warps that compute tiles (tile i of a CTA's: warp 
 //   (48 KiB per CTA at head_dim 128: 4 CTAs, 16 computing warps per SM). A tile of half the bytes
 //   costs its warp more work (the e4m3 conversions); the producer ring with 4 (3 CTAs/SM) or 8
 //   (2 CTAs/SM) consumer warps ran fp8 1.1x-2x slower than this.
+// - short rows (16-bit caches, head_dim <= 128, tables of at most kShortRowTiles tiles): a
+//   48 KiB ring, 4 CTAs per SM instead of 3. Such a grid runs in waves of whole rows whose CTAs
+//   do not get faster alone (Nsight Compute, H100, bf16 B256 S256: 2,048 CTAs of 17 tiles are
+//   5.17 waves at 3 a SM, the sixth 17% full, 0.90x of the copy rate); at 4 a SM they are 3.88
+//   waves, and a 17-tile row needs no 9-stage ring. Chosen by paged_decode.cu's schedule.
 constexpr int kRingBytes = 72 * 1024;
+constexpr int kShortRowRingBytes = 48 * 1024;
 constexpr int kFp8WarpStages = 3;
 
 template <int D, bool kFp8>
@@ -48,19 +54,20 @@ template <int D, bool kFp8>
 constexpr int MinCtasPerSm() {
   return kFp8 && D == 64 ? 5 : 0;
 }
-// Stages of the CTA's ring (16-bit caches) or of each warp's (fp8).
-template <int D, bool kFp8>
+// Stages of the CTA's ring of kRing bytes (16-bit caches) or of each warp's (fp8, kRing unused).
+template <int D, bool kFp8, int kRing = kRingBytes>
 constexpr int RingStages() {
   if constexpr (kFp8) return kFp8WarpStages;
-  return kRingBytes / (2 * TileBytes<D, kFp8>());  // 9 at head_dim 128
+  return kRing / (2 * TileBytes<D, kFp8>());  // 9 at head_dim 128 (6 in the short-row ring)
 }
 
 // The ring(s); at least the end-of-kernel merge's [kWarps][G <= 16][D] floats and [kWarps][G]
 // maxima and sums, which reuse them.
 constexpr int kSmemAlign = 128;
-template <int D, bool kFp8>
+template <int D, bool kFp8, int kRing = kRingBytes>
 constexpr int DecodeSmemBytes() {
-  constexpr int ring = (kFp8 ? kWarps : 1) * RingStages<D, kFp8>() * 2 * TileBytes<D, kFp8>();
+  constexpr int ring =
+      (kFp8 ? kWarps : 1) * RingStages<D, kFp8, kRing>() * 2 * TileBytes<D, kFp8>();
   constexpr int merge = kWarps * 16 * (D + 2) * 4;
   return ring > merge ? ring : merge;
 }
