@@ -13,23 +13,11 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Consumer(const PrefillPar
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   [[maybe_unused]] const int G = sh.G, P = sh.P, H = sh.H;
-  [[maybe_unused]] auto& qs = sh.qs;
-  [[maybe_unused]] auto& ring = sh.ring;
-  [[maybe_unused]] auto& kfull_bar = sh.kfull_bar;
-  [[maybe_unused]] auto& vfull_bar = sh.vfull_bar;
-  [[maybe_unused]] auto& kempty_bar = sh.kempty_bar;
-  [[maybe_unused]] auto& vempty_bar = sh.vempty_bar;
-  [[maybe_unused]] auto& qfull_bar = sh.qfull_bar;
-  [[maybe_unused]] auto& qempty_bar = sh.qempty_bar;
-  [[maybe_unused]] auto& bad_keys = sh.bad_keys;
-  [[maybe_unused]] auto& stage_bad = sh.stage_bad;
-  [[maybe_unused]] auto& work_info = sh.work_info;
-  [[maybe_unused]] auto& claimed = sh.claimed;
   SetMaxRegs<kConsumerRegs>();
   LogitTransform logit = p.logit;  // fp8: k_scale folded in per work tile
   const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the work tile
   const int r0 = lane / 4, c0 = (lane % 4) * 2;
-  const uint8_t* q_wg = qs + cw * 64 * 128;
+  const uint8_t* q_wg = sh.qs + cw * 64 * 128;
   // Without a soft cap (and with a positive scale) the row max commutes with the scale: S stays
   // raw q.k, the scale folds into exp2's argument, and the non-finite rule needs only the
   // largest |q.k| a row read (an inf there -> NaN; a NaN propagates through exp2 by itself).
@@ -37,23 +25,23 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Consumer(const PrefillPar
   float v_scale = 1.f;  // fp8: multiplies the normalized output
   // Descriptors of Q and of stage 0's K and V halves; a stage is 2 kTileBytes further.
   const SmemDescHalves q_desc = MakeSmemDesc(q_wg, 16, 1024);
-  const SmemDescHalves k_desc = MakeSmemDesc(ring, 16, 1024);
+  const SmemDescHalves k_desc = MakeSmemDesc(sh.ring, 16, 1024);
   // V as B, MN-major: 64-column blocks kKvBlock apart, 8-key groups 1 KiB apart.
-  const SmemDescHalves v_desc = MakeSmemDesc(ring + kTileBytes, kKvBlock, 1024);
+  const SmemDescHalves v_desc = MakeSmemDesc(sh.ring + kTileBytes, kKvBlock, 1024);
   int g = 0;  // key tiles of the work tiles before the current one (the ring position)
   for (int k = 0;; ++k) {
-    MbarWait(&qfull_bar, k & 1);
+    MbarWait(&sh.qfull_bar, k & 1);
     // (broadcast from lane 0: warp-uniform for ptxas, see wg)
-    const int kvh = __shfl_sync(0xffffffffu, work_info[0], 0);
+    const int kvh = __shfl_sync(0xffffffffu, sh.work_info[0], 0);
     if (kvh < 0) break;
-    const int tile = __shfl_sync(0xffffffffu, work_info[1], 0);
-    const int q_begin = __shfl_sync(0xffffffffu, work_info[2], 0);
-    const int nq = __shfl_sync(0xffffffffu, work_info[3], 0);
-    const int len = __shfl_sync(0xffffffffu, work_info[4], 0);
+    const int tile = __shfl_sync(0xffffffffu, sh.work_info[1], 0);
+    const int q_begin = __shfl_sync(0xffffffffu, sh.work_info[2], 0);
+    const int nq = __shfl_sync(0xffffffffu, sh.work_info[3], 0);
+    const int len = __shfl_sync(0xffffffffu, sh.work_info[4], 0);
     if constexpr (kFp8) {  // the producer's ScaledLogit transform
-      logit.scale_log2 = __int_as_float(__shfl_sync(0xffffffffu, work_info[5], 0));
-      logit.scale_over_cap = __int_as_float(__shfl_sync(0xffffffffu, work_info[6], 0));
-      v_scale = __int_as_float(__shfl_sync(0xffffffffu, work_info[7], 0));
+      logit.scale_log2 = __int_as_float(__shfl_sync(0xffffffffu, sh.work_info[5], 0));
+      logit.scale_over_cap = __int_as_float(__shfl_sync(0xffffffffu, sh.work_info[6], 0));
+      v_scale = __int_as_float(__shfl_sync(0xffffffffu, sh.work_info[7], 0));
       fast = logit.soft_cap <= 0.f && logit.scale_log2 > 0.f;
     }
     FenceProxyAsync();  // Q's cp.async (generic proxy) writes, before wgmma reads them
@@ -98,28 +86,28 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Consumer(const PrefillPar
       if (cw == 0 || it + 1 < num_tiles) NamedBarrierArrive(5 + (1 - cw), 128 * kConsumers);
     };
     // Both warpgroups free Q once per work tile, after their last S GEMM completed.
-    auto release_q = [&]() { MbarArrive(&qempty_bar); };
+    auto release_q = [&]() { MbarArrive(&sh.qempty_bar); };
     // Waits for tile it's K / V half to land (ring position g + it); the fence: its cp.async
     // (generic proxy) writes, before wgmma reads them. The work tile's last V half also brings
     // its bad page flag.
     auto wait_k = [&](int it) {
       const int gk = g + it;
-      MbarWait(&kfull_bar[gk % kStages], (gk / kStages) & 1);
+      MbarWait(&sh.kfull_bar[gk % kStages], (gk / kStages) & 1);
       FenceProxyAsync();
     };
     auto wait_v = [&](int it) {
       const int gv = g + it, stage = gv % kStages;
-      MbarWait(&vfull_bar[stage], (gv / kStages) & 1);
+      MbarWait(&sh.vfull_bar[stage], (gv / kStages) & 1);
       FenceProxyAsync();
       if (it == num_tiles - 1)
-        tile_bad = (stage_bad[stage][0] | stage_bad[stage][1] | stage_bad[stage][2] |
-                    stage_bad[stage][3]) != 0u;
+        tile_bad = (sh.stage_bad[stage][0] | sh.stage_bad[stage][1] | sh.stage_bad[stage][2] |
+                    sh.stage_bad[stage][3]) != 0u;
     };
     // Releases a half only after waiting for it (also for a tile this warpgroup skips): an
     // arrival for a tile a whole ring ahead would otherwise count toward the phase of the tile
     // before it.
-    auto release_k = [&](int it) { MbarArrive(&kempty_bar[(g + it) % kStages]); };
-    auto release_v = [&](int it) { MbarArrive(&vempty_bar[(g + it) % kStages]); };
+    auto release_k = [&](int it) { MbarArrive(&sh.kempty_bar[(g + it) % kStages]); };
+    auto release_v = [&](int it) { MbarArrive(&sh.vempty_bar[(g + it) % kStages]); };
     auto skip_tile = [&](int it) {  // outside this warpgroup's band
       wait_k(it);
       wait_v(it);
@@ -158,8 +146,8 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Consumer(const PrefillPar
       bool any_flagged = false;
 #pragma unroll
       for (int i = 0; i < kFlagWords; ++i) {
-        flagged[i] = bad_keys[stage][0][i] | bad_keys[stage][1][i] | bad_keys[stage][2][i] |
-                     bad_keys[stage][3][i];
+        flagged[i] = sh.bad_keys[stage][0][i] | sh.bad_keys[stage][1][i] |
+                     sh.bad_keys[stage][2][i] | sh.bad_keys[stage][3][i];
         any_flagged |= flagged[i] != 0u;
       }
       if (!any_flagged) return;

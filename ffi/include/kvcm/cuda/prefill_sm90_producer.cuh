@@ -13,22 +13,10 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
   const AttentionArgs& a = p.a;
   const AttentionShape& s = a.shape;
   [[maybe_unused]] const int G = sh.G, P = sh.P, H = sh.H;
-  [[maybe_unused]] auto& qs = sh.qs;
-  [[maybe_unused]] auto& ring = sh.ring;
-  [[maybe_unused]] auto& kfull_bar = sh.kfull_bar;
-  [[maybe_unused]] auto& vfull_bar = sh.vfull_bar;
-  [[maybe_unused]] auto& kempty_bar = sh.kempty_bar;
-  [[maybe_unused]] auto& vempty_bar = sh.vempty_bar;
-  [[maybe_unused]] auto& qfull_bar = sh.qfull_bar;
-  [[maybe_unused]] auto& qempty_bar = sh.qempty_bar;
-  [[maybe_unused]] auto& bad_keys = sh.bad_keys;
-  [[maybe_unused]] auto& stage_bad = sh.stage_bad;
-  [[maybe_unused]] auto& work_info = sh.work_info;
-  [[maybe_unused]] auto& claimed = sh.claimed;
   SetMaxRegs<kProducerRegs>();
   const int64_t token_bytes = s.cache.token_stride() * kElemBytes;
   const int ch0 = wt % kRowThreads, row_base = wt / kRowThreads;
-  const uint32_t ring_s = SmemAddr(ring);
+  const uint32_t ring_s = SmemAddr(sh.ring);
   const int tile_pages = max(1, kKeys >> p.page_shift);
   const bool lane_pages = tile_pages <= 32;
   // Bytes from one page to the next (the layout's stride); < 2^31: RaggedPrefillSm90Supports.
@@ -51,10 +39,10 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
     int b = 0, tile = 0;
     const bool has = FindPrefillTileWarp(p, w / H, b, tile);  // warp-uniform
     if (!has) {  // no more work: the consumers read kv head -1 and leave
-      if (k > 0) MbarWait(&qempty_bar, (k - 1) & 1);
-      if (wt == 0) work_info[0] = -1;
-      MbarArrive(&qfull_bar);
-      if (wt == 0) MbarArrive(&qfull_bar);
+      if (k > 0) MbarWait(&sh.qempty_bar, (k - 1) & 1);
+      if (wt == 0) sh.work_info[0] = -1;
+      MbarArrive(&sh.qfull_bar);
+      if (wt == 0) MbarArrive(&sh.qfull_bar);
       break;
     }
     const int kvh = w % H;
@@ -86,7 +74,7 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
     // it), the tile's rows (zeros past the last), kRowChunks chunks of each of this thread's
     // rows as for K/V, landing on the Q full barrier, which also publishes work_info.
     auto load_q = [&]() {
-      if (k > 0) MbarWait(&qempty_bar, (k - 1) & 1);
+      if (k > 0) MbarWait(&sh.qempty_bar, (k - 1) & 1);
 #pragma unroll
       for (int i = 0; i < kRows / kRowsPerPass; ++i) {
         const int rr = row_base + i * kRowsPerPass;
@@ -97,7 +85,7 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
 #pragma unroll
         for (int j = 0; j < kRowChunks; ++j) {  // (in bounds also when !valid)
           const int ch = ch0 + kRowThreads * j;
-          CpAsync16(SmemAddr(qs + Swizzle128(kRows, rr, ch)), src + kRowThreads * 8 * j, valid);
+          CpAsync16(SmemAddr(sh.qs + Swizzle128(kRows, rr, ch)), src + kRowThreads * 8 * j, valid);
         }
       }
       if constexpr (kQToHalf) {
@@ -109,26 +97,26 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
 #pragma unroll
           for (int j = 0; j < kRowChunks; ++j) {
             uint4* chunk = reinterpret_cast<uint4*>(
-                qs + Swizzle128(kRows, row_base + i * kRowsPerPass, ch0 + kRowThreads * j));
+                sh.qs + Swizzle128(kRows, row_base + i * kRowsPerPass, ch0 + kRowThreads * j));
             *chunk = Bf16ChunkToHalf(*chunk);
           }
         FenceProxyAsync();
-        MbarArrive(&qfull_bar);
+        MbarArrive(&sh.qfull_bar);
       } else {
-        MbarArriveOnCopies(&qfull_bar);
+        MbarArriveOnCopies(&sh.qfull_bar);
       }
       if (wt == 0) {
-        work_info[0] = kvh;
-        work_info[1] = tile;
-        work_info[2] = q_begin;
-        work_info[3] = nq;
-        work_info[4] = len;
+        sh.work_info[0] = kvh;
+        sh.work_info[1] = tile;
+        sh.work_info[2] = q_begin;
+        sh.work_info[3] = nq;
+        sh.work_info[4] = len;
         if constexpr (kFp8) {
-          work_info[5] = __float_as_int(scaled.scale_log2);
-          work_info[6] = __float_as_int(scaled.scale_over_cap);
-          work_info[7] = __float_as_int(v_scale);
+          sh.work_info[5] = __float_as_int(scaled.scale_log2);
+          sh.work_info[6] = __float_as_int(scaled.scale_over_cap);
+          sh.work_info[7] = __float_as_int(v_scale);
         }
-        MbarArrive(&qfull_bar);
+        MbarArrive(&sh.qfull_bar);
       }
     };
 
@@ -208,9 +196,9 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
     // waiting for it needs nothing from this work tile, so it cannot hold Q back for good.
     auto issue_k = [&](int it, int64_t lane_offset) {
       const int gk = g + it, stage = gk % kStages;
-      if (gk >= kStages) MbarWait(&kempty_bar[stage], ((gk / kStages) - 1) & 1);
+      if (gk >= kStages) MbarWait(&sh.kempty_bar[stage], ((gk / kStages) - 1) & 1);
       issue_tile(it, kbase, ring_s + stage * 2 * kTileBytes, lane_offset);
-      if constexpr (!kFp8) MbarArriveOnCopies(&kfull_bar[stage]);  // fp8: after convert_fp8
+      if constexpr (!kFp8) MbarArriveOnCopies(&sh.kfull_bar[stage]);  // fp8: after convert_fp8
     };
     // fp8: this thread's rows of the K / V half at `half` (its copies landed: CpAsyncWait) from
     // the raw bytes at RawFp8Offset to f16 in the swizzled layout, in place. A row's raw bytes
@@ -253,9 +241,9 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
     auto finish_k_fp8 = [&](int it) {
       const int stage = (g + it) % kStages;
       uint32_t unused[kFlagWords] = {};
-      convert_fp8(ring + stage * 2 * kTileBytes, false, 0, unused);
+      convert_fp8(sh.ring + stage * 2 * kTileBytes, false, 0, unused);
       FenceProxyAsync();  // the converted chunks, before wgmma reads K
-      MbarArrive(&kfull_bar[stage]);
+      MbarArrive(&sh.kfull_bar[stage]);
     };
     // fp8: the copies issued in loop turn it below (K of tile it, if any, and V of tile it - 1),
     // once they landed: converted and arrived, K first. V as the 16-bit path's tiles that some
@@ -267,21 +255,21 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
       uint32_t mine[kFlagWords];
 #pragma unroll
       for (int wd = 0; wd < kFlagWords; ++wd) mine[wd] = 0u;
-      convert_fp8(ring + stage * 2 * kTileBytes + kTileBytes, partial, (t_lo + jt) * kKeys,
+      convert_fp8(sh.ring + stage * 2 * kTileBytes + kTileBytes, partial, (t_lo + jt) * kKeys,
                   mine);
       if (partial) {
 #pragma unroll
         for (int wd = 0; wd < kFlagWords; ++wd) {
           const uint32_t f = __reduce_or_sync(0xffffffffu, mine[wd]);
-          if (lane == 0) bad_keys[stage][warp][wd] = f;
+          if (lane == 0) sh.bad_keys[stage][warp][wd] = f;
         }
       }
       if (jt == num_tiles - 1) {  // every page lookup of the work tile came before this
         const uint32_t any = __any_sync(0xffffffffu, bits != 0u);
-        if (lane == 0) stage_bad[stage][warp] = any;
+        if (lane == 0) sh.stage_bad[stage][warp] = any;
       }
       FenceProxyAsync();  // the converted chunks, before wgmma reads V
-      MbarArrive(&vfull_bar[stage]);
+      MbarArrive(&sh.vfull_bar[stage]);
     };
     int64_t k_offset = lane_pages ? tile_page_offset(0) : -1;  // the lane's page of tile it
     int64_t v_offset = -1;                                      // ... of tile it - 1
@@ -298,7 +286,7 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
       v_offset = k_offset;
       k_offset = next_offset;
       load_q();
-      if (wt == 0) claimed[k & 1] = next_w;
+      if (wt == 0) sh.claimed[k & 1] = next_w;
     }
     for (int it = 1; it <= num_tiles; ++it) {
       const int64_t next_offset = lane_pages ? tile_page_offset(it + 1) : -1;
@@ -307,7 +295,7 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
       k_offset = next_offset;
       if (it < num_tiles) issue_k(it, k_tile_offset);
       const int jt = it - 1, gv = g + jt, stage = gv % kStages;
-      if (gv >= kStages) MbarWait(&vempty_bar[stage], ((gv / kStages) - 1) & 1);
+      if (gv >= kStages) MbarWait(&sh.vempty_bar[stage], ((gv / kStages) - 1) & 1);
       issue_tile(jt, vbase, ring_s + stage * 2 * kTileBytes + kTileBytes, v_tile_offset);
       const bool partial = PartlyRead((t_lo + jt) * kKeys, r.q_first, r.q_last, a.window);
       const bool last = jt == num_tiles - 1;
@@ -323,7 +311,7 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
         continue;
       }
       if (!partial && !last) {
-        MbarArriveOnCopies(&vfull_bar[stage]);
+        MbarArriveOnCopies(&sh.vfull_bar[stage]);
         continue;
       }
       // A tile some row of the work tile reads only in part: this thread's copies landed
@@ -336,7 +324,7 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
       CpAsyncCommit();  // (the copies are in no group yet: wait_group covers committed ones)
       CpAsyncWait<0>();
       if (partial) {
-        uint8_t* vs = ring + stage * 2 * kTileBytes + kTileBytes;
+        uint8_t* vs = sh.ring + stage * 2 * kTileBytes + kTileBytes;
         // One row at a time (its kRowChunks chunks), so that few chunks are loaded at once
         // (all of them at once spill). Row row_base + kRowsPerPass i is bit row % 32 of word
         // row / 32.
@@ -373,15 +361,15 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
 #pragma unroll
         for (int wd = 0; wd < kFlagWords; ++wd) {
           const uint32_t f = __reduce_or_sync(0xffffffffu, mine[wd]);
-          if (lane == 0) bad_keys[stage][warp][wd] = f;
+          if (lane == 0) sh.bad_keys[stage][warp][wd] = f;
         }
         FenceProxyAsync();  // the zeroed chunks, before wgmma reads V
       }
       if (last) {
         const uint32_t any = __any_sync(0xffffffffu, bits != 0u);
-        if (lane == 0) stage_bad[stage][warp] = any;
+        if (lane == 0) sh.stage_bad[stage][warp] = any;
       }
-      MbarArrive(&vfull_bar[stage]);
+      MbarArrive(&sh.vfull_bar[stage]);
     }
     if constexpr (kFp8) {
       if (num_tiles > 0) {  // the last turn's copies (none are left across work tiles)
@@ -393,7 +381,7 @@ __device__ __forceinline__ void Sm90Roles<T, D, kFp8>::Producer(const PrefillPar
     g += num_tiles;
     // The next work tile: thread 0's claim, in claimed[k & 1] since this work tile's Q.
     NamedBarrier(4, 128);
-    w = claimed[k & 1];
+    w = sh.claimed[k & 1];
   }
   CpAsyncCommit();
   CpAsyncWait<0>();
