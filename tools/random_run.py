@@ -406,7 +406,8 @@ class RandomRun:
 
     def op_truncate(self) -> None:
         """Rolls back up to 8 tokens of an active or suspended sequence; a refusal (False, or
-        ValueError for a cut a sliding window cannot serve) must change nothing."""
+        ValueError for a cut a sliding window cannot serve) must change nothing; a suspended
+        one whose cut page cannot be read (CorruptPageError) must be unchanged, then closed."""
         seqs = self.seqs(SequenceState.ACTIVE) + self.seqs(SequenceState.SUSPENDED)
         if not seqs:
             return
@@ -420,6 +421,14 @@ class RandomRun:
             if "sliding window" not in str(e):
                 raise
             done = False
+        except CorruptPageError:   # a parked cut page the disk cannot read: as op_resume's
+            if s.state is not SequenceState.SUSPENDED:
+                raise RunFailure(f"an unreadable truncation left {s!r}") from None
+            self.same([s], before, "an unreadable truncation")
+            self.check()
+            self.mgr.close(s)
+            self.counts["unreadable_truncate"] += 1
+            return
         if not done:
             self.counts["refused_truncate"] += 1
             self.same([s], before, "a refused truncation")

@@ -213,7 +213,9 @@ class KVCacheManager:
         for other sequences), and a committed page the cut falls in becomes the sequence's own
         (a copy when other sequences share it: a shared page is never written again; for a
         SUSPENDED sequence, at its parked level). False, with nothing changed, when that copy
-        finds no page. Raises
+        finds no page (or its disk write fails). Raises
+        :class:`CorruptPageError` (nothing changed) when a suspended sequence's cut page cannot
+        be read from the disk, as :meth:`resume` does;
         :class:`StepInFlightError` between ``prepare_step`` and ``complete_step``, ValueError
         for ``num_tokens`` outside ``[0, seq.num_tokens]`` or before a sliding window's
         retained pages. Example: ``mgr.truncate(seq, seq.num_tokens - num_rejected)``."""

@@ -305,11 +305,14 @@ class TierPlanner:
     # -- moves -----------------------------------------------------------------------------------
 
     def move(self, parts: list[tuple[CacheLevel, np.ndarray, CacheLevel]],
-             at: list[np.ndarray | None] | None = None) -> list[np.ndarray] | None:
+             at: list[np.ndarray | None] | None = None, *,
+             keep: bool = False) -> list[np.ndarray] | None:
         """``(src_level, slots [G, n], dst_level)`` moves (-1 entries stay) as one storage
-        transaction; the destination ``[G, n]`` of each, or None when refused. ``at[p]``: the
-        device slots ``[G, n]`` part ``p`` must land in (arena groups; -1 elsewhere). Nothing
-        changed on refusal or failure (an exception)."""
+        transaction; the destination ``[G, n]`` of each, or None when refused (no room, or a
+        failed disk write: counted, see :meth:`disk_write_failed`). ``at[p]``: the device slots
+        ``[G, n]`` part ``p`` must land in (arena groups; -1 elsewhere). ``keep``: copies (the
+        sources stay allocated and unchanged). Nothing changed on refusal or failure (an
+        exception: CorruptPageError for a source that cannot be read)."""
         moves, where = [], []
         for p, (src_level, src, dst_level) in enumerate(parts):
             chunk = 1 << 30
@@ -329,7 +332,7 @@ class TierPlanner:
                     where.append((p, g, c))
         to_disk = any(m[3] is K for m in moves)
         try:
-            out = self._storage.migrate_many(moves)
+            out = (self._storage.copy_pages if keep else self._storage.migrate_many)(moves)
         except CorruptPageError as e:  # unreadable disk pages, unwritten host pages: a miss
             if isinstance(e, UnreadablePageError):
                 self._stats.num_disk_read_errors += 1

@@ -19,7 +19,8 @@
   before the cut stay released).
 
 Refusals are values (False, nothing changed): the private copy of a shared page finds no device
-page (a SUSPENDED sequence's: no page at its parked level); on an arena, another sequence reads a
+page (a SUSPENDED sequence's: no page at its parked level, or a disk that is degraded or fails
+the write, counted as the planner counts disk write errors); on an arena, another sequence reads a
 page at or past the cut where this sequence's range keeps it (page ``j`` at ``base + j``), so it
 could not write there again.
 """
@@ -121,21 +122,21 @@ class Rewinder:
         """A SUSPENDED sequence: its parked pages (all at one cold level) past the cut are
         freed there; a committed cut page joins them when only this sequence holds it at that
         level, else a copy of it at that level does (from wherever it is: the device, host or
-        disk; False when that level has no room, nothing changed). Window groups: the cut was
+        disk; False, nothing changed, when that level has no room, is a degraded disk or the
+        disk write fails; CorruptPageError, nothing changed, when the page cannot be read). Window groups: the cut was
         checked against their released pages (as for an ACTIVE one); the resume writes their
         rows with those pages still released."""
         nodes = seq._nodes
         level, parked = seq._parked
-        copy = None
+        copy: np.ndarray | None = None
         if cut is not None and (nodes[cut].refcount != 1 or nodes[cut].level is not level):
             node = nodes[cut]
-            groups = [g for g in range(node.slots.size) if node.slots[g] >= 0]
-            got = self._storage.copy_pages([(g, node.level, node.slots[g:g + 1], level)
-                                            for g in groups])
-            if got is None:
+            if not self._planner.writable(level):   # a degraded disk takes no more pages
                 return False
-            copy = np.full(node.slots.size, -1, np.int32)
-            copy[groups] = [int(d[0]) for d in got]
+            got = self._planner.move([(node.level, node.slots[:, None], level)], keep=True)
+            if got is None:   # no room there, or the disk write failed (counted)
+                return False
+            copy = got[0][:, 0]
         first = len(nodes)                  # parked column i is page first + i
         self._release(seq, whole, wr)
         if cut is not None and copy is None:

@@ -357,3 +357,37 @@ def test_a_cut_while_the_step_that_read_the_pages_still_runs():
     h.run([(b, 4), (a, 7)], as_ids=[True, True])  # needs them: waits for the step, reuses
     assert mgr._stats.num_fence_waits == 1
     h.check()
+
+
+@pytest.mark.parametrize("hot", ["paged", "arena"])
+def test_a_parked_cut_whose_disk_write_fails_is_refused(hot, tmp_path):
+    """Suspended to the disk (no host tier), cut into a page another sequence shares: the
+    private copy goes to the disk; when that write fails the truncation is refused (False,
+    nothing changed) and counted as a disk write error, as the planner counts every other one
+    (it raised DiskFullError out of truncate before, found by tools/random_run.py, seeds
+    2670091267 and 1856074790); once the disk writes again the same cut works and the values
+    read back right after the resume."""
+    from faults import install_faulty_disks
+
+    h = make(config(hot, disk_dir=str(tmp_path), disk_pages=24))
+    a = h.add(list(range(1, 14)))
+    h.run([(a, 13)], as_ids=[True])
+    b = h.add(h.tokens[a.seq_id][:9] + [77])     # shares a's pages 0 and 1
+    h.run([(b, 10 - b.num_reused_tokens)], as_ids=[True])
+    assert h.mgr.suspend(a) is SuspendResult.SUSPENDED
+    assert a._parked[0] is CacheLevel.DISK
+    disk = install_faulty_disks(h.mgr)[0]
+    disk.fail_writes = 1
+    errors = h.mgr.stats()["num_disk_write_errors"]
+    assert not cut(h, a, 6, may_refuse=True)     # page 1 is shared: its copy's write fails
+    assert disk.num_failed_writes == 1
+    assert h.mgr.stats()["num_disk_write_errors"] == errors + 1
+    assert a.state is SequenceState.SUSPENDED
+    h.check()
+    assert cut(h, a, 6)                          # the disk writes again
+    h.check()
+    assert h.mgr.resume(a)
+    h.check()
+    h.run([(a, 9)], as_ids=[True])               # other tokens from position 6 on
+    h.run([(b, 2)], as_ids=[True])
+    h.check()
