@@ -44,6 +44,16 @@ def cut(h, seq, n, *, may_refuse=False) -> bool:
     return True
 
 
+def resume_and_write_past_the_cut(h, a, b) -> None:
+    """``a``, cut to 6 tokens while suspended, resumes and writes other tokens from position 6
+    on; ``b``, which shares a's first pages, decodes on: the values of both read back right."""
+    assert h.mgr.resume(a)
+    h.check()
+    h.run([(a, 9)], as_ids=[True])
+    h.run([(b, 2)], as_ids=[True])
+    h.check()
+
+
 @pytest.mark.parametrize("hot", ["paged", "arena"])
 def test_a_shared_prefix_survives_a_truncation_of_one_sharer(hot):
     """a and b share three committed pages; b is cut inside the second: b gets a private copy
@@ -147,11 +157,7 @@ def test_a_suspended_sequence_is_truncated_where_it_is_parked(hot, tmp_path):
     assert cut(h, a, 6)                          # page 1 is shared (on the device): copied
     assert h.mgr.stats()["num_truncated_tokens"] > copies
     h.check()
-    assert h.mgr.resume(a)
-    h.check()
-    h.run([(a, 9)], as_ids=[True])               # other tokens from position 6 on
-    h.run([(b, 2)], as_ids=[True])
-    h.check()
+    resume_and_write_past_the_cut(h, a, b)
     c = h.add(h.tokens[b.seq_id][:9] + [55])     # the shared pages are still b's prefix
     assert c.num_reused_tokens == 8
     h.run([(c, 2)], as_ids=[True])
@@ -386,8 +392,4 @@ def test_a_parked_cut_whose_disk_write_fails_is_refused(hot, tmp_path):
     h.check()
     assert cut(h, a, 6)                          # the disk writes again
     h.check()
-    assert h.mgr.resume(a)
-    h.check()
-    h.run([(a, 9)], as_ids=[True])               # other tokens from position 6 on
-    h.run([(b, 2)], as_ids=[True])
-    h.check()
+    resume_and_write_past_the_cut(h, a, b)
