@@ -90,8 +90,9 @@ class SlotAllocator:
         return bool(self._allocated[s])
 
     def all_allocated(self, slots: np.ndarray) -> bool:
-        """Whether every slot of an in-range int array is allocated (no range check)."""
-        return bool(self._allocated[slots].all())
+        """Whether every slot of an int array is allocated (False when one is out of range)."""
+        a = self._allocated
+        return bool(((slots >= 0) & (slots < a.size)).all() and a[slots].all())
 
     def allocate(self, n: int) -> np.ndarray | None:
         """The ``n`` lowest free slots (int32, ascending), or ``None`` when fewer than ``n`` are free

@@ -582,9 +582,8 @@ class StorageManager(TransferPaths, PageIO):
 def _all_allocated(allocator: Any, slots: np.ndarray) -> bool:
     """Vectorized when the allocator offers it (SlotAllocator), else slot by slot."""
     inner = getattr(allocator, "_allocator", allocator)
-    if hasattr(inner, "all_allocated"):
-        in_range = bool(((slots >= 0) & (slots < inner.num_slots)).all())
-        return in_range and bool(inner.all_allocated(slots))
+    if hasattr(inner, "all_allocated"):  # range-checked by the allocator: an arena's slot
+        return bool(inner.all_allocated(slots))  # indices run past its num_slots (a count)
     return all(allocator.is_allocated(int(s)) for s in slots)
 
 
