@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness.device_profile import gemm_census
+from benchmarks.harness.serve_report import rel_l2
 from benchmarks.harness.timing import import_torch, short_error, time_jax, time_torch
 from examples.llama import fp8_weights as f8
 from examples.llama.step import FP8_WEIGHTS_XLA_OPTIONS
@@ -80,11 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="two small weights, rows 8 and 24 (CPU)")
     ap.add_argument("--json", default=None)
     return ap
-
-
-def _rel_l2(a: Any, b: Any) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _compiled(fn, *args):
@@ -172,11 +168,11 @@ def case(name: str, k_in: int, n_out: int, t: int, seed: int, rounds: int,
                                   (w_tensor.values, scalars), census_scalar))]
     ref_bf16 = jnp.dot(x.astype(jnp.float32), w_bf16.astype(jnp.float32).T, precision="highest")
     ref_fp8 = jnp.dot(xq.astype(jnp.float32), w.values.astype(jnp.float32).T, precision="highest")
-    rows[0]["rel_l2"], rows[0]["oracle"] = _rel_l2(model(x, w), ref), "float32"
-    rows[1]["rel_l2"], rows[1]["oracle"] = _rel_l2(gemm(xq, w.values), ref_fp8), "float32"
-    rows[2]["rel_l2"], rows[2]["oracle"] = _rel_l2(bf16(x, w_bf16), ref_bf16), "float32"
+    rows[0]["rel_l2"], rows[0]["oracle"] = rel_l2(model(x, w), ref), "float32"
+    rows[1]["rel_l2"], rows[1]["oracle"] = rel_l2(gemm(xq, w.values), ref_fp8), "float32"
+    rows[2]["rel_l2"], rows[2]["oracle"] = rel_l2(bf16(x, w_bf16), ref_bf16), "float32"
     ref_tensor = jnp.dot(x.astype(jnp.float32), f8.dequantize(w_tensor), precision="highest")
-    rows[3]["rel_l2"] = _rel_l2(scalar(x, w_tensor.values, scalars), ref_tensor)
+    rows[3]["rel_l2"] = rel_l2(scalar(x, w_tensor.values, scalars), ref_tensor)
     rows[3]["oracle"] = "float32"
     torch, why = import_torch(need_cuda=True)
     if torch is None or jax.default_backend() != "gpu":
@@ -193,9 +189,9 @@ def case(name: str, k_in: int, n_out: int, t: int, seed: int, rounds: int,
             try:  # scales of 1: the FP8 methods compute XLA's FP8 GEMM, bf16 the bf16 product
                 got = f().float().cpu().numpy()
                 if m == "torch bf16":
-                    r["rel_l2"], r["oracle"] = _rel_l2(got, ref_bf16), "float32"
+                    r["rel_l2"], r["oracle"] = rel_l2(got, ref_bf16), "float32"
                 else:
-                    r["rel_l2"], r["oracle"] = _rel_l2(got, xla_gemm), "xla fp8 gemm"
+                    r["rel_l2"], r["oracle"] = rel_l2(got, xla_gemm), "xla fp8 gemm"
                 r["timer"] = lambda f=f: time_torch(f, loop=True)
             except Exception as e:  # noqa: BLE001
                 r["error"] = short_error(e)

@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.harness.device_profile import step_breakdown  # noqa: E402
+from benchmarks.harness.serve_report import rel_l2  # noqa: E402
 from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
 from benchmarks.harness.timing import time_blocking  # noqa: E402
 from examples.llama import fp8_weights  # noqa: E402
@@ -87,11 +88,6 @@ def step_inputs(B: int, ctx: int, C: int, chunk_ctx: int, P: int, vocab: int,
         "mixed": (tokens, np.concatenate([d_pos, c_pos]), np.concatenate([d_slots, c_slots]),
                   table, lens, np.append(np.arange(B + 1, dtype=np.int32), np.int32(B + C))),
     }, 1 + len(pages)
-
-
-def rel_l2(x, y) -> float:
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
 
 
 def build_parser() -> argparse.ArgumentParser:

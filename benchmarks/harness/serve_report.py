@@ -19,7 +19,10 @@ from examples.llama import serve
 from examples.llama import tp
 
 
-def _rel_l2(x: np.ndarray, y: np.ndarray) -> float:
+def rel_l2(x: Any, y: Any) -> float:
+    """``|x - y| / |y|`` (L2, in float64; y of norm 0 counts as 1e-30): the benchmarks' check of
+    an output against its oracle."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     return float(np.linalg.norm(x - y) / max(float(np.linalg.norm(y)), 1e-30))
 
 
@@ -31,7 +34,7 @@ def agreement(a: Sequence[serve.RequestOutput],
     same = [x.generated_ids == y.generated_ids for x, y in pairs]
     first = sum(bool(x.generated_ids) and x.generated_ids[:1] == y.generated_ids[:1]
                 for x, y in pairs)
-    rel = [_rel_l2(x.logits, y.logits) for (x, y), s in zip(pairs, same)
+    rel = [rel_l2(x.logits, y.logits) for (x, y), s in zip(pairs, same)
            if s and x.logits is not None and y.logits is not None]
     return {"requests": len(pairs), "identical": sum(same), "identical_first_token": first,
             "max_logits_rel_l2": max(rel) if rel else None}
