@@ -228,6 +228,9 @@ def main(argv=None) -> dict[str, Any]:
     if not args.tiny and not args.no_check:
         out["check"] = _check(args.tensor_parallel)
     tps = args.tensor_parallel
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise SystemExit(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    deadline = None if args.time_budget is None else t_start + args.time_budget
     capacity: list[dict[str, Any]] = []
     try:
         # FP8 K/V changes the paged logits against dense (bf16/f32 caches): agreement is
@@ -236,7 +239,7 @@ def main(argv=None) -> dict[str, Any]:
                _F32_CPU_CHECK if jax.default_backend() == "cpu" else _F32_GPU_CHECK)
         chunks = args.prefill_chunk or [setup.prefill_chunk]
         if len(tps) > 1:
-            parts, capacity = tp_sweep(args, setup, tol)
+            parts, capacity = tp_sweep(args, setup, tol, deadline)
         else:
             params = random_params(setup)
             paged = tp_params(params, setup.model, tps[0])
@@ -250,7 +253,8 @@ def main(argv=None) -> dict[str, Any]:
                     s = dataclasses.replace(s, run_dense=False, equal_memory_run=False)
                 if len(chunks) > 1:
                     _log(f"--prefill-chunk {chunk} (step budget {s.step_tokens} tokens)")
-                parts.append((chunk, bench(s, params, paged_params=paged, **tol)))
+                parts.append((chunk, bench(s, params, paged_params=paged, deadline=deadline,
+                                           **tol)))
     except RuntimeError as e:
         raise SystemExit(f"FAILED: {e}") from None
     if len(parts) == 1:
@@ -286,6 +290,9 @@ def main(argv=None) -> dict[str, Any]:
         _log(format_tp_scaling(out["tensor_parallel"]["scaling"]))
         _log("")
         _log(format_capacity(capacity, out["tensor_parallel"]["memory_source"]))
+    if out.get("skipped"):
+        _log("")
+        _log(f"skipped (--time-budget {args.time_budget:g} s): " + "; ".join(out["skipped"]))
     _log("")
     _log(anchor_line(setup))
     _log(f"total {out['meta']['total_s']:.0f} s")
@@ -343,12 +350,12 @@ def _check(tps: Sequence[int]) -> dict[str, Any]:
     return {"agreement": chk["agreement"]}
 
 
-def tp_sweep(args: argparse.Namespace, setup: Setup,
-             tol: dict[str, float]) -> tuple[list[tuple[int, dict]], list[dict]]:
+def tp_sweep(args: argparse.Namespace, setup: Setup, tol: dict[str, float],
+             deadline: float | None = None) -> tuple[list[tuple[int, dict]], list[dict]]:
     """The paged rows once per ``--tensor-parallel`` value (fresh servers; the weights sharded
     once per value, the previous value's shards and pools freed first; dense and equal memory
     with the first value only), and each value's largest concurrency (:func:`tp_capacity`).
-    Returns ``[(value, bench output)]`` and the capacity rows."""
+    Returns ``[(value, bench output)]`` and the capacity rows. ``deadline``: as ``bench``'s."""
     tps = args.tensor_parallel
     _log(f"{len(tps)} --tensor-parallel values {tps}: the paged rows run once per value (about "
          "that many times the paged estimate above)")
@@ -366,7 +373,8 @@ def tp_sweep(args: argparse.Namespace, setup: Setup,
             gc.collect()
         _log(f"--tensor-parallel {n}: weights {weights / 2**30:.2f} GiB per device (sharded in "
              f"{time.perf_counter() - t:.1f} s){mem_gib()}")
-        res = bench(s, paged if base is None else base, paged_params=paged, **tol)
+        res = bench(s, paged if base is None else base, paged_params=paged, deadline=deadline,
+                    **tol)
         memory = (int(args.device_memory_gib * 2**30) if args.device_memory_gib is not None
                   else device_memory_limit(n))
         capacity.append(tp_capacity(s, n, weights, res, memory, args.kv_memory_fraction))

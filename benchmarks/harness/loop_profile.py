@@ -464,7 +464,7 @@ def merge_sweep(parts: Sequence[tuple[int, dict[str, Any]]], tag: str = "chunk")
     value's, ``sweep`` lists each value's setup."""
     key = SWEEP_KEYS[tag]
     out: dict[str, Any] = {"setup": parts[0][1]["setup"], "results": [], "errors": [],
-                           "comparisons": [], "agreement": [],
+                           "comparisons": [], "agreement": [], "skipped": [],
                            "sweep": [{key: c, "setup": r["setup"]} for c, r in parts]}
     for i, (value, res) in enumerate(parts):
         tagged = _tag(res, f"{tag} {value}")
@@ -473,6 +473,7 @@ def merge_sweep(parts: Sequence[tuple[int, dict[str, Any]]], tag: str = "chunk")
                                      if c["kind"] != "equal_memory"]
         for key in ("results", "errors", "comparisons", "agreement"):
             out[key] += tagged[key]
+        out["skipped"] += [f"{label} [{tag} {value}]" for label in res.get("skipped", [])]
     out["agreement"] += sweep_agreement(out["results"])
     return out
 

@@ -102,6 +102,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="the share of the memory left after the weights that the largest-"
                         f"concurrency table gives the K/V pool (default {KV_MEMORY_FRACTION})")
     p.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    p.add_argument("--time-budget", type=float, metavar="S",
+                   help="stop starting configurations S seconds after the start: one is "
+                        "skipped when less time is left than the longest so far took; the "
+                        "ones that ran are reported as usual, the skipped listed (for a run "
+                        "under a wall-clock limit, e.g. a 10-minute device call: its summary "
+                        "still prints). Default: no limit")
     p.add_argument("--concurrency", type=int, nargs="+", metavar="C",
                    help="concurrencies of the random workload (default 64 256)")
     p.add_argument("--requests-factor", type=float,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 import traceback
 from typing import Any, Sequence
 
@@ -30,15 +31,19 @@ from examples.llama import fp8_weights, serve
 
 def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
           max_logits_rel_l2: float | None = None, log=run_log.log,
-          paged_params: Any = None) -> dict[str, Any]:
+          paged_params: Any = None, deadline: float | None = None) -> dict[str, Any]:
     """Runs every configuration of ``setup``; returns results, comparisons and agreement. With
     ``min_identical``, every pair of runs over the same requests must generate identical tokens
     for at least that fraction of the requests, and with ``max_logits_rel_l2`` (and
     ``setup.record_logits``) the logits of identical generations must be that close; else
     RuntimeError. ``paged_params``: the paged runs' params when they differ from the dense
     runs' (``tp.shard_params``' output for ``setup.tensor_parallel`` devices, sharded once for
-    every server of the run); default ``params``."""
+    every server of the run); default ``params``. ``deadline`` (a ``time.perf_counter()``
+    value, ``--time-budget``): a configuration is skipped, not started, when less time is left
+    than the longest one so far took (or none is left); the output lists it in ``skipped``."""
     results: list[dict] = []
+    skipped: list[str] = []
+    longest = {"s": 0.0}   # the longest configuration so far, seconds (warm-up included)
     comparisons: list[dict] = []
     agreements: list[dict] = []
     errors: list[dict] = []
@@ -137,7 +142,13 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
 
     def attempt(label: str, fn, reqs, **kwargs: Any) -> tuple[dict | None, list]:
         """Runs one configuration; a failure (out of memory, a kernel error) is logged and
-        recorded, and the other configurations still run."""
+        recorded, and the other configurations still run. Past ``deadline``: skipped."""
+        t0 = time.perf_counter()
+        if deadline is not None and deadline - t0 <= longest["s"]:
+            log(f"  SKIPPED {label}: {max(deadline - t0, 0):.0f} s of the time budget left, "
+                f"the longest configuration so far took {longest['s']:.0f} s")
+            skipped.append(label)
+            return None, []
         try:
             res, outs = fn(paged_params if fn is run_paged else params, setup, reqs,
                            label=label, **kwargs)
@@ -148,6 +159,7 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
             errors.append({"name": label, "error": msg})
             res, outs = None, []
         gc.collect()
+        longest["s"] = max(longest["s"], time.perf_counter() - t0)
         if res is not None:
             record(res, outs, reqs)
             if res["workload"] == "random":
@@ -279,7 +291,7 @@ def bench(setup: Setup, params: Any, *, min_identical: float | None = None,
                     big["output_tokens_per_s"] / dres["output_tokens_per_s"]))
         comparisons.append(eq)
     return {"setup": dataclasses.asdict(setup), "results": results, "comparisons": comparisons,
-            "agreement": agreements, "errors": errors}
+            "agreement": agreements, "errors": errors, "skipped": skipped}
 
 
 def compare_cascade(pairs: list[tuple[dict, dict]], log=run_log.log) -> dict[str, Any]:
