@@ -13,6 +13,8 @@
 - :class:`GatedOffloads` (``install_gated_offloads``) holds the copies of write-back-ahead
   offloads "in flight" until the test opens them (or makes them fail): each offload's fence
   is wrapped in a :class:`GateFence`, an off-stream fence like the CUDA side-stream mover's.
+- :class:`GatedSteps` (``install_gated_steps``) holds completed steps "running on the device"
+  until the test finishes them: each step's fence is wrapped in a :class:`StepGate`.
 """
 
 from __future__ import annotations
@@ -226,3 +228,58 @@ def install_gated_offloads(mgr) -> GatedOffloads:
     gates = GatedOffloads()
     mgr.storage._fence_hook = gates
     return gates
+
+
+class StepGate:
+    """Wraps a step's fence (the array :func:`jax_kvcm._fence.step_fence` slices): the step
+    "runs" until :meth:`finish` or until the manager blocks on it, either of which waits for
+    the real step first. Readiness is the gate's alone, so a replayed hypothesis example sees
+    the same answers, whatever the speed of the CPU under it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.ready = inner, False
+
+    def is_deleted(self) -> bool:
+        return self.inner.is_deleted()
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def block_until_ready(self) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        if not self.ready:
+            self.inner.block_until_ready()
+            self.ready = True
+
+
+class GatedSteps:
+    """The :class:`StepGate` of every step completed since ``install_gated_steps``, oldest
+    first; :meth:`finish` finishes the oldest ``n`` still running (steps end in order)."""
+
+    def __init__(self) -> None:
+        self.gates: list[StepGate] = []
+
+    def running(self) -> list[StepGate]:
+        return [g for g in self.gates if not g.ready]
+
+    def finish(self, n: int) -> None:
+        for g in self.running()[:n]:
+            g.finish()
+
+
+def install_gated_steps(mgr) -> GatedSteps:
+    """From now on, the fence that ``mgr`` (a KVCacheManager) keeps of each completed step is a
+    :class:`StepGate`."""
+    steps, ledger = GatedSteps(), mgr._ledger
+    complete = ledger.complete
+
+    def gated_complete(pool):
+        record = complete(pool)
+        ledger._fence = StepGate(ledger._fence)
+        steps.gates.append(ledger._fence)
+        return record
+
+    ledger.complete = gated_complete
+    return steps

@@ -14,6 +14,12 @@ compaction moves sequences between rows.
 Write-back ahead (``offload_ahead_pages``, with a host tier): its copies are held in flight by the
 gate seam of ``faults.py`` until a rule finishes one or makes it fail (rolled back, nothing lost).
 
+Steps (the gate seam of ``faults.py``): the newest one or two completed steps may still "run
+on the device" (the machine draws it after each step) until a later step finishes them or the
+manager waits for them, so what the manager's polls see is the machine's choice, not the CPU's
+speed (hypothesis replays an example exactly), and pages freed behind a running step stay
+pending.
+
 Faults (seams from ``faults.py``): disk reads that fail (EIO) and disk writes that fail (ENOSPC),
 once, twice or for good; a step that raises before running (``abort_step``) or that consumes its
 donated pools and fails inside XLA (``abort_step`` then reports the lost sequences, which the
@@ -34,7 +40,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from faults import FOREVER, failing_step, install_faulty_disks, install_gated_offloads
+from faults import (FOREVER, failing_step, install_faulty_disks, install_gated_offloads,
+                    install_gated_steps)
 from jax_kvcm import ArenaHot
 from jax_kvcm.manager import OutOfPagesError, SequenceState, SuspendResult
 from jax_kvcm._storage import CorruptPageError
@@ -49,7 +56,8 @@ _COUNT_KEYS = {"examples": 0, "rules": 0, "steps": 0, "oop": 0, "suspended": 0, 
           "resumed": 0, "refused_resume": 0, "reused": 0, "windowed": 0, "window_released": 0,
           "aborted": 0, "lost": 0, "observer_errors": 0, "disk_read_errors": 0,
           "disk_write_errors": 0, "unreadable_resume": 0, "ring": 0, "compacted": 0,
-          "ring_checked": 0, "offloaded_ahead": 0, "ahead_done": 0, "ahead_failed": 0}
+          "ring_checked": 0, "offloaded_ahead": 0, "ahead_done": 0, "ahead_failed": 0,
+          "steps_running": 0}
 COUNTS_BY_HOT = {"paged": dict(_COUNT_KEYS), "arena": dict(_COUNT_KEYS)}
 PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9])
 
@@ -71,6 +79,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.disks: list = []
         self.observer = None
         self.gates = None
+        self.steps = None
+        self.settled = {"done": 0, "failed": 0}   # this example's write-back-ahead copies
         self.arena = False
 
     @initialize(tiers=st.sampled_from(["none", "host", "disk", "host+disk"]),
@@ -108,6 +118,7 @@ class ManagerMachine(RuleBasedStateMachine):
         kw = {"_hash_fn": (lambda b: b"k")} if hash_kind == "const" else {}
         self.h = make(cfg, **kw)
         self.disks = install_faulty_disks(self.h.mgr)
+        self.steps = install_gated_steps(self.h.mgr)
         if self.h.mgr.config.offload_ahead_pages:
             self.gates = install_gated_offloads(self.h.mgr)
         self.disk_faults(*faults)
@@ -164,6 +175,11 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             batch, spans = self.h.prepare(work, as_ids=ids)
             self.h.mgr.complete_step(self.h.write(batch, spans))
+            # The device is mostly done by the next call (as a CPU is); now and then the
+            # newest one or two steps still run, the pages freed behind them pending.
+            behind = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
+            self.steps.finish(len(self.steps.running()) - behind)
+            self.counts["steps_running"] += behind > 0
             self.counts["ring_checked"] += read_back(self.h, batch, spans)
             self.counts["steps"] += 1
         except OutOfPagesError:
@@ -307,10 +323,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def close_then_step(self, data):  # NOTE: cached pages for write-back ahead to move
         self.close(data)
         self.step(data)
-        # NOTE: and one copy it started settles now, done and failed in turns: whether a gate
-        # is still closed when the offload_copies rule comes up depends on timing, so coverage
-        # must not wait for it
-        self._settle(data, ok=self.counts["ahead_done"] <= 2 * self.counts["ahead_failed"])
+        # NOTE: and one copy it started settles now, done and failed in turns, so coverage
+        # does not wait for the offload_copies rule. The turns are this example's: taken from
+        # the module's running counts they differed when hypothesis replayed an example
+        # (FlakyStrategyDefinition at >= ~1,000 examples).
+        self._settle(data, ok=self.settled["done"] <= 2 * self.settled["failed"])
 
     @precondition(lambda self: self.h is not None and self.gates is not None)
     @rule(data=st.data())
@@ -330,6 +347,7 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             gate.fail()
             self.counts["ahead_failed"] += 1
+        self.settled["done" if ok else "failed"] += 1
         self.h.mgr.free_page_count()
 
     @precondition(lambda self: self.h is not None and not self.observer)
@@ -390,7 +408,7 @@ TestArenaManagerMachine = ArenaManagerMachine.TestCase
 _AHEAD = ("offloaded_ahead", "ahead_done", "ahead_failed")
 _MUST = ("steps", "oop", "suspended", "recompute", "resumed", "reused", "windowed",
          "window_released", "aborted", "lost", "observer_errors", "disk_read_errors",
-         "disk_write_errors", "ring", "compacted", "ring_checked")
+         "disk_write_errors", "ring", "compacted", "ring_checked", "steps_running")
 
 
 @pytest.mark.parametrize("hot", ["paged", "arena"])
