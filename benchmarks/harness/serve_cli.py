@@ -253,6 +253,8 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
     over.update(request_rate=args.request_rate, arrival_seed=args.arrival_seed)
     if args.ab_rounds < 1:
         raise SystemExit("--ab-rounds must be >= 1")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise SystemExit(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     over["ab_rounds"] = args.ab_rounds
     over["arena_step_calls"] = args.arena_step_calls
     if args.sliding_window is not None:
