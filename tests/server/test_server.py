@@ -48,14 +48,26 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m examples.llama.server`` on a free port of 127.0.0.1, logs in ``log``."""
+    """``python -m examples.llama.server`` on a free port of 127.0.0.1, logs in ``log``.
+
+    The port is free when chosen but may be taken before the server binds it (another test's
+    server, or the local end of a client connection: ephemeral ports share the range); then
+    the server exits with "address already in use" and is started again on another port."""
+
+    BIND_ATTEMPTS = 3
 
     def __init__(self, tmp: Path, *args: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.tmpdir = tmp / "tmpdir"
         self.tmpdir.mkdir(parents=True, exist_ok=True)
         self.log = tmp / "server.log"
+        for attempt in range(self.BIND_ATTEMPTS):
+            if self._start(args, last=attempt == self.BIND_ATTEMPTS - 1):
+                return
+
+    def _start(self, args: tuple[str, ...], last: bool) -> bool:
+        """Starts the server and waits for /health; False when its port was taken."""
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(self.tmpdir))
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(
@@ -65,7 +77,11 @@ class ServerProcess:
         deadline = time.monotonic() + STARTUP_S
         while True:
             if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+                logs = self.logs()
+                if "address already in use" in logs and not last:
+                    self._log_file.close()
+                    return False
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{logs}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
@@ -75,6 +91,7 @@ class ServerProcess:
                 self.stop()
                 pytest.fail(f"server not up after {STARTUP_S}s:\n{self.logs()}")
             time.sleep(0.3)
+        return True
 
     def logs(self) -> str:
         if not self._log_file.closed:
@@ -178,6 +195,23 @@ def _ids(choice) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------
 
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """The harness itself: the port it chose is taken before the server binds it (here held by
+    the test); the server exits with "address already in use" and starts on another port."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    ports = iter([taken, _free_port()])
+    monkeypatch.setattr(sys.modules[__name__], "_free_port", lambda: next(ports))
+    try:
+        s = ServerProcess(tmp_path)
+        assert s.port != taken
+        assert s.stop() == 0, s.logs()
+    finally:
+        held.close()
 
 def test_models_and_health(srv, client):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
@@ -299,7 +333,7 @@ def test_64_concurrent_streaming_clients(srv, hf):
     n = 8
 
     async def one(c, p):
-        ids, chunks, finish = [], 0, None
+        ids, finish = [], None
         stream = await c.completions.create(model="kvcm-random-llama", prompt=p, max_tokens=n,
                                             temperature=0, stream=True)
         async for ch in stream:
