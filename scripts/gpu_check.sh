@@ -20,6 +20,8 @@
 #   --kab=ARGS      the kab step's prefill_ab arguments instead of --decode --rounds 2 (e.g.
 #                   --kab="--decode --rounds 5 --cases 'decode bf16 B=256 S=256'")
 #   --serve=ARGS    the serve step's arguments instead of the seed workload's default
+#                   (add --time-budget S under the device's 10-minute limit: runs that would
+#                   end past S seconds are skipped and the summary still prints)
 #   --decode=ARGS   the decode step's arguments (benchmarks/bench_decode_step.py) instead of
 #                   --batch 64 256 --context 1536
 #   --mixed=ARGS    the mixed step's arguments (benchmarks/bench_mixed_step.py) instead of
