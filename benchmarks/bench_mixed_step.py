@@ -36,7 +36,11 @@ import json
 import os
 import sys
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# One preallocated region for one big pool (XLA's default), 0.90 of the device's memory: with
+# XLA_PYTHON_CLIENT_PREALLOCATE=false, trtllm-bench's mixed step (two 21 GiB FP8 caches beside
+# 8.6 GB of weights) ran out of memory on an H100 (2026-12-07), as bench_serve's second pool did
+# when the allocator grew region by region.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

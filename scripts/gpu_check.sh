@@ -253,11 +253,11 @@ if [ ${want[decode]} = 1 ]; then
   grep -E "^\| |^GEMMs of" "$OUT/decode_step.log" | tail -24
 fi
 if [ ${want[mixed]} = 1 ]; then
-  # NOTE: trtllm-bench's mixed step holds 45 GB of FP8 K/V beside 8.6 GB of weights: at the
-  # default 0.75 of an H100's memory its decode step ran out (2026-12-07); 0.95 unless set.
+  # NOTE: one preallocated region, as the serve step: growing region by region, trtllm-bench's
+  # mixed step (two 21 GiB FP8 caches) ran out of memory on an H100 (2026-12-07).
   # shellcheck disable=SC2086  # mixed_args is a list of words
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
-  step mixed-step mixed_step.log python3 -m benchmarks.bench_mixed_step \
+  step mixed-step mixed_step.log env XLA_PYTHON_CLIENT_PREALLOCATE=true python3 \
+    -m benchmarks.bench_mixed_step \
     ${mixed_args:---decode-rows 459 --context 1500 --chunk 2048 --quantize fp8 \
     --static-input-scales 256 --kv-dtype fp8} --json "$OUT/mixed_step.json"
   grep -E "^\| |^mixed /|checked" "$OUT/mixed_step.log" | tail -12
