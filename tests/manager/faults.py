@@ -265,7 +265,7 @@ class GatedSteps:
         return [g for g in self.gates if not g.ready]
 
     def finish(self, n: int) -> None:
-        for g in self.running()[:n]:
+        for g in self.running()[:max(n, 0)]:
             g.finish()
 
 
