@@ -26,7 +26,7 @@ import numpy as np
 
 from jax_kvcm._types import check_count
 
-__all__ = ["SlotAllocator", "SlotPool", "as_slot_array"]
+__all__ = ["SlotAllocator", "SlotPool", "all_marked", "as_slot_array"]
 
 _Pool = TypeVar("_Pool", bound="SlotPool")
 
@@ -91,8 +91,7 @@ class SlotAllocator:
 
     def all_allocated(self, slots: np.ndarray) -> bool:
         """Whether every slot of an int array is allocated (False when one is out of range)."""
-        a = self._allocated
-        return bool(((slots >= 0) & (slots < a.size)).all() and a[slots].all())
+        return all_marked(self._allocated, slots)
 
     def allocate(self, n: int) -> np.ndarray | None:
         """The ``n`` lowest free slots (int32, ascending), or ``None`` when fewer than ``n`` are free
@@ -139,6 +138,12 @@ class SlotAllocator:
         return f"SlotAllocator(num_slots={self._num_slots}, num_free={self._num_free})"
 
 
+def all_marked(mask: np.ndarray, slots: np.ndarray) -> bool:
+    """Whether every index of the int array ``slots`` is in range of the bool array ``mask``
+    and set there (the allocators' ``all_allocated``)."""
+    return bool(((slots >= 0) & (slots < mask.size)).all() and mask[slots].all())
+
+
 class SlotPool:
     """Slot bookkeeping shared by the host and disk pools (``HostPool``, ``DiskPool``).
 
@@ -160,6 +165,9 @@ class SlotPool:
 
     def is_allocated(self, slot: int) -> bool:
         return self._allocator.is_allocated(slot)
+
+    def all_allocated(self, slots: np.ndarray) -> bool:
+        return self._allocator.all_allocated(slots)
 
     def __enter__(self: _Pool) -> _Pool:
         return self

@@ -299,7 +299,7 @@ class StorageManager(TransferPaths, PageIO):
 
     def allocator(self, level: CacheLevel, lg: int) -> SlotAllocator | HostPool | DiskPool:
         """The slot allocator of ``lg``'s pool group at ``level`` (``allocate``, ``free``,
-        ``num_free``, ``is_allocated``); cold pools allocate their own slots."""
+        ``num_free``, ``is_allocated``, ``all_allocated``); cold pools allocate their own slots."""
         level = CacheLevel(level)
         if level is CacheLevel.DEVICE:
             return self.hot_tier(lg).allocator(self.hot_group_of[lg])
@@ -463,7 +463,7 @@ class StorageManager(TransferPaths, PageIO):
             if not 0 <= lg < len(self.specs):
                 raise ValueError(f"layer group {lg} does not exist")
             if src.size and (np.unique(src).size != src.size
-                             or not _all_allocated(self.allocator(src_level, lg), src)):
+                             or not self.allocator(src_level, lg).all_allocated(src)):
                 raise ValueError(f"src_slots {src.tolist()} are not distinct allocated "
                                  f"{src_level.name} slots of layer group {lg}")
             if at is not None and (dst_level is not _D or np.size(at) != src.size):
@@ -577,14 +577,6 @@ class StorageManager(TransferPaths, PageIO):
                 errors.append(e)
         if errors:
             raise errors[0]
-
-
-def _all_allocated(allocator: Any, slots: np.ndarray) -> bool:
-    """Vectorized when the allocator offers it (SlotAllocator), else slot by slot."""
-    inner = getattr(allocator, "_allocator", allocator)
-    if hasattr(inner, "all_allocated"):  # range-checked by the allocator: an arena's slot
-        return bool(inner.all_allocated(slots))  # indices run past its num_slots (a count)
-    return all(allocator.is_allocated(int(s)) for s in slots)
 
 
 class _Pools(list):

@@ -53,7 +53,8 @@ class HotTier(Protocol):
     def free(self, h: int, slots: np.ndarray) -> None: ...
 
     def allocator(self, h: int) -> Any:
-        """Slot bookkeeping of group ``h``: ``num_slots``, ``num_free``, ``is_allocated``."""
+        """Slot bookkeeping of group ``h``: ``num_slots``, ``num_free``, ``is_allocated``,
+        ``all_allocated`` (range-checked)."""
 
     def num_free(self, h: int) -> int:
         """Pages group ``h`` can allocate without evicting or waiting (free slots; an arena:

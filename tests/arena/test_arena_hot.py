@@ -406,17 +406,15 @@ def test_the_last_chunk_slots_are_allocated_slots_to_the_storage_manager():
     its highest slot index: a page in the last chunk's top slots moved to the host used to be
     refused as "not distinct allocated DEVICE slots" (tools/random_run.py seed 1806339567, a
     suspend at operation 63,820); it moves, and a slot never allocated is still refused."""
-    from jax_kvcm._storage import _all_allocated
-
     h = make(arena_config(device_pages=16, head_dim=128, host_pages=8))
     st = h.mgr.storage
     geo = st.hot_tier(0).geometry
     top = np.array([geo.num_slots - 1], np.int32)
     assert top[0] >= st.allocator(CacheLevel.DEVICE, 0).num_slots   # past the count
-    assert not _all_allocated(st.allocator(CacheLevel.DEVICE, 0), top)
+    assert not st.allocator(CacheLevel.DEVICE, 0).all_allocated(top)
     assert st.allocate(CacheLevel.DEVICE, 0, 1, top) is not None
-    assert _all_allocated(st.allocator(CacheLevel.DEVICE, 0), top)
+    assert st.allocator(CacheLevel.DEVICE, 0).all_allocated(top)
     (host,) = st.migrate_many([(0, CacheLevel.DEVICE, top, CacheLevel.HOST)])
-    assert host.size == 1 and not _all_allocated(st.allocator(CacheLevel.DEVICE, 0), top)
+    assert host.size == 1 and not st.allocator(CacheLevel.DEVICE, 0).all_allocated(top)
     with pytest.raises(ValueError, match="not distinct allocated DEVICE slots"):
         st.migrate_many([(0, CacheLevel.DEVICE, top, CacheLevel.HOST)])

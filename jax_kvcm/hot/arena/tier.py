@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_kvcm._governor import MemoryGovernor
+from jax_kvcm._slots import all_marked
 from jax_kvcm.hot.arena.geometry import ArenaGeometry
 from jax_kvcm.hot.arena.memory import ArenaMemory
 
@@ -57,8 +58,7 @@ class _Slots:
         return slot == 0 or bool(self._tier.used[slot])
 
     def all_allocated(self, slots: np.ndarray) -> bool:
-        used = self._tier.used
-        return bool(((slots >= 0) & (slots < used.size)).all() and used[slots].all())
+        return all_marked(self._tier.used, slots)
 
     def free(self, slots: np.ndarray) -> None:
         self._tier.release(slots)
