@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the K/V pool's dtype (auto: the model's; fp8: float8_e4m3fn, unit "
                     "scales)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--hlo-dir", metavar="DIR",
+                    help="write each step's optimized HLO here (STEP_CHUNK.hlo.txt), to read "
+                         "which ops XLA fused into which kernels")
     return ap
 
 
@@ -175,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
             logits[name] = np.asarray(run(), np.float32)
             t = time_blocking(run, args.repeats)
             entry = {"ms": t * 1e3, "rows": int(a[4].shape[0]), "tokens": int(a[0].shape[0])}
-            if not args.no_profile:
+            if not args.no_profile or args.hlo_dir:
                 hlo = fn.lower(params, state["k"], state["v"], *a, config=c).compile().as_text()
+            if args.hlo_dir:
+                os.makedirs(args.hlo_dir, exist_ok=True)
+                with open(os.path.join(args.hlo_dir, f"{name}_{C}.hlo.txt"), "w") as f:
+                    f.write(hlo)
+            if not args.no_profile:
                 entry["breakdown"] = step_breakdown(run, hlo, None, args.repeats, t, COLUMNS)
             row["steps"][name] = entry
         row["check"] = {"decode rows": rel_l2(logits["mixed"][:B], logits["decode"]),
