@@ -8,7 +8,9 @@ paged attention (the ``paged_attention`` custom call: decode), ragged attention
 under ``jax.named_scope("sampling")``), FP8 scales (the activation quantization and the scale
 multiplies of FP8 weights' GEMMs: ops under ``jax.named_scope("fp8_scales")``, see
 ``examples/llama/fp8_weights.py``; a fusion counts by its root's scope, so a scale multiply
-fused into a residual add counts there), collectives
+fused into a residual add counts there, and a fusion rooted in the quantization that also
+computes its input's norm or SiLU (a reduce, rsqrt, logistic, ... outside the scope) counts as
+other, since that work is the bf16 step's too), collectives
 (tensor parallelism's all-reduce / all-gather / reduce-scatter / collective-permute / all-to-all,
 their async ``*-start`` / ``*-done`` halves and fusions or async wrappers around them; on a GPU
 also NCCL's kernels, ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``, ``ncclKernel_...``),
@@ -237,6 +239,18 @@ def _gemm_computations(hlo_text: str) -> set[str]:
     return _computations_with(hlo_text, _is_gemm_line)
 
 
+# Opcodes of a norm's or an activation's own work: a quantization fusion that holds one of
+# these from outside the fp8_scales scope is that producer's kernel with the cast fused in.
+_PRODUCER_WORK = ("reduce", "rsqrt", "sqrt", "logistic", "exponential", "tanh", "sine",
+                  "cosine")
+
+
+def _is_producer_work(line: str, op: str) -> bool:
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    return op in _PRODUCER_WORK and not (
+        op_name and re.search(r"(^|/)fp8_scales(/|$)", op_name.group(1)))
+
+
 def _first_operand(line: str) -> str | None:
     m = re.search(r" [\w-]+\(%?([\w.-]+)", line.split(" = ", 1)[-1])
     return m.group(1) if m else None
@@ -252,6 +266,7 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
                   if (m := _INSTR.match(line))}
     gemm_comps = _gemm_computations(hlo_text)
     coll_comps = _computations_with(hlo_text, lambda line, op: is_collective_op(op))
+    producer_comps = _computations_with(hlo_text, _is_producer_work)
     cats = {}
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
@@ -283,7 +298,7 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
         elif op_name and re.search(r"(^|/)sampling(/|$)", op_name.group(1)):
             cat = "sampling"
         elif op_name and re.search(r"(^|/)fp8_scales(/|$)", op_name.group(1)):
-            cat = FP8_SCALES
+            cat = OTHER if calls and calls.group(1) in producer_comps else FP8_SCALES
         else:
             cat = OTHER
         cats[name] = cat

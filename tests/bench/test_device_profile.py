@@ -126,6 +126,54 @@ def test_explain_other_names_the_scopes_a_fusion_holds():
                                                 "scopes": []}]
 
 
+_HLO_QUANT_FUSIONS = """HloModule jit_forward_step, is_scheduled=true
+
+%region_0 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%fused_norm_quant (p0: bf16[8,64]) -> f8e4m3fn[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %x = f32[8,64]{1,0} convert(%p0), metadata={op_name="jit(forward_step)/convert_element_type"}
+  %sq = f32[8,64]{1,0} multiply(%x, %x), metadata={op_name="jit(forward_step)/mul"}
+  %zero = f32[] constant(0)
+  %ss = f32[8]{0} reduce(%sq, %zero), dimensions={1}, to_apply=%region_0, metadata={op_name="jit(forward_step)/reduce_sum"}
+  %r = f32[8]{0} rsqrt(%ss), metadata={op_name="jit(forward_step)/rsqrt"}
+  %rb = f32[8,64]{1,0} broadcast(%r), dimensions={0}
+  %n = f32[8,64]{1,0} multiply(%x, %rb), metadata={op_name="jit(forward_step)/fp8_scales/div"}
+  ROOT %q = f8e4m3fn[8,64]{1,0} convert(%n), metadata={op_name="jit(forward_step)/fp8_scales/convert_element_type"}
+}
+
+%fused_amax_quant (p0: bf16[8,64]) -> f8e4m3fn[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %x = f32[8,64]{1,0} convert(%p0), metadata={op_name="jit(forward_step)/fp8_scales/convert_element_type"}
+  %zero = f32[] constant(0)
+  %amax = f32[8]{0} reduce(%x, %zero), dimensions={1}, to_apply=%region_0, metadata={op_name="jit(forward_step)/fp8_scales/reduce_max"}
+  %ab = f32[8,64]{1,0} broadcast(%amax), dimensions={0}
+  %d = f32[8,64]{1,0} divide(%x, %ab), metadata={op_name="jit(forward_step)/fp8_scales/div"}
+  ROOT %q = f8e4m3fn[8,64]{1,0} convert(%d), metadata={op_name="jit(forward_step)/fp8_scales/convert_element_type"}
+}
+
+ENTRY %main (h: bf16[8,64]) -> f8e4m3fn[8,64] {
+  %h = bf16[8,64]{1,0} parameter(0)
+  %norm_quant = f8e4m3fn[8,64]{1,0} fusion(%h), kind=kLoop, calls=%fused_norm_quant, metadata={op_name="jit(forward_step)/fp8_scales/convert_element_type"}
+  ROOT %amax_quant = f8e4m3fn[8,64]{1,0} fusion(%h), kind=kInput, calls=%fused_amax_quant, metadata={op_name="jit(forward_step)/fp8_scales/convert_element_type"}
+}
+"""
+
+
+def test_a_quantization_fused_into_its_norm_counts_as_the_norm():
+    """XLA roots the RMSNorm (and SiLU) that makes an FP8 GEMM's input in the quantization's
+    convert (H100, 8B chunk step: every such fusion); its norm work is the bf16 step's too, so
+    it counts as other. A fusion whose reduce is the quantization's own (a per-token amax)
+    stays FP8 scales."""
+    cats = _profile.hlo_categories(_HLO_QUANT_FUSIONS)
+    assert cats["norm_quant"] == _profile.OTHER
+    assert cats["amax_quant"] == _profile.FP8_SCALES
+
+
 def test_step_breakdown_of_a_made_up_gpu_trace(tmp_path):
     """The GPU branch of the trace parser on a hand-made perfetto trace: a step program before
     the window (dropped: the window is aligned from the end), a decode and a mixed step, and a
