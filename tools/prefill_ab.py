@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A/B timing of our ragged prefill (with ``--fp8`` also over fp8 K/V; with ``--decode``, paged
-decode in bf16 and fp8)
-across builds of jax_kvcm, alternated in one run.
+decode in bf16 and fp8; with ``--write``, write_kv into bf16 and fp8 caches) across builds of
+jax_kvcm, alternated in one run.
 
 A kernel change is judged against the build it changes, on the same GPU in the same minutes:
 each build (a ``pip install --target DIR .`` of one source tree) is timed in its own process, in
@@ -75,6 +75,64 @@ def time_decode(quick: bool, repeats: int, cases: list[str] | None = None) -> di
             tm = _timing.time_jax(f, [(q, kc, vc, table, lens)], repeats=repeats)
             out[f"decode {kind} B={b} S={s}"] = {"ms": tm["ms"], "check": checked["text"]}
         del k_cache, v_cache, k8, v8, kd, vd
+    return out
+
+
+# write_kv cases: tokens per call (a decode step's rows, trtllm-bench's, a prompt chunk), written
+# into an 8B-shaped pool (32 layers, 8 kv heads of 128, pages of 16) once per layer, as a step does.
+WRITE_TOKENS, QUICK_WRITE_TOKENS = (128, 459, 2048), (5, 40)
+WRITE_LAYERS = 32
+
+
+def time_write(quick: bool, repeats: int, cases: list[str] | None = None) -> dict[str, dict]:
+    """write_kv of T bf16 tokens into bf16 and fp8 caches: one program writes every layer (the
+    caches donated, so written in place), checked bit for bit against the reference's writes
+    first: {"write KIND T=...": {"ms" (per layer), "check"}}."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_kvcm
+    from benchmarks.harness import attention_cases as A
+    from benchmarks.harness import timing as _timing
+    from jax_kvcm.ops import reference
+
+    hkv, d, page = A.NUM_KV_HEADS, A.HEAD_DIM, A.PAGE
+    layers = 2 if quick else WRITE_LAYERS
+    out: dict[str, dict] = {}
+    for i, t in enumerate(QUICK_WRITE_TOKENS if quick else WRITE_TOKENS):
+        kinds = [k for k in ("bf16", "fp8") if wanted(f"write {k} T={t}", cases)]
+        rng = np.random.default_rng(300 + i)
+        pages = 2 * -(-t // page) + 1
+        slots = jnp.asarray(page + rng.permutation((pages - 1) * page)[:t], jnp.int32)
+        k, v = (jnp.asarray(rng.standard_normal((t, hkv, d)) * 2, A.DTYPE) for _ in range(2))
+        scale = jnp.asarray(rng.uniform(0.5, 2.0, (layers, hkv)), jnp.float32)
+        for kind in kinds:
+            dtype = jnp.float8_e4m3fn if kind == "fp8" else A.DTYPE
+            extra = dict(k_scale=scale, v_scale=scale) if kind == "fp8" else {}
+
+            def write_all(kc, vc, k, v, slots, write, extra=extra):
+                for li in range(layers):
+                    kc, vc = write(kc, vc, k, v, slots, layer=jnp.int32(li), **extra)
+                return kc, vc
+
+            zeros = lambda: jnp.zeros((layers, pages, page, hkv, d), dtype)  # noqa: E731
+            ours = jax.jit(lambda *a: write_all(*a, jax_kvcm.write_kv), donate_argnums=(0, 1))
+            want = jax.jit(lambda *a: write_all(*a, reference.write_kv))(zeros(), zeros(), k, v,
+                                                                          slots)
+            state = list(ours(zeros(), zeros(), k, v, slots))
+            same = all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+                       for g, w in zip(state, want))
+            del want
+
+            def step():
+                state[:] = ours(state[0], state[1], k, v, slots)
+                jax.block_until_ready(state)
+
+            ms = _timing.time_blocking(step, repeats) * 1e3 / layers
+            out[f"write {kind} T={t}"] = {"ms": ms, "check": "ok (bit-exact)" if same
+                                          else "FAILED: not the reference's bytes"}
+            state.clear()   # the pools, before the next case allocates its own
     return out
 
 
@@ -154,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the prefill shapes over fp8 K/V caches (one power-of-two scale)")
     p.add_argument("--decode", action="store_true",
                    help="also paged decode at bench_attention's five shapes, bf16 and fp8")
+    p.add_argument("--write", action="store_true",
+                   help="also write_kv of 128 / 459 / 2,048 tokens into bf16 and fp8 caches "
+                        "(ms per layer; cases 'write bf16 T=459', ...)")
     p.add_argument("--cases", nargs="+", metavar="TEXT",
                    help="only the cases whose name holds one of these (the names as printed, "
                         "e.g. 'decode bf16 B=256 S=256' or 'S=256')")
@@ -168,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         res = time_build(a.quick, a.repeats, a.fp8, a.cases)
         if a.decode:
             res.update(time_decode(a.quick, a.repeats, a.cases))
+        if a.write:
+            res.update(time_write(a.quick, a.repeats, a.cases))
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     if not a.sites:
@@ -183,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
             cmd = [sys.executable, "-m", "tools.prefill_ab", "--child", "--repeats", str(a.repeats)]
             flags = ((["--quick"] if a.quick else []) + (["--fp8"] if a.fp8 else []) +
-                     (["--decode"] if a.decode else []) +
+                     (["--decode"] if a.decode else []) + (["--write"] if a.write else []) +
                      (["--cases", *a.cases] if a.cases else []))
             try:
                 proc = subprocess.run(cmd + flags, env=env, cwd=site,

@@ -51,3 +51,15 @@ def test_cases_keep_only_the_named_shapes():
     timed = [part.rsplit(" ", 4)[0] for part in line.split(": ", 1)[1].split("), ")]
     assert timed == ["fp8 B=1 S=128", f"decode bf16 B={b} S={s}"], line
     assert line.count("(ok ") == 2, line
+
+
+def test_write_cases_are_timed_after_a_bit_exact_check():
+    """--write times write_kv (bf16 and fp8 caches) per layer of one program that writes every
+    layer, each first compared byte for byte with the reference's writes."""
+    site = str(Path(jax_kvcm.__file__).resolve().parents[1])
+    r = run(site, "--quick", "--write", "--rounds", "1", "--repeats", "1", "--cases", "write")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("round 1 ")]
+    timed = [part.rsplit(" ", 4)[0] for part in line.split(": ", 1)[1].split("), ")]
+    assert timed == ["write bf16 T=5", "write fp8 T=5", "write bf16 T=40", "write fp8 T=40"], line
+    assert line.count("(ok (bit-exact)") == 4, line
