@@ -16,6 +16,9 @@ weights drawn on the device):
   (``ragged_paged_attention``);
 - mixed: ``forward_step`` over both in one ragged batch (B single-token rows, then the chunk).
 
+Compiled with the serving runner's XLA options (``examples/llama/step.step_xla_options``: with
+FP8 weights, XLA's Triton GEMM fusions off), so each step is the one the runner executes.
+
 Each is checked first: the mixed step's logits of the decode rows against the decode step's, and
 of the chunk against the chunk step's (the same pool, tokens and positions: only the batching
 differs), relative L2 at most ``TOLERANCE``. Then each is timed (median of ``--repeats`` calls,
@@ -52,6 +55,7 @@ from benchmarks.harness.serve_setup import LLAMA_31_8B, TINY  # noqa: E402
 from benchmarks.harness.timing import time_blocking  # noqa: E402
 from examples.llama import fp8_weights  # noqa: E402
 from examples.llama import model as llama  # noqa: E402
+from examples.llama.step import step_xla_options  # noqa: E402
 
 COLUMNS = ("weight GEMMs", "paged attention", "ragged attention", "K/V writes", "FP8 scales",
            "norms/RoPE/other")
@@ -159,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.chunk} after {args.chunk_context}; page {P}")
     steps = {"decode": llama.decode_step, "chunk": llama.forward_step,
              "mixed": llama.forward_step}
+    options = step_xla_options(None, params)   # the runner's (FP8 weights: Triton GEMMs off)
+    if options:
+        steps = {name: jax.jit(fn.__wrapped__, static_argnames=("config", "rings"),
+                               donate_argnames=("k_cache", "v_cache"),
+                               compiler_options=dict(options)) for name, fn in steps.items()}
     results, failed = [], False
     for C in args.chunk:
         inputs, num_pages = step_inputs(B, ctx, C, args.chunk_context, P, c.vocab_size, rng)
