@@ -238,8 +238,12 @@ def test_random_truncations_keep_every_value(hot, tmp_path):
             if op == "add" and len(live) < 5:
                 p = prefixes[int(rng.integers(3))]
                 s = h.add([int(t) for t in p] + [int(t) for t in rng.integers(0, 40, size=2)])
-                live.append(s)
-                h.run([(s, len(h.tokens[s.seq_id]) - s.num_tokens)], as_ids=[True])
+                try:
+                    h.run([(s, len(h.tokens[s.seq_id]) - s.num_tokens)], as_ids=[True])
+                    live.append(s)
+                except OutOfPagesError:   # the device is full of live pages: a refusal
+                    ops["out_of_pages"] += 1
+                    h.mgr.close(s)
             elif op == "step" and active:
                 pick = [s for s in active if s.num_tokens < 56][:3]
                 if pick:
