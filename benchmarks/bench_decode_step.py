@@ -38,8 +38,8 @@ stacked under ``lax.scan``: ``model.stack_layers``) and after (per-layer weight 
 and gate/up), each traced with ``jax.profiler`` (``--repeats`` steps) and its device ops attributed
 to categories through the compiled HLO (``benchmarks/harness/device_profile.py``): weight GEMMs,
 weight copies (instructions that materialize a layer's weight matrix), paged attention, K/V writes,
-FP8 scales (with ``--quantize``: the activation quantization and scale multiplies XLA did not fuse
-into a GEMM), norms/RoPE/other, and host gaps (the step's wall time less the device ops' time). Printed as one
+FP8 scales (with ``--quantize``: kernels of the activation quantization and scale multiplies
+alone; one that also computes a norm or the SiLU counts as other), norms/RoPE/other, and host gaps (the step's wall time less the device ops' time). Printed as one
 table, before and after side by side; ``weight_copy_ops`` (the HLO probe) is printed for both
 layouts. Below it, the largest ops left in norms/RoPE/other with the named scopes of what each
 (or, for a fusion, what it fused) was in the JAX program (``top_other`` in the JSON).
