@@ -163,10 +163,8 @@ def main() -> int:
     # --static-input-scales: once more with calibrated static activation scales
     variants = [("paged", llama.decode_step, params)]
     for text in args.xla_option or ():
-        variants.append((f"paged, {text}", jax.jit(
-            llama.decode_step.__wrapped__, static_argnames=("config", "rings"),
-            donate_argnames=("k_cache", "v_cache"), compiler_options=dict(xla_options(text))),
-            params))
+        variants.append((f"paged, {text}",
+                         llama.with_xla_options(llama.decode_step, xla_options(text)), params))
     if args.static_input_scales:
         calibration = rng.integers(0, c.vocab_size, args.static_input_scales).tolist()
         variants.append(("paged, static input scales", llama.decode_step,

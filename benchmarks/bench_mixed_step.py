@@ -164,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"decode": llama.decode_step, "chunk": llama.forward_step,
              "mixed": llama.forward_step}
     options = step_xla_options(None, params)   # the runner's (FP8 weights: Triton GEMMs off)
-    if options:
-        steps = {name: jax.jit(fn.__wrapped__, static_argnames=("config", "rings"),
-                               donate_argnames=("k_cache", "v_cache"),
-                               compiler_options=dict(options)) for name, fn in steps.items()}
+    steps = {name: llama.with_xla_options(fn, options) for name, fn in steps.items()}
     results, failed = [], False
     for C in args.chunk:
         inputs, num_pages = step_inputs(B, ctx, C, args.chunk_context, P, c.vocab_size, rng)

@@ -82,7 +82,7 @@ from . import fp8_weights
 from .config import LlamaConfig
 
 __all__ = ["LlamaConfig", "init_params", "init_scales", "make_caches", "kv_scales", "forward_step",
-           "decode_step", "bind", "rope_inv_freq", "param_shapes", "sample_tokens",
+           "decode_step", "with_xla_options", "bind", "rope_inv_freq", "param_shapes", "sample_tokens",
            "greedy_tokens", "stack_layers"]
 
 
@@ -381,8 +381,11 @@ def _logits(params, config: LlamaConfig, h):
     return out.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rings"),
-                   donate_argnames=("k_cache", "v_cache"))
+# forward_step's and decode_step's jit arguments (the caches donated: updated in place).
+_STEP_JIT = dict(static_argnames=("config", "rings"), donate_argnames=("k_cache", "v_cache"))
+
+
+@functools.partial(jax.jit, **_STEP_JIT)
 def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens,
                  query_start, logits_index=None, *, config: LlamaConfig,
                  rings: tuple[int, ...] | None = None):
@@ -415,8 +418,7 @@ def forward_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page
     return _logits(params, config, h[logits_index]), k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rings"),
-                   donate_argnames=("k_cache", "v_cache"))
+@functools.partial(jax.jit, **_STEP_JIT)
 def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_table, seq_lens,
                 cascade=None, *, config: LlamaConfig, rings: tuple[int, ...] | None = None):
     """Pure decode: one new token per sequence (``tokens [B]`` at ``positions = seq_lens - 1``),
@@ -438,6 +440,15 @@ def decode_step(params, k_cache, v_cache, tokens, positions, slot_mapping, page_
         _paged(config, slot_mapping, page_table, rings, attend,
                kv_scales(params, config, k_cache)))
     return _logits(params, config, h), k_cache, v_cache
+
+
+def with_xla_options(step, xla_options: tuple[tuple[str, Any], ...]):
+    """``step`` (:func:`forward_step` or :func:`decode_step`) jitted again with these XLA
+    compiler options (e.g. ``examples.llama.step.FP8_WEIGHTS_XLA_OPTIONS``); ``step`` itself
+    when there are none."""
+    if not xla_options:
+        return step
+    return jax.jit(step.__wrapped__, **_STEP_JIT, compiler_options=dict(xla_options))
 
 
 def bind(config: LlamaConfig):
