@@ -245,10 +245,14 @@ _PRODUCER_WORK = ("reduce", "rsqrt", "sqrt", "logistic", "exponential", "tanh", 
                   "cosine")
 
 
-def _is_producer_work(line: str, op: str) -> bool:
+def _in_scope(line: str, scope: str) -> bool:
+    """Whether an HLO line's op_name lies under ``jax.named_scope(scope)``."""
     op_name = re.search(r'op_name="([^"]*)"', line)
-    return op in _PRODUCER_WORK and not (
-        op_name and re.search(r"(^|/)fp8_scales(/|$)", op_name.group(1)))
+    return bool(op_name and re.search(rf"(^|/){scope}(/|$)", op_name.group(1)))
+
+
+def _is_producer_work(line: str, op: str) -> bool:
+    return op in _PRODUCER_WORK and not _in_scope(line, "fp8_scales")
 
 
 def _first_operand(line: str) -> str | None:
@@ -275,7 +279,6 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
         name, op = m.groups()
         target = _call_target(line).lower()
         calls = re.search(r"calls=%?([\w.-]+)", line)
-        op_name = re.search(r'op_name="([^"]*)"', line)
         if op in _CONTAINERS:
             cat = SKIP
         elif is_collective_op(op) or (op in _ASYNC_WRAPPERS and calls
@@ -295,9 +298,9 @@ def hlo_categories(hlo_text: str, params=None) -> dict[str, str]:
         elif _is_gemm_line(line, op) or (op == "fusion" and calls
                                          and calls.group(1) in gemm_comps):
             cat = "weight GEMMs"
-        elif op_name and re.search(r"(^|/)sampling(/|$)", op_name.group(1)):
+        elif _in_scope(line, "sampling"):
             cat = "sampling"
-        elif op_name and re.search(r"(^|/)fp8_scales(/|$)", op_name.group(1)):
+        elif _in_scope(line, "fp8_scales"):
             cat = OTHER if calls and calls.group(1) in producer_comps else FP8_SCALES
         else:
             cat = OTHER
