@@ -18,6 +18,8 @@ WRITE_CASES = [
     ("p128-d64-h4", None, 3, 128, 4, 64, 130),
     ("layers3-p16-d64-h2", 3, 6, 16, 2, 64, 37),
     ("layers2-p64-d128-h1", 2, 3, 64, 1, 128, 70),
+    ("p8-d4-h1", None, 4, 8, 1, 4, 20),     # 8- or 16-byte rows: the CUDA kernel's 2-byte copies
+    ("p8-d12-h3", None, 4, 8, 3, 12, 21),
 ]
 
 
