@@ -1,9 +1,9 @@
 // CUDA write_kv: one thread per vector of a token's destination row, K's vectors then V's, so a
-// decode step's few hundred tokens still spread over the whole GPU. 16-bit caches copy 16-byte
-// vectors (2-byte elements where a row is not a multiple of 16 bytes or a buffer is not 16-byte
-// aligned); an fp8 cache quantizes 16 elements per thread into one 16-byte store (one where the
-// head dim is not a multiple of 16): saturate(x / scale[layer, kv head]), rounded to nearest even
-// (cvt.rn.satfinite: +-448, NaN kept), with an IEEE division like the CPU handler.
+// decode step's few hundred tokens still spread over the whole GPU. Caches of the inputs' dtype
+// copy 16-byte vectors (2-byte pieces where a row is not a multiple of 16 bytes or a buffer is
+// not 16-byte aligned); an fp8 cache quantizes 16 elements per thread into one 16-byte store (one
+// where the head dim is not a multiple of 16): saturate(x / scale[layer, kv head]), rounded to
+// nearest even (cvt.rn.satfinite: +-448, NaN kept), with an IEEE division like the CPU handler.
 // (One warp per token with byte stores, before, took 37 us a layer for a 2,048-token chunk on an
 // H100: 0.3 TB/s.)
 #include <cstdint>
@@ -51,7 +51,7 @@ __device__ __forceinline__ bool TaskOf(int64_t vecs_per_row, int64_t num_tokens,
   return true;
 }
 
-// 16-bit caches: copies vectors of V (uint4, or uint16_t); rows are whole vectors.
+// Caches of the inputs' dtype: copies vectors of V (uint4, or uint16_t); rows are whole vectors.
 // validate_only: check the indices and raise error bits, write nothing (checked mode, pass 1).
 template <typename V>
 __global__ void WriteKvKernel(char* __restrict__ k_cache, char* __restrict__ v_cache,
