@@ -1,11 +1,13 @@
-// CUDA write_kv: one thread per vector of a token's destination row, K's vectors then V's, so a
-// decode step's few hundred tokens still spread over the whole GPU. Caches of the inputs' dtype
-// copy 16-byte vectors (2-byte pieces where a row is not a multiple of 16 bytes or a buffer is
-// not 16-byte aligned); an fp8 cache quantizes 16 elements per thread into one 16-byte store (one
-// where the head dim is not a multiple of 16): saturate(x / scale[layer, kv head]), rounded to
+// CUDA write_kv. Caches of the inputs' dtype: one warp per token copies its K and V rows in
+// 16-byte vectors (2-byte pieces where a row is not a multiple of 16 bytes or a buffer is not
+// 16-byte aligned). An fp8 cache: one thread per 16 elements of a token's K or V row (K's then
+// V's), quantized into one 16-byte store (one element a thread where the head dim is not a
+// multiple of 16 or an address not aligned): saturate(x / scale[layer, kv head]), rounded to
 // nearest even (cvt.rn.satfinite: +-448, NaN kept), with an IEEE division like the CPU handler.
-// (One warp per token with byte stores, before, took 37 us a layer for a 2,048-token chunk on an
-// H100: 0.3 TB/s.)
+// Measured on an H100 (tools/prefill_ab.py --write, 8B-shaped caches): the fp8 kernel takes half
+// the time of one warp per token with byte stores (13.9 against 27.4 us a layer at 2,048 tokens),
+// while the copy kernel in one thread per vector was 2-10% slower than one warp per token, so
+// the copy keeps the warp.
 #include <cstdint>
 
 #include "kvcm/cuda/common.cuh"
@@ -35,8 +37,32 @@ __device__ __forceinline__ int64_t DestRow(const CacheShape& c, const int32_t* s
   return li * c.layer_stride + page * c.page_stride + offset * c.token_stride();
 }
 
-// Thread t's token, whether it writes V (else K), and the index of its vector within the row;
-// false past the last token.
+// Caches of the inputs' dtype: one warp per token, lanes striding its row in vectors of V (uint4,
+// or uint16_t).
+// validate_only: check the indices and raise error bits, write nothing (checked mode, pass 1).
+template <typename V>
+__global__ void WriteKvKernel(char* __restrict__ k_cache, char* __restrict__ v_cache,
+                              const char* __restrict__ k, const char* __restrict__ v,
+                              const int32_t* __restrict__ slot_mapping,
+                              const int32_t* __restrict__ layer, int64_t num_tokens,
+                              CacheShape c, int64_t elem_bytes, uint32_t* error_word,
+                              bool validate_only) {
+  const int64_t token = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (token >= num_tokens) return;
+  const int64_t row = DestRow(c, slot_mapping, layer, token, lane == 0, error_word);
+  if (row < 0 || validate_only) return;
+  const int64_t row_bytes = c.token_stride() * elem_bytes;
+  const int64_t dst = row * elem_bytes, src = token * row_bytes;
+  constexpr int64_t kStep = 32 * int64_t(sizeof(V));
+  for (int64_t i = lane * int64_t(sizeof(V)); i < row_bytes; i += kStep) {
+    *reinterpret_cast<V*>(k_cache + dst + i) = *reinterpret_cast<const V*>(k + src + i);
+    *reinterpret_cast<V*>(v_cache + dst + i) = *reinterpret_cast<const V*>(v + src + i);
+  }
+}
+
+// The fp8 kernel's thread t: its token, whether it writes V (else K), and the index of its vector
+// within the row; false past the last token.
 struct VecTask {
   int64_t token, vec;
   bool is_v;
@@ -51,27 +77,7 @@ __device__ __forceinline__ bool TaskOf(int64_t vecs_per_row, int64_t num_tokens,
   return true;
 }
 
-// Caches of the inputs' dtype: copies vectors of V (uint4, or uint16_t); rows are whole vectors.
-// validate_only: check the indices and raise error bits, write nothing (checked mode, pass 1).
-template <typename V>
-__global__ void WriteKvKernel(char* __restrict__ k_cache, char* __restrict__ v_cache,
-                              const char* __restrict__ k, const char* __restrict__ v,
-                              const int32_t* __restrict__ slot_mapping,
-                              const int32_t* __restrict__ layer, int64_t num_tokens,
-                              CacheShape c, int64_t elem_bytes, uint32_t* error_word,
-                              bool validate_only) {
-  const int64_t row_bytes = c.token_stride() * elem_bytes;
-  VecTask task;
-  if (!TaskOf(row_bytes / int64_t(sizeof(V)), num_tokens, task)) return;
-  const int64_t row = DestRow(c, slot_mapping, layer, task.token, task.vec == 0 && !task.is_v,
-                              error_word);
-  if (row < 0 || validate_only) return;
-  const int64_t off = task.vec * int64_t(sizeof(V));
-  *reinterpret_cast<V*>((task.is_v ? v_cache : k_cache) + row * elem_bytes + off) =
-      *reinterpret_cast<const V*>((task.is_v ? v : k) + task.token * row_bytes + off);
-}
-
-// Same tasks for a float8_e4m3fn cache, kElems elements of source dtype T a thread (16: one
+// A float8_e4m3fn cache: TaskOf's tasks, kElems elements of source dtype T a thread (16: one
 // 16-byte store; the host picks 1 where the head dim or an address does not allow 16).
 template <typename T, int kElems>
 __global__ void WriteKvFp8Kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict__ v_cache,
@@ -111,7 +117,7 @@ __global__ void WriteKvFp8Kernel(uint8_t* __restrict__ k_cache, uint8_t* __restr
 
 bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVecBytes == 0; }
 
-// Blocks of kThreads for one thread per vector of every token's K and V rows.
+// Blocks of kThreads: the fp8 kernel's one thread per vector of every token's K and V rows.
 constexpr int kThreads = 256;
 int64_t BlocksFor(int64_t num_tokens, int64_t vecs_per_row) {
   return (num_tokens * 2 * vecs_per_row + kThreads - 1) / kThreads;
@@ -160,8 +166,8 @@ ffi::Error WriteKvCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::Any
         default: return launch_fp8(__half{}, validate_only);
       }
     }
-    auto run = [&](auto kernel, int64_t vec_bytes) {
-      kernel<<<BlocksFor(num_tokens, row_elems * elem / vec_bytes), kThreads, 0, stream>>>(
+    auto run = [&](auto kernel) {
+      kernel<<<(num_tokens * 32 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
           static_cast<char*>(k_out->untyped_data()), static_cast<char*>(v_out->untyped_data()),
           static_cast<const char*>(k.untyped_data()), static_cast<const char*>(v.untyped_data()),
           static_cast<const int32_t*>(slot_mapping.untyped_data()),
@@ -169,9 +175,9 @@ ffi::Error WriteKvCudaImpl(cudaStream_t stream, ffi::AnyBuffer k_cache, ffi::Any
           validate_only);
     };
     if (aligned && (row_elems * elem) % kVecBytes == 0)
-      run(WriteKvKernel<uint4>, kVecBytes);
+      run(WriteKvKernel<uint4>);
     else
-      run(WriteKvKernel<uint16_t>, 2);  // 2-byte elements at least
+      run(WriteKvKernel<uint16_t>);  // 2-byte elements at least
   };
   if (checked) {  // validate first so that a refused call writes nothing
     launch(true);
