@@ -4,10 +4,10 @@
 // V's), quantized into one 16-byte store (one element a thread where the head dim is not a
 // multiple of 16 or an address not aligned): saturate(x / scale[layer, kv head]), rounded to
 // nearest even (cvt.rn.satfinite: +-448, NaN kept), with an IEEE division like the CPU handler.
-// Measured on an H100 (tools/prefill_ab.py --write, 8B-shaped caches): the fp8 kernel takes half
-// the time of one warp per token with byte stores (13.9 against 27.4 us a layer at 2,048 tokens),
-// while the copy kernel in one thread per vector was 2-10% slower than one warp per token, so
-// the copy keeps the warp.
+// Measured on H100s (tools/prefill_ab.py --write, 8B-shaped caches): the fp8 kernel takes 0.16-0.56x
+// the time of one warp per token with byte stores; a copy kernel of one thread per vector measured
+// no faster than the warp (within the +-20% the bf16 write varies between runs), so the copy
+// keeps the warp.
 #include <cstdint>
 
 #include "kvcm/cuda/common.cuh"
