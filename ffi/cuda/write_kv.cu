@@ -77,6 +77,12 @@ __device__ __forceinline__ bool TaskOf(int64_t vecs_per_row, int64_t num_tokens,
   return true;
 }
 
+// x / scale in float8_e4m3fn's bits.
+template <typename T>
+__device__ __forceinline__ uint8_t Quantize(T x, float scale) {
+  return DTypeTraits<__nv_fp8_e4m3>::from_float(DTypeTraits<T>::to_float(x) / scale).__x;
+}
+
 // A float8_e4m3fn cache: TaskOf's tasks, kElems elements of source dtype T a thread (16: one
 // 16-byte store; the host picks 1 where the head dim or an address does not allow 16).
 template <typename T, int kElems>
@@ -99,8 +105,7 @@ __global__ void WriteKvFp8Kernel(uint8_t* __restrict__ k_cache, uint8_t* __restr
   const T* src = (task.is_v ? v : k) + task.token * row_elems + e;
   uint8_t* out = (task.is_v ? v_cache : k_cache) + dst + e;
   if constexpr (kElems == 1) {
-    *out = __nv_cvt_float_to_fp8(DTypeTraits<T>::to_float(*src) / scale, __NV_SATFINITE,
-                                 __NV_E4M3);
+    *out = Quantize(*src, scale);
   } else {
     alignas(kVecBytes) T x[kElems];
 #pragma unroll
@@ -109,8 +114,7 @@ __global__ void WriteKvFp8Kernel(uint8_t* __restrict__ k_cache, uint8_t* __restr
     alignas(kVecBytes) uint8_t q[kElems];
 #pragma unroll
     for (int j = 0; j < kElems; ++j)
-      q[j] = __nv_cvt_float_to_fp8(DTypeTraits<T>::to_float(x[j]) / scale, __NV_SATFINITE,
-                                   __NV_E4M3);
+      q[j] = Quantize(x[j], scale);
     *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(q);
   }
 }
