@@ -35,7 +35,8 @@ OLD_LOG = "8f839df"                     # the last commit with the session-by-se
 
 def load_results(directory: Path = RESULTS_DIR) -> dict[str, dict[str, Any]]:
     """``{file name: its JSON}``, sorted by name (date first); ValueError naming the file and
-    the key when a required key is missing (``commit``, or a ``commit_note`` saying why not)."""
+    the key when a required key is missing (``commit``, or a ``commit_note`` saying why not) or
+    ``notes`` is not one string."""
     out = {}
     for path in sorted(directory.glob("*.json")):
         d = json.loads(path.read_text())
@@ -44,6 +45,9 @@ def load_results(directory: Path = RESULTS_DIR) -> dict[str, dict[str, Any]]:
             missing.append("commit (or commit: null with a commit_note)")
         if missing:
             raise ValueError(f"{path.name}: missing {', '.join(missing)}")
+        if not isinstance(d.get("notes", ""), str):  # RESULTS.md prints it as one paragraph
+            raise ValueError(f"{path.name}: notes must be one string, not "
+                             f"{type(d['notes']).__name__}")
         out[path.name] = d
     return out
 

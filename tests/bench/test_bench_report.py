@@ -26,6 +26,16 @@ def test_every_result_file_names_its_run():
         assert d["rows"] and d["command"] and d["reproduce"] and d["machine"], name
 
 
+@pytest.mark.parametrize("bad", [{"notes": ["a", "b"]}, {"title": None, "rows": None}])
+def test_a_malformed_result_file_is_refused_by_name(tmp_path, bad):
+    """A list of notes would print as a Python list in RESULTS.md; a missing key is named."""
+    good = json.loads(next(report.RESULTS_DIR.glob("*.json")).read_text())
+    bad_file = {k: v for k, v in {**good, **bad}.items() if v is not None}
+    (tmp_path / "2026-01-01_bad.json").write_text(json.dumps(bad_file))
+    with pytest.raises(ValueError, match=r"2026-01-01_bad\.json: (notes|missing title, rows)"):
+        report.load_results(tmp_path)
+
+
 def test_results_md_is_generated_from_the_files():
     assert report.main(["--check"]) == 0, "run: python -m benchmarks.report"
     text = report.RESULTS_MD.read_text()
