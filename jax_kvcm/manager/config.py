@@ -14,7 +14,7 @@ import numpy as np
 
 from jax_kvcm._pool_ratios import (split_device_budget, weights_from_ratio,
                                    weights_from_typical_batch)
-from jax_kvcm._step_batch import default_buckets
+from jax_kvcm._step_batch import StepBatch, default_buckets
 from jax_kvcm._types import LayerGroupLayout, PoolGroupIndex, check_count, hot_page_bytes
 from jax_kvcm._window_group import ring_width, window_peak_pages
 from jax_kvcm.hot.arena.geometry import ArenaGeometry
@@ -420,6 +420,24 @@ class KVCacheConfig:
         return tuple(ring_width(self.kept_window(g), self.tokens_per_page, self.max_window_chunk,
                                 P) if g.sliding_window and self.ring_tables else P
                      for g in self.layer_groups)
+
+    def padding_batch(self, batch_bucket: int, token_bucket: int) -> StepBatch:
+        """An all-padding :class:`StepBatch` of ``batch_bucket`` rows and ``token_bucket``
+        tokens (both among this config's buckets): no sequence (page ids 0, lengths 0, query
+        starts 0, slots -1, positions 0), in the shapes and dtypes ``prepare_step`` gives in
+        those buckets, so a jitted step can be compiled ahead of serving:
+        ``step.lower(..., config.padding_batch(b, t), ...).compile()``. Fresh writable arrays."""
+        for name, value, buckets in (("batch_bucket", batch_bucket, self.batch_buckets),
+                                     ("token_bucket", token_bucket, self.token_buckets)):
+            if value not in buckets:
+                raise ValueError(f"{name} {value!r} is not one of {name}s {buckets}")
+        G, width = len(self.layer_groups), max(self.table_widths)
+        lead = (G,) if G > 1 else ()
+        return StepBatch(page_table=np.zeros(lead + (batch_bucket, width), np.int32),
+                         seq_lens=np.zeros(batch_bucket, np.int32),
+                         query_start=np.zeros(batch_bucket + 1, np.int32),
+                         slot_mapping=np.full(lead + (token_bucket,), -1, np.int32),
+                         positions=np.zeros(token_bucket, np.int32))
 
     def kept_window(self, group: LayerGroupConfig) -> int | None:
         """The tokens a window group keeps behind a sequence's end: its window plus

@@ -305,32 +305,24 @@ class RowTable:
         ``cur[b]`` (their pages already in the tables)."""
         cfg, tpp = self.config, self.tpp
         B, T = counts.size, int(counts.sum())
-        Bb = pick_bucket(cfg.batch_buckets, B)
-        Tb = pick_bucket(cfg.token_buckets, T)
-        qs = np.empty(Bb + 1, np.int32)
-        qs[0] = 0
+        batch = cfg.padding_batch(pick_bucket(cfg.batch_buckets, B),
+                                  pick_bucket(cfg.token_buckets, T))
+        qs = batch.query_start
         np.cumsum(counts, out=qs[1:B + 1])
         qs[B + 1:] = T
         pos = np.arange(T) - np.repeat(qs[:B], counts) + np.repeat(cur, counts)
-        positions = np.zeros(Tb, np.int32)
-        positions[:T] = pos
-        seq_lens = np.zeros(Bb, np.int32)
-        seq_lens[:B] = new_len
+        batch.positions[:T] = pos
+        batch.seq_lens[:B] = new_len
         tok_row = np.repeat(rows, counts)
-        pt = np.zeros((self.num_groups, Bb, self.width), np.int32)
-        sm = np.full((self.num_groups, Tb), -1, np.int32)
+        # [G, B, P] / [G, T] views (one group's arrays have no group axis)
+        pt = batch.page_table.reshape((self.num_groups,) + batch.page_table.shape[-2:])
+        sm = batch.slot_mapping.reshape(self.num_groups, -1)
         pj, off = pos // tpp, pos % tpp
         for kind in self.kinds:
-            if len(self.kinds) == 1:
-                pt[:, :B, :kind.width] = kind.table[:, rows]
-                sm[:, :T] = kind.slots(tok_row, pj) * tpp + off
-            else:
-                pt[kind.sel, :B, :kind.width] = kind.table[:, rows]
-                sm[kind.sel, :T] = kind.slots(tok_row, pj) * tpp + off
-        if self.num_groups == 1:
-            pt, sm = pt[0], sm[0]
-        return StepBatch(page_table=pt, seq_lens=seq_lens, query_start=qs, slot_mapping=sm,
-                         positions=positions)
+            sel = slice(None) if len(self.kinds) == 1 else kind.sel
+            pt[sel, :B, :kind.width] = kind.table[:, rows]
+            sm[sel, :T] = kind.slots(tok_row, pj) * tpp + off
+        return batch
 
     # -- compaction ------------------------------------------------------------------------------
 
