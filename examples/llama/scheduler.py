@@ -21,9 +21,9 @@ from . import model as llama
 from . import tp as tensor_parallel
 from .admission import PromptsInFlight
 from .serve_types import (CODECS, Request, RequestOutput, RequestState, ServeConfig, StepRecord,
-                          kv_cache_config, kv_report)
-from .step import (Dispatched, model_caches, model_step_with, step_inputs, step_kv_config,
-                   step_xla_options)
+                          checked_prompt, kv_cache_config, kv_report)
+from .step import (Dispatched, compile_steps, model_caches, model_step_with, step_inputs,
+                   step_kv_config, step_shapes, step_xla_options)
 
 __all__ = ["Server"]
 
@@ -67,8 +67,9 @@ class Server:
                 config.num_attention_heads, config.num_key_value_heads,
                 kv_dtype=self.manager.caches[0][0].dtype))
         # NOTE: the device step; a test seam (a fault hook wraps it from outside the class).
-        self._model_step = functools.partial(model_step_with(serve.xla_options), config=config,
-                                             rings=rings, mesh=self.mesh)
+        self._step_statics = dict(config=config, rings=rings, mesh=self.mesh)
+        self._model_step = functools.partial(model_step_with(serve.xla_options),
+                                             **self._step_statics)
         self._waiting: collections.deque[RequestState] = collections.deque()
         self._running: list[RequestState] = []
         self._suspended: collections.deque[RequestState] = collections.deque()
@@ -111,7 +112,8 @@ class Server:
     # -- requests ----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> int:
-        prompt = self._checked_prompt(request)
+        prompt = checked_prompt(request, self.config.vocab_size,
+                                self.serve.max_seq_len, self.manager)
         rid = self._next_id
         self._next_id += 1
         self._waiting.append(RequestState(rid, request, prompt, self._eos(request),
@@ -125,7 +127,8 @@ class Server:
         ahead of the waiting requests (its pages are here already) as soon as the batch has
         room. ValueError, the sequence untouched, for a bad request, a sequence that is not the
         prompt's, or a first token that ends the request (nothing left to decode)."""
-        prompt = self._checked_prompt(request)
+        prompt = checked_prompt(request, self.config.vocab_size,
+                                self.serve.max_seq_len, self.manager)
         eos, first = self._eos(request), int(first_token)
         if first in eos or request.max_new_tokens < 2:
             raise ValueError("the first token ends the request: nothing left to decode")
@@ -148,27 +151,6 @@ class Server:
                else request.eos_token_ids)
         return frozenset(int(e) for e in eos)
 
-    def _checked_prompt(self, request: Request) -> list[int]:
-        """The prompt's ids; ValueError for a request that is invalid or can never fit."""
-        prompt = [int(t) for t in request.prompt]
-        if not prompt:
-            raise ValueError("empty prompt")
-        if request.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if not 0.0 < request.top_p <= 1.0 or request.temperature < 0:
-            raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
-        total = len(prompt) + request.max_new_tokens
-        if total > self.serve.max_seq_len:
-            raise ValueError(f"{len(prompt)} prompt + {request.max_new_tokens} new tokens exceed "
-                             f"max_seq_len {self.serve.max_seq_len}")
-        if self.manager.max_num_sequences(total) < 1:
-            raise ValueError(f"a sequence of {total} tokens needs more than the "
-                             f"{self.manager.device_capacity_pages} device pages")
-        return prompt
-
     @property
     def num_running(self) -> int:
         """Requests admitted and not finished (their sequences on the device)."""
@@ -184,6 +166,21 @@ class Server:
         while self.has_work():
             self.step()
         return [self._done[i] for i in ids]
+
+    def precompile(self, sampling: bool = False, progress: bool = False) -> int:
+        """Compiles the device step for every (kind, batch bucket, token bucket) a step can take
+        (:func:`step.step_shapes`): the greedy programs (every step whose rows sample nothing)
+        and, with ``sampling``, those with sampling inputs too, so that serving compiles nothing
+        more. Nothing runs on the device. Returns the number of programs."""
+        shapes = step_shapes(self.kv_config, self.serve.paged_decode)
+        for greedy in (True, False)[:1 + sampling]:
+            compile_steps(model_step_with(self.serve.xla_options), self._step_statics,
+                          self.params, model_caches(self.manager.caches), self._prev_tokens,
+                          self.kv_config, shapes, greedy=greedy,
+                          with_logits=self.serve.record_logits, cascade=self._cascade,
+                          progress=progress)
+            self._shapes |= {("decode" if d else "forward", b, t, greedy) for d, b, t in shapes}
+        return len(shapes) * (1 + sampling)
 
     # -- capacity ----------------------------------------------------------------------------
 

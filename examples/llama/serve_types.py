@@ -17,7 +17,7 @@ from jax_kvcm import ConcatCodec, Int8Codec, KVCacheConfig, LayerGroupConfig
 from .hot_backend import hot_backend_fields
 
 __all__ = ["Request", "RequestOutput", "ServeConfig", "StepRecord", "RequestState", "kv_report",
-           "kv_cache_config", "CODECS", "KV_DTYPES"]
+           "kv_cache_config", "checked_prompt", "CODECS", "KV_DTYPES"]
 
 CODECS = {"concat": ConcatCodec, "int8": Int8Codec}
 # ServeConfig.kv_dtype -> the pools' dtype (None: the model's compute dtype).
@@ -36,6 +36,29 @@ class Request:
     # The sequence stays open when the request finishes: RequestOutput.sequence holds it and the
     # caller closes it (the prefill side of a K/V handoff exports it first).
     keep_sequence: bool = False
+
+
+def checked_prompt(request: Request, vocab_size: int, max_seq_len: int, manager: Any) -> list[int]:
+    """``request``'s prompt ids; ValueError for a request that is invalid or can never fit
+    ``manager``'s device pages (``Server.submit``)."""
+    prompt = [int(t) for t in request.prompt]
+    if not prompt:
+        raise ValueError("empty prompt")
+    if request.max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    if not 0.0 < request.top_p <= 1.0 or request.temperature < 0:
+        raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    total = len(prompt) + request.max_new_tokens
+    if total > max_seq_len:
+        raise ValueError(f"{len(prompt)} prompt + {request.max_new_tokens} new tokens exceed "
+                         f"max_seq_len {max_seq_len}")
+    if manager.max_num_sequences(total) < 1:
+        raise ValueError(f"a sequence of {total} tokens needs more than the "
+                         f"{manager.device_capacity_pages} device pages")
+    return prompt
 
 
 @dataclasses.dataclass

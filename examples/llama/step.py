@@ -4,6 +4,7 @@ requests a step serves."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from typing import Any
@@ -136,6 +137,53 @@ def model_step_with(xla_options: tuple[tuple[str, bool | int | str], ...] = ()):
         return model_step
     return jax.jit(model_step.__wrapped__, static_argnames=_STEP_STATIC,
                    donate_argnames=_STEP_DONATED, compiler_options=dict(xla_options))
+
+
+def step_shapes(kv_config: jax_kvcm.KVCacheConfig,
+                paged_decode: bool) -> list[tuple[bool, int, int]]:
+    """Every ``(decode, batch bucket, token bucket)`` a serving step can take: ``B`` rows
+    (``1 <= B <= max_batch``) and ``T <= max_tokens_per_step`` tokens, ``T = B`` in a decode step
+    (``paged_decode``), ``T >= B`` in any other (``T > B`` with ``paged_decode``)."""
+    bb, tb = kv_config.batch_buckets, kv_config.token_buckets
+    max_b, max_t = kv_config.max_batch, kv_config.max_tokens_per_step
+    shapes = set()
+    if paged_decode:
+        shapes |= {(True, bb[bisect.bisect_left(bb, n)], tb[bisect.bisect_left(tb, n)])
+                   for n in range(1, min(max_b, max_t) + 1)}
+    for i, b in enumerate(bb):
+        least_rows = (bb[i - 1] if i else 0) + 1       # the bucket's fewest rows
+        for j, t in enumerate(tb):
+            most_tokens = min(t, max_t)                 # and the token bucket's most tokens
+            if (least_rows <= max_b and most_tokens > (tb[j - 1] if j else 0)
+                    and most_tokens >= least_rows + paged_decode):
+                shapes.add((False, b, t))
+    return sorted(shapes)
+
+
+def compile_steps(step_fn: Any, statics: dict[str, Any], params: Any, caches: Any,
+                  prev_tokens: jax.Array, kv_config: jax_kvcm.KVCacheConfig,
+                  shapes: list[tuple[bool, int, int]], *, greedy: bool, with_logits: bool,
+                  cascade: tuple[int, int] | None, progress: bool = False) -> None:
+    """Compiles ``step_fn`` (:func:`model_step_with`'s jitted step; ``statics``: its ``config``,
+    ``rings`` and ``mesh``) for each ``(decode, batch bucket, token bucket)`` of ``shapes``, on
+    all-padding inputs (``KVCacheConfig.padding_batch``) with the avals, shardings and static
+    arguments a serving step passes, so jit's cache holds the program when such a step comes.
+    Nothing runs; the pools are not touched. ``cascade``: as :func:`step_inputs`'."""
+    if progress:
+        from tqdm import tqdm   # the llama extra
+        shapes = tqdm(shapes, desc="compiling step programs", unit="program")
+    for decode, Bb, Tb in shapes:
+        batch = kv_config.padding_batch(Bb, Tb)
+        sampling = None if greedy else (np.zeros(Bb, np.float32), np.ones(Bb, np.float32),
+                                        *(np.zeros(Bb, np.int32),) * 3)
+        plan = {}
+        if decode and cascade is not None:
+            plan["cascade"] = jax_kvcm.plan_cascade(batch.page_table, batch.seq_lens,
+                                                    page_size=cascade[0],
+                                                    max_members=cascade[1])
+        step_fn.lower(params, *caches, prev_tokens, np.full(Tb, -1, np.int32),
+                      np.zeros(Tb, np.int32), batch, sampling, decode=decode, greedy=greedy,
+                      with_logits=with_logits, **plan, **statics).compile()
 
 
 def model_caches(caches):
