@@ -116,6 +116,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, help="random-workload output length (default 256)")
     p.add_argument("--shared-requests", type=int, help="shared-prefix requests (default 128)")
     p.add_argument("--shared-concurrency", type=int, help="shared-prefix concurrency (default 64)")
+    p.add_argument("--batch-buckets", type=int, metavar="N",
+                   help="the paged runs' batch buckets: the concurrency and its halves, N of "
+                        "them (c, c/2, c/4, ...; rounded up to 16 with --quantize), every step "
+                        "program compiled before the clock, so a step of fewer rows (ramp-up, "
+                        "tail) computes on its bucket instead of c rows (default 1: c alone)")
     p.add_argument("--step-tokens", type=int,
                    help="paged tokens per step = dense prefill tokens per call (default 4096)")
     p.add_argument("--equal-memory-max-len", type=int,
@@ -229,7 +234,7 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
                        ("input_len", "input_len"), ("output_len", "output_len"),
                        ("shared_requests", "shared_requests"),
                        ("shared_concurrency", "shared_concurrency"),
-                       ("step_tokens", "step_tokens"),
+                       ("step_tokens", "step_tokens"), ("batch_buckets", "batch_buckets"),
                        ("equal_memory_max_len", "equal_memory_max_len")):
         v = getattr(args, arg)
         if v is not None:
@@ -273,6 +278,8 @@ def setup_from_args(args: argparse.Namespace, chunk: int | None = None,
                                 + s.prefill_chunk)
     if args.prefill_chunk is not None and len(set(args.prefill_chunk)) != len(args.prefill_chunk):
         raise SystemExit("--prefill-chunk values must be distinct")
+    if s.batch_buckets < 1:
+        raise SystemExit(f"--batch-buckets must be >= 1, got {s.batch_buckets}")
     if min(s.concurrencies) < 1 or s.input_len < 1 or s.output_len < 1:
         raise SystemExit("concurrency, --input-len and --output-len must be >= 1")
     if s.step_tokens < max(s.concurrencies + (s.shared_concurrency,)):

@@ -33,7 +33,7 @@ def serve_config(setup: Setup, concurrency: int, prefix: bool,
         offload_ahead_pages=(setup.offload_ahead_pages if setup.host_bytes
                              and hot_backend == "paged" else 0),
         max_seq_len=setup.pages_per_seq * setup.page_size, enable_prefix_reuse=prefix,
-        batch_buckets=(concurrency,), token_buckets=(setup.step_tokens,),
+        batch_buckets=setup.batch_buckets_at(concurrency), token_buckets=(setup.step_tokens,),
         record_logits=setup.record_logits, kv_dtype=setup.kv_dtype,
         tensor_parallel=setup.tensor_parallel, record_steps=True,
         cascade=setup.cascade if cascade is None else cascade,
@@ -83,6 +83,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
     t = time.perf_counter()
     warm_compiles = {k: COMPILES[k] for k in ("n", "s")}
     warm = serve.Server(params, setup.model, scfg)
+    warm.precompile(progress=True)   # every (kind, batch, token) bucket's program (greedy)
     warm.generate([serve.Request(prompt=list(range(1, setup.page_size + 2)), max_new_tokens=2,
                                  eos_token_ids=[])])
     warm.manager.shutdown()   # its pools (or reservation), before the timed run's

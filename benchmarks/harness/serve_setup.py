@@ -79,6 +79,10 @@ class Setup:
     shared_runs: tuple[str, ...] = ("on", "warm", "off")
     shared_first: bool = False          # the shared-prefix workload before the random one
     step_tokens: int = 4096             # paged token budget per step = dense prefill group budget
+    # --batch-buckets: the paged runs' batch buckets, the concurrency and its halves (N of them:
+    # c, c/2, c/4, ...), every step program compiled before the clock (Server.precompile), so a
+    # step of fewer rows (the ramp-up, the tail) runs its GEMMs on its bucket, not on c rows
+    batch_buckets: int = 1
     prefill_chunk: int = 4096           # paged prompt tokens per step (ServeConfig field)
     host_bytes: int = 0                 # the paged runs' pinned host tier
     offload_ahead_pages: int = 0        # the paged runs' write-back ahead (0 = off)
@@ -153,6 +157,11 @@ class Setup:
         if self.num_requests is not None:
             return self.num_requests
         return int(round(concurrency * self.requests_factor))
+
+    def batch_buckets_at(self, concurrency: int) -> tuple[int, ...]:
+        """The paged runs' batch buckets at ``concurrency``: ``ceil(c / 2**k)`` for ``k <
+        batch_buckets``, ascending, distinct."""
+        return tuple(sorted({-(-concurrency // 2**k) for k in range(self.batch_buckets)}))
 
     def pool_pages(self, concurrency: int) -> int:
         """Every running request at its longest, plus a page each of slack (a preempted request
