@@ -233,6 +233,7 @@ def run_paged(params: Any, setup: Setup, requests: Sequence[serve.Request], *, c
         pages_per_tier=rep["pages"], pages_offloaded=rep["pages_offloaded"],
         pages_onboarded=rep["pages_onboarded"], host_bytes=setup.host_bytes,
         prefill_chunk_tokens=setup.prefill_chunk, step_tokens=setup.step_tokens,
+        batch_buckets=list(server.kv_config.batch_buckets),
         overlap=scfg.overlap, kv_dtype=rep["kv_dtype"], tensor_parallel=setup.tensor_parallel,
         weights=(setup.quantize or setup.model.dtype)
         + (" static-scales" if setup.quantize and setup.static_input_scales else ""),

@@ -105,6 +105,24 @@ def test_trtllm_bench_presets_and_flags():
     assert page_bytes_per_device(full) == 2 * page_bytes_per_device(s) == 2 << 20
 
 
+def test_batch_buckets_run_compiles_nothing_in_the_clock():
+    """``--batch-buckets 3``: the concurrency and its halves as batch buckets, each bucket's
+    decode and forward program compiled in the warm-up (one token bucket: 6 programs), none in
+    the timed run, and every request served to its length."""
+    out = bench.main(["--workload", "trtllm-bench", "--tiny", "--batch-buckets", "3"])
+    (row,) = out["results"]
+    c = row["concurrency"]
+    assert row["batch_buckets"] == [-(-c // 4), -(-c // 2), c] and c >= 4
+    assert row["compiled_programs"] == 6 and row["compiles_in_timed_region"] == 0
+    assert row["generated_tokens"] == row["requests"] * row["output_len"] and not out["errors"]
+    def setup(*argv):
+        return bench.setup_from_args(bench.parse_args(["--workload", "trtllm-bench", *argv]))
+    assert setup("--batch-buckets", "4").batch_buckets_at(858) == (108, 215, 429, 858)
+    assert setup().batch_buckets_at(858) == (858,)
+    with pytest.raises(SystemExit, match="--batch-buckets must be >= 1"):
+        setup("--batch-buckets", "0")
+
+
 def test_concurrency_counts_at_most_the_largest_free_block(monkeypatch):
     """Each K/V pool is one allocation, so free bytes in pieces do not all hold pools: with the
     allocator reporting a largest free block smaller than the free bytes, the budget is
