@@ -73,7 +73,6 @@ class RowTable:
                     if wins else None)
         self.kinds: list[GroupTables] = [k for k in (self.full, self.win) if k is not None]
         self.widths = np.asarray(config.table_widths, np.int64)
-        self.width = int(self.widths.max())  # StepBatch.page_table's last axis
         self.zeros_g = np.zeros(G, np.int64)
         self._tokens = np.zeros((0, self.pages_per_seq * self.tpp), np.int32)
         self._a = {name: np.zeros(0, np.int64) for name in _ROW_ARRAYS}
