@@ -174,8 +174,7 @@ def compile_steps(step_fn: Any, statics: dict[str, Any], params: Any, caches: An
         shapes = tqdm(shapes, desc="compiling step programs", unit="program")
     for decode, Bb, Tb in shapes:
         batch = kv_config.padding_batch(Bb, Tb)
-        sampling = None if greedy else (np.zeros(Bb, np.float32), np.ones(Bb, np.float32),
-                                        *(np.zeros(Bb, np.int32),) * 3)
+        sampling = None if greedy else padding_sampling(Bb)
         plan = {}
         if decode and cascade is not None:
             plan["cascade"] = jax_kvcm.plan_cascade(batch.page_table, batch.seq_lens,
@@ -220,6 +219,13 @@ class StepInputs:
     cascade: Any = None                # decode steps with ServeConfig.cascade: the CascadeBatch
 
 
+def padding_sampling(batch_bucket: int) -> tuple[np.ndarray, ...]:
+    """A step's sampling inputs with no row sampling: ``(temperature 0, top_p 1, seed, stream,
+    counter 0)``, ``[batch_bucket]`` each (float32, float32, int32 x 3)."""
+    return (np.zeros(batch_bucket, np.float32), np.ones(batch_bucket, np.float32),
+            *(np.zeros(batch_bucket, np.int32) for _ in range(3)))
+
+
 def step_inputs(work: list[tuple[RequestState, int]], batch: Any,
                 paged_decode: bool, cascade: tuple[int, int] | None = None) -> StepInputs:
     """What :func:`model_step` takes for ``work`` (``(request, new tokens)`` per row, in the
@@ -244,20 +250,17 @@ def step_inputs(work: list[tuple[RequestState, int]], batch: Any,
     due = [b for b, ((r, _), n) in enumerate(zip(work, lens))
            if n == len(r.tokens) + r.unread]
     rows = [work[b][0] for b in due]
-    temp = np.zeros(Bb, np.float32)
+    sampling = padding_sampling(Bb)
+    temp, top_p, seed, stream, counter = sampling
     temp[due] = [r.req.temperature for r in rows]
     greedy = not temp.any()
-    sampling = None
-    if not greedy:
-        top_p = np.ones(Bb, np.float32)
-        seed = np.zeros(Bb, np.int32)
-        stream = np.zeros(Bb, np.int32)
-        counter = np.zeros(Bb, np.int32)
+    if greedy:
+        sampling = None
+    else:
         top_p[due] = [r.req.top_p for r in rows]
         seed[due] = [r.req.seed for r in rows]
         stream[due] = [r.rid for r in rows]
         counter[due] = [r.num_generated for r in rows]
-        sampling = (temp, top_p, seed, stream, counter)
     decode = paged_decode and T == B
     plan = None
     if decode and cascade is not None:
