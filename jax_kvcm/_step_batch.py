@@ -48,6 +48,19 @@ class StepBatch:
     slot_mapping: np.ndarray
     positions: np.ndarray
 
+    @classmethod
+    def padding(cls, batch_bucket: int, token_bucket: int, width: int,
+                num_groups: int = 1) -> StepBatch:
+        """All padding: ``[B, P]`` (``[G, B, P]``) page ids 0, lengths and query starts 0,
+        ``[T]`` (``[G, T]``) slots -1, positions 0; fresh writable arrays (``prepare_step``
+        fills its rows into one; ``KVCacheConfig.padding_batch`` checks the buckets)."""
+        lead = (num_groups,) if num_groups > 1 else ()
+        return cls(page_table=np.zeros(lead + (batch_bucket, width), np.int32),
+                   seq_lens=np.zeros(batch_bucket, np.int32),
+                   query_start=np.zeros(batch_bucket + 1, np.int32),
+                   slot_mapping=np.full(lead + (token_bucket,), -1, np.int32),
+                   positions=np.zeros(token_bucket, np.int32))
+
     @property
     def num_seqs(self) -> int:
         """Real (unpadded) rows: the rows with ``seq_lens > 0`` come first."""

@@ -431,13 +431,8 @@ class KVCacheConfig:
                                      ("token_bucket", token_bucket, self.token_buckets)):
             if value not in buckets:
                 raise ValueError(f"{name} {value!r} is not one of {name}s {buckets}")
-        G, width = len(self.layer_groups), max(self.table_widths)
-        lead = (G,) if G > 1 else ()
-        return StepBatch(page_table=np.zeros(lead + (batch_bucket, width), np.int32),
-                         seq_lens=np.zeros(batch_bucket, np.int32),
-                         query_start=np.zeros(batch_bucket + 1, np.int32),
-                         slot_mapping=np.full(lead + (token_bucket,), -1, np.int32),
-                         positions=np.zeros(token_bucket, np.int32))
+        return StepBatch.padding(batch_bucket, token_bucket, max(self.table_widths),
+                                 len(self.layer_groups))
 
     def kept_window(self, group: LayerGroupConfig) -> int | None:
         """The tokens a window group keeps behind a sequence's end: its window plus

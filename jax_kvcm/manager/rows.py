@@ -73,6 +73,7 @@ class RowTable:
                     if wins else None)
         self.kinds: list[GroupTables] = [k for k in (self.full, self.win) if k is not None]
         self.widths = np.asarray(config.table_widths, np.int64)
+        self.width = int(self.widths.max())  # StepBatch.page_table's last axis
         self.zeros_g = np.zeros(G, np.int64)
         self._tokens = np.zeros((0, self.pages_per_seq * self.tpp), np.int32)
         self._a = {name: np.zeros(0, np.int64) for name in _ROW_ARRAYS}
@@ -304,8 +305,8 @@ class RowTable:
         ``cur[b]`` (their pages already in the tables)."""
         cfg, tpp = self.config, self.tpp
         B, T = counts.size, int(counts.sum())
-        batch = cfg.padding_batch(pick_bucket(cfg.batch_buckets, B),
-                                  pick_bucket(cfg.token_buckets, T))
+        batch = StepBatch.padding(pick_bucket(cfg.batch_buckets, B),
+                                  pick_bucket(cfg.token_buckets, T), self.width, self.num_groups)
         qs = batch.query_start
         np.cumsum(counts, out=qs[1:B + 1])
         qs[B + 1:] = T
