@@ -22,8 +22,8 @@ from . import tp as tensor_parallel
 from .admission import PromptsInFlight
 from .serve_types import (CODECS, Request, RequestOutput, RequestState, ServeConfig, StepRecord,
                           checked_prompt, kv_cache_config, kv_report)
-from .step import (Dispatched, compile_steps, model_caches, model_step_with, step_inputs,
-                   step_kv_config, step_shapes, step_xla_options)
+from .step import (Dispatched, compile_steps, model_caches, model_step_with, program_key,
+                   step_inputs, step_kv_config, step_shapes, step_xla_options)
 
 __all__ = ["Server"]
 
@@ -179,7 +179,7 @@ class Server:
                           self.kv_config, shapes, greedy=greedy,
                           with_logits=self.serve.record_logits, cascade=self._cascade,
                           progress=progress)
-            self._shapes |= {("decode" if d else "forward", b, t, greedy) for d, b, t in shapes}
+            self._shapes |= {program_key(d, b, t, greedy) for d, b, t in shapes}
         return len(shapes) * (1 + sampling)
 
     # -- capacity ----------------------------------------------------------------------------
@@ -385,7 +385,7 @@ class Server:
         Bb, Tb = batch.seq_lens.shape[0], batch.positions.shape[0]
         T = sum(n for _, n in work)
         with_logits = self.serve.record_logits
-        shape = ("decode" if decode else "forward", Bb, Tb, greedy)
+        shape = program_key(decode, Bb, Tb, greedy)
         new_program = shape not in self._shapes
         self._shapes.add(shape)
         k, v = model_caches(self.manager.caches)

@@ -160,6 +160,12 @@ def step_shapes(kv_config: jax_kvcm.KVCacheConfig,
     return sorted(shapes)
 
 
+def program_key(decode: bool, batch_bucket: int, token_bucket: int, greedy: bool) -> tuple:
+    """The compiled step program a step runs: ``(kind, batch bucket, token bucket, greedy)``,
+    kind "decode" or "forward" (``Server.report``'s ``compiled_shapes``)."""
+    return ("decode" if decode else "forward", batch_bucket, token_bucket, greedy)
+
+
 def compile_steps(step_fn: Any, statics: dict[str, Any], params: Any, caches: Any,
                   prev_tokens: jax.Array, kv_config: jax_kvcm.KVCacheConfig,
                   shapes: list[tuple[bool, int, int]], *, greedy: bool, with_logits: bool,
